@@ -1,0 +1,44 @@
+"""EngineConfig: one frozen config for the engine, validated once, passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import ConfigError
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "gemma-3-270m"
+    dtype: str = "auto"                      # auto -> bfloat16; "float32", "bfloat16", "float16"
+    device: str = "auto"                     # auto -> cuda if available else cpu
+    block_size: int = 16
+    kv_cache_memory: int | None = None       # bytes for the KV pool; None -> default (CPU) / fraction (CUDA)
+    gpu_memory_utilization: float = 0.85     # CUDA: fraction of free memory for the KV pool when no bytes given
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests, tuning); wins over bytes
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None         # None -> the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"          # auto | torch | flash_attn
+    seed: int = 0
+    num_threads: int | None = None           # CPU: torch threads; None -> leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "flash_attn"):
+            raise ConfigError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError("num_gpu_blocks_override must be >= 1")
