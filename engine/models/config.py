@@ -124,7 +124,7 @@ class ModelConfig:
             num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=head_dim,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=_rope_theta(cfg, "full_attention", 10000.0),
             rope_scaling=_rope_scaling(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
@@ -141,7 +141,7 @@ class ModelConfig:
             return cls(**common, qk_norm=True, norm_offset=1.0, embed_scale=math.sqrt(hidden), sandwich_norm=True,
                        attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
                        sliding_window=int(window) if window else None, layer_types=tuple(layer_types),
-                       rope_local_theta=float(cfg.get("rope_local_base_freq", 10000.0)),
+                       rope_local_theta=_rope_theta(cfg, "sliding_attention", 10000.0),
                        final_logit_softcapping=cfg.get("final_logit_softcapping"),
                        attn_logit_softcapping=cfg.get("attn_logit_softcapping"))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
@@ -164,8 +164,28 @@ class ModelConfig:
             raise ModelLoadError(f"{p}: invalid JSON ({e})") from None
 
 
+def _rope_params(cfg: dict[str, Any], layer_type: str) -> dict:
+    """RoPE parameters of one layer type, from transformers>=5 ``rope_parameters`` (flat or per layer type)
+    or the older ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` keys."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and rp:
+        if layer_type in rp or "full_attention" in rp:
+            return dict(rp.get(layer_type) or rp.get("full_attention") or {})
+        return dict(rp)
+    out = dict(cfg.get("rope_scaling") or {})
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+        return {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    if "rope_theta" in cfg:
+        out["rope_theta"] = cfg["rope_theta"]
+    return out
+
+
+def _rope_theta(cfg: dict[str, Any], layer_type: str, default: float) -> float:
+    return float(_rope_params(cfg, layer_type).get("rope_theta", default))
+
+
 def _rope_scaling(cfg: dict[str, Any]) -> dict | None:
-    rs = cfg.get("rope_scaling")
+    rs = {k: v for k, v in _rope_params(cfg, "full_attention").items() if k != "rope_theta"}
     if not rs:
         return None
     rs = dict(rs)

@@ -1,0 +1,5 @@
+"""Attention backends over the paged KV cache, and the metadata that describes a flat varlen batch."""
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.selector import get_backend
+
+__all__ = ["AttentionMetadata", "get_backend"]

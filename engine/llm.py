@@ -1,0 +1,260 @@
+"""LLM: the engine's door (vLLM's offline API names).
+
+    llm = LLM(model="gemma-3-270m", dtype="auto", **engine_args)   # engine_args: EngineConfig fields
+    outs = llm.generate(prompts, SamplingParams(max_tokens=64))    # one RequestOutput per prompt
+
+The pipeline drives it incrementally: ``add_request`` / ``step`` / ``has_unfinished_requests``, and pins a
+group's shared prefix with ``pin_prefix`` / ``unpin_prefix``. Nothing outside engine/ reaches further in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from engine.attention import get_backend
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ConfigError
+from engine.loader import load_model_config, load_weights, resolve_model
+from engine.loader.resolve import model_identity
+from engine.model_runner import ModelRunner
+from engine.models import build_model
+from engine.outputs import RequestMetrics, RequestOutput, StepStats
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
+
+log = logging.getLogger("batchgen.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    def __init__(self, model: str = "gemma-3-270m", dtype: str = "auto", **engine_args):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - fields)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+        self.config = cfg = EngineConfig(model=model, dtype=dtype, **engine_args)
+        t0 = time.monotonic()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = _DTYPES["bfloat16" if cfg.dtype == "auto" else cfg.dtype]
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
+
+        self.source = resolve_model(model)
+        self.model_config = mcfg = load_model_config(self.source)
+        self.model = build_model(mcfg, load_weights(self.source, mcfg, self.dtype, self.device),
+                                 self.dtype, self.device, source=str(self.source.path))
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = _eos_ids(mcfg, self.tokenizer)
+
+        self.backend = get_backend(cfg.attention_backend, self.device)
+        block_size = cfg.block_size
+        need = getattr(self.backend, "required_block_multiple", 1)
+        if block_size % need:
+            log.info("block_size %d -> %d for the %s backend", block_size, need, self.backend.name)
+            block_size = need
+        self.block_size = block_size
+        self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        num_blocks = self._num_kv_blocks(block_size)
+        if num_blocks < 1:
+            raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
+        self.num_kv_blocks = num_blocks
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.backend, cfg.seed)
+        self.scheduler = Scheduler(dataclasses.replace(cfg, block_size=block_size), num_blocks, self.max_model_len)
+        self.step_stats: list[StepStats] = []
+        self.load_time_s = time.monotonic() - t0
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+        self._identity: str | None = None
+
+    # ---- info ----------------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def model_info(self) -> dict:
+        if self._identity is None:
+            self._identity = model_identity(self.source)
+        return {"name": self.source.name, "path": str(self.source.path), "identity": self._identity,
+                "architecture": self.model_config.architecture, "dtype": str(self.dtype).replace("torch.", ""),
+                "device": str(self.device), "max_model_len": self.max_model_len, "block_size": self.block_size,
+                "num_kv_blocks": self.num_kv_blocks, "attention_backend": self.backend.name}
+
+    def _num_kv_blocks(self, block_size: int) -> int:
+        cfg, m = self.config, self.model_config
+        if cfg.num_gpu_blocks_override:
+            return cfg.num_gpu_blocks_override
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_block = 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * elem
+        if cfg.kv_cache_memory:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        if self.device.type == "cpu":
+            avail = _available_memory_bytes()
+            if avail is not None and budget > avail * 0.9:
+                raise ConfigError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the memory available "
+                                  f"on this machine ({avail / 2**30:.1f} GiB); lower kv_cache_memory")
+        # No point holding more than max_num_seqs full-length sequences.
+        cap = cfg.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        return min(budget // per_block, cap)
+
+    # ---- the incremental door ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text = prompt
+        else:
+            token_ids, text = [int(t) for t in prompt], None
+        req = Request(request_id, token_ids, params, priority=priority, eos_token_ids=self.eos_token_ids)
+        self._requests[request_id] = req
+        self._prompts[request_id] = text
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        if not token_ids:
+            self._fail(req, "empty prompt")
+        self.scheduler.add_request(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def pin_prefix(self, token_ids: Sequence[int]) -> int:
+        return self.scheduler.kv_cache_manager.pin_prefix(list(token_ids))
+
+    def unpin_prefix(self, pin_id: int) -> None:
+        self.scheduler.kv_cache_manager.unpin(pin_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return the requests that finished in it."""
+        t0 = time.monotonic()
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out, self._requests)
+        finished = self.scheduler.update_from_output(out, sampled)
+        done = {r.request_id for r in finished}
+        for rid, tok in sampled.items():
+            req = self._requests[rid]
+            if self._detok[rid].append(tok) and rid not in done:
+                req.stop_reason = self._detok[rid].stop_reason
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+                done.add(rid)
+        for rid in getattr(out, "finished_errors", ()):
+            if rid not in done and rid in self._requests:
+                finished.append(self._requests[rid])
+                done.add(rid)
+        t1 = time.monotonic()
+        self._record_step(out, len(sampled), t0, t1)
+        results = [self._make_output(r) for r in finished]
+        for r in finished:
+            self._forget(r.request_id)
+        return results
+
+    def _record_step(self, out, num_sampled: int, t0: float, t1: float) -> None:
+        s = self.scheduler.last_step_stats()
+        self.step_stats.append(StepStats(
+            step=len(self.step_stats), start_time=t0, end_time=t1,
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+            num_prefill_seqs=sum(1 for x in out.scheduled if x.is_prefill),
+            num_decode_seqs=sum(1 for x in out.scheduled if not x.is_prefill),
+            num_running=s.get("num_running", 0), num_waiting=s.get("num_waiting", 0),
+            kv_blocks_used=s.get("kv_blocks_used", 0), kv_blocks_total=self.num_kv_blocks,
+            prefix_cache_queries=s.get("prefix_cache_queries", 0), prefix_cache_hits=s.get("prefix_cache_hits", 0),
+            num_preemptions=s.get("num_preemptions", 0), num_sampled=num_sampled))
+
+    def _fail(self, req: Request, message: str) -> None:
+        req.error = message
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        detok = self._detok[req.request_id]
+        m = RequestMetrics(
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+            prefill_start_time=req.prefill_start_time, prefill_end_time=req.prefill_end_time,
+            first_token_time=req.first_token_time, token_times=list(req.token_times),
+            finish_time=req.finish_time or time.monotonic(), num_preemptions=req.num_preemptions)
+        return RequestOutput(
+            request_id=req.request_id, prompt=self._prompts.get(req.request_id),
+            prompt_token_ids=req.prompt_token_ids, text=detok.text, token_ids=list(req.output_token_ids),
+            finish_reason=req.status.value if req.status.finished else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0), metrics=m, error=req.error,
+            stop_reason=req.stop_reason)
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._detok.pop(rid, None)
+        self._prompts.pop(rid, None)
+        self.runner.release(rid)
+
+    # ---- batch API -----------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priorities: Iterable[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        prios = list(priorities) if priorities is not None else [0] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p, prio in zip(ids, prompts, params, prios):
+            self.add_request(rid, prompt, p, prio)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while self.has_unfinished_requests():
+            for o in self.step():
+                results[o.request_id] = o
+                if bar:
+                    bar.update(1)
+        if bar:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _eos_ids(mcfg, tokenizer) -> tuple[int, ...]:
+    ids = set(mcfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if mcfg.architecture == "Gemma3ForCausalLM":
+        eot = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+        if isinstance(eot, int) and eot != tokenizer.unk_token_id:
+            ids.add(eot)
+    return tuple(sorted(ids))
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,114 @@
+"""ModelRunner: SchedulerOutput (plain lists) -> tensors -> forward -> logits at sampled rows -> tokens.
+
+It owns the paged KV cache (one K and one V tensor per layer, [num_blocks, block_size, num_kv_heads,
+head_dim]) and binds it to the attention layers. Logits are computed only for the rows that sample: the last
+scheduled token of a sequence that reaches its last known token. With a 262k vocabulary the LM head would
+otherwise be most of the step.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.request import Request
+from engine.sampler import Sampler, SamplingMetadata, make_generator
+from engine.scheduler_output import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, backend, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_hidden_layers)]
+        for layer, cache in zip(model.model.layers, self.kv_caches):
+            layer.self_attn.kv_cache = cache
+            layer.self_attn.backend = backend
+        self.sampler = Sampler()
+        self.default_generator = make_generator(seed, device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, req: Request):
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        g = self._generators.get(req.request_id)
+        if g is None:
+            g = self._generators[req.request_id] = make_generator(seed, self.device)
+        return g
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, int]:
+        """Run one step. Returns {request_id: sampled token} for the sequences that sample."""
+        if not out.scheduled:
+            return {}
+        # Decode sequences (one token) first: the torch backend batches them as one block of rows.
+        seqs = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        num_decode = 0
+        for s in seqs:
+            n = len(s.token_ids)
+            if n == 1 and num_decode == len(seq_lens):
+                num_decode += 1
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(s.start_pos + n)
+            if s.sample:
+                sample_rows.append(qsl[-1] - 1)
+                sample_reqs.append(requests[s.request_id])
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables.to(dev),
+            num_decode_seqs=num_decode, block_size=bs)
+        if self.backend.name == "flash_attn":
+            meta.query_start_loc_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
+            meta.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
+        if not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [N, vocab] fp32
+        md = SamplingMetadata.build(
+            params=[r.sampling_params for r in sample_reqs],
+            output_token_ids=[r.output_token_ids for r in sample_reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in sample_reqs],
+            generators=[self._generator(r) for r in sample_reqs],
+            banned_token_ids=[_banned(r) for r in sample_reqs],
+            device=dev, default_generator=self.default_generator)
+        tokens = self.sampler(logits, md).tolist()
+        return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+
+
+def _banned(req: Request) -> list[int] | None:
+    """Before min_tokens, EOS and stop token ids may not be sampled."""
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens:
+        return None
+    return list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))

@@ -1,0 +1,66 @@
+"""Gemma 3 (text): offset RMSNorm, scaled embeddings, GeGLU, q/k norm, sandwich norms,
+interleaved sliding-window and global layers with their own RoPE bases, query_pre_attn_scalar."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.errors import ModelLoadError
+from engine.models.config import ModelConfig
+from engine.models.layers import Attention, GatedMLP, RMSNorm
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        eps, off, h = config.rms_norm_eps, config.norm_offset, config.hidden_size
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(h, eps, off)
+        self.post_attention_layernorm = RMSNorm(h, eps, off)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, off)
+
+    def forward(self, positions, x, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.embed_scale = config.embed_scale
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        # NOTE: HF multiplies by the scale cast to the embedding dtype; do the same for bit-parity.
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.attn_logit_softcapping:
+            raise ModelLoadError("Gemma3 with attn_logit_softcapping is not supported")
+        self.config = config
+        self.model = Gemma3Model(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = (hidden @ weight.t()).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

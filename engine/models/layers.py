@@ -1,0 +1,191 @@
+"""Layers shared by every architecture; differences are flags, not copies.
+
+Tensors are flat over tokens: no batch dimension, no padding. ``[T, ...]`` is all tokens of all sequences
+in the step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.errors import ModelLoadError
+from engine.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. ``offset=1`` is Gemma's ``(1 + w)`` form (computed in float32 like HF)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with HF's rope scaling variants we support."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    else:
+        raise ModelLoadError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE, cos/sin computed from the step's positions (no max-length table)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.key = (head_dim, theta, repr(scaling))      # same key -> same cos/sin within a step
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def reset_buffers(self, device) -> None:
+        """Recompute inv_freq (float32) after the module was materialized from the meta device."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, D/2]
+        return freqs.cos(), freqs.sin()
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; cos/sin: [T, D/2]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """QKV projection (fused), optional q/k RMSNorm, RoPE, then the attention backend over the paged cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
+        self.window = c.layer_window(layer_idx)
+        self.scale = c.scale
+        self.rotary = RotaryEmbedding(self.head_dim, c.layer_rope_theta(layer_idx), c.layer_rope_scaling(layer_idx))
+        self.backend = None                    # set by the model runner (engine.attention.get_backend)
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = meta.rope_cache(self.rotary, positions)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, window=self.window, scale=self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        if act in ("silu", "swish"):
+            self.act = F.silu
+        elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        elif act == "gelu":
+            self.act = F.gelu
+        else:
+            raise ModelLoadError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh, gelu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+# Fused parameters: (our name, HF name, shard index). Shards are concatenated along dim 0 in index order.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Copy HF-named tensors into ``model``, fusing q/k/v and gate/up as ``STACKED_PARAMS`` declares.
+
+    Raises ModelLoadError naming missing or mis-shaped tensors.
+    """
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
+    for name, tensor in weights.items():
+        if "rotary_emb" in name:
+            continue
+        target, shard = name, None
+        for fused, hf, idx in STACKED_PARAMS:
+            if f".{hf}." in name:
+                target, shard = name.replace(f".{hf}.", f".{fused}."), idx
+                break
+        if target not in params:
+            if name == "lm_head.weight" and "lm_head.weight" not in params:
+                continue  # tied embeddings: some checkpoints still store the head
+            raise ModelLoadError(f"{source}: unexpected tensor {name!r} for {type(model).__name__}")
+        if shard is None:
+            _copy(params[target], tensor, name, source)
+            loaded.add(target)
+        else:
+            pending.setdefault(target, {})[shard] = tensor
+    for target, shards in pending.items():
+        n = 3 if "qkv_proj" in target else 2
+        if len(shards) != n:
+            raise ModelLoadError(f"{source}: {target} needs {n} shards, found {sorted(shards)}")
+        _copy(params[target], torch.cat([shards[i] for i in range(n)], dim=0), target, source)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"{source}: missing tensors: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, source: str) -> None:
+    if param.shape != tensor.shape:
+        raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)

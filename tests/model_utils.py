@@ -1,0 +1,102 @@
+"""Test helpers: tiny random HF checkpoints, and running our model over a sequence in chunks."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.loader.resolve import ModelSource
+from engine.loader.safetensors_loader import load_safetensors_weights
+from engine.models import build_model
+from engine.models.config import ModelConfig
+
+
+def tiny_hf_model(arch: str, **overrides):
+    """A tiny random transformers model of the given architecture (float32, eval mode)."""
+    import transformers as tf
+
+    common = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif arch == "llama3":
+        cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+        cls = tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1000000.0)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+        cls = tf.Qwen3ForCausalLM
+    elif arch == "gemma3":
+        cfg = tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": True, "num_hidden_layers": 4,
+                                     "num_key_value_heads": 1}, head_dim=32, sliding_window=8,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                               "sliding_attention"],
+                                  query_pre_attn_scalar=24, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                                  hidden_activation="gelu_pytorch_tanh")
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = cls(cfg).float().eval()
+    if arch == "gemma3":  # HF inits norm weights to zero for Gemma (1 + w): perturb so the offset is exercised
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(0, 0.1)
+    return model
+
+
+def save_tiny(model, path) -> ModelSource:
+    model.save_pretrained(path, safe_serialization=True)
+    return ModelSource(kind="hf", path=path, name=str(path))
+
+
+def load_ours(source: ModelSource, dtype=torch.float32):
+    mcfg = ModelConfig.from_hf_dir(source.path)
+    return build_model(mcfg, load_safetensors_weights(source.path, dtype), dtype, torch.device("cpu"))
+
+
+def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32):
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    backend = TorchAttentionBackend()
+    for layer in model.model.layers:
+        layer.self_attn.kv_cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        layer.self_attn.backend = backend
+
+
+@torch.inference_mode()
+def run_chunks(model, token_ids: list[int], chunks: list[int], block_size: int = 4,
+               block_ids: list[int] | None = None) -> torch.Tensor:
+    """Feed one sequence in chunks of the given sizes through a fresh paged cache; return logits [T, V].
+
+    block_ids: the physical blocks of the sequence (default: a shuffled table, to exercise indirection).
+    """
+    n = len(token_ids)
+    assert sum(chunks) == n
+    nblocks = -(-n // block_size)
+    if block_ids is None:
+        g = torch.Generator().manual_seed(1)
+        block_ids = torch.randperm(nblocks + 3, generator=g)[:nblocks].tolist()
+    bind_cache(model, max(block_ids) + 1, block_size)
+    out = []
+    start = 0
+    for c in chunks:
+        pos = list(range(start, start + c))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in pos]),
+            query_start_loc=[0, c], seq_lens=[start + c],
+            block_tables=torch.tensor([block_ids], dtype=torch.int32),
+            num_decode_seqs=1 if c == 1 else 0, block_size=block_size)
+        h = model(torch.tensor(token_ids[start:start + c]), torch.tensor(pos), meta)
+        out.append(model.compute_logits(h))
+        start += c
+    return torch.cat(out)
