@@ -1,0 +1,298 @@
+"""Sampling: per-request SamplingParams gathered into tensors once per step, then pure tensor functions.
+
+Order (HF / vLLM): banned ids -> penalties -> greedy rows take the argmax; the other rows go through
+temperature -> top-k / top-p -> min-p -> one draw from the softmax.
+
+The draw is an exponential race: ``argmax(probs / q)`` with ``q ~ Exponential(1)``, which picks token ``i`` with
+probability ``probs[i]``. A seeded request draws its row of ``q`` from its own ``torch.Generator`` (kept by the
+engine for the request's life), so its tokens do not depend on which other rows share the batch or their order.
+Rows without a seed share the engine's generator.
+
+Usage (model runner)::
+
+    md = SamplingMetadata.build(params, output_token_ids, prompt_token_ids, generators, device,
+                                banned_token_ids=..., default_generator=engine_generator)
+    next_tokens = Sampler()(logits, md)          # [B] int64
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_PAD_ID = -1  # padding in the ragged token-id tensors; mapped to an extra, discarded vocab column
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch.Generator on ``device`` seeded with ``seed`` (one per seeded request, or the engine's shared one)."""
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(int(seed))
+    return generator
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's sampling settings as [B] tensors; a field is None when no row in the batch uses it.
+
+    Invariants: row ``i`` of every tensor belongs to ``params[i]`` given to ``build``; greedy rows carry
+    temperature 1.0 (never divided by zero) and ignore top-k / top-p / min-p.
+    """
+    num_rows: int
+    all_greedy: bool
+    greedy_rows: torch.Tensor | None          # [B] bool; None when all rows are greedy or none is
+    temperature: torch.Tensor | None          # [B] float32; None when no random row has temperature != 1
+    top_k: torch.Tensor | None                # [B] int64, 0 = off
+    max_top_k: int                            # max k over rows; 0 when some row has top-k off
+    top_p: torch.Tensor | None                # [B] float32
+    min_p: torch.Tensor | None                # [B] float32
+    # Penalties (None when no row uses them). Token ids are right-padded with _PAD_ID.
+    repetition_penalty: torch.Tensor | None   # [B] float32
+    presence_penalty: torch.Tensor | None     # [B] float32
+    frequency_penalty: torch.Tensor | None    # [B] float32
+    prompt_token_ids: torch.Tensor | None     # [B, max_prompt_len] int64; only rows with a repetition penalty
+    output_token_ids: torch.Tensor | None     # [B, max_output_len] int64; only rows with any penalty
+    # Banned ids (e.g. EOS / stop ids before min_tokens): flat (row, token) index pairs.
+    banned_rows: torch.Tensor | None          # [N] int64
+    banned_token_ids: torch.Tensor | None     # [N] int64
+    # Random draws.
+    seeded_rows: list[tuple[int, torch.Generator]]  # random rows with their own generator
+    has_unseeded_random_rows: bool
+    default_generator: torch.Generator | None  # for unseeded random rows; None -> torch's global RNG
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_penalty is None and self.presence_penalty is None and self.frequency_penalty is None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+        *,
+        banned_token_ids: Sequence[Iterable[int] | None] | None = None,
+        default_generator: torch.Generator | None = None,
+    ) -> SamplingMetadata:
+        """Gather the batch's per-row settings into tensors on ``device`` (once per step).
+
+        Args:
+            params: one SamplingParams per row of the logits.
+            output_token_ids / prompt_token_ids: each row's tokens so far; only read for rows with penalties.
+            generators: each row's own generator (a seeded request), or None to use ``default_generator``.
+            banned_token_ids: per row, ids that must not be sampled this step (min_tokens: EOS / stop ids), or None.
+            default_generator: the engine's shared generator (seeded from EngineConfig.seed).
+        """
+        num_rows = len(params)
+        assert len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows
+        device = torch.device(device)
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        random_rows = [i for i in range(num_rows) if not greedy[i]]
+
+        def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy_rows = None
+        temperature = top_k = top_p = min_p = None
+        max_top_k = 0
+        if not all_greedy:
+            if any(greedy):
+                greedy_rows = row_tensor(greedy, torch.bool)
+            # NOTE: greedy rows get neutral values so the random path can run on the whole batch.
+            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+            if any(t != 1.0 for t in temps):
+                temperature = row_tensor(temps, torch.float32)
+            # NOTE: greedy rows get k = 1 (their argmax), so "every row has k > 0" can hold in mixed batches.
+            ks = [1 if g else max(p.top_k, 0) for p, g in zip(params, greedy)]
+            if any(ks[i] > 0 for i in random_rows):
+                top_k = row_tensor(ks, torch.int64)
+                max_top_k = max(ks) if all(k > 0 for k in ks) else 0
+            ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+            if any(p < 1.0 for p in ps):
+                top_p = row_tensor(ps, torch.float32)
+            mps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+            if any(mps):
+                min_p = row_tensor(mps, torch.float32)
+
+        rep = [p.repetition_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        use_rep = [r != 1.0 for r in rep]
+        use_any = [use_rep[i] or pres[i] != 0.0 or freq[i] != 0.0 for i in range(num_rows)]
+        repetition_penalty = presence_penalty = frequency_penalty = None
+        prompt_ids = output_ids = None
+        if any(use_rep):
+            repetition_penalty = row_tensor(rep, torch.float32)
+            prompt_ids = _pad_rows([prompt_token_ids[i] if use_rep[i] else () for i in range(num_rows)], device)
+        if any(pres):
+            presence_penalty = row_tensor(pres, torch.float32)
+        if any(freq):
+            frequency_penalty = row_tensor(freq, torch.float32)
+        if any(use_any):
+            output_ids = _pad_rows([output_token_ids[i] if use_any[i] else () for i in range(num_rows)], device)
+
+        banned_rows = banned_ids = None
+        if banned_token_ids is not None:
+            assert len(banned_token_ids) == num_rows
+            pairs = [(i, int(t)) for i, ids in enumerate(banned_token_ids) for t in (ids or ())]
+            if pairs:
+                banned_rows = row_tensor([i for i, _ in pairs], torch.int64)
+                banned_ids = row_tensor([t for _, t in pairs], torch.int64)
+
+        seeded_rows = [(i, generators[i]) for i in random_rows if generators[i] is not None]
+        return cls(
+            num_rows=num_rows,
+            all_greedy=all_greedy,
+            greedy_rows=greedy_rows,
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            banned_rows=banned_rows,
+            banned_token_ids=banned_ids,
+            seeded_rows=seeded_rows,
+            has_unseeded_random_rows=len(seeded_rows) < len(random_rows),
+            default_generator=default_generator,
+        )
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    padded = [list(r) + [_PAD_ID] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device)  # [B, width]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure tensor functions. Each returns new logits (the input is not modified).
+# ---------------------------------------------------------------------------------------------------------
+
+def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Set ``logits[rows[j], token_ids[j]] = -inf`` for every j, in place; returns ``logits``."""
+    logits[rows, token_ids] = float("-inf")
+    return logits
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, L] right-padded ids -> [B, V] occurrence counts (padding ignored)."""
+    ids = token_ids.masked_fill(token_ids < 0, vocab_size)              # pad -> extra column
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=dtype, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=dtype))
+    return counts[:, :vocab_size]                                         # [B, V]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: torch.Tensor | None,
+    repetition_penalty: torch.Tensor | None,
+    presence_penalty: torch.Tensor | None,
+    frequency_penalty: torch.Tensor | None,
+) -> torch.Tensor:
+    """Repetition penalty (HF: over prompt + output, positive logits / p, negative * p), then
+    presence and frequency penalties (OpenAI: over output tokens, ``- freq * count - presence * (count > 0)``)."""
+    vocab_size = logits.shape[-1]
+    output_counts = None
+    if output_token_ids is not None:
+        output_counts = token_counts(output_token_ids, vocab_size, logits.dtype)   # [B, V]
+    if repetition_penalty is not None:
+        seen = token_counts(prompt_token_ids, vocab_size, logits.dtype) > 0
+        if output_counts is not None:
+            seen |= output_counts > 0
+        penalty = repetition_penalty.to(logits.dtype).unsqueeze(1)                  # [B, 1]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if frequency_penalty is not None:
+        logits = logits - frequency_penalty.to(logits.dtype).unsqueeze(1) * output_counts
+    if presence_penalty is not None:
+        logits = logits - presence_penalty.to(logits.dtype).unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int = 0
+) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value kept; k = 0 -> off), then the smallest set
+    whose probability reaches top_p (HF: drop tokens whose ascending cumulative prob is <= 1 - top_p).
+
+    ``max_top_k`` > 0 promises every row has 0 < k <= max_top_k, enabling a torch.topk path when top_p is off.
+    """
+    vocab_size = logits.shape[-1]
+    neg_inf = float("-inf")
+    if top_p is None and top_k is not None and 0 < max_top_k < vocab_size:
+        top_values = logits.topk(max_top_k, dim=-1).values                          # [B, max_k] descending
+        kth = top_values.gather(1, (top_k - 1).unsqueeze(1))                        # [B, 1]
+        return logits.masked_fill(logits < kth, neg_inf)
+
+    sorted_logits, sorted_idx = logits.sort(dim=-1)                                 # ascending, [B, V]
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+        kth = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))                # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)                   # [B, V]
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False                                                         # always keep the top token
+        sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p * max_prob`` of their row."""
+    probs = logits.softmax(dim=-1)                                                  # [B, V]
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)              # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One draw per row: argmax(probs / q), q ~ Exp(1). Seeded rows draw q from their own generator."""
+    if md.has_unseeded_random_rows:
+        q = torch.empty_like(probs).exponential_(generator=md.default_generator)
+    else:
+        q = torch.ones_like(probs)                                                  # greedy rows: unused
+    for row, generator in md.seeded_rows:
+        q[row].exponential_(generator=generator)
+    # NOTE: exponential_ can return exactly 0 in rare cases; clamp so a zero-probability token never wins.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+class Sampler:
+    """``Sampler()(logits [B, V], metadata) -> [B] int64`` next token ids. Does not modify ``logits``."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (tuple(logits.shape), md.num_rows)
+        logits = logits.float()
+        if md.banned_rows is not None:
+            logits = mask_tokens(logits.clone(), md.banned_rows, md.banned_token_ids)
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
+                                     md.repetition_penalty, md.presence_penalty, md.frequency_penalty)
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+
+        sampled = self.sample(logits, md)
+        if md.greedy_rows is None:
+            return sampled
+        return torch.where(md.greedy_rows, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature -> top-k / top-p -> min-p -> one draw per row (greedy rows are computed and discarded)."""
+        if md.temperature is not None:
+            logits = logits / md.temperature.unsqueeze(1)
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        return exponential_race(logits.softmax(dim=-1), md)
