@@ -1,0 +1,336 @@
+"""Scheduler: token budget, chunked prefill, continuous batching, preemption; schedule() / update_from_output().
+
+One loop, no prefill/decode phases (vLLM v1's idea): each step every request is granted
+``min(num_tokens - num_computed_tokens, budget)`` tokens. Running requests go first (one-token decodes, then
+prefill chunks), then waiting requests join in (priority, arrival) order while the budget and seats last.
+
+Protocol, per step:  out = schedule();  run the model on out;  finished = update_from_output(out, sampled).
+Call update_from_output for every output, even an empty one: it also returns the requests that schedule()
+finished with FINISHED_ERROR.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    """Lower runs first; the largest rank is preempted first."""
+    return req.priority, req.arrival_time
+
+
+class Scheduler:
+    """Decides, each step, which requests compute which tokens.
+
+    Invariants:
+        * ``requests`` holds exactly the unfinished requests; each is in ``running`` or the waiting heap.
+        * a running request holds KV blocks for its ``num_computed_tokens`` (advanced at schedule time).
+        * a waiting request holds no blocks (a preempted one has num_computed_tokens = 0, outputs kept).
+    """
+
+    def __init__(self, engine_config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = engine_config
+        self.block_size = engine_config.block_size
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(num_blocks, engine_config.block_size,
+                                               engine_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self._waiting: list[tuple[int, float, int, Request]] = []   # heap; aborted entries skipped lazily
+        self._num_waiting = 0
+        self._seq = itertools.count()
+        self._new_errors: list[Request] = []    # finished with error, not yet listed in a SchedulerOutput
+        self._step_errors: list[Request] = []   # listed in the last output, returned by update_from_output
+        self._stats: dict[str, int] = {}
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request. One that can never fit is finished at once with FINISHED_ERROR and reported by
+        the next schedule() / update_from_output()."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        error = self._never_fits(req)
+        if error is not None:
+            req.error = error
+            req.status = RequestStatus.FINISHED_ERROR
+            req.finish_time = time.monotonic()
+            self._new_errors.append(req)
+            return
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def _never_fits(self, req: Request) -> str | None:
+        n = req.num_prompt_tokens
+        if n == 0:
+            return f"request {req.request_id}: empty prompt"
+        if n > self.max_model_len:
+            return (f"request {req.request_id}: prompt has {n} tokens, more than max_model_len="
+                    f"{self.max_model_len}")
+        need = _cdiv(n + 1, self.block_size)
+        if need > self.num_blocks:
+            return (f"request {req.request_id}: prompt of {n} tokens needs {need} KV blocks of "
+                    f"{self.block_size} tokens but the pool has only {self.num_blocks}; "
+                    f"give the KV cache more memory or shorten the prompt")
+        return None
+
+    def abort_request(self, req_id: str) -> Request | None:
+        """Finish a request with FINISHED_ABORTED (no-op for unknown / finished ids). Returns it."""
+        return self.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, req_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """Finish a request from outside (the LLM layer's stop strings, aborts): frees its blocks."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        self._finish(req, status)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self._remove_running(req)
+            self.kv_cache_manager.free(req)
+        else:
+            self._num_waiting -= 1      # its heap entry is skipped lazily
+        req.status = status
+        req.finish_time = time.monotonic()
+        del self.requests[req.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._new_errors or self._step_errors)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def pin_prefix(self, token_ids: list[int]) -> int:
+        return self.kv_cache_manager.pin_prefix(token_ids)
+
+    def unpin(self, pin_id: int) -> None:
+        self.kv_cache_manager.unpin(pin_id)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self._waiting, (req.priority, req.arrival_time, next(self._seq), req))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting:
+            req = self._waiting[0][3]
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                return req
+            heapq.heappop(self._waiting)    # finished while waiting
+        return None
+
+    def _pop_waiting(self) -> Request:
+        self._num_waiting -= 1
+        return heapq.heappop(self._waiting)[3]
+
+    # ---- schedule -----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Grant tokens for one step.
+
+        Returns:
+            the requests to compute, each with its token ids, start position and whole block table.
+        Side effects: num_computed_tokens advanced by the granted count; preempted requests back in waiting.
+        """
+        now = time.monotonic()
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        granted: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+
+        # 1) Running requests: one-token decodes first, then prefill chunks.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        for req in decodes + chunks:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue                    # preempted earlier in this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while kv.allocate_slots(req, num_new) is None:
+                if len(self.running) == 1:
+                    # NOTE: nothing left to preempt; only pinned blocks can be in the way. Never spin.
+                    self._finish_stuck(req)
+                    break
+                victim = max(self.running, key=_rank)
+                undone = granted.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_tokens
+                    victim.num_computed_tokens = undone.start_pos   # its chunk will not run
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                if req.status == RequestStatus.PREEMPTED:
+                    break                   # lowest priority itself: stop scheduling running ones
+                continue
+            granted[req.request_id] = self._grant(req, num_new, now)
+            budget -= num_new
+
+        # 2) Waiting requests join (not after a preemption: the pool is full).
+        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._peek_waiting()
+            if req is None:
+                break
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if kv.allocate_slots(req, num_new, hit_blocks) is None:
+                if not self.running:
+                    self._finish_stuck(req)     # its heap entry is skipped lazily
+                    continue
+                break
+            self._pop_waiting()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            granted[req.request_id] = self._grant(req, num_new, now)
+            budget -= num_new
+
+        out = SchedulerOutput(scheduled=list(granted.values()), preempted=[r.request_id for r in preempted])
+        for sr in out.scheduled:
+            if sr.is_prefill:
+                out.num_prefill_tokens += sr.num_tokens
+            else:
+                out.num_decode_tokens += sr.num_tokens
+        self._step_errors, self._new_errors = self._step_errors + self._new_errors, []
+        out.finished_errors = [r.request_id for r in self._step_errors]
+        self._record_stats(out)
+        return out
+
+    def _grant(self, req: Request, num_new: int, now: float) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        if req.prefill_start_time is None:
+            req.prefill_start_time = now
+        req.num_computed_tokens = start + num_new
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + num_new],
+            start_pos=start,
+            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+            is_prefill=start < req.num_prompt_tokens or num_new > 1,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's blocks and send it back to waiting; it recomputes prompt + outputs later."""
+        self._remove_running(req)
+        self.kv_cache_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self._push_waiting(req)
+
+    def _remove_running(self, req: Request) -> None:
+        # NOTE: by identity; Request is a dataclass, so list.remove would compare all fields.
+        for i, r in enumerate(self.running):
+            if r is req:
+                del self.running[i]
+                return
+
+    def _finish_stuck(self, req: Request) -> None:
+        """The request cannot get blocks even with nothing else running (pins hold the rest): error, never spin."""
+        kv = self.kv_cache_manager
+        pinned = kv.num_pinned_blocks()
+        req.error = (f"request {req.request_id}: cannot get KV blocks for {req.num_tokens} tokens with nothing "
+                     f"else running ({pinned} of {kv.num_blocks} blocks pinned by prefix pins)")
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        self._new_errors.append(req)
+
+    # ---- update -------------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append the sampled tokens and finish requests that stop.
+
+        Args:
+            scheduler_output: the output of the last schedule().
+            sampled: request id -> token id, for every scheduled request with ``sample=True``.
+        Returns:
+            the requests finished by this step (including the errors listed in ``finished_errors``).
+        """
+        now = time.monotonic()
+        finished = self._step_errors
+        self._step_errors = []
+        for sr in scheduler_output.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue                    # aborted while the step ran
+            if req.prefill_end_time is None and req.num_computed_tokens >= req.num_prompt_tokens:
+                req.prefill_end_time = now
+            if not sr.sample:
+                continue
+            if sr.request_id not in sampled:
+                raise KeyError(f"no sampled token for request {sr.request_id!r} (sample=True)")
+            req.append_output_token(int(sampled[sr.request_id]), now)
+            status = self._check_stop(req)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        params = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens > self.num_blocks * self.block_size:
+            return RequestStatus.FINISHED_LENGTH    # the next step could not hold its KV in the whole pool
+        return None
+
+    # ---- stats --------------------------------------------------------------------------------------
+    def _record_stats(self, out: SchedulerOutput) -> None:
+        kv = self.kv_cache_manager
+        queries, hits = kv.take_prefix_cache_stats()
+        self._stats = {
+            "num_prefill_tokens": out.num_prefill_tokens,
+            "num_decode_tokens": out.num_decode_tokens,
+            "num_prefill_seqs": sum(1 for s in out.scheduled if s.is_prefill),
+            "num_decode_seqs": sum(1 for s in out.scheduled if not s.is_prefill),
+            "num_running": len(self.running),
+            "num_waiting": self._num_waiting,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_blocks_total": kv.num_blocks,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "num_preemptions": len(out.preempted),
+            "num_sampled": sum(1 for s in out.scheduled if s.sample),
+        }
+
+    def last_step_stats(self) -> dict[str, int]:
+        """Counters of the last schedule(), keyed like engine.outputs.StepStats fields."""
+        return self._stats
