@@ -135,7 +135,9 @@ def test_hash_request_tokens_full_blocks_only():
 
 def test_hash_deterministic_across_processes():
     code = "from engine.block_pool import hash_block_tokens as h; print(h(None, [1, 2, 3]).hex())"
+    repo = Path(__file__).resolve().parents[1]
     out = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=Path(__file__).resolve().parents[1]).stdout.strip() for seed in ("1", "2")]
+                          env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=repo).stdout.strip()
+           for seed in ("1", "2")]
     assert out[0] == out[1] == hash_block_tokens(None, [1, 2, 3]).hex()
     assert len(bytes.fromhex(out[0])) == hashlib.sha256().digest_size

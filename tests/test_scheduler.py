@@ -339,3 +339,36 @@ def test_duplicate_request_id_rejected():
     sched.add_request(make_req("a", range(3)))
     with pytest.raises(ValueError):
         sched.add_request(make_req("a", range(3)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workloads_match_roomy_pool(seed):
+    """Random prompts with shared prefixes, priorities, stop tokens, tiny pools, budgets and seat counts:
+    every request that fits ends with the same tokens as in a roomy pool, and all blocks come back."""
+    import random
+    rng = random.Random(seed)
+    for _ in range(40):
+        base = [rng.randrange(10, 99) for _ in range(rng.randrange(0, 20))]
+        spec = [(base[:rng.randrange(len(base) + 1)] + [rng.randrange(10, 99) for _ in range(rng.randrange(1, 15))],
+                 rng.randrange(3), rng.randrange(1, 15), [rng.randrange(10, 99)] if rng.random() < 0.3 else [])
+                for _ in range(rng.randrange(1, 10))]
+
+        def reqs():
+            return [make_req(f"r{i}", p, priority=pr, arrival=float(i), max_tokens=mt, stop_token_ids=st)
+                    for i, (p, pr, mt, st) in enumerate(spec)]
+        caching = rng.random() < 0.8
+        roomy, _ = run_all(make_sched(num_blocks=500, enable_prefix_caching=caching), reqs())
+        nb = rng.randrange(3, 12)
+        sched = make_sched(num_blocks=nb, max_num_batched_tokens=rng.randrange(1, 20),
+                           max_num_seqs=rng.randrange(1, 6), enable_prefix_caching=caching)
+        tiny, _ = run_all(sched, reqs())
+        for rid, req in tiny.items():
+            if req.status == RequestStatus.FINISHED_ERROR:
+                assert "KV blocks" in req.error and req.num_prompt_tokens >= nb * BS
+                continue
+            full = roomy[rid].output_token_ids
+            if req.num_tokens > nb * BS:          # outgrew the whole pool: a truncated copy
+                assert full[:req.num_output_tokens] == req.output_token_ids
+            else:
+                assert req.output_token_ids == full
+        assert sched.kv_cache_manager.num_free_blocks == nb
