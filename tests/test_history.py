@@ -1,0 +1,99 @@
+"""Run history in SQLite: start/finish, ordering, state dir resolution, schema version, concurrent writers."""
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+
+import pytest
+
+from pipeline import history
+from pipeline.history import HistoryError
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def test_start_finish_and_recent_runs(state):
+    a = history.start_run("digest", {"model": "gemma-3-270m", "input": "in.parquet"})
+    history.finish_run(a, "ok", rows_done=200, rows_skipped=0, rows_failed=2, tokens_per_s=812.5,
+                       cache_hit_rate=0.71, trace_path="out/trace.json", report_path="out/manifest.json")
+    b = history.start_run("digest", {"model": "gemma-3-270m"})
+    history.finish_run(b, "failed", rows_done=5, rows_skipped=200, error="disk full writing out/part-3.parquet")
+    c = history.start_run("other", None)
+
+    runs = history.recent_runs()
+    assert [r.id for r in runs] == [c, b, a]                       # newest first
+    assert (state / "history.sqlite").is_file()
+    first = runs[2]
+    assert (first.job, first.status, first.rows_done, first.rows_skipped, first.rows_failed) == \
+        ("digest", "ok", 200, 0, 2)
+    assert first.tokens_per_s == 812.5 and first.cache_hit_rate == 0.71
+    assert first.report_path == "out/manifest.json" and first.config["input"] == "in.parquet"
+    assert first.duration_s is not None and first.duration_s >= 0
+    assert runs[1].error.startswith("disk full") and runs[0].status == "running"
+
+    assert [r.id for r in history.recent_runs("digest")] == [b, a]
+    assert [r.id for r in history.recent_runs(limit=1)] == [c]
+    assert history.get_run(b).status == "failed"
+
+
+def test_state_dir_resolution(tmp_path, monkeypatch):
+    monkeypatch.delenv("BATCHGEN_STATE_DIR", raising=False)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert history.resolve_state_dir() == tmp_path / ".local/state/batchgen"
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert history.resolve_state_dir() == tmp_path / "xdg/batchgen"
+    # another user's home (cron --user): this user's XDG_STATE_HOME does not apply
+    assert history.resolve_state_dir(home="/home/other") == history.Path("/home/other/.local/state/batchgen")
+    monkeypatch.setenv("BATCHGEN_STATE_DIR", str(tmp_path / "env"))
+    assert history.resolve_state_dir() == tmp_path / "env"
+    assert history.resolve_state_dir(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_no_database_is_empty_and_bad_calls_are_clear(state):
+    assert history.recent_runs() == []
+    assert not (state / "history.sqlite").exists()                # reading creates nothing
+    with pytest.raises(ValueError, match="ok, failed, interrupted"):
+        history.finish_run(1, "done")
+    with pytest.raises(HistoryError, match="no run with id 99"):
+        history.finish_run(99, "ok")
+
+
+def test_newer_schema_is_refused(state):
+    history.start_run("j")
+    with sqlite3.connect(state / "history.sqlite") as conn:
+        conn.execute(f"PRAGMA user_version = {history.SCHEMA_VERSION + 1}")
+    with pytest.raises(HistoryError, match="newer than this batchgen"):
+        history.recent_runs()
+
+
+def test_dead_running_run_is_reported_as_died(state):
+    run_id = history.start_run("j")
+    with sqlite3.connect(state / "history.sqlite") as conn:
+        conn.execute("UPDATE runs SET pid = ? WHERE id = ?", (2**22 + 12345, run_id))   # no such process
+    run = history.get_run(run_id)
+    assert run.status == "died" and "killed" in run.error
+
+
+def _writer(state_dir: str, job: str, n: int) -> None:
+    for i in range(n):
+        run_id = history.start_run(job, {"i": i}, state_dir=state_dir)
+        history.finish_run(run_id, "ok", rows_done=i, state_dir=state_dir)
+
+
+def test_concurrent_processes(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), f"job{k}", 15)) for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    runs = history.recent_runs(limit=100, state_dir=tmp_path)
+    assert len(runs) == 60 and all(r.status == "ok" for r in runs)
+    with sqlite3.connect(tmp_path / "history.sqlite") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
