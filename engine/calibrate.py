@@ -1,0 +1,171 @@
+"""Measure this device's practical limits once (matmul FLOP/s at the engine dtype, memory bandwidth) and cache them.
+
+The roofline in ``batchgen report`` divides achieved FLOP/s and bytes/s by these numbers (MFU / MBU).
+Cached as JSON at ``<cache_dir>/calibration-<device>-<dtype>.json``; ``cache_dir`` defaults to
+``$BATCHGEN_CACHE_DIR`` or ``~/.cache/batchgen``. ``<device>`` names the hardware and, on CPU, the thread
+count (``cpu-2t``, ``cuda-nvidia-h200``), since both change the numbers.
+
+    cal = load_calibration("cpu", "bfloat16") or calibrate("cpu", "bfloat16")
+    cal.matmul_flops, cal.memory_bandwidth        # FLOP/s, bytes/s
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# (M, K, N): prompt-chunk-shaped matmuls of a small model (gemma-3-270m: hidden 640, MLP 2048).
+MATMUL_SHAPES = ((512, 640, 2048), (2048, 640, 2048), (2048, 2048, 640), (2048, 1024, 1024))
+QUICK_MATMUL_SHAPES = ((512, 640, 2048),)
+SMALL_M_SHAPE = (16, 640, 2048)   # a decode-sized batch: M of 16
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str                    # cache key, e.g. "cpu-2t", "cuda-nvidia-h200"
+    device_name: str               # human-readable
+    dtype: str
+    matmul_flops: float            # FLOP/s: best shape, best repeat
+    memory_bandwidth: float        # bytes/s read from a buffer well beyond cache
+    copy_bandwidth: float          # bytes/s (read + write) of a large copy
+    small_m_flops: float           # FLOP/s at M=16 (decode-sized batches)
+    matmul_by_shape: dict = field(default_factory=dict)   # "MxKxN" -> FLOP/s
+    num_threads: int = 0
+    torch_version: str = ""
+    measured_at: float = 0.0       # unix time
+    quick: bool = False
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP/byte where the roofline turns from bandwidth-bound to compute-bound."""
+        return self.matmul_flops / self.memory_bandwidth
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
+
+
+def device_key(device: str | torch.device) -> tuple[str, str]:
+    """(cache key, human-readable name) of a device."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        return "cuda-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"), name
+    threads = torch.get_num_threads()
+    return f"{dev.type}-{threads}t", f"{dev.type} ({threads} threads)"
+
+
+def cache_path(device: str | torch.device, dtype: str, cache_dir: str | Path | None = None) -> Path:
+    key, _ = device_key(device)
+    return Path(cache_dir or default_cache_dir()) / f"calibration-{key}-{dtype}.json"
+
+
+def load_calibration(device: str | torch.device, dtype: str,
+                     cache_dir: str | Path | None = None) -> Calibration | None:
+    """The cached calibration of this device and dtype, or None when there is none (or it is unreadable)."""
+    try:
+        return Calibration.from_dict(json.loads(cache_path(device, dtype, cache_dir).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def save_calibration(cal: Calibration, cache_dir: str | Path | None = None) -> Path:
+    path = Path(cache_dir or default_cache_dir()) / f"calibration-{cal.device}-{cal.dtype}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cal.to_dict(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick: bool = False,
+              cache_dir: str | Path | None = None, save: bool = True) -> Calibration:
+    """Measure matmul FLOP/s at ``dtype`` and memory bandwidth on ``device``; cache the result.
+
+    ``quick`` measures one matrix shape and a smaller buffer (well under a second on CPU): for tests.
+    """
+    dev = torch.device(device)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    tdtype = _DTYPES[dtype]
+    reps = 3 if quick else 7
+    by_shape = {}
+    for m, k, n in (QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES):
+        by_shape[f"{m}x{k}x{n}"] = _matmul_flops(dev, tdtype, m, k, n, reps)
+    small_m = _matmul_flops(dev, tdtype, *SMALL_M_SHAPE, reps=reps * 4)
+    # NOTE: well beyond the last-level cache (MACHINE.md: < ~64 MB stays in cache at ~2x the DRAM speed).
+    buf_bytes = (192 << 20) if quick else ((2 << 30) if dev.type == "cuda" else (1 << 30))
+    read_bw, copy_bw = _bandwidth(dev, buf_bytes, reps)
+    key, name = device_key(dev)
+    cal = Calibration(device=key, device_name=name, dtype=dtype, matmul_flops=max(by_shape.values()),
+                      memory_bandwidth=read_bw, copy_bandwidth=copy_bw, small_m_flops=small_m,
+                      matmul_by_shape=by_shape, num_threads=torch.get_num_threads(),
+                      torch_version=torch.__version__, measured_at=time.time(), quick=quick)
+    if save:
+        save_calibration(cal, cache_dir)
+    return cal
+
+
+def get_calibration(device: str | torch.device, dtype: str, cache_dir: str | Path | None = None,
+                    quick: bool = False) -> Calibration:
+    """The cached calibration, measuring (and caching) it first if there is none."""
+    return load_calibration(device, dtype, cache_dir) or calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
+
+
+# ---- measurements -------------------------------------------------------------------------------------
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(dev: torch.device, fn, reps: int) -> float:
+    """Best (minimum) seconds of ``fn`` over ``reps`` runs, after two warm-up runs.
+
+    NOTE: the minimum, not the median: other tenants share this machine's cores (and AMX unit), and a
+    calibration is the device's capability, so interference should not lower it.
+    """
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@torch.inference_mode()
+def _matmul_flops(dev: torch.device, dtype: torch.dtype, m: int, k: int, n: int, reps: int) -> float:
+    a = torch.randn(m, k, device=dev).to(dtype)     # [M, K]
+    b = torch.randn(k, n, device=dev).to(dtype)     # [K, N]
+    out = torch.empty(m, n, device=dev, dtype=dtype)
+    secs = _timed(dev, lambda: torch.matmul(a, b, out=out), reps)
+    return 2.0 * m * k * n / secs
+
+
+@torch.inference_mode()
+def _bandwidth(dev: torch.device, nbytes: int, reps: int) -> tuple[float, float]:
+    """(read bytes/s of a sum over the buffer, read+write bytes/s of a copy)."""
+    x = torch.ones(nbytes // 4, device=dev, dtype=torch.float32)
+    y = torch.empty_like(x)
+    read_s = _timed(dev, lambda: x.sum(), reps)
+    copy_s = _timed(dev, lambda: y.copy_(x), reps)
+    return nbytes / read_s, 2 * nbytes / copy_s
