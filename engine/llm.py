@@ -142,10 +142,10 @@ class LLM:
         self.scheduler.abort_request(request_id)
 
     def pin_prefix(self, token_ids: Sequence[int]) -> int:
-        return self.scheduler.kv_cache_manager.pin_prefix(list(token_ids))
+        return self.scheduler.pin_prefix(list(token_ids))
 
     def unpin_prefix(self, pin_id: int) -> None:
-        self.scheduler.kv_cache_manager.unpin(pin_id)
+        self.scheduler.unpin(pin_id)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return the requests that finished in it."""
@@ -196,7 +196,7 @@ class LLM:
             finish_time=req.finish_time or time.monotonic(), num_preemptions=req.num_preemptions)
         return RequestOutput(
             request_id=req.request_id, prompt=self._prompts.get(req.request_id),
-            prompt_token_ids=req.prompt_token_ids, text=detok.text, token_ids=list(req.output_token_ids),
+            prompt_token_ids=req.prompt_token_ids, text=detok.flush() if req.status.finished else detok.text, token_ids=list(req.output_token_ids),
             finish_reason=req.status.value if req.status.finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0), metrics=m, error=req.error,
             stop_reason=req.stop_reason)

@@ -15,7 +15,7 @@ def tiny_hf_model(arch: str, **overrides):
     """A tiny random transformers model of the given architecture (float32, eval mode)."""
     import transformers as tf
 
-    common = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     if arch == "llama":
@@ -54,8 +54,31 @@ def tiny_hf_model(arch: str, **overrides):
     return model
 
 
+VOCAB = 320
+_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Summaries of support tickets, invoices and reports.",
+           "naïve café — 東京 🙂 numbers 12345 and code: def f(x): return x * 2"] * 20
+
+
+def tiny_tokenizer():
+    """A small byte-level BPE tokenizer (no download), with <s> as BOS and </s> as EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
 def save_tiny(model, path) -> ModelSource:
+    """Save a tiny model with a tokenizer as an HF checkpoint directory our loader accepts."""
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 0
     model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
     return ModelSource(kind="hf", path=path, name=str(path))
 
 

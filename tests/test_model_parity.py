@@ -5,7 +5,7 @@ Tolerance: float32 on both sides; max |diff| <= 1e-4 * max(1, max |logit|).
 import pytest
 import torch
 
-from tests.model_utils import load_ours, run_chunks, save_tiny, tiny_hf_model
+from tests.model_utils import VOCAB, load_ours, run_chunks, save_tiny, tiny_hf_model
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "gemma3"]
 
@@ -30,12 +30,12 @@ def _ref_logits(hf, ids):
 
 def test_full_sequence_logits_match_transformers(pair):
     _, hf, ours = pair
-    ids = torch.randint(0, 211, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     _close(run_chunks(ours, ids, [37]), _ref_logits(hf, ids))
 
 
 def test_chunked_prefill_and_decode_match_full_forward(pair):
     """Prefill in uneven chunks over a cached prefix, then single-token decode steps: same logits."""
     _, hf, ours = pair
-    ids = torch.randint(0, 211, (41,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(4)).tolist()
     _close(run_chunks(ours, ids, [5, 13, 1, 17, 1, 1, 1, 1, 1]), _ref_logits(hf, ids))
