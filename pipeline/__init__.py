@@ -1,0 +1,1 @@
+"""batchgen pipeline: job files, datasets in, prefix-aware plan, engine, Parquet out."""

@@ -1,0 +1,128 @@
+"""The ``batchgen`` command: submit, validate, plan (+ commands other modules plug in).
+
+User mistakes (bad job files, unreadable inputs, a held lock, a full disk) print one clear message and exit
+with code 2, never a traceback. An interrupted run (SIGTERM / Ctrl-C) exits 130 and says how to resume.
+
+Plug-ins: a module ``pipeline.cli_<name>`` in ``PLUGINS`` that exists and has a ``commands`` list of click
+commands gets them added to the group; nothing here needs editing for that.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+import click
+
+from engine.errors import BatchgenError
+
+PLUGINS = ("cli_schedule", "cli_report", "cli_calibrate", "cli_bench", "cli_status")
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def _user_errors(fn):
+    """Turn BatchgenError (ours and the engine's) into one message on stderr and exit code 2."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from pipeline.runner import Interrupted
+        try:
+            return fn(*args, **kwargs)
+        except Interrupted as e:
+            click.echo(f"batchgen: {e}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except BatchgenError as e:
+            n = len(getattr(e, "problems", ()) or ())
+            head = f"batchgen: {n} problem{'s' if n != 1 else ''} found:\n" if n else "batchgen: "
+            click.echo(head + str(e), err=True)
+            sys.exit(EXIT_USER_ERROR)
+        except KeyboardInterrupt:
+            click.echo("batchgen: interrupted; finished rows are committed. Run the same command again to "
+                       "resume.", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="batchgen", message="batchgen %(version)s")
+def main():
+    """batchgen: summarize Parquet / datasets documents with an LLM, prefix-aware, resumable."""
+
+
+job_files = click.argument("job_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+
+
+@main.command()
+@job_files
+def validate(job_files):
+    """Check job files without running the model; report every problem with file, key and line."""
+    from pipeline.validate import validate_files
+    jobs, problems = validate_files(list(job_files))
+    if problems:
+        click.echo(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found:", err=True)
+        for p in problems:
+            click.echo(f"  {p}", err=True)
+        sys.exit(EXIT_USER_ERROR)
+    for job in jobs:
+        click.echo(f"{job.file}: ok ({job.name}: {job.input.path} -> {job.output.path}, model {job.model})")
+
+
+@main.command()
+@job_files
+@_user_errors
+def plan(job_files):
+    """Dry run: documents, prompt tokens, tokens to compute after prefix sharing, predicted hit rate."""
+    from pipeline.runner import run_jobs
+    from pipeline.validate import load_valid_jobs
+    jobs = load_valid_jobs(list(job_files))
+    for report in run_jobs(jobs, dry_run=True):
+        p = report.plan
+        click.echo(f"model {report.model_info.get('name')} (block size {p.block_size}):")
+        for jr in report.jobs:
+            done = f", {jr.reused} already done" if jr.reused else ""
+            errs = f", {jr.row_errors} bad rows" if jr.row_errors else ""
+            click.echo(f"  {jr.job.name}: {jr.num_rows} documents{done}{errs}; {jr.spill_rows} to compute, "
+                       f"{jr.planned_prompt_tokens:,} prompt tokens, predicted hit rate "
+                       f"{_pct(jr.predicted_cached, jr.planned_prompt_tokens)}")
+        click.echo(f"  total: {p.num_requests} documents in {len(p.group_order)} prefix groups, "
+                   f"{p.prompt_tokens:,} prompt tokens, {p.tokens_to_compute:,} to compute after sharing, "
+                   f"predicted cache hit rate {_pct(p.cached_tokens, p.prompt_tokens)}")
+
+
+@main.command()
+@job_files
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first bad row (rows done so far are kept).")
+@_user_errors
+def submit(job_files, quiet, fail_fast):
+    """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume."""
+    from pipeline.runner import RunOptions, run_jobs
+    from pipeline.validate import load_valid_jobs
+    jobs = load_valid_jobs(list(job_files))
+    for report in run_jobs(jobs, options=RunOptions(quiet=quiet, fail_fast=fail_fast)):
+        click.echo(report.summary)
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{100 * a / b:.1f}%" if b else "n/a"
+
+
+def _load_plugins() -> None:
+    for name in PLUGINS:
+        modname = f"pipeline.{name}"
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name == modname:
+                continue
+            click.echo(f"batchgen: warning: cannot load {modname} ({e})", err=True)
+            continue
+        except Exception as e:   # NOTE: a broken plug-in must not take submit/validate down with it
+            click.echo(f"batchgen: warning: cannot load {modname} ({type(e).__name__}: {e})", err=True)
+            continue
+        for cmd in getattr(mod, "commands", []):
+            main.add_command(cmd)
+
+
+_load_plugins()

@@ -1,0 +1,200 @@
+"""Datasets in, Parquet out.
+
+Input: a Parquet file, a directory of Parquet files, a glob, or a ``datasets`` ``save_to_disk`` directory,
+always read in record batches (memory stays bounded). Output: Parquet written atomically (temp file +
+``os.replace``), either one file or a directory of shards.
+"""
+from __future__ import annotations
+
+import glob as globlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import RunError
+
+
+class InputError(Exception):
+    """An input that cannot be read; the message names the path. Turned into a job Problem by the caller."""
+
+
+def input_files(path: str) -> list[Path]:
+    """The Parquet files a path names, sorted (so row order is stable)."""
+    if any(c in path for c in "*?["):
+        files = sorted(Path(p) for p in globlib.glob(path, recursive=True) if Path(p).is_file())
+        if not files:
+            raise InputError(f"{path}: the glob matches no files")
+        return files
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*.parquet") if f.is_file() and not f.name.startswith((".", "_")))
+        if not files:
+            raise InputError(f"{path}: directory contains no .parquet files")
+        return files
+    if p.is_file():
+        return [p]
+    raise InputError(f"{path}: no such file or directory")
+
+
+def _open_dataset(path: str, split: str | None):
+    import datasets  # NOTE: imported lazily; it is slow to import and most jobs read Parquet.
+    try:
+        ds = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise InputError(f"{path}: not a dataset saved with save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            if len(ds) != 1:
+                raise InputError(f"{path}: the dataset has splits {', '.join(ds)}; choose one with input.split")
+            split = next(iter(ds))
+        if split not in ds:
+            raise InputError(f"{path}: no split {split!r}; splits are {', '.join(ds)}")
+        ds = ds[split]
+    return ds
+
+
+def input_schema(path: str, fmt: str, split: str | None = None) -> pa.Schema:
+    """The input's schema (read from file metadata only)."""
+    if fmt == "datasets":
+        return _open_dataset(path, split).data.schema
+    files = input_files(path)
+    try:
+        return pq.read_schema(files[0])
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{files[0]}: not a readable Parquet file ({e})") from None
+
+
+def count_rows(path: str, fmt: str, split: str | None = None, limit: int | None = None) -> int:
+    if fmt == "datasets":
+        n = _open_dataset(path, split).num_rows
+    else:
+        n = 0
+        for f in input_files(path):
+            try:
+                n += pq.ParquetFile(f).metadata.num_rows
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"{f}: not a readable Parquet file ({e})") from None
+    return n if limit is None else min(n, limit)
+
+
+def iter_batches(path: str, fmt: str, columns: list[str], batch_size: int = 1024, split: str | None = None,
+                 limit: int | None = None) -> Iterator[pa.RecordBatch]:
+    """Yield record batches of ``columns`` in input order, at most ``limit`` rows in total."""
+    remaining = limit if limit is not None else float("inf")
+    if fmt == "datasets":
+        table = _open_dataset(path, split).data.table.select(columns)   # memory-mapped Arrow, not loaded
+        sources = [table.to_batches(max_chunksize=batch_size)]
+    else:
+        sources = (_parquet_batches(f, columns, batch_size) for f in input_files(path))
+    for source in sources:
+        for batch in source:
+            if remaining <= 0:
+                return
+            if batch.num_rows > remaining:
+                batch = batch.slice(0, int(remaining))
+            remaining -= batch.num_rows
+            if batch.num_rows:
+                yield batch
+
+
+def _parquet_batches(f: Path, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+    try:
+        yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{f}: cannot read Parquet ({e})") from None
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_parquet_atomic(table: pa.Table, path: str | Path) -> None:
+    """Write ``table`` to ``path`` so that readers see the old file or the whole new one, never a part.
+
+    Raises ``RunError`` on a full disk (the temp file is removed; the old file is untouched).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression="zstd")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write {path}: {e.strerror or e}. What was committed before is intact; "
+                       "free space / fix permissions and run the same command again to resume.") from None
+
+
+def write_bytes_atomic(data: bytes, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def write_output(batches: Iterator[pa.Table], path: str | Path, directory: bool) -> int:
+    """Write the output: one file, or (``directory``) a dir of ``part-NNNNN.parquet`` shards, one per batch.
+
+    A directory is built next to the target and swapped in with two renames (the old one is removed after),
+    so the target never holds a mix of old and new shards. Returns the number of rows written.
+    """
+    path = Path(path)
+    if not directory:
+        tables = list(batches)
+        table = pa.concat_tables(tables) if tables else None
+        if table is None:
+            raise ValueError("no output tables")
+        write_parquet_atomic(table, path)
+        return table.num_rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    rows = 0
+    try:
+        for i, table in enumerate(batches):
+            write_parquet_atomic(table, tmp / f"part-{i:05d}.parquet")
+            rows += table.num_rows
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return rows
+
+
+def read_output(path: str | Path) -> pa.Table:
+    """Read an output written by ``write_output`` (file or shard directory)."""
+    path = Path(path)
+    if path.is_dir():
+        return pa.concat_tables([pq.read_table(f) for f in sorted(path.glob("part-*.parquet"))])
+    return pq.read_table(path)

@@ -1,0 +1,321 @@
+"""The job file: one YAML file per job, parsed into a frozen ``Job`` with every problem reported at once.
+
+Paths in a job are relative to the current directory. Parsing (``load_job``) checks the file's shape: YAML syntax, unknown keys (with a did-you-mean), missing keys,
+types, enums, and the generation / engine sections (built into ``SamplingParams`` / ``EngineConfig``). Each
+problem names the file, the dotted key and the YAML line. Checks that need the outside world (input files and
+columns, output path, model, cron) live in ``pipeline.validate``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import EngineConfig
+from engine.errors import BatchgenError
+from engine.sampling_params import SamplingParams
+from pipeline.errors import JobError, Problem
+
+DEFAULT_MODEL = "gemma-3-270m"
+DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
+DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSummarize the document."
+BUILTIN_PLACEHOLDERS = ("system", "reference", "document")
+
+
+class _Enum(tuple):
+    """Allowed string values of a key."""
+
+
+# Schema: key -> (type, required). Types: str, int, float, bool, list (of str), _Enum(...), or a nested dict.
+_INPUT = {
+    "path": (str, True),
+    "format": (_Enum(("parquet", "datasets")), False),
+    "id_column": (str, False),
+    "split": (str, False),
+    "limit": (int, False),
+    "batch_size": (int, False),
+    "allow_duplicate_ids": (bool, False),
+}
+_PROMPT = {
+    "system": (str, False),
+    "system_column": (str, False),
+    "reference": (str, False),
+    "reference_column": (str, False),
+    "document_column": (str, False),
+    "template": (str, False),
+    "chat_template": (bool, False),
+    "on_too_long": (_Enum(("error", "truncate_document")), False),
+}
+_OUTPUT = {
+    "path": (str, True),
+    "include_columns": (list, False),
+    "rows_per_shard": (int, False),
+}
+
+
+def _dataclass_schema(cls, skip=()) -> dict:
+    kinds = {"int": int, "float": float, "bool": bool, "str": str, "int | None": int, "float | None": float,
+             "str | None": str, "tuple[str, ...]": list, "tuple[int, ...]": "int_list", "int | str | None": str}
+    return {f.name: (kinds.get(str(f.type), str), False) for f in dataclasses.fields(cls) if f.name not in skip}
+
+
+_GENERATION = _dataclass_schema(SamplingParams)
+_ENGINE = _dataclass_schema(EngineConfig, skip=("model",))
+_TOP = {
+    "name": (str, True),
+    "description": (str, False),
+    "model": (str, False),
+    "input": (_INPUT, True),
+    "prompt": (_PROMPT, True),
+    "generation": (_GENERATION, False),
+    "output": (_OUTPUT, True),
+    "engine": (_ENGINE, False),
+    "schedule": (str, False),
+}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str
+    format: str                     # "parquet" | "datasets"
+    id_column: str | None = None    # None -> the row number is the id
+    split: str | None = None        # for a saved DatasetDict
+    limit: int | None = None        # only the first N rows
+    batch_size: int = 1024
+    allow_duplicate_ids: bool = False
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    system: str | None = None
+    system_column: str | None = None
+    reference: str | None = None
+    reference_column: str | None = None
+    document_column: str = "document"
+    template: str = DEFAULT_TEMPLATE
+    chat_template: bool = False
+    on_too_long: str = "error"
+
+    @property
+    def placeholders(self) -> list[str]:
+        return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: str
+    include_columns: tuple[str, ...] = ()
+    rows_per_shard: int = 100_000   # a directory output is split into shards of this many rows
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    file: str
+    input: InputSpec
+    prompt: PromptSpec
+    output: OutputSpec
+    model: str = DEFAULT_MODEL
+    description: str | None = None
+    generation: dict = field(default_factory=dict)   # SamplingParams fields, as written
+    engine: dict = field(default_factory=dict)       # EngineConfig overrides, as written
+    schedule: str | None = None
+    lines: dict = field(default_factory=dict, compare=False, repr=False)  # dotted key -> YAML line
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.generation)
+
+    def line(self, key: str) -> int | None:
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key.rpartition(".")[0]
+        return None
+
+    def problem(self, key: str | None, message: str) -> Problem:
+        return Problem(self.file, key, message, self.line(key) if key else None)
+
+
+def _line_map(node, prefix: str = "", out: dict | None = None) -> dict:
+    """Dotted key -> 1-based line of that key in the YAML file."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}.{k.value}" if prefix else str(k.value)
+            out[key] = k.start_mark.line + 1
+            _line_map(v, key, out)
+    return out
+
+
+def _check_type(value: Any, kind, key: str, problems: list[tuple[str, str]]) -> Any:
+    def bad(expected: str):
+        problems.append((key, f"expected {expected}, got {type(value).__name__} {value!r}"))
+
+    if isinstance(kind, _Enum):
+        if value not in kind:
+            hint = difflib.get_close_matches(str(value), list(kind), n=1)
+            problems.append((key, f"must be one of {', '.join(kind)}; got {value!r}"
+                                  + (f" (did you mean {hint[0]!r}?)" if hint else "")))
+    elif kind is bool and not isinstance(value, bool):
+        bad("true or false")
+    elif kind is int and (isinstance(value, bool) or not isinstance(value, int)) and value is not None:
+        bad("an integer")
+    elif kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        bad("a number")
+    elif kind is str and not isinstance(value, str):
+        bad("a string")
+    elif kind is list:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            bad("a list of strings")
+    elif kind == "int_list":
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            bad("a list of integers")
+    return value
+
+
+def _check_mapping(data: Any, schema: dict, prefix: str, problems: list[tuple[str, str]]) -> dict:
+    if not isinstance(data, dict):
+        problems.append((prefix or "(top level)", f"expected a mapping of keys, got {type(data).__name__}"))
+        return {}
+    out = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in schema:
+            hint = difflib.get_close_matches(str(key), list(schema), n=1)
+            problems.append((dotted, "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint
+                                                     else f"; known keys: {', '.join(schema)}")))
+            continue
+        kind, _ = schema[key]
+        if isinstance(kind, dict):
+            out[key] = _check_mapping(value, kind, dotted, problems)
+        else:
+            out[key] = _check_type(value, kind, dotted, problems)
+    for key, (_, required) in schema.items():
+        if required and key not in data:
+            problems.append((f"{prefix}.{key}" if prefix else key, "missing required key"))
+    return out
+
+
+def load_job(path: str | Path) -> Job:
+    """Parse and shape-check one job file. Raises ``JobError`` listing every problem found."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError([Problem(file, None, f"cannot read job file ({e})")]) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        detail = " ".join(str(x) for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x)
+        raise JobError([Problem(file, None, f"YAML syntax error: {detail or e}",
+                                mark.line + 1 if mark else None)]) from None
+    lines = _line_map(node) if node is not None else {}
+    raw: list[tuple[str, str]] = []
+    d = _check_mapping(data if data is not None else {}, _TOP, "", raw)
+    problems = [Problem(file, k, m, _nearest_line(lines, k)) for k, m in raw]
+    if problems:
+        raise JobError(problems)
+
+    inp, pr, out = d["input"], d["prompt"], d["output"]
+    name = d["name"]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        problems.append(Problem(file, "name", f"must be letters, digits, '-', '_' or '.'; got {name!r}",
+                                lines.get("name")))
+    fmt = inp.get("format") or ("datasets" if _looks_like_saved_dataset(inp["path"]) else "parquet")
+    for a, b in (("system", "system_column"), ("reference", "reference_column")):
+        if a in pr and b in pr:
+            problems.append(Problem(file, f"prompt.{b}", f"give either prompt.{a} or prompt.{b}, not both",
+                                    lines.get(f"prompt.{b}")))
+    prompt = PromptSpec(**{k: v for k, v in pr.items()})
+    if "template" not in pr and pr.get("chat_template"):
+        prompt = dataclasses.replace(prompt, template=DEFAULT_CHAT_TEMPLATE)
+    if "document" not in prompt.placeholders:
+        problems.append(Problem(file, "prompt.template", "must contain the {document} placeholder",
+                                lines.get("prompt.template")))
+    try:
+        list(string.Formatter().parse(prompt.template))
+    except ValueError as e:
+        problems.append(Problem(file, "prompt.template", f"not a valid template ({e}); write literal braces "
+                                "as {{ and }}", lines.get("prompt.template")))
+    for key in ("limit", "batch_size"):
+        if inp.get(key) is not None and inp[key] < 1:
+            problems.append(Problem(file, f"input.{key}", f"must be >= 1, got {inp[key]}",
+                                    lines.get(f"input.{key}")))
+    if out.get("rows_per_shard") is not None and out["rows_per_shard"] < 1:
+        problems.append(Problem(file, "output.rows_per_shard", "must be >= 1", lines.get("output.rows_per_shard")))
+    gen, eng = d.get("generation") or {}, d.get("engine") or {}
+    for section, build in (("generation", lambda: SamplingParams(**gen)),
+                           ("engine", lambda: EngineConfig(model=d.get("model", DEFAULT_MODEL), **eng))):
+        try:
+            build()
+        except (BatchgenError, TypeError, ValueError) as e:
+            key = next((f"{section}.{k}" for k in (gen if section == "generation" else eng) if k in str(e)),
+                       section)
+            problems.append(Problem(file, key, str(e), _nearest_line(lines, key)))
+    if problems:
+        raise JobError(problems)
+    return Job(
+        name=name, file=file, model=d.get("model", DEFAULT_MODEL),
+        description=d.get("description"),
+        input=InputSpec(path=inp["path"], format=fmt, id_column=inp.get("id_column"),
+                        split=inp.get("split"), limit=inp.get("limit"), batch_size=inp.get("batch_size") or 1024,
+                        allow_duplicate_ids=inp.get("allow_duplicate_ids", False)),
+        prompt=prompt,
+        output=OutputSpec(path=out["path"],
+                          include_columns=tuple(out.get("include_columns") or ()),
+                          rows_per_shard=out.get("rows_per_shard") or 100_000),
+        generation=gen, engine=eng, schedule=d.get("schedule"), lines=lines,
+    )
+
+
+def _nearest_line(lines: dict, key: str) -> int | None:
+    while key:
+        if key in lines:
+            return lines[key]
+        key = key.rpartition(".")[0]
+    return None
+
+
+def _looks_like_saved_dataset(p: str) -> bool:
+    cand = Path(p)
+    return (cand / "dataset_info.json").is_file() or (cand / "dataset_dict.json").is_file()
+
+
+def load_jobs(paths: list[str | Path]) -> list[Job]:
+    """Parse several job files; collect every file's problems plus cross-job ones (names, output paths)."""
+    jobs, problems = [], []
+    for p in paths:
+        try:
+            jobs.append(load_job(p))
+        except JobError as e:
+            problems.extend(e.problems)
+    problems.extend(cross_job_problems(jobs))
+    if problems:
+        raise JobError(problems)
+    return jobs
+
+
+def cross_job_problems(jobs: list[Job]) -> list[Problem]:
+    problems, names, outputs = [], {}, {}
+    for job in jobs:
+        if job.name in names:
+            problems.append(job.problem("name", f"job name {job.name!r} is also used by {names[job.name]}; "
+                                                "names must be unique among jobs submitted together"))
+        names.setdefault(job.name, job.file)
+        out = str(Path(job.output.path).resolve())
+        if out in outputs:
+            problems.append(job.problem("output.path", f"{job.output.path} is also the output of "
+                                                       f"{outputs[out]}; each job needs its own output path"))
+        outputs.setdefault(out, job.file)
+    return problems

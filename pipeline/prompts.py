@@ -1,0 +1,170 @@
+"""Row -> prompt: render the job's template around one document and tokenize it in three parts.
+
+A prompt is ``head + document + tail``. The head (everything the template puts before ``{document}``:
+system prompt, reference material, other columns) is the planner's grouping key; every document under the
+same head shares its token ids exactly, because the three parts are tokenized separately:
+
+    [ head ids (BOS + system + reference ...) | document ids | tail ids ("\\n\\nSummary:") ]
+
+NOTE: tokenizing the parts separately can differ from tokenizing the joined string at the two seams; it is
+what makes prefix sharing exact, and the template's newlines keep the seams on token boundaries in practice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pipeline.job import BUILTIN_PLACEHOLDERS, PromptSpec
+
+_SENTINEL = "\x00BATCHGEN_DOCUMENT\x00"
+
+
+class RowError(Exception):
+    """One row cannot be turned into a prompt; the message becomes that output row's ``error``."""
+
+
+@dataclass(frozen=True)
+class RenderedRow:
+    head: str
+    document: str
+    tail: str
+
+    @property
+    def text(self) -> str:
+        return self.head + self.document + self.tail
+
+
+def template_columns(spec: PromptSpec) -> list[str]:
+    """Input columns the template names besides the built-in placeholders."""
+    return [f for f in dict.fromkeys(spec.placeholders) if f not in BUILTIN_PLACEHOLDERS]
+
+
+def needed_columns(spec: PromptSpec) -> list[str]:
+    cols = [spec.document_column]
+    cols += [c for c in (spec.system_column, spec.reference_column) if c]
+    cols += template_columns(spec)
+    return list(dict.fromkeys(cols))
+
+
+def _cell_text(value, column: str, *, required: bool) -> str:
+    if value is None:
+        if required:
+            raise RowError(f"column {column!r} is null")
+        return ""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RowError(f"column {column!r} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not isinstance(value, str):
+        if required:
+            raise RowError(f"column {column!r} must be text, got {type(value).__name__}")
+        return str(value)
+    if required and not value.strip():
+        raise RowError(f"column {column!r} is empty")
+    return value
+
+
+class PromptRenderer:
+    """Renders rows of one job into ``RenderedRow``s and token ids, with the job's tokenizer."""
+
+    def __init__(self, spec: PromptSpec, tokenizer=None):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self._pieces = list(string.Formatter().parse(spec.template))
+        self._encode_cached = lru_cache(maxsize=4096)(self._encode_part)
+
+    # ---- text -------------------------------------------------------------------------------------------
+    def render(self, row: dict) -> RenderedRow:
+        """Render one row (a dict of column -> value). Raises ``RowError`` for a bad cell."""
+        spec = self.spec
+        document = _cell_text(row.get(spec.document_column), spec.document_column, required=True)
+        system = (_cell_text(row.get(spec.system_column), spec.system_column, required=True)
+                  if spec.system_column else spec.system or "")
+        reference = (_cell_text(row.get(spec.reference_column), spec.reference_column, required=True)
+                     if spec.reference_column else spec.reference or "")
+        values = {"system": system, "reference": reference}
+        for col in template_columns(spec):
+            values[col] = _cell_text(row.get(col), col, required=False)
+        if spec.chat_template:
+            return self._render_chat(values, document)
+        head, tail, seen_doc = [], [], False
+        for literal, field, fmt, conv in self._pieces:
+            (tail if seen_doc else head).append(literal)
+            if field is None:
+                continue
+            if field == "document" and not seen_doc:
+                seen_doc = True
+                continue
+            value = document if field == "document" else values[field]
+            (tail if seen_doc else head).append(format(value, fmt) if fmt else value)
+        return RenderedRow("".join(head), document, "".join(tail))
+
+    def _render_chat(self, values: dict, document: str) -> RenderedRow:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise RowError("prompt.chat_template is true but the model's tokenizer has no chat template")
+        user = self.spec.template.format_map({**values, "document": _SENTINEL})
+        messages = ([{"role": "system", "content": values["system"]}] if values["system"] else [])
+        messages.append({"role": "user", "content": user})
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        head, _, tail = text.partition(_SENTINEL)
+        return RenderedRow(head, document, tail.replace(_SENTINEL, document))
+
+    # ---- tokens -----------------------------------------------------------------------------------------
+    def _encode_part(self, text: str, is_head: bool) -> tuple[int, ...]:
+        tok = self.tokenizer
+        add_special = is_head and not (tok.bos_token and text.startswith(tok.bos_token))
+        return tuple(tok.encode(text, add_special_tokens=add_special))
+
+    def head_ids(self, head: str) -> tuple[int, ...]:
+        return self._encode_cached(head, True)
+
+    def tail_ids(self, tail: str) -> tuple[int, ...]:
+        return self._encode_cached(tail, False)
+
+    def document_ids(self, documents: list[str]) -> list[list[int]]:
+        """Tokenize many documents at once (fast tokenizers batch them in native code)."""
+        if not documents:
+            return []
+        return list(self.tokenizer(documents, add_special_tokens=False)["input_ids"])
+
+    def fit(self, head: tuple[int, ...], doc: list[int], tail: tuple[int, ...], max_model_len: int,
+            max_tokens: int) -> list[int]:
+        """Apply the job's ``on_too_long`` policy: the prompt plus ``max_tokens`` must fit the context.
+
+        Returns the (possibly truncated) document ids; raises ``RowError`` when it cannot fit.
+        """
+        total = len(head) + len(doc) + len(tail)
+        if total + max_tokens <= max_model_len:
+            return doc
+        room = max_model_len - max_tokens - len(head) - len(tail)
+        if self.spec.on_too_long == "truncate_document" and room > 0:
+            return doc[:room]
+        if room <= 0:
+            raise RowError(f"the template, system prompt and reference alone are {len(head) + len(tail)} "
+                           f"tokens; with max_tokens {max_tokens} they exceed the model's context of "
+                           f"{max_model_len} tokens")
+        raise RowError(f"prompt is {total} tokens; with max_tokens {max_tokens} it exceeds the model's "
+                       f"context of {max_model_len} tokens (set prompt.on_too_long: truncate_document to "
+                       f"cut the document to {room} tokens)")
+
+
+def row_key(row_id: str, content: str, fingerprint: str) -> str:
+    """Idempotency key: the row id plus a hash of what determines the row's result.
+
+    ``content`` is the rendered prompt (or the bad cell for a row error); ``fingerprint`` covers the model
+    identity, generation parameters and prompt policy (see ``runner.job_fingerprint``).
+    """
+    h = hashlib.sha256()
+    h.update(fingerprint.encode())
+    h.update(b"\0")
+    h.update(content.encode("utf-8", "surrogatepass"))
+    return f"{row_id}#{h.hexdigest()[:20]}"
+
+
+def fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

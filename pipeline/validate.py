@@ -1,0 +1,140 @@
+"""Checks on a parsed job that need the outside world, without running the model.
+
+Input files readable and their columns present with the right types, template placeholders that are
+columns, output path writable, model resolvable, cron expression valid. Every problem names the job file,
+the key and its YAML line (see ``Job.problem``).
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import pyarrow as pa
+
+from pipeline.errors import JobError, Problem
+from pipeline.io import InputError, count_rows, input_schema
+from pipeline.job import Job, cross_job_problems, load_job
+from pipeline.prompts import template_columns
+from pipeline.state import RESULT_COLUMNS
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) \
+        or pa.types.is_large_binary(t) or pa.types.is_null(t)
+
+
+def _column_problem(job: Job, key: str, col: str, schema: pa.Schema) -> Problem:
+    hint = difflib.get_close_matches(col, schema.names, n=1)
+    return job.problem(key, f"column {col!r} is not in the input {job.input.path}"
+                       + (f" (did you mean {hint[0]!r}?)" if hint else f"; columns are {', '.join(schema.names)}"))
+
+
+def check_job(job: Job) -> list[Problem]:
+    problems: list[Problem] = []
+    try:
+        schema = input_schema(job.input.path, job.input.format, job.input.split)
+        count_rows(job.input.path, job.input.format, job.input.split)   # every Parquet footer readable
+    except InputError as e:
+        problems.append(job.problem("input.path", str(e)))
+        schema = None
+    if schema is not None:
+        p = job.prompt
+        text_cols = [("prompt.document_column", p.document_column),
+                     ("prompt.system_column", p.system_column), ("prompt.reference_column", p.reference_column)]
+        for key, col in text_cols:
+            if col is None:
+                continue
+            if col not in schema.names:
+                problems.append(_column_problem(job, key, col, schema))
+            elif not _is_text(schema.field(col).type):
+                problems.append(job.problem(key, f"column {col!r} must hold text (string), but its type is "
+                                                 f"{schema.field(col).type}"))
+        if job.input.id_column and job.input.id_column not in schema.names:
+            problems.append(_column_problem(job, "input.id_column", job.input.id_column, schema))
+        for col in template_columns(p):
+            if col not in schema.names:
+                hint = difflib.get_close_matches(col, schema.names + ["system", "reference", "document"], n=1)
+                problems.append(job.problem("prompt.template", f"placeholder {{{col}}} is neither system, "
+                                            "reference, document nor an input column"
+                                            + (f" (did you mean {{{hint[0]}}}?)" if hint else "")))
+        for col in job.output.include_columns:
+            if col not in schema.names:
+                problems.append(_column_problem(job, "output.include_columns", col, schema))
+            elif col in RESULT_COLUMNS:
+                problems.append(job.problem("output.include_columns", f"column {col!r} clashes with an output "
+                                            f"column of the same name ({', '.join(RESULT_COLUMNS)})"))
+    if "system" in job.prompt.placeholders and job.prompt.system is None and job.prompt.system_column is None:
+        problems.append(job.problem("prompt", "the template uses {system} but neither prompt.system nor "
+                                              "prompt.system_column is set"))
+    if "reference" in job.prompt.placeholders and job.prompt.reference is None \
+            and job.prompt.reference_column is None:
+        problems.append(job.problem("prompt", "the template uses {reference} but neither prompt.reference nor "
+                                              "prompt.reference_column is set"))
+    problems.extend(_output_problems(job))
+    problems.extend(_model_problems(job))
+    if job.schedule is not None:
+        try:
+            from croniter import croniter
+            ok = croniter.is_valid(job.schedule)
+        except ImportError:
+            ok = True
+        if not ok:
+            problems.append(job.problem("schedule", f"{job.schedule!r} is not a valid cron expression "
+                                                    "(five fields: minute hour day month weekday)"))
+    return problems
+
+
+def _output_problems(job: Job) -> list[Problem]:
+    out = Path(job.output.path)
+    is_file = str(out).endswith(".parquet")
+    if out.exists() and is_file and out.is_dir():
+        return [job.problem("output.path", f"{out} is a directory; name a .parquet file or a directory path "
+                                           "without the .parquet suffix")]
+    if out.exists() and not is_file and out.is_file():
+        return [job.problem("output.path", f"{out} is an existing file; a path without .parquet is written as "
+                                           "a directory of shards")]
+    if Path(job.input.path).exists() and out.resolve() == Path(job.input.path).resolve():
+        return [job.problem("output.path", "the output path is the input path; it would overwrite the input")]
+    anc = out.parent
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir() or not os.access(anc, os.W_OK | os.X_OK):
+        return [job.problem("output.path", f"cannot write under {anc} (not a writable directory)")]
+    if out.exists() and not os.access(out, os.W_OK):
+        return [job.problem("output.path", f"{out} exists and is not writable")]
+    return []
+
+
+def _model_problems(job: Job) -> list[Problem]:
+    # NOTE: resolving the model name is a file-system check the door does not offer yet; the engine's
+    # resolver is the one source of truth for what a model spec may be, so it is used as is.
+    from engine.errors import BatchgenError
+    from engine.loader.resolve import resolve_model
+    try:
+        resolve_model(job.model)
+    except BatchgenError as e:
+        return [job.problem("model", str(e))]
+    return []
+
+
+def validate_files(paths: list[str]) -> tuple[list[Job], list[Problem]]:
+    """Parse and check every job file; return the jobs that parsed and every problem found."""
+    jobs, problems = [], []
+    for p in paths:
+        try:
+            job = load_job(p)
+        except JobError as e:
+            problems.extend(e.problems)
+            continue
+        jobs.append(job)
+        problems.extend(check_job(job))
+    problems.extend(cross_job_problems(jobs))
+    return jobs, problems
+
+
+def load_valid_jobs(paths: list[str]) -> list[Job]:
+    jobs, problems = validate_files(paths)
+    if problems:
+        raise JobError(problems)
+    return jobs

@@ -1,0 +1,194 @@
+"""Shared fixtures. Coordinate by only adding.
+
+* ``tiny_tokenizer`` / ``tiny_llama_dir``: a small byte-level BPE tokenizer and a tiny random Llama saved
+  as an HF checkpoint directory (config.json + model.safetensors + tokenizer), no download.
+* ``fake_llm_factory``: an engine stand-in with the LLM door (add_request / step / pins / model_info) and a
+  block-level prefix cache, for fast pipeline tests.
+* ``make_docs_dataset``: a small documents dataset (Parquet) under a few reference texts.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import types
+
+import pytest
+
+_WORDS = ("the customer asked about a refund for an order that arrived late and the agent explained the "
+          "policy on returns shipping damaged items warranty invoices billing account password reset "
+          "delivery tracking number store credit replacement product manual battery charger screen "
+          "subscription renewal cancel plan upgrade support ticket priority response hours weekend").split()
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(_WORDS) for _ in range(30)) for _ in range(200)]
+    return lines + ["Reference:\nDocument:\nSummary: You are a helpful assistant. 0123456789 .,;:!?-'\"()"] * 5
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A small byte-level BPE tokenizer (vocab 512) with <s> as BOS (added by add_special_tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny random Llama (2 layers, hidden 64) + tokenizer saved as an HF checkpoint dir; returns its path."""
+    import torch
+    import transformers as tf
+
+    path = tmp_path_factory.mktemp("tiny_llama_ckpt")
+    cfg = tf.LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+class FakeLLM:
+    """The LLM door over a pretend model: prefix cache by block chains, no real compute.
+
+    Each step runs up to ``max_num_seqs`` waiting requests (by priority) to completion. Hits are looked up
+    for all of a step's requests before any of them adds blocks (so same-step requests do not share,
+    as in a real engine where blocks are cached once computed).
+    """
+
+    def __init__(self, tokenizer, block_size=16, max_num_seqs=8, max_model_len=4096, **_):
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.config = types.SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
+        self.max_model_len = max_model_len
+        self.cache: set[str] = set()
+        self.waiting: list = []
+        self.pins: dict[int, list[int]] = {}
+        self.pin_calls = 0
+        self.steps = 0
+        self.added: list[str] = []
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def model_info(self):
+        return {"name": "fake", "identity": "fake-identity", "architecture": "Fake", "dtype": "float32",
+                "device": "cpu", "max_model_len": self.max_model_len, "block_size": self.block_size}
+
+    def _chain(self, ids):
+        h, out = "", []
+        for b in range(len(ids) // self.block_size):
+            h = hashlib.sha256((h + repr(ids[b * self.block_size:(b + 1) * self.block_size])).encode()).hexdigest()
+            out.append(h)
+        return out
+
+    def add_request(self, request_id, prompt, params, priority=0):
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.waiting.append((priority, len(self.added), request_id, ids, params))
+        self.added.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting)
+
+    def num_unfinished_requests(self):
+        return len(self.waiting)
+
+    def pin_prefix(self, token_ids):
+        self.pin_calls += 1
+        self.pins[self.pin_calls] = list(token_ids)
+        return self.pin_calls
+
+    def unpin_prefix(self, pin_id):
+        self.pins.pop(pin_id, None)
+
+    def step(self):
+        from engine.outputs import RequestMetrics, RequestOutput
+        self.steps += 1
+        self.waiting.sort(key=lambda r: (r[0], r[1]))
+        batch, self.waiting = self.waiting[:self.config.max_num_seqs], self.waiting[self.config.max_num_seqs:]
+        outs, new_blocks = [], []
+        for _, _, rid, ids, params in batch:
+            chain = self._chain(ids)
+            hit = 0
+            while hit < min(len(chain), (len(ids) - 1) // self.block_size) and chain[hit] in self.cache:
+                hit += 1
+            new_blocks.extend(chain)
+            m = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, prefill_start_time=0.1,
+                               prefill_end_time=0.2, first_token_time=0.2, token_times=[0.2, 0.3], finish_time=0.3)
+            if len(ids) > self.max_model_len:
+                outs.append(RequestOutput(rid, None, ids, "", [], "error", 0, m,
+                                          error=f"prompt of {len(ids)} tokens exceeds max_model_len"))
+                continue
+            n_out = min(params.max_tokens, 3)
+            text = f"summary-{sum(ids) % 9973}-{len(ids)}"
+            outs.append(RequestOutput(rid, None, ids, text, list(range(3, 3 + n_out)), "length",
+                                      hit * self.block_size, m))
+        self.cache.update(new_blocks)
+        return outs
+
+
+@pytest.fixture
+def fake_llm_factory(tiny_tokenizer):
+    """A factory ``(model, engine_args) -> FakeLLM``; the instances it made are in ``factory.made``."""
+    made = []
+
+    def factory(model, engine_args):
+        llm = FakeLLM(tiny_tokenizer, **engine_args)
+        made.append(llm)
+        return llm
+    factory.made = made
+    return factory
+
+
+REFERENCES = {
+    "returns": "Returns policy. Items may be returned within 30 days of delivery for a full refund. "
+               "Damaged items are replaced at no cost. Refunds go back to the original payment method "
+               "within five business days. Store credit is offered when the receipt is missing.",
+    "billing": "Billing guide. Invoices are issued on the first day of each month. A subscription renews "
+               "automatically unless cancelled before the renewal date. Upgrades are charged pro rata. "
+               "Failed payments are retried three times before the account is paused.",
+    "devices": "Device handbook. The charger must be the one shipped in the box. A battery that does not "
+               "hold charge after one year is covered by the warranty. Screen damage from drops is not "
+               "covered. Reset the device by holding the power button for ten seconds.",
+}
+
+
+def make_docs(n=24, seed=0, shuffle=False):
+    """Rows: id, category, reference (one of REFERENCES), document (20-60 words)."""
+    rng = random.Random(seed)
+    cats = list(REFERENCES)
+    rows = []
+    for i in range(n):
+        cat = cats[i % len(cats)] if i % 5 else cats[0]
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(20, 60)))
+        rows.append({"id": f"doc-{i:04d}", "category": cat, "reference": REFERENCES[cat],
+                     "document": f"{words.capitalize()}. (ticket {i})"})
+    if shuffle:
+        random.Random(seed + 1).shuffle(rows)
+    return rows
+
+
+@pytest.fixture
+def make_docs_dataset(tmp_path):
+    """``make(name, n=24, shuffle=False, rows=None) -> path`` of a Parquet file of documents."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def make(name="docs.parquet", n=24, shuffle=False, rows=None, seed=0):
+        path = tmp_path / name
+        pq.write_table(pa.Table.from_pylist(rows if rows is not None else make_docs(n, seed, shuffle)), path)
+        return path
+    return make

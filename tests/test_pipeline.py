@@ -1,0 +1,134 @@
+"""The runner end to end on the fake engine: one row per input row, in order; resume; shared prefixes."""
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.job import load_job
+from pipeline.runner import Interrupted, RunOptions, run_jobs
+from pipeline.state import state_dir_for
+
+COLUMNS = ["id", "category", "summary", "finish_reason", "prompt_tokens", "cached_tokens", "output_tokens",
+           "queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s", "error"]
+
+
+def write_job(tmp_path, name, data, out=None, extra="", limit=None, system="You are a support analyst."):
+    out = out or tmp_path / f"out/{name}.parquet"
+    text = f"""name: {name}
+input:
+  path: {data}
+  id_column: id
+{f'  limit: {limit}' if limit else ''}
+prompt:
+  system: "{system}"
+  reference_column: reference
+  document_column: document
+generation:
+  max_tokens: 8
+  temperature: 0.0
+output:
+  path: {out}
+  include_columns: [id, category]
+{extra}"""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def run(paths, factory, **opts):
+    return run_jobs([load_job(p) for p in paths], llm_factory=factory, options=RunOptions(quiet=True, **opts))
+
+
+def test_one_row_per_input_in_order(tmp_path, make_docs_dataset, fake_llm_factory):
+    data = make_docs_dataset(n=30)
+    job = write_job(tmp_path, "a", data)
+    [report] = run([job], fake_llm_factory)
+    t = pq.read_table(tmp_path / "out/a.parquet")
+    assert t.column_names[:len(COLUMNS)] == COLUMNS and "row_key" in t.column_names
+    assert t.column("id").to_pylist() == pq.read_table(data).column("id").to_pylist()
+    assert t.column("error").null_count == 30
+    m = json.loads((tmp_path / "out/a.parquet.manifest.json").read_text())
+    assert m["rows"] == 30 and m["this_run"]["predicted_hit_rate"] == m["this_run"]["achieved_hit_rate"]
+    assert report.plan.hit_rate > 0.3
+    assert "achieved" in report.summary
+
+
+def test_shuffled_input_gets_same_hits(tmp_path, make_docs_dataset, fake_llm_factory):
+    a = make_docs_dataset("sorted.parquet", n=40)
+    b = make_docs_dataset("shuffled.parquet", n=40, shuffle=True)
+    [ra] = run([write_job(tmp_path, "s", a)], fake_llm_factory)
+    [rb] = run([write_job(tmp_path, "h", b)], fake_llm_factory)
+    ta, tb = pq.read_table(tmp_path / "out/s.parquet"), pq.read_table(tmp_path / "out/h.parquet")
+    assert sum(ta.column("cached_tokens").to_pylist()) == sum(tb.column("cached_tokens").to_pylist())
+    assert ra.plan.hit_rate == rb.plan.hit_rate
+    assert tb.column("id").to_pylist() == pq.read_table(b).column("id").to_pylist()   # input order kept
+
+
+def test_cross_job_sharing_one_engine(tmp_path, make_docs_dataset, fake_llm_factory):
+    data = make_docs_dataset(n=12)
+    j1, j2 = write_job(tmp_path, "one", data), write_job(tmp_path, "two", data)
+    [report] = run([j1, j2], fake_llm_factory)
+    assert len(fake_llm_factory.made) == 1
+    t2 = pq.read_table(tmp_path / "out/two.parquet")
+    # Every prompt of the second job is a prompt of the first: all heads were computed by job one.
+    assert report.plan.num_requests == 24
+    assert (tmp_path / "out/one.parquet").exists() and t2.num_rows == 12
+
+
+def test_resume_after_interrupt_and_rerun_does_nothing(tmp_path, make_docs_dataset, fake_llm_factory):
+    data = make_docs_dataset(n=30)
+    job = write_job(tmp_path, "r", data)
+    with pytest.raises(Interrupted):
+        run([job], fake_llm_factory, stop_after_rows=10, commit_interval_s=0.0)
+    assert not (tmp_path / "out/r.parquet").exists()
+    [report] = run([job], fake_llm_factory)
+    jr = report.jobs[0]
+    assert jr.reused >= 10 and jr.computed == 30 - jr.reused
+    t = pq.read_table(tmp_path / "out/r.parquet")
+    keys = t.column("row_key").to_pylist()
+    assert len(set(keys)) == 30 and t.column("summary").null_count == 0
+    [again] = run([job], fake_llm_factory)
+    assert again.jobs[0].up_to_date and again.jobs[0].computed == 0 and "up to date" in again.summary
+    assert pq.read_table(tmp_path / "out/r.parquet").equals(t)
+
+
+def test_changed_params_recompute(tmp_path, make_docs_dataset, fake_llm_factory):
+    data = make_docs_dataset(n=10)
+    run([write_job(tmp_path, "c", data)], fake_llm_factory)
+    [report] = run([write_job(tmp_path, "c", data, system="You are terse.")], fake_llm_factory)
+    assert report.jobs[0].changed == 10 and report.jobs[0].computed == 10
+    assert "recomputed because" in report.summary
+
+
+def test_bad_rows_become_error_rows(tmp_path, make_docs_dataset, fake_llm_factory):
+    from tests.conftest import make_docs
+    rows = make_docs(8)
+    rows[1]["document"] = None
+    rows[3]["document"] = "   "
+    rows[5]["document"] = "word " * 3000           # too long for max_model_len 4096 - but fake has 4096
+    data = make_docs_dataset(rows=rows)
+    job = write_job(tmp_path, "bad", data, extra="engine:\n  max_model_len: 512\n")
+    [report] = run([job], lambda m, a: fake_llm_factory(m, {**a, "max_model_len": 512}))
+    t = pq.read_table(tmp_path / "out/bad.parquet")
+    errs = t.column("error").to_pylist()
+    assert t.num_rows == 8
+    assert "null" in errs[1] and "empty" in errs[3] and "context" in errs[5]
+    assert [e is None for e in errs] == [True, False, True, False, True, False, True, True]
+    assert "3 with errors" in report.summary
+
+
+def test_lock_refuses_second_run(tmp_path, make_docs_dataset, fake_llm_factory):
+    import os
+    from pipeline.errors import RunError
+    data = make_docs_dataset(n=4)
+    job = write_job(tmp_path, "l", data)
+    sd = state_dir_for(tmp_path / "out/l.parquet")
+    sd.mkdir(parents=True)
+    (sd / "lock").write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "started": "x"}))
+    with pytest.raises(RunError, match="already running"):
+        run([job], fake_llm_factory)
+    (sd / "lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename, "started": "x"}))
+    run([job], fake_llm_factory)                   # stale lock of a dead process is taken over
+    assert not (sd / "lock").exists()
