@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime
@@ -38,13 +39,17 @@ def _load_jobs(files: list[str]):
     return jobs
 
 
+EXIT_USER_ERROR = 2     # as pipeline.cli
+
+
 @contextmanager
 def _user_errors():
-    """Show batchgen's errors as one message (exit 1), without a traceback."""
+    """Show batchgen's errors as one message on stderr and exit 2, without a traceback (as pipeline.cli)."""
     try:
         yield
     except BatchgenError as e:
-        raise click.ClickException(str(e)) from None
+        click.echo(f"batchgen: {e}", err=True)
+        sys.exit(EXIT_USER_ERROR)
 
 
 @click.group("cron")

@@ -99,14 +99,15 @@ def _field_ok(fields: list[str], i: int) -> bool:
 
 def batchgen_executable() -> list[str]:
     """How cron should start batchgen: the ``batchgen`` script this process runs as (or the one next to this
-    interpreter), else ``<python> -m pipeline.cli``. Absolute paths, venv symlinks kept (not resolved)."""
+    interpreter), else this interpreter importing ``pipeline.cli``. Absolute paths; venv symlinks are kept (not
+    resolved), so the venv's interpreter and packages are used."""
     argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     if argv0 is not None and argv0.name == "batchgen" and argv0.exists():
         return [os.path.abspath(argv0)]
     sibling = Path(sys.executable).parent / "batchgen"
     if sibling.is_file() and os.access(sibling, os.X_OK):
         return [str(sibling)]
-    return [os.path.abspath(sys.executable), "-m", "pipeline.cli"]
+    return [os.path.abspath(sys.executable), "-c", "from pipeline.cli import main; main()"]
 
 
 def entry_line(name: str, schedule: str, job_file: str | Path, *, workdir: str | Path, log_dir: str | Path,

@@ -1,6 +1,9 @@
 """`batchgen cron …` and `batchgen status` through click's CliRunner (real crontab, throwaway user as root)."""
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -83,8 +86,8 @@ def test_cron_install_list_remove(run, crontab, tmp_path):
 def test_cron_install_invalid_schedule_is_a_clear_error(run, crontab, tmp_path):
     bad = _job(tmp_path, "bad", "0 2 * *")
     r = run("cron", "install", bad, *_as(crontab))
-    assert r.exit_code == 1 and "Traceback" not in r.output
-    assert f"{bad}:10: schedule: schedule '0 2 * *' has 4 fields" in r.output
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert f"batchgen: {bad}:10: schedule: schedule '0 2 * *' has 4 fields" in r.output
     assert cron.read_crontab(crontab) == FOREIGN
 
 
@@ -114,3 +117,23 @@ def test_status_lists_runs_with_counts_and_errors(run, tmp_path):
     r = run("status", "digest", "-n", "1")
     assert len(r.output.splitlines()) == 2 and str(failed) == r.output.splitlines()[1].split()[0]
     assert "no runs of nope" in run("status", "nope").output
+
+
+def test_plugged_into_batchgen():
+    from pipeline.cli import main
+
+    assert main.commands["cron"] is commands[0] and main.commands["status"] is commands[1]
+
+
+def test_installed_entry_runs_real_batchgen_under_cron_environment(run, crontab, tmp_path):
+    """The line written for the real executable works with cron's bare environment: it reaches `batchgen
+    submit` (here failing fast: the job's input is missing) and the message lands in the job's log."""
+    job = _job(tmp_path, "digest", "0 2 * * *")
+    assert run("cron", "install", job, *_as(crontab)).exit_code == 0
+    (entry,) = cron.list_entries(crontab)
+    command = entry.line.split(None, 5)[5].replace("\\%", "%")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SHELL": "/bin/sh",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}     # a checkout that is not pip-installed
+    subprocess.run(["/bin/sh", "-c", command], env=env, cwd="/", timeout=120)
+    log = (tmp_path / "state" / "logs" / "digest.log").read_text()
+    assert "batchgen:" in log and "data/digest.parquet" in log and "Traceback" not in log, log
