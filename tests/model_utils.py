@@ -16,7 +16,7 @@ def tiny_hf_model(arch: str, **overrides):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     if arch == "llama":
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
