@@ -211,7 +211,10 @@ def install(jobs: Sequence[ScheduledJob], job_files: Sequence[str | Path] | None
     if len(files) != len(jobs):
         raise ValueError("job_files must give one file per job")
     workdir = Path(workdir or os.getcwd()).absolute()
-    home = pwd.getpwnam(user).pw_dir if user else None
+    try:
+        home = pwd.getpwnam(user).pw_dir if user else None
+    except KeyError:
+        raise CronError(f"no user {user!r} on this machine") from None
     state = resolve_state_dir(state_dir, home=home)
     logs = Path(log_dir).absolute() if log_dir else state / "logs"
     exe = list(executable or batchgen_executable())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_state_dir_resolution(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     assert history.resolve_state_dir() == tmp_path / "xdg/batchgen"
     # another user's home (cron --user): this user's XDG_STATE_HOME does not apply
-    assert history.resolve_state_dir(home="/home/other") == history.Path("/home/other/.local/state/batchgen")
+    assert history.resolve_state_dir(home="/home/other") == Path("/home/other/.local/state/batchgen")
     monkeypatch.setenv("BATCHGEN_STATE_DIR", str(tmp_path / "env"))
     assert history.resolve_state_dir() == tmp_path / "env"
     assert history.resolve_state_dir(tmp_path / "arg") == tmp_path / "arg"
