@@ -131,13 +131,16 @@ class RunTrace:
         return {"load_s": self.load_time_s, "setup_s": setup, "warmup_s": warmup, "warmup_steps": WARMUP_STEPS,
                 "steady_s": steady, "wall_s": now - self.start}
 
-    def write(self) -> Path:
-        """Flush buffered records (appending to the files already written) and rewrite run.json."""
+    def write(self, now: float | None = None) -> Path:
+        """Flush buffered records (appending to the files already written) and rewrite run.json.
+
+        ``now``: ``time.monotonic()`` taken as the end of the run so far (default: now).
+        """
         _append_parquet(self.run_dir / REQUESTS_FILE, self._requests, REQUEST_SCHEMA)
         _append_parquet(self.run_dir / STEPS_FILE, self._steps, STEP_SCHEMA)
         self._requests, self._steps = [], []
         session = {"session": self.session, "offset_s": self.offset, "started_at_unix": self.started_at_unix,
-                   "num_requests": self._num_requests, "num_steps": self._num_steps, **self.phases()}
+                   "num_requests": self._num_requests, "num_steps": self._num_steps, **self.phases(now)}
         sessions = self._prev_sessions + [session]
         totals = {k: sum(s[k] for s in sessions) for k in ("load_s", "setup_s", "warmup_s", "steady_s", "wall_s")}
         doc = {"version": 1, "model_info": self.model_info,

@@ -1,0 +1,74 @@
+"""``batchgen report`` and ``batchgen calibrate`` (plugged into the ``batchgen`` group by pipeline/cli.py)."""
+from __future__ import annotations
+
+import click
+
+
+@click.command("report")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="HTML file to write (default: RUN_DIR/report.html).")
+@click.option("--prompt-threshold", type=int, default=512, show_default=True,
+              help="Prompts with at least this many tokens count as long.")
+@click.option("--output-threshold", type=int, default=128, show_default=True,
+              help="Outputs with at least this many tokens count as long.")
+def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
+    """Render a self-contained HTML report of RUN_DIR (or compare two: RUN_DIR_A RUN_DIR_B)."""
+    from pipeline.report import analyze, render_report, shape_warnings
+    from pipeline.trace import read_run
+
+    if len(run_dirs) > 2:
+        raise click.UsageError("give one run directory, or two to compare")
+    try:
+        path = render_report(list(run_dirs), output, prompt_threshold, output_threshold)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    sms = [analyze(read_run(d), prompt_threshold, output_threshold) for d in run_dirs]
+    for d, sm in zip(run_dirs, sms):
+        t = sm["totals"]
+        click.echo(f"{d}: {t['documents']} documents, {t['prompt_tokens']} prompt tokens "
+                   f"({t['cached_tokens']} cached), {t['output_tokens']} output tokens in {t['wall_s']:.2f} s")
+        for line in sm["diagnosis"]:
+            click.echo(f"  - {line}")
+    if len(sms) == 2:
+        for w in shape_warnings(*sms):
+            click.echo(f"warning: {w}", err=True)
+    click.echo(f"report: {path}")
+
+
+@click.command("calibrate")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
+              show_default=True, help="The engine dtype to measure matmuls at.")
+@click.option("--quick", is_flag=True, help="One matrix shape and a smaller buffer (seconds, less accurate).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where calibrations are cached (default: $BATCHGEN_CACHE_DIR or ~/.cache/batchgen).")
+@click.option("--show", is_flag=True, help="Print the cached calibration without measuring.")
+def calibrate_cmd(device, dtype, quick, cache_dir, show):
+    """Measure this device's matmul FLOP/s and memory bandwidth; cache them for report's roofline."""
+    import torch
+
+    from engine.calibrate import cache_path, calibrate, load_calibration
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if show:
+        cal = load_calibration(device, dtype, cache_dir)
+        if cal is None:
+            raise click.ClickException(f"no calibration cached at {cache_path(device, dtype, cache_dir)}; "
+                                       "run `batchgen calibrate`")
+    else:
+        click.echo(f"calibrating {device} at {dtype}{' (quick)' if quick else ''} ...", err=True)
+        cal = calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
+    click.echo(f"device:            {cal.device_name} [{cal.device}]")
+    click.echo(f"dtype:             {cal.dtype}")
+    click.echo(f"matmul peak:       {cal.matmul_flops / 1e9:,.1f} GFLOP/s")
+    for shape, v in cal.matmul_by_shape.items():
+        click.echo(f"  {shape:>16}: {v / 1e9:,.1f} GFLOP/s")
+    click.echo(f"matmul at M=16:    {cal.small_m_flops / 1e9:,.1f} GFLOP/s")
+    click.echo(f"memory bandwidth:  {cal.memory_bandwidth / 1e9:,.1f} GB/s read, {cal.copy_bandwidth / 1e9:,.1f} GB/s copy")
+    click.echo(f"ridge point:       {cal.ridge_point:,.1f} FLOP/byte")
+    click.echo(f"cached at:         {cache_path(device, dtype, cache_dir)}")
+
+
+commands = [report_cmd, calibrate_cmd]

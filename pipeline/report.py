@@ -1,0 +1,629 @@
+"""``batchgen report``: turn a run's traces (pipeline.trace) into numbers, a diagnosis and a self-contained HTML page.
+
+    summary = analyze(read_run(run_dir))          # plain dict of numbers; the HTML and the tests read it
+    render_report([run_dir], "report.html")       # one run; two run dirs -> side-by-side comparison
+
+Roofline accounting (engine.flops counts, engine.calibrate limits). Each step is one forward pass:
+
+    flops(step) = 2*layer_params*(prefill + decode tokens) + prefill attention + decode attention
+                  + LM head on the sampled rows
+    bytes(step) = weights once (LM head too if anything is sampled) + K/V each decode query reads
+                  (window-limited) + K/V written for every new token + cached-prefix K/V the prefill reads
+
+Decode queries are placed exactly: output token j >= 1 of a request was computed in the step whose time span
+holds its token time, attending ``prompt + j`` keys. Prefill attention is exact per request and spread over
+prefill steps by their prefill tokens. Steps holding prefill tokens form the prefill stage (MFU: FLOP/s over
+calibrated matmul peak); steps with only decode tokens form the decode stage (MBU: bytes/s over calibrated
+bandwidth). Warm-up steps (the first of each session) are left out of both.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine import flops as F
+from pipeline.trace import Run, check_trace, read_run
+
+PROMPT_THRESHOLD = 512      # tokens: a "long" prompt
+OUTPUT_THRESHOLD = 128      # tokens: a "long" output
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# ---- numbers -----------------------------------------------------------------------------------------
+def percentiles(values) -> dict[str, float | None]:
+    v = np.asarray([x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))], float)
+    if v.size == 0:
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    p50, p90, p99 = np.percentile(v, [50, 90, 99])
+    return {"n": int(v.size), "mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "max": float(v.max())}
+
+
+def _arr(col, dtype=float) -> np.ndarray:
+    return np.asarray([np.nan if x is None else x for x in col], dtype=dtype)
+
+
+def _model_config(run: Run):
+    d = run.meta.get("model_config")
+    if d:
+        return F.from_dict(d)
+    path = (run.meta.get("model_info") or {}).get("path")
+    if not path:
+        return None
+    try:   # NOTE: older runs without a stored config: read it from the checkpoint if it is still there
+        from engine.loader import load_model_config, resolve_model
+        return load_model_config(resolve_model(path))
+    except Exception:
+        return None
+
+
+def _warmup_mask(run: Run) -> np.ndarray:
+    """True for warm-up steps: the first ``warmup_steps`` of each session."""
+    sessions = _arr(run.steps["session"], int) if run.num_steps else np.zeros(0, int)
+    sess_meta = run.meta.get("sessions") or [{}]
+    k = int(sess_meta[0].get("warmup_steps", 1))
+    mask = np.zeros(len(sessions), bool)
+    for s in np.unique(sessions):
+        idx = np.flatnonzero(sessions == s)[:k]
+        mask[idx] = True
+    return mask
+
+
+def step_work(run: Run, config, dtype_bytes: int) -> dict[str, np.ndarray]:
+    """Per-step FLOPs and bytes (see the module docstring), plus decode contexts summed per step."""
+    s, r = run.steps, run.requests
+    n = run.num_steps
+    pre, dec = _arr(s["num_prefill_tokens"]), _arr(s["num_decode_tokens"])
+    sampled = _arr(s["num_sampled"])
+    starts = _arr(s["start"])
+    order = np.argsort(starts, kind="stable")
+    sorted_starts = starts[order]
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    kv_tok_layer = F.kv_bytes_per_token_layer(config, dtype_bytes)
+    attn_per_key = 4 * config.num_attention_heads * config.head_dim
+
+    def keys(ctx: np.ndarray) -> np.ndarray:            # keys one query at context ctx reads, all layers
+        return sum(ctx if w is None else np.minimum(ctx, w) for w in windows)
+
+    dec_keys = np.zeros(n)
+    pre_attn_total = pre_read_total = 0.0
+    for prompt, cached, tts in zip(r["prompt_tokens"], r["cached_tokens"], r["token_times"]):
+        pre_attn_total += F.attention_flops(config, prompt - cached, cached)
+        pre_read_total += F.kv_read_bytes(config, cached, dtype_bytes)
+        if tts and len(tts) > 1 and n:
+            t = np.asarray(tts[1:], float)
+            ctx = prompt + np.arange(1, len(tts), dtype=float)
+            idx = order[np.clip(np.searchsorted(sorted_starts, t, side="right") - 1, 0, n - 1)]
+            np.add.at(dec_keys, idx, keys(ctx))
+    total_pre = pre.sum()
+    pre_share = pre / total_pre if total_pre else np.zeros(n)
+    weights = np.where(sampled > 0, F.weight_bytes(config, dtype_bytes),
+                       F.weight_bytes(config, dtype_bytes, with_lm_head=False)).astype(float)
+    weights[(pre + dec) == 0] = 0.0
+    flops = (F.linear_flops(config, 1) * (pre + dec) + pre_attn_total * pre_share + attn_per_key * dec_keys
+             + F.lm_head_flops(config, 1) * sampled)
+    nbytes = (weights + kv_tok_layer * dec_keys + kv_tok_layer * config.num_hidden_layers * (pre + dec)
+              + pre_read_total * pre_share)
+    return {"flops": flops, "bytes": nbytes, "decode_keys": dec_keys}
+
+
+def roofline(run: Run, config=None, calibration: dict | None = None, warmup_steps: bool = False) -> dict | None:
+    """Prefill and decode stages: time, FLOPs, bytes, achieved FLOP/s and bytes/s, intensity, MFU, MBU.
+
+    None when the model's config is unknown. MFU/MBU are None without a calibration.
+    """
+    config = config or _model_config(run)
+    if config is None or not run.num_steps:
+        return None
+    cal = calibration if calibration is not None else (run.meta.get("calibration") or None)
+    dtype_bytes = _DTYPE_BYTES.get((run.meta.get("model_info") or {}).get("dtype", "bfloat16"), 2)
+    work = step_work(run, config, dtype_bytes)
+    dur = _arr(run.steps["duration_s"])
+    pre, dec = _arr(run.steps["num_prefill_tokens"]), _arr(run.steps["num_decode_tokens"])
+    keep = np.ones(run.num_steps, bool) if warmup_steps else ~_warmup_mask(run)
+    stages = {"prefill": keep & (pre > 0), "decode": keep & (pre == 0) & (dec > 0)}
+    out = {"stages": {}, "calibration": cal or None, "dtype_bytes": dtype_bytes,
+           "per_step": {"flops": work["flops"], "bytes": work["bytes"], "duration": dur,
+                        "stage": np.where(pre > 0, "prefill", np.where(dec > 0, "decode", "idle")), "keep": keep}}
+    for name, m in stages.items():
+        t, fl, by = float(dur[m].sum()), float(work["flops"][m].sum()), float(work["bytes"][m].sum())
+        st = {"steps": int(m.sum()), "time_s": t, "flops": fl, "bytes": by,
+              "tokens": float((pre + dec)[m].sum()), "flops_per_s": fl / t if t else None,
+              "bytes_per_s": by / t if t else None, "intensity": fl / by if by else None,
+              "mean_decode_seqs": float(_arr(run.steps["num_decode_seqs"])[m].mean()) if m.any() else None,
+              "mean_prefill_tokens": float(pre[m].mean()) if m.any() else None, "mfu": None, "mbu": None}
+        if cal and t:
+            st["mfu"] = st["flops_per_s"] / cal["matmul_flops"]
+            st["mbu"] = st["bytes_per_s"] / cal["memory_bandwidth"]
+        out["stages"][name] = st
+    return out
+
+
+def _bucket(prompt: int, output: int, pt: int, ot: int) -> str:
+    return f"{'long' if prompt >= pt else 'short'} prompt / {'long' if output >= ot else 'short'} output"
+
+
+def analyze(run: Run, prompt_threshold: int = PROMPT_THRESHOLD, output_threshold: int = OUTPUT_THRESHOLD) -> dict:
+    """Every number the report shows, as a plain dict (no HTML)."""
+    r, s, meta = run.requests, run.steps, run.meta
+    phases = meta.get("phases") or {}
+    wall = float(phases.get("wall_s") or 0.0)
+    n = run.num_requests
+    prompt, cached = int(sum(r["prompt_tokens"])), int(sum(r["cached_tokens"]))
+    out_tokens = int(sum(r["output_tokens"]))
+    errors = sum(1 for e, f in zip(r["error"], r["finish_reason"]) if e or f == "error")
+    totals = {"documents": n, "errors": errors, "prompt_tokens": prompt, "cached_tokens": cached,
+              "computed_tokens": prompt - cached, "output_tokens": out_tokens, "wall_s": wall,
+              "docs_per_s": n / wall if wall else None, "output_tokens_per_s": out_tokens / wall if wall else None,
+              "tokens_per_s": (prompt + out_tokens) / wall if wall else None,
+              "cache_hit_rate": cached / prompt if prompt else None,
+              "preemptions": int(sum(s["num_preemptions"])) if run.num_steps else 0,
+              "steps": run.num_steps}
+
+    # Time split, request view: seconds each request spent waiting, in prefill and in decode.
+    queue = _arr(r["queue_s"])
+    prefill = _arr(r["prefill_end"]) - _arr(r["first_scheduled"])
+    decode = _arr(r["finish"]) - _arr(r["first_token"])
+    jobs = sorted(set(r["job"]))
+
+    def split(mask) -> dict:
+        q, p, d = (float(np.nansum(x[mask])) for x in (queue, prefill, decode))
+        tot = q + p + d
+        return {"requests": int(mask.sum()), "queue_s": q, "prefill_s": p, "decode_s": d,
+                "queue_share": q / tot if tot else None, "prefill_share": p / tot if tot else None,
+                "decode_share": d / tot if tot else None,
+                "prompt_tokens": int(np.asarray(r["prompt_tokens"])[mask].sum()) if n else 0,
+                "cached_tokens": int(np.asarray(r["cached_tokens"])[mask].sum()) if n else 0,
+                "output_tokens": int(np.asarray(r["output_tokens"])[mask].sum()) if n else 0}
+
+    job_arr = np.asarray(r["job"], dtype=object)
+    time_split = {"overall": split(np.ones(n, bool)), "per_job": {j: split(job_arr == j) for j in jobs}}
+
+    # Engine view: wall time spent in prefill steps, decode-only steps, and outside steps.
+    dur = _arr(s["duration_s"]) if run.num_steps else np.zeros(0)
+    pre = _arr(s["num_prefill_tokens"]) if run.num_steps else np.zeros(0)
+    dec = _arr(s["num_decode_tokens"]) if run.num_steps else np.zeros(0)
+    warm = _warmup_mask(run)
+    engine = {"warmup_s": float(dur[warm].sum()),
+              "prefill_steps_s": float(dur[~warm & (pre > 0)].sum()),
+              "mixed_steps_s": float(dur[~warm & (pre > 0) & (dec > 0)].sum()),
+              "decode_steps_s": float(dur[~warm & (pre == 0) & (dec > 0)].sum()),
+              "load_s": float(phases.get("load_s") or 0.0), "setup_s": float(phases.get("setup_s") or 0.0)}
+    engine["outside_steps_s"] = max(wall - float(dur.sum()) - engine["setup_s"], 0.0)
+
+    latency = {"ttft_s": percentiles(r["ttft_s"]), "tpot_s": percentiles(r["tpot_s"]),
+               "itl_s": percentiles([b - a for tt in r["token_times"] for a, b in zip(tt or [], (tt or [])[1:])]),
+               "queue_s": percentiles(r["queue_s"]), "e2e_s": percentiles(r["e2e_s"])}
+
+    buckets: dict[str, Any] = {}
+    keys = [_bucket(p, o, prompt_threshold, output_threshold) for p, o in zip(r["prompt_tokens"], r["output_tokens"])]
+    for b in sorted(set(keys)):
+        m = np.asarray([k == b for k in keys])
+        sel = lambda col: [x for x, k in zip(r[col], m) if k]   # noqa: E731
+        p_sum = sum(sel("prompt_tokens"))
+        buckets[b] = {"requests": int(m.sum()), "share": float(m.mean()),
+                      "mean_prompt_tokens": float(np.mean(sel("prompt_tokens"))),
+                      "mean_output_tokens": float(np.mean(sel("output_tokens"))),
+                      "cache_hit_rate": sum(sel("cached_tokens")) / p_sum if p_sum else None,
+                      "ttft_s": percentiles(sel("ttft_s")), "tpot_s": percentiles(sel("tpot_s")),
+                      "e2e_s": percentiles(sel("e2e_s"))}
+
+    steady = {}
+    if run.num_steps:
+        kv_total = _arr(s["kv_blocks_total"])
+        kv_frac = np.divide(_arr(s["kv_blocks_used"]), kv_total, out=np.zeros(run.num_steps), where=kv_total > 0)
+        steady = {"peak_kv_usage": float(kv_frac.max()), "mean_kv_usage": float(kv_frac.mean()),
+                  "max_waiting": int(max(s["num_waiting"])), "max_running": int(max(s["num_running"])),
+                  "mean_decode_seqs": float(_arr(s["num_decode_seqs"])[~warm & (dec > 0)].mean())
+                  if (~warm & (dec > 0)).any() else None,
+                  "waiting_during_decode": float(np.mean(_arr(s["num_waiting"])[~warm & (pre == 0) & (dec > 0)] > 0))
+                  if (~warm & (pre == 0) & (dec > 0)).any() else None}
+        q = float(sum(s["prefix_cache_queries"]))
+        steady["step_cache_hit_rate"] = float(sum(s["prefix_cache_hits"])) / q if q else None
+
+    roof = roofline(run)
+    summary = {"run": str(run.path), "model_info": meta.get("model_info") or {}, "phases": phases,
+               "totals": totals, "time_split": time_split, "engine_time": engine, "latency": latency,
+               "buckets": buckets, "steady": steady, "roofline": roof,
+               "thresholds": {"prompt": prompt_threshold, "output": output_threshold},
+               "checks": check_trace(run) if n or run.num_steps else []}
+    summary["diagnosis"] = diagnose(summary)
+    return summary
+
+
+# ---- diagnosis -----------------------------------------------------------------------------------------
+def diagnose(sm: dict) -> list[str]:
+    """Plain-language findings, most important first: which stage dominated and what to try."""
+    t, eng, lat, st, roof = sm["totals"], sm["engine_time"], sm["latency"], sm["steady"], sm["roofline"]
+    out: list[str] = []
+    wall = t["wall_s"] or 0.0
+    if not t["documents"]:
+        return ["No finished requests in this trace; nothing to diagnose."]
+    if t["errors"]:
+        out.append(f"{t['errors']} of {t['documents']} requests ended in an error; see the requests table "
+                   "(error column) before trusting any speed numbers.")
+    stages = {"prefill (steps with prompt tokens)": eng["prefill_steps_s"],
+              "decode (steps with only generated tokens)": eng["decode_steps_s"],
+              "outside engine steps (tokenizing, planning, writing, Python overhead)": eng["outside_steps_s"]
+              + eng["setup_s"],
+              "model load and warm-up": eng["load_s"] + eng["warmup_s"]}
+    total = sum(stages.values()) or 1.0
+    top, top_s = max(stages.items(), key=lambda kv: kv[1])
+    out.append(f"Time went mostly to {top}: {top_s:.2f} s of {total:.2f} s "
+               f"({100 * top_s / total:.0f}%). Split: " + ", ".join(f"{k.split(' (')[0]} {100 * v / total:.0f}%"
+                                                                  for k, v in stages.items()) + ".")
+    if (eng["load_s"] + eng["warmup_s"]) > 0.3 * total:
+        out.append("Start-up (model load + first step) is a large share of this run: it is short, so its "
+                   "throughput understates a long job's. Compare steady-state numbers, or run more documents.")
+    if (eng["outside_steps_s"] + eng["setup_s"]) > 0.2 * total:
+        out.append("Much of the wall time is outside engine steps: the engine waits on the pipeline "
+                   "(tokenization, prompt building, writing output). Profile the runner; feed requests earlier.")
+    hit = t["cache_hit_rate"]
+    if hit is not None and t["documents"] > 1 and hit < 0.2:
+        out.append(f"Low prefix-cache hit rate ({100 * hit:.0f}% of prompt tokens). If prompts share an "
+                   "instruction or template, check that the shared text comes first and is byte-identical "
+                   "(prompt order / template), and that documents sharing it are scheduled together.")
+    if t["preemptions"]:
+        out.append(f"{t['preemptions']} preemption(s): the KV cache ran out and work was recomputed. "
+                   "Give the engine more KV memory (kv_cache_memory) or lower max_num_seqs.")
+    elif st.get("peak_kv_usage", 0) > 0.95:
+        out.append(f"KV cache peaked at {100 * st['peak_kv_usage']:.0f}% full: close to preempting; more KV "
+                   "memory would allow larger batches.")
+    if roof:
+        d, p = roof["stages"]["decode"], roof["stages"]["prefill"]
+        dec_heavy = eng["decode_steps_s"] >= eng["prefill_steps_s"]
+        if dec_heavy and d["mean_decode_seqs"] is not None and d["mean_decode_seqs"] < 16:
+            if (st.get("waiting_during_decode") or 0) > 0.2:
+                out.append(f"Decode-bound at a small batch ({d['mean_decode_seqs']:.1f} sequences per decode "
+                           "step) while requests waited: raise max_num_seqs (weights are read once per step, "
+                           "so more sequences per step are nearly free).")
+            else:
+                out.append(f"Decode-bound at a small batch ({d['mean_decode_seqs']:.1f} sequences per decode "
+                           "step) and nothing was waiting: submit more documents at once so decode steps fill up.")
+        if p["mfu"] is not None and p["time_s"] > 0:
+            if p["mfu"] > 1.05:
+                out.append(f"Prefill MFU above 100% ({100 * p['mfu']:.0f}%): the calibration was measured under "
+                           "load or on other settings; run `batchgen calibrate` again on an idle machine.")
+            elif p["mfu"] < 0.3:
+                hint = (" Prefill chunks are small (mean {:.0f} tokens per step): raise max_num_batched_tokens."
+                        .format(p["mean_prefill_tokens"]) if (p["mean_prefill_tokens"] or 0) < 512 else
+                        " Check attention over long contexts and per-step overhead.")
+                out.append(f"Prefill reaches {100 * p['mfu']:.0f}% of the calibrated matmul peak (MFU)." + hint)
+        if d["mbu"] is not None and d["time_s"] > 0 and d["mbu"] < 0.3:
+            out.append(f"Decode moves {100 * d['mbu']:.0f}% of the calibrated memory bandwidth (MBU): per-step "
+                       "overhead (Python, scheduling, small kernels) dominates the weight reads; larger decode "
+                       "batches amortize it.")
+        if roof["calibration"] is None:
+            out.append("No calibration for this device/dtype was found: run `batchgen calibrate` to get MFU/MBU.")
+    else:
+        out.append("The model config is unknown to this trace, so no roofline (FLOP/byte counts) is shown.")
+    itl = lat["itl_s"]
+    if itl["n"] >= 20 and itl["p50"] and itl["p99"] > 5 * itl["p50"]:
+        out.append(f"Token stalls: inter-token p99 {1e3 * itl['p99']:.0f} ms vs p50 {1e3 * itl['p50']:.0f} ms — "
+                   "long prefill chunks share steps with decode. Lower max_num_batched_tokens for steadier "
+                   "decode, or accept it for throughput (offline batch jobs usually should).")
+    if sm["checks"]:
+        out.append(f"{len(sm['checks'])} trace consistency problem(s) — see 'Data checks'.")
+    return out
+
+
+# ---- comparison --------------------------------------------------------------------------------------
+def shape_warnings(a: dict, b: dict) -> list[str]:
+    """Why two runs' numbers may not be comparable."""
+    w = []
+    ma, mb = a["model_info"], b["model_info"]
+    for key in ("identity", "dtype", "device"):
+        if ma.get(key) != mb.get(key):
+            w.append(f"different {key}: {ma.get(key)} vs {mb.get(key)}")
+    ta, tb = a["totals"], b["totals"]
+    for key, label in (("documents", "documents"),):
+        if ta[key] and tb[key] and abs(ta[key] - tb[key]) > 0.1 * max(ta[key], tb[key]):
+            w.append(f"different number of {label}: {ta[key]} vs {tb[key]}")
+    for key, label in (("prompt_tokens", "mean prompt length"), ("output_tokens", "mean output length")):
+        xa = ta[key] / ta["documents"] if ta["documents"] else 0
+        xb = tb[key] / tb["documents"] if tb["documents"] else 0
+        if max(xa, xb) and abs(xa - xb) > 0.2 * max(xa, xb):
+            w.append(f"different {label}: {xa:.0f} vs {xb:.0f} tokens")
+    keys = set(a["buckets"]) | set(b["buckets"])
+    tv = 0.5 * sum(abs(a["buckets"].get(k, {}).get("share", 0) - b["buckets"].get(k, {}).get("share", 0))
+                   for k in keys)
+    if tv > 0.2:
+        w.append(f"different mix of shape buckets ({100 * tv:.0f}% of requests in a different bucket)")
+    return w
+
+
+# ---- HTML ----------------------------------------------------------------------------------------------
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}h2{border-bottom:2px solid #ddd;margin-top:2em}
+.warn{background:#fff4e0;border-left:4px solid #f0a000;padding:.5em 1em}.diag li{margin:.3em 0}
+.cols{display:flex;gap:2em;flex-wrap:wrap}.small{color:#666;font-size:90%}img{max-width:100%}"""
+
+
+def _fmt(x, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if unit == "%":
+        return f"{100 * x:.1f}%"
+    if unit == "ms":
+        return f"{1e3 * x:.1f} ms"
+    if unit == "s":
+        return f"{x:.2f} s"
+    if unit in ("FLOP/s", "B/s", "FLOP", "B"):
+        for p, k in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(x) >= p:
+                return f"{x / p:.2f} {k}{unit}"
+        return f"{x:.0f} {unit}"
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) >= 100):
+        return f"{int(x):,}"
+    return f"{x:.3g}" if isinstance(x, float) else html.escape(str(x))
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    h = "".join(f"<th>{html.escape(str(x))}</th>" for x in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{h}</tr>{body}</table>"
+
+
+def _img(fig) -> str:
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=72)   # NOTE: not bbox_inches="tight": that draws the figure twice
+    plt.close(fig)
+    return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _latency_plot(run: Run, sm: dict) -> str:
+    plt = _plt()
+    r = run.requests
+    series = {"TTFT": [x for x in r["ttft_s"] if x is not None], "TPOT": [x for x in r["tpot_s"] if x is not None],
+              "inter-token": [b - a for tt in r["token_times"] for a, b in zip(tt or [], (tt or [])[1:])]}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2))
+    for ax, (name, vals), key in zip(axes, series.items(), ("ttft_s", "tpot_s", "itl_s")):
+        ax.set_title(name)
+        ax.set_xlabel("ms")
+        if vals:
+            ax.hist(np.asarray(vals) * 1e3, bins=40, color="#4878a8")
+            for p, c in (("p50", "g"), ("p90", "orange"), ("p99", "r")):
+                v = sm["latency"][key][p]
+                ax.axvline(v * 1e3, color=c, ls="--", lw=1, label=f"{p} {v * 1e3:.1f}")
+            ax.legend(fontsize=8)
+    return _img(fig)
+
+
+def _timeline_plot(run: Run) -> str:
+    plt = _plt()
+    s = run.steps
+    t = _arr(s["end"])
+    fig, axes = plt.subplots(4, 1, figsize=(13, 10), sharex=True)
+    nb = max(1, min(60, run.num_steps // 3))
+    edges = np.linspace(float(np.nanmin(_arr(s["start"]))), float(np.nanmax(t)), nb + 1)
+    width = np.diff(edges)
+    pre_hist, _ = np.histogram(t, edges, weights=_arr(s["num_prefill_tokens"]))
+    out_hist, _ = np.histogram(t, edges, weights=_arr(s["num_sampled"]))
+    mid = (edges[:-1] + edges[1:]) / 2
+    ax = axes[0]
+    ax.plot(mid, pre_hist / width, label="prompt tokens/s (computed)")
+    ax.plot(mid, out_hist / width, label="output tokens/s")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("throughput")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.step(t, _arr(s["num_prefill_tokens"]), where="post", label="prefill tokens/step", lw=.8)
+    ax.step(t, _arr(s["num_decode_tokens"]), where="post", label="decode tokens/step", lw=.8)
+    ax.set_ylabel("tokens per step")
+    ax.set_title("batch composition")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    total = _arr(s["kv_blocks_total"])
+    ax.plot(t, np.divide(_arr(s["kv_blocks_used"]), total, out=np.zeros_like(t), where=total > 0) * 100,
+            label="KV blocks used %")
+    ax.set_ylabel("KV used %")
+    ax2 = ax.twinx()
+    ax2.plot(t, _arr(s["num_running"]), color="g", lw=.8, label="running")
+    ax2.plot(t, _arr(s["num_waiting"]), color="r", lw=.8, label="waiting")
+    ax2.set_ylabel("requests")
+    ax.set_title("KV usage and queue")
+    ax2.legend(fontsize=8, loc="upper right")
+    ax = axes[3]
+    q, _ = np.histogram(t, edges, weights=_arr(s["prefix_cache_queries"]))
+    h, _ = np.histogram(t, edges, weights=_arr(s["prefix_cache_hits"]))
+    ok = q > 0
+    ax.plot(mid[ok], 100 * h[ok] / q[ok], "o-", ms=3, label="hit rate per interval")
+    cq, ch = np.cumsum(_arr(s["prefix_cache_queries"])), np.cumsum(_arr(s["prefix_cache_hits"]))
+    ax.plot(t, 100 * np.divide(ch, cq, out=np.zeros_like(t), where=cq > 0), label="cumulative")
+    ax.set_ylabel("prefix cache hit %")
+    ax.set_xlabel("seconds since run start")
+    ax.set_title("prefix-cache hits")
+    ax.legend(fontsize=8)
+    return _img(fig)
+
+
+def _roofline_plot(roof: dict) -> str:
+    plt = _plt()
+    cal = roof["calibration"]
+    ps = roof["per_step"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keep = ps["keep"] & (ps["duration"] > 0) & (ps["bytes"] > 0)
+    for stage, color in (("prefill", "#d62728"), ("decode", "#1f77b4")):
+        m = keep & (ps["stage"] == stage)
+        if m.any():
+            ax.scatter(ps["flops"][m] / ps["bytes"][m], ps["flops"][m] / ps["duration"][m], s=6, alpha=.4,
+                       color=color, label=f"{stage} steps")
+        st = roof["stages"][stage]
+        if st["time_s"] and st["intensity"]:
+            ax.scatter([st["intensity"]], [st["flops_per_s"]], s=120, marker="*", color=color,
+                       edgecolor="k", zorder=5, label=f"{stage} (all steps)")
+    xs = np.logspace(-1, 4, 200)
+    if cal:
+        ax.plot(xs, np.minimum(cal["matmul_flops"], cal["memory_bandwidth"] * xs), "k-", lw=1.5,
+                label="calibrated roof")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("achieved FLOP/s")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=.3)
+    return _img(fig)
+
+
+def _single_html(run: Run, sm: dict) -> str:
+    t, mi, ph = sm["totals"], sm["model_info"], sm["phases"]
+    parts = [f"<p class='small'>run: {html.escape(sm['run'])} · model: {html.escape(str(mi.get('name')))} "
+             f"({html.escape(str(mi.get('architecture')))}, {mi.get('dtype')}, {mi.get('device')}, "
+             f"backend {mi.get('attention_backend', '–')})</p>"]
+    parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
+                                                                for d in sm["diagnosis"]) + "</ul>")
+    parts.append("<h2>Totals</h2>" + _table(["", "value"], [
+        ["documents", _fmt(t["documents"])], ["errors", _fmt(t["errors"])],
+        ["prompt tokens", _fmt(t["prompt_tokens"])],
+        ["&nbsp; cached (prefix hits)", f"{_fmt(t['cached_tokens'])} ({_fmt(t['cache_hit_rate'], '%')})"],
+        ["&nbsp; computed", _fmt(t["computed_tokens"])], ["output tokens", _fmt(t["output_tokens"])],
+        ["wall time", _fmt(t["wall_s"], "s")], ["documents/s", _fmt(t["docs_per_s"])],
+        ["output tokens/s", _fmt(t["output_tokens_per_s"])], ["all tokens/s (prompt + output)", _fmt(t["tokens_per_s"])],
+        ["engine steps", _fmt(t["steps"])], ["preemptions", _fmt(t["preemptions"])]]))
+    e = sm["engine_time"]
+    parts.append("<h2>Phases and engine time</h2>" + _table(["phase", "seconds"], [
+        ["model load", _fmt(ph.get("load_s"), "s")], ["setup (run start → first step)", _fmt(ph.get("setup_s"), "s")],
+        ["warm-up (first step)", _fmt(ph.get("warmup_s"), "s")], ["steady state (after warm-up)", _fmt(ph.get("steady_s"), "s")],
+        ["&nbsp; steps with prefill tokens", _fmt(e["prefill_steps_s"], "s")],
+        ["&nbsp;&nbsp; of which mixed prefill + decode", _fmt(e["mixed_steps_s"], "s")],
+        ["&nbsp; decode-only steps", _fmt(e["decode_steps_s"], "s")],
+        ["&nbsp; outside engine steps", _fmt(e["outside_steps_s"], "s")],
+        ["wall (excluding load)", _fmt(ph.get("wall_s"), "s")]]))
+    ts = sm["time_split"]
+    rows = [["all", ts["overall"]]] + [[j or "(no job)", v] for j, v in ts["per_job"].items()]
+    parts.append("<h2>Time split per request (queue / prefill / decode)</h2>"
+                 "<p class='small'>Request-seconds summed over requests: queue = arrival → first scheduled; "
+                 "prefill = first scheduled → prompt done; decode = first token → finish.</p>" + _table(
+                     ["group", "requests", "queue", "prefill", "decode", "queue %", "prefill %", "decode %",
+                      "prompt tok", "cache hit", "output tok"],
+                     [[html.escape(str(g)), _fmt(v["requests"]), _fmt(v["queue_s"], "s"), _fmt(v["prefill_s"], "s"),
+                       _fmt(v["decode_s"], "s"), _fmt(v["queue_share"], "%"), _fmt(v["prefill_share"], "%"),
+                       _fmt(v["decode_share"], "%"), _fmt(v["prompt_tokens"]),
+                       _fmt(v["cached_tokens"] / v["prompt_tokens"] if v["prompt_tokens"] else None, "%"),
+                       _fmt(v["output_tokens"])] for g, v in rows]))
+    lat = sm["latency"]
+    parts.append("<h2>Latency distributions</h2>" + _table(
+        ["metric", "n", "mean", "p50", "p90", "p99", "max"],
+        [[name, _fmt(lat[k]["n"])] + [_fmt(lat[k][p], "ms") for p in ("mean", "p50", "p90", "p99", "max")]
+         for name, k in (("TTFT", "ttft_s"), ("TPOT (per request mean)", "tpot_s"), ("inter-token", "itl_s"),
+                         ("queue wait", "queue_s"), ("end to end", "e2e_s"))]))
+    if run.num_requests:
+        parts.append(_latency_plot(run, sm))
+    if run.num_steps:
+        parts.append("<h2>Over time: throughput, batch composition, KV usage, cache hits</h2>" + _timeline_plot(run))
+    th = sm["thresholds"]
+    parts.append(f"<h2>Per shape bucket</h2><p class='small'>long prompt ≥ {th['prompt']} tokens, "
+                 f"long output ≥ {th['output']} tokens.</p>" + _table(
+                     ["bucket", "requests", "mean prompt", "mean output", "cache hit", "TTFT p50", "TTFT p90",
+                      "TPOT p50", "TPOT p90", "e2e p50"],
+                     [[b, _fmt(v["requests"]), _fmt(v["mean_prompt_tokens"]), _fmt(v["mean_output_tokens"]),
+                       _fmt(v["cache_hit_rate"], "%"), _fmt(v["ttft_s"]["p50"], "ms"), _fmt(v["ttft_s"]["p90"], "ms"),
+                       _fmt(v["tpot_s"]["p50"], "ms"), _fmt(v["tpot_s"]["p90"], "ms"), _fmt(v["e2e_s"]["p50"], "ms")]
+                      for b, v in sm["buckets"].items()]))
+    parts.append("<h2>Roofline</h2>")
+    roof = sm["roofline"]
+    if roof is None:
+        parts.append("<p class='warn'>No model config in this trace: FLOP and byte counts are unavailable.</p>")
+    else:
+        cal = roof["calibration"]
+        parts.append("<p class='small'>" + (
+            f"Calibration: {html.escape(str(cal.get('device_name')))} {cal.get('dtype')}: matmul peak "
+            f"{_fmt(cal['matmul_flops'], 'FLOP/s')}, memory bandwidth {_fmt(cal['memory_bandwidth'], 'B/s')} "
+            f"(ridge {cal['matmul_flops'] / cal['memory_bandwidth']:.0f} FLOP/B)." if cal else
+            "No calibration: run <code>batchgen calibrate</code>.") +
+            " MFU = achieved FLOP/s ÷ calibrated peak (prefill); MBU = achieved bytes/s ÷ calibrated bandwidth "
+            "(decode). Warm-up steps excluded.</p>")
+        parts.append(_table(["stage", "steps", "time", "FLOPs", "bytes", "FLOP/s", "bytes/s", "FLOP/byte",
+                             "MFU", "MBU", "mean decode seqs", "mean prefill tok"],
+                            [[name, _fmt(v["steps"]), _fmt(v["time_s"], "s"), _fmt(v["flops"], "FLOP"),
+                              _fmt(v["bytes"], "B"), _fmt(v["flops_per_s"], "FLOP/s"), _fmt(v["bytes_per_s"], "B/s"),
+                              _fmt(v["intensity"]), _fmt(v["mfu"], "%"), _fmt(v["mbu"], "%"),
+                              _fmt(v["mean_decode_seqs"]), _fmt(v["mean_prefill_tokens"])]
+                             for name, v in roof["stages"].items()]))
+        parts.append(_roofline_plot(roof))
+    parts.append("<h2>Data checks</h2>" + ("<p>Trace is consistent: output tokens = sampled tokens, "
+                                          "cached + computed = prompt tokens, TTFT ≥ queue wait.</p>"
+                                          if not sm["checks"] else
+                                          "<ul>" + "".join(f"<li>{html.escape(c)}</li>" for c in sm["checks"][:50])
+                                          + "</ul>"))
+    return "\n".join(parts)
+
+
+def _compare_html(sms: list[dict]) -> str:
+    a, b = sms
+    warn = shape_warnings(a, b)
+    parts = []
+    if warn:
+        parts.append("<div class='warn'><b>These runs' workloads differ; compare with care:</b><ul>"
+                     + "".join(f"<li>{html.escape(w)}</li>" for w in warn) + "</ul></div>")
+
+    def g(sm, path):
+        x = sm
+        for k in path:
+            x = x.get(k) if isinstance(x, dict) else None
+            if x is None:
+                return None
+        return x
+
+    metrics = [("documents", ("totals", "documents"), ""), ("prompt tokens", ("totals", "prompt_tokens"), ""),
+               ("cache hit rate", ("totals", "cache_hit_rate"), "%"), ("output tokens", ("totals", "output_tokens"), ""),
+               ("wall time", ("totals", "wall_s"), "s"), ("documents/s", ("totals", "docs_per_s"), ""),
+               ("output tokens/s", ("totals", "output_tokens_per_s"), ""), ("all tokens/s", ("totals", "tokens_per_s"), ""),
+               ("model load", ("phases", "load_s"), "s"), ("prefill steps time", ("engine_time", "prefill_steps_s"), "s"),
+               ("decode-only steps time", ("engine_time", "decode_steps_s"), "s"),
+               ("TTFT p50", ("latency", "ttft_s", "p50"), "ms"), ("TTFT p99", ("latency", "ttft_s", "p99"), "ms"),
+               ("TPOT p50", ("latency", "tpot_s", "p50"), "ms"), ("TPOT p99", ("latency", "tpot_s", "p99"), "ms"),
+               ("ITL p99", ("latency", "itl_s", "p99"), "ms"), ("preemptions", ("totals", "preemptions"), ""),
+               ("prefill MFU", ("roofline", "stages", "prefill", "mfu"), "%"),
+               ("decode MBU", ("roofline", "stages", "decode", "mbu"), "%")]
+    rows = []
+    for name, path, unit in metrics:
+        va, vb = g(a, path), g(b, path)
+        ratio = f"{vb / va:.2f}×" if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va else "–"
+        rows.append([name, _fmt(va, unit), _fmt(vb, unit), ratio])
+    parts.append(_table(["metric", "A", "B", "B / A"], rows))
+    return "\n".join(parts)
+
+
+def render_report(run_dirs: list[str | Path], output: str | Path | None = None,
+                  prompt_threshold: int = PROMPT_THRESHOLD, output_threshold: int = OUTPUT_THRESHOLD) -> Path:
+    """Write the HTML report of one run (or a comparison of two) and return its path.
+
+    Default output: ``<first run dir>/report.html``.
+    """
+    if not 1 <= len(run_dirs) <= 2:
+        raise ValueError("report takes one run directory, or two to compare")
+    runs = [read_run(d) for d in run_dirs]
+    sms = [analyze(r, prompt_threshold, output_threshold) for r in runs]
+    title = "batchgen report: " + " vs ".join(Path(d).name for d in run_dirs)
+    body = [f"<h1>{html.escape(title)}</h1>"]
+    if len(runs) == 2:
+        body.append("<h2>Comparison</h2>" + "<p class='small'>A = " + html.escape(str(run_dirs[0])) + ", B = "
+                    + html.escape(str(run_dirs[1])) + "</p>" + _compare_html(sms))
+        body.append("<div class='cols'>" + "".join(f"<div style='flex:1;min-width:500px'><h1>{lab}</h1>"
+                                                  f"{_single_html(r, sm)}</div>"
+                                                  for lab, r, sm in zip("AB", runs, sms)) + "</div>")
+    else:
+        body.append(_single_html(runs[0], sms[0]))
+    doc = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+           f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>")
+    out = Path(output) if output else Path(run_dirs[0]) / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc, encoding="utf-8")
+    return out
