@@ -126,3 +126,7 @@ def _load_plugins() -> None:
 
 
 _load_plugins()
+
+
+if __name__ == "__main__":
+    main()
