@@ -94,13 +94,15 @@ def plan(job_files):
 @job_files
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first bad row (rows done so far are kept).")
+@click.option("--commit-every", type=float, default=2.0, show_default=True, metavar="SECONDS",
+              help="Make finished rows durable at least this often (a crash loses at most this much work).")
 @_user_errors
-def submit(job_files, quiet, fail_fast):
+def submit(job_files, quiet, fail_fast, commit_every):
     """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume."""
     from pipeline.runner import RunOptions, run_jobs
     from pipeline.validate import load_valid_jobs
     jobs = load_valid_jobs(list(job_files))
-    for report in run_jobs(jobs, options=RunOptions(quiet=quiet, fail_fast=fail_fast)):
+    for report in run_jobs(jobs, options=RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every)):
         click.echo(report.summary)
 
 

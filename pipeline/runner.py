@@ -149,6 +149,7 @@ class Runner:
         old_handlers = {}
         try:
             if not dry_run:
+                old_handlers = self._install_signal_handlers()
                 for jr in runs:
                     jr.state.lock()
                     locked.append(jr)
@@ -174,8 +175,10 @@ class Runner:
             if dry_run:
                 report.wall_s = time.monotonic() - t0
                 return report
+            if self._stop_reason is not None:
+                raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
+                                  "same command again to start.")
             if plan.num_requests:
-                old_handlers = self._install_signal_handlers()
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             for jr in runs:
                 self._assemble(jr, info, llm, time.monotonic() - t0)

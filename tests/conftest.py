@@ -29,8 +29,32 @@ def _corpus() -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A small byte-level BPE tokenizer (vocab 512) with <s> as BOS (added by add_special_tokens)."""
+    return _build_tiny_tokenizer()
+
+
+class LiteTokenizer:
+    """The tokenizer surface the pipeline uses, over a bare ``tokenizers.Tokenizer`` (no transformers
+    import: subprocess tests start fast)."""
+
+    bos_token, eos_token, chat_template = "<s>", "</s>", None
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def encode(self, text, add_special_tokens=True):
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _build_tiny_tokenizer(lite=False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    if not lite:
+        from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -39,6 +63,8 @@ def tiny_tokenizer():
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    if lite:
+        return LiteTokenizer(tok)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
