@@ -295,7 +295,14 @@ def diagnose(sm: dict) -> list[str]:
                         .format(p["mean_prefill_tokens"]) if (p["mean_prefill_tokens"] or 0) < 512 else
                         " Check attention over long contexts and per-step overhead.")
                 out.append(f"Prefill reaches {100 * p['mfu']:.0f}% of the calibrated matmul peak (MFU)." + hint)
-        if d["mbu"] is not None and d["time_s"] > 0 and d["mbu"] < 0.3:
+        slow = (d["time_s"] / (d["bytes"] / roof["calibration"]["memory_bandwidth"])
+                if roof["calibration"] and d["bytes"] and d["time_s"] else None)
+        if slow is not None and slow > 10 and (d["mean_decode_seqs"] or 0) >= 8:
+            out.append(f"Decode steps take {slow:.0f}x longer than reading their weights and K/V at the calibrated "
+                       f"bandwidth, even at {d['mean_decode_seqs']:.0f} sequences per step: the step time is not "
+                       "memory traffic. Profile the model runner (weight dequantization, attention over the paged "
+                       "cache, per-sequence Python loops, LM head over more rows than sampled).")
+        elif d["mbu"] is not None and d["time_s"] > 0 and d["mbu"] < 0.3:
             out.append(f"Decode moves {100 * d['mbu']:.0f}% of the calibrated memory bandwidth (MBU): per-step "
                        "overhead (Python, scheduling, small kernels) dominates the weight reads; larger decode "
                        "batches amortize it.")
@@ -365,6 +372,13 @@ def _fmt(x, unit: str = "") -> str:
     return f"{x:.3g}" if isinstance(x, float) else html.escape(str(x))
 
 
+def _when(unix: float | None) -> str:
+    import datetime
+    if not unix:
+        return "at an unknown time"
+    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M")
+
+
 def _table(headers: list[str], rows: list[list]) -> str:
     h = "".join(f"<th>{html.escape(str(x))}</th>" for x in headers)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
@@ -413,12 +427,17 @@ def _timeline_plot(run: Run) -> str:
     nb = max(1, min(60, run.num_steps // 3))
     edges = np.linspace(float(np.nanmin(_arr(s["start"]))), float(np.nanmax(t)), nb + 1)
     width = np.diff(edges)
-    pre_hist, _ = np.histogram(t, edges, weights=_arr(s["num_prefill_tokens"]))
-    out_hist, _ = np.histogram(t, edges, weights=_arr(s["num_sampled"]))
     mid = (edges[:-1] + edges[1:]) / 2
+    order = np.argsort(t)
+    knots = np.concatenate([[float(np.nanmin(_arr(s["start"])))], t[order]])
+
+    def rate(col: str) -> np.ndarray:   # tokens spread evenly over each step's span, then per bin
+        cum = np.concatenate([[0.0], np.cumsum(_arr(s[col])[order])])
+        return np.diff(np.interp(edges, knots, cum)) / width
+
     ax = axes[0]
-    ax.plot(mid, pre_hist / width, label="prompt tokens/s (computed)")
-    ax.plot(mid, out_hist / width, label="output tokens/s")
+    ax.plot(mid, rate("num_prefill_tokens"), label="prompt tokens/s (computed)")
+    ax.plot(mid, rate("num_sampled"), label="output tokens/s")
     ax.set_ylabel("tokens/s")
     ax.set_title("throughput")
     ax.legend(fontsize=8)
@@ -545,7 +564,9 @@ def _single_html(run: Run, sm: dict) -> str:
         parts.append("<p class='small'>" + (
             f"Calibration: {html.escape(str(cal.get('device_name')))} {cal.get('dtype')}: matmul peak "
             f"{_fmt(cal['matmul_flops'], 'FLOP/s')}, memory bandwidth {_fmt(cal['memory_bandwidth'], 'B/s')} "
-            f"(ridge {cal['matmul_flops'] / cal['memory_bandwidth']:.0f} FLOP/B)." if cal else
+            f"(ridge {cal['matmul_flops'] / cal['memory_bandwidth']:.0f} FLOP/B), measured "
+            f"{_when(cal.get('measured_at'))}{' in quick mode' if cal.get('quick') else ''}; a calibration "
+            "taken while other work ran understates the device." if cal else
             "No calibration: run <code>batchgen calibrate</code>.") +
             " MFU = achieved FLOP/s ÷ calibrated peak (prefill); MBU = achieved bytes/s ÷ calibrated bandwidth "
             "(decode). Warm-up steps excluded.</p>")

@@ -207,7 +207,8 @@ def check_trace(run: Run) -> list[str]:
     outputs, sampled = sum(r["output_tokens"]), sum(s["num_sampled"])
     # Requests still unfinished when the trace was written have sampled tokens but no request row yet.
     if outputs != sampled:
-        problems.append(f"output tokens in requests ({outputs}) != tokens sampled by steps ({sampled})")
+        problems.append(f"output tokens in requests ({outputs}) != tokens sampled by steps ({sampled}); "
+                        "requests unfinished or aborted when the trace was written have no row yet")
     if not any(r["num_preemptions"]) and not any(s["num_preemptions"]):
         want = sum(max(o - 1, 0) for o in r["output_tokens"])
         got = sum(s["num_decode_tokens"])
