@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import SimpleNamespace
+import struct
 
 import gguf
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.errors import ModelLoadError
-from engine.loader.gguf_loader import gguf_model_config, load_gguf_weights
+from engine.loader.gguf_loader import GGUFFile, gguf_model_config, load_gguf_weights
 from engine.loader.resolve import resolve_model
 
 
@@ -157,6 +157,37 @@ def test_unsupported_architecture(tmp_path: Path):
 
 
 # ---- the default model vs transformers' GGUF loading -----------------------------------------------------
+_VOCAB_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
+
+
+def _copy_without_vocab(src: Path, dst: Path) -> None:
+    """Byte-level copy of a GGUF minus the tokenizer arrays, plus ``{arch}.vocab_size``; tensors untouched."""
+    g = GGUFFile(src)
+    buf, arch = g._buf, g.get("general.architecture")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    g._pos, kept = 24, []
+    for _ in range(n_kv):
+        start = g._pos
+        key = g._string()
+        g._value(g._unpack("<I")[0])
+        if key not in _VOCAB_ARRAYS:
+            kept.append(bytes(buf[start:g._pos]))
+    key = f"{arch}.vocab_size".encode()
+    kept.append(struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, len(g.get("tokenizer.ggml.tokens"))))
+    infos_start = g._pos
+    for _ in range(n_tensors):
+        g._string()
+        (n_dims,) = g._unpack("<I")
+        g._unpack(f"<{n_dims}QIQ")
+    infos = bytes(buf[infos_start:g._pos])
+    alignment = int(g.get("general.alignment", 32))
+    data_start = (g._pos + alignment - 1) // alignment * alignment
+    head = b"GGUF" + struct.pack("<IQQ", version, n_tensors, len(kept)) + b"".join(kept) + infos
+    with dst.open("wb") as f:
+        f.write(head + b"\0" * (-len(head) % alignment))
+        f.write(buf[data_start:])
+
+
 @pytest.fixture(scope="module")
 def default_model():
     return resolve_model("gemma-3-270m")
@@ -177,8 +208,8 @@ def test_default_model_config(default_model):
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers(default_model, monkeypatch):
-    from transformers import AutoModelForCausalLM
+def test_default_model_matches_transformers(default_model, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     cfg = gguf_model_config(default_model.path)
@@ -189,19 +220,15 @@ def test_default_model_matches_transformers(default_model, monkeypatch):
     assert load_s < 30, f"loading the 270M model took {load_s:.1f}s"
 
     # transformers' own GGUF path (what from_pretrained(..., gguf_file=...) runs, minus accelerate).
-    # NOTE: it parses the file with gguf.GGUFReader and then walks every metadata value in Python (~10-25 s
-    # each for a 262k vocab here). Parse once; the second (tensor) pass does not need the vocabulary arrays.
-    reader = gguf.GGUFReader(default_model.path)
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: reader)
-    parsed = load_gguf_checkpoint(str(default_model.path), return_tensors=False)
-    from transformers import AutoConfig
+    # NOTE: gguf.GGUFReader walks the 262k-entry vocabulary arrays in Python (10-25 s per parse here), so the
+    # reference reads a copy of the file without them: same tensor bytes and model metadata, vocab size as a key.
+    slim = tmp_path / "slim.gguf"
+    _copy_without_vocab(default_model.path, slim)
+    parsed = load_gguf_checkpoint(str(slim), return_tensors=False)
     hf_cfg = AutoConfig.for_model(**parsed["config"])
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_cfg)
-    big = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
-    slim = SimpleNamespace(fields={k: v for k, v in reader.fields.items() if k not in big}, tensors=reader.tensors)
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: slim)
-    theirs = load_gguf_checkpoint(str(default_model.path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    theirs = load_gguf_checkpoint(str(slim), return_tensors=True, model_to_load=skeleton)["tensors"]
 
     assert set(ours) == set(theirs)
     for name, w in ours.items():
