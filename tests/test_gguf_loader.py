@@ -243,3 +243,38 @@ def test_default_model_matches_transformers(default_model, tmp_path):
     assert cfg.attention_scale == hf_cfg.query_pre_attn_scalar ** -0.5
     assert list(cfg.layer_types) == list(hf_cfg.layer_types)
     assert cfg.tie_word_embeddings == hf_cfg.tie_word_embeddings
+
+
+def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path):
+    """llama.cpp stores Llama-3.1 rope scaling as a rope_freqs tensor; we recover HF's llama3 parameters."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf_cfg = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128,
+                                      max_position_embeddings=131072, rope_parameters=rope)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    base = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128)
+    path = tmp_path / "rope.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in [(w.add_embedding_length, 512), (w.add_block_count, 1), (w.add_feed_forward_length, 64),
+                   (w.add_head_count, 4), (w.add_head_count_kv, 4), (w.add_context_length, 131072),
+                   (w.add_rope_freq_base, 500000.0), (w.add_rope_dimension_count, 128), (w.add_vocab_size, 8)]:
+        add(v)
+    w.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))   # as convert_hf_to_gguf
+    w.add_tensor("token_embd.weight", np.zeros((8, 512), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    cfg = gguf_model_config(path)
+    rs = cfg.rope_scaling
+    assert rs["rope_type"] == "llama3" and rs["factor"] == pytest.approx(8.0)
+    ours = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128,
+                                    max_position_embeddings=131072,
+                                    rope_parameters={**rs, "rope_theta": cfg.rope_theta})
+    recovered, _ = ROPE_INIT_FUNCTIONS["llama3"](ours, "cpu")
+    torch.testing.assert_close(recovered, scaled, rtol=1e-5, atol=0)
+    assert "rope_freqs.weight" not in load_gguf_weights(path, cfg)
