@@ -272,6 +272,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (tuple(logits.shape), md.num_rows)
+        if md.all_greedy and md.banned_rows is None and md.no_penalties:
+            # NOTE: argmax of the model-dtype logits equals argmax of their float32 copy: skip the copy.
+            return logits.argmax(dim=-1)
         logits = logits.float()
         if md.banned_rows is not None:
             logits = mask_tokens(logits.clone(), md.banned_rows, md.banned_token_ids)

@@ -59,8 +59,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = (hidden @ weight.t()).float()
+        logits = hidden @ weight.t()
         cap = self.config.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits

@@ -49,6 +49,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Only the rows that are sampled: [N, hidden] -> [N, vocab] float32."""
+        """Only the rows that are sampled: [N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        return hidden @ weight.t()
