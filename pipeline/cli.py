@@ -16,7 +16,9 @@ import click
 
 from engine.errors import BatchgenError
 
-PLUGINS = ("cli_schedule", "cli_report", "cli_calibrate", "cli_bench", "cli_status")
+# NOTE: cli_schedule owns `cron` and `status`, cli_report owns `report` and `calibrate`; a name registered twice
+# is refused with a warning (the first module wins).
+PLUGINS = ("cli_schedule", "cli_report", "cli_bench")
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -100,8 +102,8 @@ def plan(job_files):
 def submit(job_files, quiet, fail_fast, commit_every):
     """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume."""
     from pipeline.runner import RunOptions, run_jobs
-    from pipeline.validate import load_valid_jobs
-    jobs = load_valid_jobs(list(job_files))
+    from pipeline.validate import load_valid_jobs_recorded
+    jobs = load_valid_jobs_recorded(list(job_files))
     for report in run_jobs(jobs, options=RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every)):
         click.echo(report.summary)
 
@@ -124,6 +126,9 @@ def _load_plugins() -> None:
             click.echo(f"batchgen: warning: cannot load {modname} ({type(e).__name__}: {e})", err=True)
             continue
         for cmd in getattr(mod, "commands", []):
+            if cmd.name in main.commands:
+                click.echo(f"batchgen: warning: {modname} defines the command {cmd.name!r} again; ignored", err=True)
+                continue
             main.add_command(cmd)
 
 

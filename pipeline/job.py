@@ -56,6 +56,7 @@ _OUTPUT = {
     "path": (str, True),
     "include_columns": (list, False),
     "rows_per_shard": (int, False),
+    "keep_deleted_rows": (bool, False),
 }
 
 
@@ -112,6 +113,7 @@ class OutputSpec:
     path: str
     include_columns: tuple[str, ...] = ()
     rows_per_shard: int = 100_000   # a directory output is split into shards of this many rows
+    keep_deleted_rows: bool = False  # rows that left the input: dropped (default) or kept at the output's end
 
 
 @dataclass(frozen=True)
@@ -274,7 +276,8 @@ def load_job(path: str | Path) -> Job:
         prompt=prompt,
         output=OutputSpec(path=out["path"],
                           include_columns=tuple(out.get("include_columns") or ()),
-                          rows_per_shard=out.get("rows_per_shard") or 100_000),
+                          rows_per_shard=out.get("rows_per_shard") or 100_000,
+                          keep_deleted_rows=out.get("keep_deleted_rows", False)),
         generation=gen, engine=eng, schedule=d.get("schedule"), lines=lines,
     )
 

@@ -11,10 +11,23 @@
       4. assemble per job: keys (input order) join committed results -> output, atomically; manifest
 
 A kill at any point loses at most the uncommitted rows; the next run recomputes only those.
+
+Incremental runs fall out of the row keys: rows whose key has a committed result are reused, new or changed
+rows are computed, and the output is rebuilt with one row per *current* input row. Rows that left the input are
+dropped from the output, or kept at its end with ``output.keep_deleted_rows: true``.
+
+Every run also leaves (see ``RunTrace`` / ``pipeline.history``):
+
+    <state dir>/runs/<run id>/        requests.parquet, steps.parquet, run.json -> ``batchgen report <dir>``
+    <state dir>/current_run           the run id while a run is unfinished (a resume appends to its trace)
+    history.sqlite (state dir of ``pipeline.history``)   one row per job per run -> ``batchgen status``
+
+The trace of a run goes into the state dir of its first job (jobs on one model share one engine, so one trace).
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import heapq
 import json
@@ -31,12 +44,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from engine.errors import BatchgenError
+from pipeline import history
 from pipeline.errors import RunError
-from pipeline.io import iter_batches, read_output, write_bytes_atomic, write_output
+from pipeline.io import InputError, iter_batches, read_output, write_bytes_atomic, write_output
 from pipeline.job import Job
 from pipeline.planner import Plan, make_plan
 from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_columns, row_key
 from pipeline.state import RESULT_COLUMNS, RunState, manifest_path_for
+from pipeline.trace import RunTrace
 
 SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
                           ("tail", pa.int64())])
@@ -56,6 +72,8 @@ class RunOptions:
     window_factor: int = 3             # requests kept in the engine = window_factor * max_num_seqs
     max_open_groups: int = 16          # shared heads pinned at once
     stop_after_rows: int | None = None  # testing: behave as if interrupted after this many rows
+    record_history: bool = True        # one row per job per run in pipeline.history (``batchgen status``)
+    state_dir: str | None = None       # history's state dir (None: $BATCHGEN_STATE_DIR or ~/.local/state/batchgen)
 
 
 @dataclass
@@ -81,6 +99,9 @@ class JobRun:
     pending: list = field(default_factory=list)
     up_to_date: bool = False
     manifest: dict | None = None
+    ids: set = field(default_factory=set)      # the current input's row ids
+    deleted_kept: int = 0                      # rows no longer in the input, kept (output.keep_deleted_rows)
+    deleted_dropped: int = 0                   # ... dropped from the output
 
 
 @dataclass
@@ -90,6 +111,7 @@ class RunReport:
     wall_s: float
     model_info: dict
     summary: str = ""
+    trace_dir: Path | None = None
 
 
 def default_llm_factory(model: str, engine_args: dict):
@@ -141,18 +163,25 @@ class Runner:
 
     def _run_model(self, model: str, jobs: list[Job], dry_run: bool) -> RunReport:
         t0 = time.monotonic()
-        llm = self.llm_factory(model, merge_engine_args(jobs))
-        info = dict(llm.model_info)
-        tok = llm.get_tokenizer()
-        runs = [self._job_run(job, tok, info) for job in jobs]
-        locked: list[JobRun] = []
+        states = [RunState(job.output.path, job.name) for job in jobs]
+        hist = {} if dry_run else self._history_start(model, jobs)
+        runs: list[JobRun] = []
+        locked: list[RunState] = []
         old_handlers = {}
+        self._trace = None
         try:
             if not dry_run:
+                # NOTE: the lock comes before the model load, so an overlapping run (cron firing while the
+                # previous run still goes) exits at once instead of after loading the weights.
+                for st in states:
+                    st.lock()
+                    locked.append(st)
                 old_handlers = self._install_signal_handlers()
-                for jr in runs:
-                    jr.state.lock()
-                    locked.append(jr)
+            llm = self.llm_factory(model, merge_engine_args(jobs))
+            t_loaded = time.monotonic()
+            info = dict(llm.model_info)
+            tok = llm.get_tokenizer()
+            runs = [self._job_run(job, st, tok, info) for job, st in zip(jobs, states)]
             heads: list[tuple[int, ...]] = []
             head_index: dict[str, int] = {}
             req_job, req_local, req_group, req_len = [], [], [], []
@@ -179,25 +208,124 @@ class Runner:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
             if plan.num_requests:
+                self._trace = self._start_trace(llm, states[0], t_loaded)
+            report.trace_dir = self._trace.run_dir if self._trace is not None else None
+            if plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             for jr in runs:
-                self._assemble(jr, info, llm, time.monotonic() - t0)
+                self._assemble(jr, info, llm, time.monotonic() - t0, report.trace_dir)
+            self._flush_trace(llm)
+            (states[0].dir / "current_run").unlink(missing_ok=True)
             report.wall_s = time.monotonic() - t0
             report.summary = self._summary(report)
+            self._history_finish(hist, runs, "ok", report.trace_dir)
             return report
+        except Interrupted as e:
+            self._flush_trace(locals().get("llm"))
+            self._history_finish(hist, runs, "interrupted", self._trace_dir(), str(e))
+            raise
+        except BatchgenError as e:
+            self._flush_trace(locals().get("llm"))
+            self._history_finish(hist, runs, "failed", self._trace_dir(), str(e))
+            raise
+        except InputError as e:
+            err = RunError(f"job input became unreadable during the run: {e}")
+            self._history_finish(hist, runs, "failed", self._trace_dir(), str(err))
+            raise err from None
+        except OSError as e:
+            # NOTE: part files and the output are written atomically (whole or not at all), so after any
+            # I/O fault what was committed is intact and a rerun resumes from it.
+            what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+            err = RunError(f"cannot write {e.filename or 'the run state'}: {what}. Rows committed so far are "
+                           "kept; fix that and run the same command again to resume.")
+            self._history_finish(hist, runs, "failed", self._trace_dir(), str(err))
+            raise err from None
+        except BaseException as e:
+            self._flush_trace(locals().get("llm"))
+            self._history_finish(hist, runs, "failed", self._trace_dir(), f"{type(e).__name__}: {e}")
+            raise
         finally:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
-            for jr in locked:
-                jr.state.unlock()
+            for st in locked:
+                st.unlock()
+
+    # ---- trace and history --------------------------------------------------------------------------
+    def _start_trace(self, llm, state: RunState, start: float) -> RunTrace | None:
+        """A trace in ``<state dir>/runs/<run id>``; an unfinished earlier run's id is reused (resume)."""
+        runs_dir = state.dir / "runs"
+        marker = state.dir / "current_run"
+        run_id = marker.read_text().strip() if marker.exists() else ""
+        if not run_id or not (runs_dir / run_id).is_dir():
+            run_id = time.strftime("%Y%m%d-%H%M%S")
+            n = 1
+            while (runs_dir / run_id).exists():
+                n += 1
+                run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+        try:
+            trace = RunTrace(runs_dir / run_id, llm.model_info, float(getattr(llm, "load_time_s", 0.0) or 0.0),
+                             model_config=getattr(llm, "model_config", None), start_time=start)
+            marker.write_text(run_id)
+            return trace
+        except (OSError, ValueError) as e:     # NOTE: a trace must never fail a run
+            self._warn(f"no trace for this run ({e})")
+            return None
+
+    def _trace_dir(self) -> Path | None:
+        return self._trace.run_dir if self._trace is not None else None
+
+    def _flush_trace(self, llm) -> None:
+        trace = self._trace
+        if trace is None or llm is None:
+            return
+        try:
+            trace.add_steps(getattr(llm, "step_stats", ()) or ())
+            trace.write()
+        except Exception as e:                  # NOTE: e.g. a full disk; the results matter, the trace less
+            self._warn(f"cannot write the trace to {trace.run_dir} ({e}); the run goes on without it")
+            self._trace = None
+
+    def _warn(self, message: str) -> None:
+        print(f"batchgen: warning: {message}", file=sys.stderr)
+
+    def _history_start(self, model: str, jobs: list[Job]) -> dict[str, int]:
+        if not self.opts.record_history:
+            return {}
+        ids = {}
+        for job in jobs:
+            try:
+                ids[job.name] = history.start_run(job.name, _config_summary(job, model),
+                                                  state_dir=self.opts.state_dir)
+            except history.HistoryError as e:
+                self._warn(f"run history not recorded: {e}")
+                return ids
+        return ids
+
+    def _history_finish(self, hist: dict[str, int], runs: list[JobRun], status: str, trace_dir: Path | None,
+                        error: str | None = None) -> None:
+        by_name = {jr.job.name: jr for jr in runs}
+        for name, run_id in hist.items():
+            jr = by_name.get(name)
+            this = (jr.manifest or {}).get("this_run", {}) if jr else {}
+            try:
+                history.finish_run(
+                    run_id, status, rows_done=jr.computed if jr else 0, rows_skipped=jr.reused if jr else 0,
+                    rows_failed=jr.row_errors if jr else 0, tokens_per_s=this.get("tokens_per_s"),
+                    cache_hit_rate=_rate(jr.cached_tokens, jr.prompt_tokens) if jr else None,
+                    trace_path=trace_dir,
+                    report_path=manifest_path_for(jr.job.output.path) if jr and jr.manifest else None,
+                    error=error, state_dir=self.opts.state_dir)
+            except history.HistoryError as e:
+                self._warn(f"run history not recorded: {e}")
+                return
 
     # ---- 1. prepare ---------------------------------------------------------------------------------
-    def _job_run(self, job: Job, tok, info: dict) -> JobRun:
+    def _job_run(self, job: Job, state: RunState, tok, info: dict) -> JobRun:
         params = job.sampling_params
         fp = fingerprint(info.get("identity"), dataclasses.asdict(params), job.prompt.on_too_long,
                          job.prompt.chat_template)
-        return JobRun(job=job, renderer=PromptRenderer(job.prompt, tok), state=RunState(job.output.path, job.name),
-                      fingerprint=fp, params=params)
+        return JobRun(job=job, renderer=PromptRenderer(job.prompt, tok), state=state, fingerprint=fp,
+                      params=params)
 
     def _prepare(self, jr: JobRun, info: dict, heads: list, head_index: dict, dry_run: bool):
         """Stream the job's input; write keys (+ spill of rows to compute). Returns (groups, prompt_lens)."""
@@ -290,6 +418,7 @@ class Runner:
             jr.state.commit(jr.pending)
             jr.pending = []
         jr.num_rows = row_idx
+        jr.ids = seen_ids
         jr.spill_rows = len(groups)
         jr.keys_digest = digest.hexdigest()
         return groups, lens
@@ -345,6 +474,7 @@ class Runner:
         t_start = time.monotonic()
         last_commit = time.monotonic()
         toks = cached = prompt = 0
+        clean_exit = False
         try:
             while True:
                 if self._stop_reason is None and self.opts.stop_after_rows is not None \
@@ -378,6 +508,8 @@ class Runner:
                     key = spills[j].row(local)[0]
                     res = _result_row(key, out)
                     jr.pending.append(res)
+                    if self._trace is not None:
+                        self._trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
                     if res["error"]:
                         jr.row_errors += 1
                         if self.opts.fail_fast:
@@ -413,11 +545,18 @@ class Runner:
                 if now - last_commit >= self.opts.commit_interval_s or \
                         any(len(jr.pending) >= self.opts.commit_rows for jr in runs):
                     self._commit_all(runs)
+                    self._flush_trace(llm)
                     last_commit = now
+            clean_exit = True
         finally:
             bar.close()
             # NOTE: on any exit path (stop, error, Ctrl-C twice) what finished is made durable.
-            self._commit_all(runs)
+            try:
+                self._commit_all(runs)
+            except RunError as e:
+                if clean_exit:
+                    raise
+                self._warn(str(e))      # keep the error that stopped the run; this one is its echo
             for s in spills:
                 if s is not None:
                     s.close()
@@ -435,19 +574,22 @@ class Runner:
                 jr.state.commit(rows)
 
     # ---- 4. assemble --------------------------------------------------------------------------------
-    def _assemble(self, jr: JobRun, info: dict, llm, wall_s: float) -> None:
+    def _assemble(self, jr: JobRun, info: dict, llm, wall_s: float, trace_dir: Path | None = None) -> None:
         job = jr.job
         out_path = Path(job.output.path)
         mpath = manifest_path_for(out_path)
+        layout = {"include_columns": list(job.output.include_columns), "rows_per_shard": job.output.rows_per_shard,
+                  "keep_deleted_rows": job.output.keep_deleted_rows}
         if jr.computed == 0 and jr.row_errors == 0 and out_path.exists() and mpath.exists():
             try:
                 old = json.loads(mpath.read_text())
             except (OSError, ValueError):
                 old = {}
-            if old.get("keys_digest") == jr.keys_digest:
+            if old.get("keys_digest") == jr.keys_digest and old.get("layout", layout) == layout:
                 jr.up_to_date = True
                 jr.manifest = old
                 return
+        kept = self._deleted_rows(jr, out_path)
         results = jr.state.load_done()
         keys = pa.ipc.open_file(pa.memory_map(str(jr.state.scratch("keys.arrow")))).read_all()
         joined = keys.join(results, "row_key", join_type="left outer").sort_by("row_idx")
@@ -480,14 +622,19 @@ class Runner:
                     part = pa.Table.from_arrays(passthrough.columns + part.columns,
                                                 names=passthrough.column_names + part.column_names)
                 yield part.combine_chunks()
+                schema = part.schema
                 offset += size
+            if kept is not None and kept.num_rows:
+                kept_rows = _conform(kept, schema)
+                for start in range(0, kept_rows.num_rows, rows_per):
+                    yield kept_rows.slice(start, rows_per).combine_chunks()
 
         if missing > 0 and jr.num_rows:
             raise RunError(f"job {job.name!r}: {missing} rows have no result; run again to resume")
         directory = not str(out_path).endswith(".parquet")
         if jr.num_rows == 0:
             empty = results_cols.slice(0, 0)
-            write_output(iter([empty]), out_path, directory)
+            write_output(iter([kept if kept is not None and kept.num_rows else empty]), out_path, directory)
         else:
             write_output(tables(), out_path, directory)
         jr.state.compact(results)
@@ -502,7 +649,8 @@ class Runner:
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": info, "engine_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else job.engine,
             "generation": dataclasses.asdict(jr.params), "versions": _versions(),
-            "rows": jr.num_rows, "rows_with_error": all_errors,
+            "rows": jr.num_rows + jr.deleted_kept, "rows_with_error": all_errors,
+            "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped},
             "this_run": {"computed": jr.computed, "reused": jr.reused, "changed": jr.changed,
                          "row_errors": jr.row_errors, "prompt_tokens": jr.prompt_tokens,
                          "cached_tokens": jr.cached_tokens, "output_tokens": jr.output_tokens,
@@ -512,10 +660,32 @@ class Runner:
                          "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None},
             "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                        "hit_rate": _rate(all_cached, all_prompt)},
-            "keys_digest": jr.keys_digest,
+            "keys_digest": jr.keys_digest, "layout": layout,
+            "trace": None if trace_dir is None else str(trace_dir),
         }
         write_bytes_atomic(json.dumps(manifest, indent=2, default=str).encode(), manifest_path_for(out_path))
         jr.manifest = manifest
+
+    def _deleted_rows(self, jr: JobRun, out_path: Path) -> pa.Table | None:
+        """Rows of the previous output whose id is no longer in the input: counted, and returned when the job
+        keeps them (``output.keep_deleted_rows``); None when there are none or they are dropped."""
+        if not out_path.exists():
+            return None
+        import pyarrow.parquet as pq
+        try:
+            prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
+        except (pa.ArrowException, OSError, KeyError):
+            return None                  # not an output of ours (or unreadable): nothing to carry over
+        prev_ids = pc.replace_substring_regex(prev_keys, pattern="#[0-9a-f]{20}$", replacement="")
+        gone = pc.invert(pc.is_in(prev_ids, value_set=pa.array(sorted(jr.ids), pa.string())))
+        n = int(pc.sum(gone).as_py() or 0)
+        if not n:
+            return None
+        if not jr.job.output.keep_deleted_rows:
+            jr.deleted_dropped = n
+            return None
+        jr.deleted_kept = n
+        return read_output(out_path).filter(gone)
 
     # ---- summary ------------------------------------------------------------------------------------
     def _summary(self, report: RunReport) -> str:
@@ -534,6 +704,10 @@ class Runner:
                 bits.append(f"{jr.reused} reused from earlier runs")
             if jr.changed:
                 bits.append(f"{jr.changed} recomputed because their prompt, model or parameters changed")
+            if jr.deleted_kept:
+                bits.append(f"{jr.deleted_kept} no longer in the input kept (output.keep_deleted_rows)")
+            if jr.deleted_dropped:
+                bits.append(f"{jr.deleted_dropped} no longer in the input dropped")
             errs = (jr.manifest or {}).get("rows_with_error", jr.row_errors)
             bits.append(f"{errs} with errors" if errs else "no errors")
             lines.append(f"{jr.job.name}: " + ", ".join(bits) + ".")
@@ -543,7 +717,28 @@ class Runner:
                 f"{(prompt - cached + out_toks) / max(report.wall_s, 1e-9):,.0f} computed tokens/s "
                 f"({prompt:,} prompt tokens, {cached:,} from cache, {out_toks:,} generated); cache hit rate "
                 f"{_pct(cached, prompt)} achieved vs {_pct(plan.cached_tokens, plan.prompt_tokens)} predicted.")
+        if report.trace_dir is not None:
+            lines.append(f"Trace: {report.trace_dir} (batchgen report {report.trace_dir}).")
         return " ".join(lines)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with exactly ``schema``'s columns: missing ones null, others cast (null where they cannot be)."""
+    cols = []
+    for f in schema:
+        if f.name in table.column_names:
+            try:
+                cols.append(table.column(f.name).cast(f.type))
+                continue
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass
+        cols.append(pa.nulls(table.num_rows, f.type))
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _config_summary(job: Job, model: str) -> dict:
+    return {"model": model, "job_file": job.file, "input": job.input.path, "output": job.output.path,
+            "schedule": job.schedule}
 
 
 def _rate(a: int, b: int) -> float | None:

@@ -74,14 +74,11 @@ def check_job(job: Job) -> list[Problem]:
     problems.extend(_output_problems(job))
     problems.extend(_model_problems(job))
     if job.schedule is not None:
+        from pipeline.cron import CronError, validate_schedule
         try:
-            from croniter import croniter
-            ok = croniter.is_valid(job.schedule)
-        except ImportError:
-            ok = True
-        if not ok:
-            problems.append(job.problem("schedule", f"{job.schedule!r} is not a valid cron expression "
-                                                    "(five fields: minute hour day month weekday)"))
+            validate_schedule(job.schedule)
+        except CronError as e:
+            problems.append(job.problem("schedule", str(e)))
     return problems
 
 
@@ -138,3 +135,36 @@ def load_valid_jobs(paths: list[str]) -> list[Job]:
     if problems:
         raise JobError(problems)
     return jobs
+
+
+def load_valid_jobs_recorded(paths: list[str]) -> list[Job]:
+    """``load_valid_jobs`` for runs: when a job file has problems, each submitted job gets a failed run in the
+    run history with them (so a scheduled run that never started shows in ``batchgen status``)."""
+    jobs, problems = validate_files(paths)
+    if not problems:
+        return jobs
+    from pipeline import history
+    parsed = {job.file: job.name for job in jobs}
+    bad_files = list(dict.fromkeys(p.file for p in problems))
+    for path in paths:
+        mine = [str(p) for p in problems if p.file == path]
+        error = "\n".join(mine) if mine else \
+            f"not run: other job files submitted with it have problems ({', '.join(bad_files)})"
+        name = parsed.get(path) or _name_in(path)
+        try:
+            history.finish_run(history.start_run(name, {"job_file": path}), "failed", error=error)
+        except history.HistoryError:
+            pass                     # NOTE: the problems themselves are what the user must see
+    raise JobError(problems)
+
+
+def _name_in(path: str) -> str:
+    """The job's ``name`` as written in a file that did not parse as a job (else the file's stem)."""
+    try:
+        import yaml
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        if isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"].strip():
+            return data["name"]
+    except Exception:       # NOTE: unreadable or not YAML: the problems say so; here only a name is wanted
+        pass
+    return Path(path).stem

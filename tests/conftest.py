@@ -26,6 +26,12 @@ def _corpus() -> list[str]:
     return lines + ["Reference:\nDocument:\nSummary: You are a helpful assistant. 0123456789 .,;:!?-'\"()"] * 5
 
 
+@pytest.fixture(autouse=True)
+def _history_state_dir(tmp_path_factory, monkeypatch):
+    """Run history (pipeline.history) of every test goes to a throwaway state dir, never ~/.local/state."""
+    monkeypatch.setenv("BATCHGEN_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A small byte-level BPE tokenizer (vocab 512) with <s> as BOS (added by add_special_tokens)."""
