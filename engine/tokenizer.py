@@ -27,13 +27,32 @@ def cache_root() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "batchgen") / "tokenizers"
 
 
+# Gemma's turn format, for Gemma GGUF files that ship no template (the default model's does not).
+# The system message is folded into the first user turn, as Gemma's own template does.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set first = messages[0]['content'] + '\n\n' %}{% set rest = messages[1:] %}"
+    "{% else %}{% set first = '' %}{% set rest = messages %}{% endif %}"
+    "{% for m in rest %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (first if loop.first else '') + m['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
 def load_tokenizer(source: ModelSource):
     """The tokenizer of ``source`` (a ``PreTrainedTokenizerFast``-compatible object)."""
     if source.kind == "hf":
-        return _load_hf_dir(Path(source.path))
-    if source.kind == "gguf":
-        return load_gguf_tokenizer(Path(source.path), model_identity(source))
-    raise ModelLoadError(f"{source.path}: unknown model source kind {source.kind!r}")
+        tok = _load_hf_dir(Path(source.path))
+    elif source.kind == "gguf":
+        tok = load_gguf_tokenizer(Path(source.path), model_identity(source))
+    else:
+        raise ModelLoadError(f"{source.path}: unknown model source kind {source.kind!r}")
+    if not getattr(tok, "chat_template", None) and "<start_of_turn>" in tok.get_vocab():
+        tok.chat_template = GEMMA_CHAT_TEMPLATE
+    return tok
 
 
 def _load_hf_dir(path: Path):

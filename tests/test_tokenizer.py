@@ -190,3 +190,15 @@ def test_gguf_chat_template_survives_cache(tmp_path, monkeypatch):
         assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == expect
         ids = tok(" the the", add_special_tokens=False)["input_ids"]
         assert tok.convert_ids_to_tokens(ids) == ["Ġthe", "Ġthe"] and tok.decode(ids) == " the the"
+
+
+def test_default_model_gets_gemma_chat_template():
+    """The default GGUF ships no chat template; Gemma's turn format is supplied."""
+    from engine.loader import resolve_model
+    from engine.tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve_model("gemma-3-270m"))
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Summarize: hi "}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nSummarize: hi<end_of_turn>\n"
+                    "<start_of_turn>model\n")
