@@ -1,0 +1,129 @@
+"""Scheduled runs over a growing dataset: a rerun computes only rows whose idempotency key has no result
+yet, the output stays one row per current input row (deleted rows dropped, or kept on request), `batchgen
+status` lists every run with its counts, and an overlapping run exits at once."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+import pipeline.runner
+from pipeline.cli import main
+from tests.conftest import make_docs
+from tests.test_pipeline import write_job
+from tests.test_resume import ROOT, driver  # noqa: F401  (fixture)
+
+STABLE = ["id", "category", "summary", "finish_reason", "prompt_tokens", "output_tokens", "error", "row_key"]
+
+
+@pytest.fixture
+def fake_engine(monkeypatch, fake_llm_factory):
+    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    return fake_llm_factory
+
+
+def _submit(job):
+    res = CliRunner().invoke(main, ["submit", "-q", str(job)])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_appended_rows_only_are_computed(tmp_path, fake_engine):
+    rows = make_docs(15)
+    data = tmp_path / "grows.parquet"
+    _write(data, rows[:10])
+    job = write_job(tmp_path, "nightly", data)
+    _submit(job)
+    assert len(fake_engine.made[-1].added) == 10
+
+    _write(data, rows)                                   # the dataset gained 5 rows overnight
+    out = _submit(job)
+    assert len(fake_engine.made[-1].added) == 5          # engine requests: the new rows only
+    assert "5 computed, 10 reused" in out
+    t = pq.read_table(tmp_path / "out/nightly.parquet")
+    assert t.column("id").to_pylist() == [r["id"] for r in rows]
+
+    # The same as one run over all 15 rows, row for row.
+    _submit(write_job(tmp_path, "once", data))
+    ref = pq.read_table(tmp_path / "out/once.parquet")
+    assert t.select(STABLE).to_pylist() == ref.select(STABLE).to_pylist()
+
+    res = CliRunner().invoke(main, ["status", "nightly"])
+    lines = res.output.splitlines()
+    assert [ln.split()[5:9] for ln in lines[1:]] == [["ok", "5", "10", "0"], ["ok", "10", "0", "0"]], res.output
+
+    _submit(job)                                         # nothing new: nothing computed
+    assert len(fake_engine.made[-1].added) == 0
+
+
+def test_deleted_rows_dropped_by_default_or_kept(tmp_path, fake_engine):
+    rows = make_docs(12)
+    data = tmp_path / "shrinks.parquet"
+    _write(data, rows)
+    drop = write_job(tmp_path, "drop", data)
+    keep = write_job(tmp_path, "keep", data).read_text().replace(
+        "  include_columns: [id, category]", "  include_columns: [id, category]\n  keep_deleted_rows: true")
+    (tmp_path / "keep.yaml").write_text(keep)
+    keep = tmp_path / "keep.yaml"
+    _submit(drop), _submit(keep)
+    before = pq.read_table(tmp_path / "out/keep.parquet")
+
+    gone = {rows[2]["id"], rows[7]["id"]}
+    now = [r for r in rows if r["id"] not in gone] + [make_docs(13)[12]]
+    _write(data, now)
+    out = _submit(drop)
+    assert "2 no longer in the input dropped" in out and "1 computed" in out
+    t = pq.read_table(tmp_path / "out/drop.parquet")
+    assert t.column("id").to_pylist() == [r["id"] for r in now]
+
+    out = _submit(keep)
+    assert "2 no longer in the input kept" in out and "1 computed" in out
+    t = pq.read_table(tmp_path / "out/keep.parquet")
+    assert t.num_rows == 13 and t.column("id").to_pylist()[:11] == [r["id"] for r in now]
+    old = {r["id"]: r for r in before.to_pylist()}
+    assert t.slice(11).to_pylist() == [old[rows[2]["id"]], old[rows[7]["id"]]]   # last, results unchanged
+    _submit(keep)                                                                 # stays kept
+    assert pq.read_table(tmp_path / "out/keep.parquet").equals(t)
+
+    _write(data, rows + [make_docs(13)[12]])             # they come back: input rows again, not recomputed
+    out = _submit(keep)
+    t = pq.read_table(tmp_path / "out/keep.parquet")
+    assert t.column("id").to_pylist() == [r["id"] for r in rows] + ["doc-0012"] and "0 computed" in out
+
+
+def test_overlapping_run_exits_at_once(tmp_path, make_docs_dataset, driver):  # noqa: F811
+    """While a run holds the job's lock, a second one (cron firing again) refuses immediately."""
+    job = write_job(tmp_path, "slow", make_docs_dataset(n=40))
+    first = subprocess.Popen([sys.executable, str(driver), "submit", "-q", str(job)], cwd=ROOT, text=True,
+                             env={**os.environ, "STEP_DELAY": "0.2"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        spill = tmp_path / "out/.slow.parquet.batchgen/spill.arrow"
+        deadline = time.time() + 60
+        while time.time() < deadline and not spill.exists():
+            time.sleep(0.05)
+        assert spill.exists(), first.stderr.read() if first.poll() is not None else "first run did not start"
+        t0 = time.monotonic()
+        second = subprocess.run([sys.executable, str(driver), "submit", "-q", str(job)], cwd=ROOT, text=True,
+                                capture_output=True, timeout=60)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert "already running" in second.stderr and f"pid {first.pid}" in second.stderr
+        assert time.monotonic() - t0 < 30
+        assert first.poll() is None                         # the first run was not disturbed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=60)
+    from pipeline import history
+    statuses = [(r.status, (r.error or "")[:40]) for r in history.recent_runs("slow")]
+    assert statuses[0][0] == "interrupted" or statuses[1][0] == "interrupted"
+    assert any(s == "failed" and "already running" in e for s, e in statuses)
