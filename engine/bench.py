@@ -1,0 +1,765 @@
+"""Benchmark: named workload shapes through batchgen and transformers, side by side in one run.
+
+    python -m engine.bench shared-prefix --n 48 --groups 4 --prefix-tokens 1500 --doc-tokens 400 \\
+        --output-tokens 64 --json bench.json
+    python -m engine.bench --quick --model path/to/hf_dir        # a small smoke run
+
+Every system gets the same token id lists (built from varied English sentences tokenized with the model's
+tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical work:
+
+    batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix)
+    batchgen-nocache  prefix caching off, same order
+    hf-generate       transformers ``generate`` on left-padded batches, one row per batch size tried
+    hf-cb             transformers continuous batching (``generate_batch``), where it runs
+
+A prompt is ``[BOS] + prefix[group] + document[i]``:
+
+    | BOS | system + reference of group g (prefix_tokens - 1) | document i (doc_tokens) |  -> output_tokens
+
+Numbers are only meaningful as ratios inside one run: this machine's cores (and its AMX unit) are shared,
+so absolute speeds drift between runs. The run notes the load average before and after.
+
+MFU counts the model FLOPs each system had to compute (``engine.flops``: window-limited attention, LM head
+only on sampled rows; padding and masked work are not counted) against the calibrated matmul peak
+(``engine.calibrate``); decode MBU counts weight + KV bytes of decode steps against calibrated bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import gc
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# ---- workloads ---------------------------------------------------------------------------------------
+
+SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: str
+    n: int                    # documents (requests)
+    groups: int               # distinct shared prefixes; document i belongs to group i % groups
+    prefix_tokens: int        # BOS + system prompt + reference, per group (0: no shared prefix but BOS)
+    doc_tokens: int           # document tokens per request
+    output_tokens: int        # tokens generated per request (ignore_eos: exactly this many)
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.groups < 1 or self.output_tokens < 1 or self.doc_tokens < 1:
+            raise ValueError("n, groups, doc_tokens and output_tokens must be >= 1")
+        if self.prefix_tokens < 0:
+            raise ValueError("prefix_tokens must be >= 0")
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of each prompt (the prefix includes BOS; with no prefix, BOS alone leads)."""
+        return max(self.prefix_tokens, 1) + self.doc_tokens
+
+
+SHAPES = {
+    # The issue's target: N documents in G groups sharing a long system prompt + reference.
+    "shared-prefix": dict(n=48, groups=4, prefix_tokens=1500, doc_tokens=400, output_tokens=64),
+    # Long prompt, short output, nothing shared: prefill-bound.
+    "long-prompt": dict(n=32, groups=32, prefix_tokens=0, doc_tokens=2000, output_tokens=16),
+    # Short prompt, long output, nothing shared: decode-bound.
+    "short-prompt": dict(n=32, groups=32, prefix_tokens=0, doc_tokens=64, output_tokens=256),
+}
+QUICK = {
+    "shared-prefix": dict(n=8, groups=2, prefix_tokens=96, doc_tokens=24, output_tokens=6),
+    "long-prompt": dict(n=4, groups=4, prefix_tokens=0, doc_tokens=160, output_tokens=4),
+    "short-prompt": dict(n=4, groups=4, prefix_tokens=0, doc_tokens=16, output_tokens=24),
+}
+DEFAULT_HF_BATCH_SIZES = (4, 8, 16)
+QUICK_HF_BATCH_SIZES = (4,)
+
+
+def make_workload(shape: str, quick: bool = False, **sizes) -> Workload:
+    """The named shape's default sizes (``quick``: the smoke preset), overridden by non-None ``sizes``."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown workload shape {shape!r}; known: {', '.join(SHAPES)}")
+    base = dict((QUICK if quick else SHAPES)[shape])
+    base.update({k: v for k, v in sizes.items() if v is not None})
+    return Workload(shape=shape, **base)
+
+
+# ---- prompt text ---------------------------------------------------------------------------------------
+
+_SUBJECTS = ("The customer", "Our support team", "The warehouse manager", "A regional director", "The billing system",
+             "The technician", "Every new employee", "The auditor", "A loyal subscriber", "The delivery driver",
+             "The product owner", "Their legal department", "The night shift", "A junior analyst")
+_VERBS = ("reported", "reviewed", "questioned", "approved", "rejected", "summarized", "escalated", "documented",
+          "measured", "explained", "disputed", "scheduled", "replaced", "forgot")
+_OBJECTS = ("the late shipment", "an invoice from March", "the warranty claim", "a damaged screen",
+            "the quarterly forecast", "the refund policy", "two missing parcels", "the renewal notice",
+            "a broken charger", "the service agreement", "the password reset flow", "a duplicate payment",
+            "the battery recall", "the store credit balance", "the cancellation request")
+_TAILS = ("after a long call", "before the deadline", "without any receipt", "with three attachments",
+          "in the weekly meeting", "for the second time", "despite the holiday", "according to clause 4.2",
+          "on behalf of a colleague", "while the system was down", "at 9:45 on Tuesday", "by registered mail")
+
+
+def _sentences(rng: random.Random, count: int) -> str:
+    out = []
+    for _ in range(count):
+        s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
+        if rng.random() < 0.3:
+            s += f", and {rng.choice(_SUBJECTS).lower()} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+        if rng.random() < 0.2:
+            s += f" (ref {rng.randint(1000, 99999)})"
+        out.append(s + ".")
+    return " ".join(out)
+
+
+def text_tokens(tokenizer, num_tokens: int, seed: int, header: str = "") -> list[int]:
+    """Exactly ``num_tokens`` token ids (no special tokens) of deterministic varied text after ``header``."""
+    if num_tokens <= 0:
+        return []
+    rng = random.Random(seed)
+    ids = tokenizer.encode(header, add_special_tokens=False) if header else []
+    while len(ids) < num_tokens:
+        ids += tokenizer.encode(" " + _sentences(rng, 16), add_special_tokens=False)
+    return ids[:num_tokens]
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    index: int                # position in arrival order (document i)
+    group: int
+    token_ids: tuple[int, ...]
+
+
+def build_prompts(tokenizer, w: Workload, seed: int = 0) -> list[BenchPrompt]:
+    """The workload's prompts in planned order (grouped by shared prefix, arrival order within a group)."""
+    bos = tokenizer.bos_token_id
+    lead = [bos] if bos is not None else []
+    prefixes = []
+    for g in range(w.groups):
+        if w.prefix_tokens <= len(lead):
+            prefixes.append(lead[:max(w.prefix_tokens, 1)] if lead else [])
+            continue
+        header = (f"You are reviewer number {g} of the operations group. Summarize the document below in two "
+                  f"sentences, citing the reference where it applies.\nReference {g}:\n")
+        prefixes.append(lead + text_tokens(tokenizer, w.prefix_tokens - len(lead), seed * 7919 + g, header))
+    prompts = []
+    for i in range(w.n):
+        g = i % w.groups
+        doc = text_tokens(tokenizer, w.doc_tokens, seed * 7919 + 100_003 + i, f"\nDocument {i}:\n")
+        prompts.append(BenchPrompt(i, g, tuple(prefixes[g] + doc)))
+    return sorted(prompts, key=lambda p: (p.group, p.index))
+
+
+def _warmup_prompts(tokenizer, n: int = 2, length: int = 48) -> list[list[int]]:
+    return [text_tokens(tokenizer, length, 999_001 + i, "Warm-up. ") for i in range(n)]
+
+
+# ---- results -------------------------------------------------------------------------------------------
+
+@dataclass
+class SystemResult:
+    system: str                       # batchgen | batchgen-nocache | hf-generate | hf-cb
+    label: str                        # e.g. "hf-generate bs=8"
+    wall_s: float | None = None
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0            # prompt tokens served from a prefix cache (known for batchgen only)
+    output_tokens: int = 0
+    ttft_s: list[float] | None = None
+    tpot_s: list[float] | None = None
+    flops: float | None = None        # model FLOPs this system computed (engine.flops)
+    mfu: float | None = None          # flops / wall / calibrated peak
+    prefill_mfu: float | None = None  # over the time spent in steps (batches) with prompt work
+    decode_mbu: float | None = None   # decode-only steps: bytes moved / time / calibrated bandwidth
+    match_rate: float | None = None   # fraction of requests whose output ids equal batchgen-nocache's
+    skipped: str | None = None
+    extra: dict = field(default_factory=dict)
+    outputs: list[list[int]] | None = field(default=None, repr=False)   # per planned prompt; not saved
+
+    @property
+    def output_tps(self) -> float | None:
+        return self.output_tokens / self.wall_s if self.wall_s else None
+
+    @property
+    def total_tps(self) -> float | None:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens and self.system.startswith("batchgen") else None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("outputs")
+        for name in ("ttft_s", "tpot_s"):
+            vals = d.pop(name)
+            d[name.replace("_s", "")] = None if not vals else {
+                "p50": percentile(vals, 50), "p90": percentile(vals, 90), "p99": percentile(vals, 99),
+                "mean": sum(vals) / len(vals)}
+        d.update(output_tokens_per_s=self.output_tps, total_tokens_per_s=self.total_tps, hit_rate=self.hit_rate)
+        return d
+
+
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default) of a non-empty list; None when empty."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    pos = (len(vals) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+# ---- roofline helpers ----------------------------------------------------------------------------------
+
+class _Roofline:
+    """FLOP / byte counts of this workload's pieces, and the calibrated peaks to divide them by."""
+
+    def __init__(self, mcfg, dtype_bytes: int, cal):
+        self.mcfg, self.dtype_bytes, self.cal = mcfg, dtype_bytes, cal
+
+    def request_flops(self, prompt_len: int, cached: int, output_tokens: int) -> float:
+        from engine import flops
+        f = flops.prefill_flops(self.mcfg, prompt_len - cached, cached, num_sampled=1)
+        return f + sum(self.decode_flops([prompt_len + k]) for k in range(1, output_tokens))
+
+    def decode_flops(self, ctx_lens: list[int]) -> float:
+        from engine import flops
+        return flops.decode_step_flops(self.mcfg, ctx_lens)
+
+    def decode_bytes(self, ctx_lens: list[int]) -> float:
+        from engine import flops
+        return flops.decode_step_bytes(self.mcfg, ctx_lens, self.dtype_bytes)
+
+    def mfu(self, fl: float, secs: float) -> float | None:
+        return fl / secs / self.cal.matmul_flops if self.cal and secs > 0 else None
+
+    def mbu(self, nbytes: float, secs: float) -> float | None:
+        return nbytes / secs / self.cal.memory_bandwidth if self.cal and secs > 0 else None
+
+
+# ---- systems ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchOptions:
+    workload: Workload
+    model: str = "gemma-3-270m"
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    systems: tuple[str, ...] = SYSTEMS
+    hf_batch_sizes: tuple[int, ...] = DEFAULT_HF_BATCH_SIZES
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory: int | None = None
+    roofline: bool = True             # load (or measure) a calibration for MFU/MBU
+    quick: bool = False
+    seed: int = 0
+    log: bool = True                  # progress lines on stderr
+
+    def engine_args(self) -> dict:
+        args = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "kv_cache_memory": self.kv_cache_memory, "num_threads": self.threads}
+        return {k: v for k, v in args.items() if v is not None}
+
+
+def _say(opts: BenchOptions, msg: str) -> None:
+    if opts.log:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], prefix_caching: bool, roof) -> tuple[SystemResult, object]:
+    """One LLM per setting (a fresh prefix cache), a short warm-up, then the whole workload in one generate."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    name = "batchgen" if prefix_caching else "batchgen-nocache"
+    t = time.monotonic()
+    llm = LLM(opts.model, dtype=opts.dtype, enable_prefix_caching=prefix_caching, **opts.engine_args())
+    _say(opts, f"{name}: loaded in {time.monotonic() - t:.1f} s; warming up")
+    T = opts.workload.output_tokens
+    llm.generate(_warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
+    first_step = len(llm.step_stats)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T)
+    t0 = time.monotonic()
+    outs = llm.generate([list(p.token_ids) for p in prompts], params, priorities=range(len(prompts)))
+    wall = time.monotonic() - t0
+    steps = llm.step_stats[first_step:]
+    res = SystemResult(
+        system=name, label=name, wall_s=wall, num_requests=len(outs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+        cached_tokens=sum(o.num_cached_tokens for o in outs), output_tokens=sum(len(o.token_ids) for o in outs),
+        ttft_s=[o.metrics.ttft_s for o in outs if o.metrics.ttft_s is not None],
+        tpot_s=[o.metrics.tpot_s for o in outs if o.metrics.tpot_s is not None],
+        outputs=[list(o.token_ids) for o in outs])
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        res.extra["errors"] = errors[:3]
+    res.extra.update(_step_summary(steps))
+    res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
+    if roof is not None:
+        _batchgen_roofline(res, outs, steps, roof)
+    return res, llm
+
+
+def _step_summary(steps) -> dict:
+    pre = [s for s in steps if s.num_prefill_tokens]
+    dec = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
+    dur = lambda ss: sum(s.end_time - s.start_time for s in ss)  # noqa: E731
+    return {"steps": len(steps), "prefill_steps": len(pre), "decode_only_steps": len(dec),
+            "prefill_step_s": dur(pre), "decode_only_step_s": dur(dec),
+            "mean_decode_batch": (sum(s.num_decode_seqs for s in dec) / len(dec)) if dec else None,
+            "mean_prefill_tokens_per_step": (sum(s.num_prefill_tokens for s in pre) / len(pre)) if pre else None}
+
+
+def _batchgen_roofline(res: SystemResult, outs, steps, roof: _Roofline) -> None:
+    """Assign each decode token to its step by time, so each step's context lengths are exact."""
+    starts = [s.start_time for s in steps]
+    ctx_by_step: dict[int, list[int]] = {}
+    total = 0.0
+    for o in outs:
+        L = len(o.prompt_token_ids)
+        total += roof.request_flops(L, o.num_cached_tokens, 1)     # prefill + first token
+        for k, t in enumerate(o.metrics.token_times[1:], start=1):
+            ctx_by_step.setdefault(bisect.bisect_right(starts, t) - 1, []).append(L + k)
+    pre_flops, pre_s, dec_bytes, dec_s = total, 0.0, 0.0, 0.0
+    for i, s in enumerate(steps):
+        ctx = ctx_by_step.get(i, [])
+        d = s.end_time - s.start_time
+        if s.num_prefill_tokens:
+            pre_s += d
+            pre_flops += roof.decode_flops(ctx) if ctx else 0
+        elif ctx:
+            dec_s += d
+            dec_bytes += roof.decode_bytes(ctx)
+        total += roof.decode_flops(ctx) if ctx else 0
+    res.flops = total
+    res.mfu = roof.mfu(total, res.wall_s)
+    res.prefill_mfu = roof.mfu(pre_flops, pre_s)
+    res.decode_mbu = roof.mbu(dec_bytes, dec_s)
+
+
+def load_hf_model(model: str, dtype: torch.dtype):
+    """The same checkpoint through transformers: the GGUF (dequantized) or the HF directory; SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader.resolve import resolve_model
+    src = resolve_model(model)
+    path = Path(src.path)
+    if src.kind == "gguf":
+        # NOTE: dense weights in ``dtype``, as our engine holds them (packed-GGUF kernels would compare
+        # quantized matmuls, not engines).
+        try:
+            from transformers import GgufConfig
+            kw = {"quantization_config": GgufConfig(dequantize=True)}
+        except ImportError:
+            kw = {}
+        m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
+                                                 attn_implementation="sdpa", **kw)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    return m.eval()
+
+
+def _clock_processor():
+    from transformers import LogitsProcessor
+
+    class Clock(LogitsProcessor):
+        """Called once per generation step, right after the step's forward: one timestamp per token."""
+
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+    return Clock()
+
+
+def _hf_gen_config(T: int, pad_id: int):
+    from transformers import GenerationConfig
+    return GenerationConfig(max_new_tokens=T, min_new_tokens=T, do_sample=False, pad_token_id=pad_id,
+                            eos_token_id=None, bos_token_id=None)
+
+
+@torch.inference_mode()
+def run_hf_generate(model, prompts: list[BenchPrompt], T: int, batch_size: int, pad_id: int, roof) -> SystemResult:
+    """transformers ``generate`` over left-padded batches of ``batch_size``, in planned order."""
+    from transformers import LogitsProcessorList
+
+    def gen(batch, n_tokens, clock=None):
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        procs = LogitsProcessorList([clock] if clock else [])
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=_hf_gen_config(n_tokens, pad_id),
+                             logits_processor=procs)
+        return out[:, width:].tolist()
+
+    gen([p.token_ids for p in prompts[:2]], 2)     # warm-up
+    res = SystemResult(system="hf-generate", label=f"hf-generate bs={batch_size}", ttft_s=[], tpot_s=[], outputs=[])
+    res.extra["batch_size"] = batch_size
+    t0 = time.perf_counter()
+    pre_flops = pre_s = dec_bytes = dec_s = total = 0.0
+    for b in range(0, len(prompts), batch_size):
+        batch = prompts[b:b + batch_size]
+        clock = _clock_processor()
+        tb = time.perf_counter()
+        outs = gen([p.token_ids for p in batch], T, clock)
+        res.outputs.extend(outs)
+        ts = clock.times
+        for p in batch:
+            res.ttft_s.append(ts[0] - t0)
+            if len(ts) > 1:
+                res.tpot_s.append((ts[-1] - ts[0]) / (len(ts) - 1))
+        if roof is not None:
+            lens = [len(p.token_ids) for p in batch]
+            pf = sum(roof.request_flops(L, 0, 1) for L in lens)
+            df = sum(roof.decode_flops([L + k for L in lens]) for k in range(1, T))
+            pre_flops += pf
+            pre_s += ts[0] - tb
+            dec_bytes += sum(roof.decode_bytes([L + k for L in lens]) for k in range(1, T))
+            dec_s += ts[-1] - ts[0]
+            total += pf + df
+    res.wall_s = time.perf_counter() - t0
+    res.num_requests = len(prompts)
+    res.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    res.output_tokens = sum(len(o) for o in res.outputs)
+    if roof is not None:
+        res.flops, res.mfu = total, roof.mfu(total, res.wall_s)
+        res.prefill_mfu, res.decode_mbu = roof.mfu(pre_flops, pre_s), roof.mbu(dec_bytes, dec_s)
+    return res
+
+
+def hf_continuous_batching_available(model) -> str | None:
+    """None when this transformers has ``generate_batch``; else why not."""
+    if not hasattr(model, "generate_batch"):
+        return "this transformers has no generate_batch (continuous batching)"
+    try:
+        from transformers import ContinuousBatchingConfig  # noqa: F401
+    except ImportError:
+        return "this transformers has no ContinuousBatchingConfig"
+    return None
+
+
+def run_hf_cb(model, prompts: list[BenchPrompt], T: int, pad_id: int, max_batch_tokens: int, roof) -> SystemResult:
+    """transformers continuous batching (paged cache, its own scheduler; block sharing allowed).
+
+    NOTE: on CPU the cache size cannot be inferred from device memory, so it is sized to hold every request.
+    """
+    import logging
+
+    from transformers import ContinuousBatchingConfig
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    page = 256
+    num_blocks = sum(-(-(len(p.token_ids) + T) // page) for p in prompts) + 2
+    cfg = lambda: ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks,  # noqa: E731
+                                           max_batch_tokens=max_batch_tokens)
+    gen_cfg = _hf_gen_config(T, pad_id)
+    model.generate_batch([list(p.token_ids) for p in prompts[:2]], generation_config=_hf_gen_config(2, pad_id),
+                         continuous_batching_config=cfg(), warmup=False)     # warm-up
+    t0 = time.perf_counter()
+    out = model.generate_batch([list(p.token_ids) for p in prompts], generation_config=gen_cfg,
+                               continuous_batching_config=cfg(), record_timestamps=True, warmup=False)
+    wall = time.perf_counter() - t0
+    res = SystemResult(system="hf-cb", label="hf-cb", wall_s=wall, num_requests=len(prompts), ttft_s=[], tpot_s=[],
+                       outputs=[])
+    res.extra.update(max_batch_tokens=max_batch_tokens, page_size=page, num_blocks=num_blocks)
+    results = list(out.values())
+    errors = [r.error for r in results if r.error]
+    if errors or len(results) != len(prompts):
+        res.extra["errors"] = errors[:3] or [f"{len(results)} results for {len(prompts)} prompts"]
+    for r in results:
+        res.outputs.append(list(r.generated_tokens))
+        ts = r.timestamps or []
+        if ts:
+            res.ttft_s.append(ts[0] - t0)
+        if len(ts) > 1:
+            res.tpot_s.append((ts[-1] - ts[0]) / (len(ts) - 1))
+    res.prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    res.output_tokens = sum(len(o) for o in res.outputs)
+    if roof is not None:
+        res.flops = sum(roof.request_flops(len(p.token_ids), 0, T) for p in prompts)
+        res.mfu = roof.mfu(res.flops, wall)
+    return res
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _calibration(opts: BenchOptions, device: str):
+    from engine.calibrate import get_calibration
+    return get_calibration(device, opts.dtype, quick=opts.quick)
+
+
+def run_bench(opts: BenchOptions, on_progress=None) -> dict:
+    """Run every selected system on the workload; return the result dict (what ``--json`` saves).
+
+    ``on_progress(partial_result)`` is called after each system (e.g. to save partial JSON of a long run).
+    """
+    unknown = sorted(set(opts.systems) - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    w = opts.workload
+    env = {"commit": _git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "dtype": opts.dtype, "model": opts.model, "loadavg_before": _loadavg(), "started": time.time()}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    results: list[SystemResult] = []
+    prompts = tokenizer = roof = None
+    model_info = None
+
+    def summary() -> dict:
+        _agreement(results)
+        return {"workload": dataclasses.asdict(w), "env": env, "model_info": model_info,
+                "systems": [r.to_dict() for r in results], "ratios": ratios(results)}
+
+    def add(res: SystemResult) -> None:
+        results.append(res)
+        if on_progress is not None:
+            on_progress(summary())
+
+    def ensure_prompts(tok, mcfg):
+        nonlocal prompts, tokenizer, roof
+        if prompts is None:
+            tokenizer = tok
+            prompts = build_prompts(tok, w, opts.seed)
+            if opts.roofline:
+                cal = _calibration(opts, "cpu" if not torch.cuda.is_available() else "cuda")
+                dtype_bytes = 4 if opts.dtype == "float32" else 2
+                roof = _Roofline(mcfg, dtype_bytes, cal)
+                env["calibration"] = {"device": cal.device, "matmul_flops": cal.matmul_flops,
+                                      "memory_bandwidth": cal.memory_bandwidth, "quick": cal.quick}
+        return prompts
+
+    for caching, name in ((True, "batchgen"), (False, "batchgen-nocache")):
+        if name not in opts.systems:
+            continue
+        from engine.llm import LLM  # noqa: F401  (import errors surface before any timing)
+        _say(opts, f"{name}: loading {opts.model}")
+        llm = None
+        try:
+            # The first LLM gives the tokenizer and model config the prompts and roofline are built from.
+            if prompts is None:
+                from engine.loader import load_model_config, resolve_model
+                from engine.tokenizer import load_tokenizer
+                src = resolve_model(opts.model)
+                ensure_prompts(load_tokenizer(src), load_model_config(src))
+            res, llm = run_batchgen(opts, prompts, caching, roof)
+            model_info = model_info or llm.model_info
+        finally:
+            del llm
+            gc.collect()
+        _say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+        add(res)
+
+    from engine.config import EngineConfig
+    hf_systems = [s for s in ("hf-generate", "hf-cb") if s in opts.systems]
+    if hf_systems:
+        _say(opts, f"transformers: loading {opts.model}")
+        t = time.monotonic()
+        hf_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
+        hf = load_hf_model(opts.model, hf_dtype)
+        env["hf_load_s"] = time.monotonic() - t
+        if prompts is None:
+            from engine.loader import load_model_config, resolve_model
+            from engine.tokenizer import load_tokenizer
+            src = resolve_model(opts.model)
+            ensure_prompts(load_tokenizer(src), load_model_config(src))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        if "hf-generate" in hf_systems:
+            for bs in opts.hf_batch_sizes:
+                _say(opts, f"hf-generate bs={bs}: running")
+                res = run_hf_generate(hf, prompts, w.output_tokens, bs, pad_id, roof)
+                _say(opts, f"hf-generate bs={bs}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+                add(res)
+        if "hf-cb" in hf_systems:
+            why = hf_continuous_batching_available(hf)
+            if why:
+                add(SystemResult(system="hf-cb", label="hf-cb", skipped=why))
+            else:
+                _say(opts, "hf-cb: running")
+                try:
+                    res = run_hf_cb(hf, prompts, w.output_tokens, pad_id, opts.max_num_batched_tokens
+                                    or EngineConfig.max_num_batched_tokens, roof)
+                    _say(opts, f"hf-cb: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+                except Exception as e:      # NOTE: a baseline that breaks is reported, not fatal
+                    res = SystemResult(system="hf-cb", label="hf-cb", skipped=f"failed: {type(e).__name__}: {e}")
+                add(res)
+        del hf
+        gc.collect()
+
+    env["loadavg_after"] = _loadavg()
+    env["finished"] = time.time()
+    return summary()
+
+
+def _agreement(results: list[SystemResult]) -> None:
+    """match_rate: per system, fraction of requests whose greedy output equals batchgen-nocache's (or batchgen's)."""
+    ref = next((r for r in results if r.system == "batchgen-nocache" and r.outputs), None) \
+        or next((r for r in results if r.system == "batchgen" and r.outputs), None)
+    if ref is None:
+        return
+    for r in results:
+        if r.outputs is not None and len(r.outputs) == len(ref.outputs):
+            r.match_rate = sum(a == b for a, b in zip(r.outputs, ref.outputs)) / len(ref.outputs)
+
+
+def ratios(results: list[SystemResult]) -> dict:
+    """Throughput ratios (same work, so wall-time ratios): batchgen (cache on/off) vs the best transformers."""
+    ok = [r for r in results if r.wall_s and not r.skipped]
+    by = {r.system: r for r in ok if r.system.startswith("batchgen")}
+    hf = [r for r in ok if r.system.startswith("hf-")]
+    best = min(hf, key=lambda r: r.wall_s) if hf else None
+    out = {"best_transformers": best.label if best else None}
+    on, off = by.get("batchgen"), by.get("batchgen-nocache")
+    if on and best:
+        out["batchgen_vs_best_transformers"] = best.wall_s / on.wall_s
+    if off and best:
+        out["batchgen_nocache_vs_best_transformers"] = best.wall_s / off.wall_s
+    if on and off:
+        out["batchgen_vs_batchgen_nocache"] = off.wall_s / on.wall_s
+    for r in hf:
+        if on:
+            out[f"batchgen_vs_{r.label.replace(' ', '_')}"] = r.wall_s / on.wall_s
+    return out
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+def _f(v, fmt: str, scale: float = 1.0) -> str:
+    """``v * scale`` formatted; "n/a" right-aligned to the same width when unknown."""
+    width = int(re.match(r"\d*", fmt).group() or 0)
+    return format("n/a", f">{width}") if v is None else format(v * scale, fmt)
+
+
+def format_table(result: dict) -> str:
+    """The printed table: one row per system configuration, then the ratios."""
+    w, env = result["workload"], result["env"]
+    lines = [f"workload {w['shape']}: n={w['n']} groups={w['groups']} prefix={w['prefix_tokens']} "
+             f"doc={w['doc_tokens']} out={w['output_tokens']} | model {env['model']} {env['dtype']} "
+             f"threads={env['threads']} | load avg {env.get('loadavg_before')} -> {env.get('loadavg_after')}"]
+    head = (f"{'system':<20} {'wall s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT50 s':>9} {'TTFT90 s':>9} "
+            f"{'TPOT50ms':>9} {'TPOT90ms':>9} {'hit %':>6} {'MFU %':>6} {'preMFU%':>7} {'decMBU%':>7} {'match':>6}")
+    lines += [head, "-" * len(head)]
+    for s in result["systems"]:
+        if s["skipped"]:
+            lines.append(f"{s['label']:<20} skipped: {s['skipped']}")
+            continue
+        tt, tp = s["ttft"] or {}, s["tpot"] or {}
+        lines.append(
+            f"{s['label']:<20} {_f(s['wall_s'], '8.2f')} {_f(s['output_tokens_per_s'], '10.1f')} "
+            f"{_f(s['total_tokens_per_s'], '10.1f')} {_f(tt.get('p50'), '9.2f')} {_f(tt.get('p90'), '9.2f')} "
+            f"{_f(tp.get('p50'), '9.1f', 1e3)} {_f(tp.get('p90'), '9.1f', 1e3)} "
+            f"{_f(s['hit_rate'], '6.1f', 100)} {_f(s['mfu'], '6.1f', 100)} {_f(s['prefill_mfu'], '7.1f', 100)} "
+            f"{_f(s['decode_mbu'], '7.1f', 100)} {_f(s['match_rate'], '6.2f')}")
+    lines.append("")
+    r = result["ratios"]
+    best = r.get("best_transformers")
+    if "batchgen_vs_best_transformers" in r:
+        lines.append(f"batchgen (prefix cache on) vs best transformers ({best}): "
+                     f"{r['batchgen_vs_best_transformers']:.2f}x")
+    if "batchgen_nocache_vs_best_transformers" in r:
+        lines.append(f"batchgen (prefix cache off) vs best transformers ({best}): "
+                     f"{r['batchgen_nocache_vs_best_transformers']:.2f}x")
+    if "batchgen_vs_batchgen_nocache" in r:
+        lines.append(f"batchgen cache on vs cache off: {r['batchgen_vs_batchgen_nocache']:.2f}x")
+    if env.get("calibration"):
+        c = env["calibration"]
+        lines.append(f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+                     f"{c['memory_bandwidth'] / 1e9:.1f} GB/s{' (quick)' if c['quick'] else ''}; "
+                     "MFU counts model FLOPs each system computed (no padding, window-limited attention)")
+    return "\n".join(lines)
+
+
+def save_json(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+def _csv_ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def _csv_systems(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def options_from(shape: str, quick: bool, n=None, groups=None, prefix_tokens=None, doc_tokens=None,
+                 output_tokens=None, hf_batch_sizes=None, **kw) -> BenchOptions:
+    """BenchOptions from command-line values (None = the shape's / preset's default); shared with the CLI."""
+    w = make_workload(shape, quick, n=n, groups=groups, prefix_tokens=prefix_tokens, doc_tokens=doc_tokens,
+                      output_tokens=output_tokens)
+    if hf_batch_sizes is None:
+        hf_batch_sizes = QUICK_HF_BATCH_SIZES if quick else DEFAULT_HF_BATCH_SIZES
+    return BenchOptions(workload=w, quick=quick, hf_batch_sizes=tuple(hf_batch_sizes), **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("shape", nargs="?", default="shared-prefix", choices=list(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="small smoke preset")
+    ap.add_argument("--n", type=int)
+    ap.add_argument("--groups", type=int)
+    ap.add_argument("--prefix-tokens", type=int)
+    ap.add_argument("--doc-tokens", type=int)
+    ap.add_argument("--output-tokens", type=int)
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, help="torch threads for every system (default: torch's)")
+    ap.add_argument("--systems", type=_csv_systems, default=SYSTEMS, help=f"comma list of {','.join(SYSTEMS)}")
+    ap.add_argument("--hf-batch-sizes", type=_csv_ints, help="comma list (default 4,8,16; quick: 4)")
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--kv-cache-memory", type=int, help="bytes")
+    ap.add_argument("--no-roofline", action="store_true", help="skip calibration and MFU/MBU")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_path", help="save the results here")
+    a = ap.parse_args(argv)
+    opts = options_from(a.shape, a.quick, n=a.n, groups=a.groups, prefix_tokens=a.prefix_tokens,
+                        doc_tokens=a.doc_tokens, output_tokens=a.output_tokens, hf_batch_sizes=a.hf_batch_sizes,
+                        model=a.model, dtype=a.dtype, threads=a.threads, systems=a.systems,
+                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        kv_cache_memory=a.kv_cache_memory, roofline=not a.no_roofline, seed=a.seed)
+    progress = (lambda partial: save_json(partial, a.json_path)) if a.json_path else None
+    result = run_bench(opts, progress)
+    print(format_table(result))
+    if a.json_path:
+        print(f"saved {save_json(result, a.json_path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

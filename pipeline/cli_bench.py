@@ -1,0 +1,62 @@
+"""``batchgen bench`` (plugged into the ``batchgen`` group by pipeline/cli.py): the engine benchmark.
+
+Same options as ``python -m engine.bench``; the work happens in ``engine.bench``.
+"""
+from __future__ import annotations
+
+import click
+
+_SHAPES = ("shared-prefix", "long-prompt", "short-prompt")
+_SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
+
+
+@click.command("bench")
+@click.argument("shape", type=click.Choice(_SHAPES), default="shared-prefix")
+@click.option("--quick", is_flag=True, help="A small smoke preset (seconds on a tiny model).")
+@click.option("--n", type=int, default=None, help="Documents (requests).")
+@click.option("--groups", type=int, default=None, help="Distinct shared prefixes (document i -> group i % groups).")
+@click.option("--prefix-tokens", type=int, default=None, help="Shared system prompt + reference tokens per group.")
+@click.option("--doc-tokens", type=int, default=None, help="Document tokens per request.")
+@click.option("--output-tokens", type=int, default=None, help="Output tokens per request (greedy, ignore_eos).")
+@click.option("--model", default="gemma-3-270m", show_default=True, help="Alias, HF checkpoint dir or .gguf file.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--threads", type=int, default=None, help="Torch threads for every system (default: torch's).")
+@click.option("--systems", default=",".join(_SYSTEMS), show_default=True, help="Comma list of systems to run.")
+@click.option("--hf-batch-sizes", default=None, help="Comma list for transformers generate (default 4,8,16; quick: 4).")
+@click.option("--max-num-seqs", type=int, default=None, help="batchgen engine option.")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="batchgen engine option (and hf-cb's budget).")
+@click.option("--kv-cache-memory", type=int, default=None, help="batchgen KV pool in bytes.")
+@click.option("--no-roofline", is_flag=True, help="Skip calibration and MFU/MBU.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt text.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Save the results as JSON (written after each system, so a long run keeps partial results).")
+def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
+              hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, seed, json_path):
+    """Run a workload through batchgen (prefix cache on/off) and transformers in one run; print the table."""
+    from engine.bench import format_table, options_from, run_bench, save_json
+
+    chosen = _csv(systems) or []
+    bad = sorted(set(chosen) - set(_SYSTEMS))
+    if bad:
+        raise click.BadParameter(f"unknown {', '.join(bad)}; choose from {', '.join(_SYSTEMS)}", param_hint="--systems")
+    try:
+        sizes = tuple(int(x) for x in _csv(hf_batch_sizes)) if hf_batch_sizes else None
+        opts = options_from(shape, quick, n=n, groups=groups, prefix_tokens=prefix_tokens, doc_tokens=doc_tokens,
+                            output_tokens=output_tokens, hf_batch_sizes=sizes, model=model, dtype=dtype,
+                            threads=threads, systems=tuple(chosen), max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                            roofline=not no_roofline, seed=seed)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    progress = (lambda partial: save_json(partial, json_path)) if json_path else None
+    result = run_bench(opts, progress)
+    click.echo(format_table(result))
+    if json_path:
+        click.echo(f"saved {save_json(result, json_path)}")
+
+
+commands = [bench_cmd]

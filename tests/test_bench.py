@@ -1,0 +1,132 @@
+"""engine.bench / `batchgen bench`: the quick preset on a tiny random Llama runs every system and gives a
+well-formed table and JSON with consistent token counts. No timing assertions: speeds here are noise."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from engine.bench import (SYSTEMS, BenchOptions, build_prompts, format_table, make_workload, options_from,
+                          percentile, ratios, run_bench, save_json, SystemResult)
+from tests.model_utils import save_tiny, tiny_hf_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_tiny")
+    save_tiny(tiny_hf_model("llama"), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def quick_result(tiny_dir, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("BATCHGEN_CACHE_DIR", str(tmp_path_factory.mktemp("bench_cache")))   # quick calibration, not ~
+    try:
+        opts = options_from("shared-prefix", quick=True, model=tiny_dir, dtype="float32", log=False)
+        partials = []
+        result = run_bench(opts, partials.append)
+    finally:
+        mp.undo()
+    return opts, result, partials
+
+
+def test_prompts_are_deterministic_grouped_and_exact_length():
+    tok = tiny_tokenizer()
+    w = make_workload("shared-prefix", quick=True, n=7, groups=3, prefix_tokens=40, doc_tokens=12)
+    prompts = build_prompts(tok, w)
+    assert prompts == build_prompts(tok, w)
+    assert [p.group for p in prompts] == sorted(p.group for p in prompts)          # planned order
+    assert sorted(p.index for p in prompts) == list(range(7))
+    assert all(len(p.token_ids) == w.prompt_tokens == 52 for p in prompts)
+    assert all(p.token_ids[0] == tok.bos_token_id for p in prompts)
+    heads = {p.group: p.token_ids[:40] for p in prompts}
+    assert all(p.token_ids[:40] == heads[p.group] for p in prompts)                 # shared within a group
+    assert len(set(heads.values())) == 3                                             # distinct across groups
+    assert len({p.token_ids[40:] for p in prompts}) == 7                            # every document differs
+
+
+def test_no_prefix_shape_has_only_bos_in_common():
+    tok = tiny_tokenizer()
+    w = make_workload("long-prompt", quick=True)
+    prompts = build_prompts(tok, w)
+    assert w.prefix_tokens == 0 and all(len(p.token_ids) == w.doc_tokens + 1 for p in prompts)
+    assert len({p.token_ids for p in prompts}) == w.n
+
+
+def test_quick_runs_every_system_with_consistent_counts(quick_result):
+    opts, result, _ = quick_result
+    w = opts.workload
+    systems = {s["label"]: s for s in result["systems"]}
+    assert set(s["system"] for s in result["systems"]) == set(SYSTEMS)
+    ran = [s for s in result["systems"] if not s["skipped"]]
+    assert {"batchgen", "batchgen-nocache", "hf-generate bs=4"} <= {s["label"] for s in ran}
+    for s in ran:
+        assert s["num_requests"] == w.n
+        assert s["output_tokens"] == w.n * w.output_tokens, s["label"]
+        assert s["prompt_tokens"] == w.n * w.prompt_tokens, s["label"]
+        assert s["wall_s"] > 0 and s["output_tokens_per_s"] > 0
+        assert s["total_tokens_per_s"] > s["output_tokens_per_s"]
+        assert s["ttft"]["p50"] <= s["ttft"]["p90"] and s["tpot"]["p50"] <= s["tpot"]["p90"]
+        assert s["mfu"] is not None and s["mfu"] > 0
+        assert s["match_rate"] is not None
+    on, off = systems["batchgen"], systems["batchgen-nocache"]
+    assert 0 < on["cached_tokens"] <= on["prompt_tokens"] - w.n                     # last token always computed
+    assert on["hit_rate"] == pytest.approx(on["cached_tokens"] / on["prompt_tokens"])
+    assert off["cached_tokens"] == 0 and off["hit_rate"] == 0
+    assert on["flops"] < off["flops"]                                                # the cache saved compute
+    assert on["match_rate"] == 1.0 and off["match_rate"] == 1.0                      # float32 greedy: same tokens
+    assert on["extra"]["preemptions"] == 0 and on["extra"]["steps"] >= w.output_tokens
+
+
+def test_ratios_table_and_json(quick_result, tmp_path):
+    _, result, partials = quick_result
+    r = result["ratios"]
+    assert r["best_transformers"].startswith("hf-")
+    for key in ("batchgen_vs_best_transformers", "batchgen_nocache_vs_best_transformers",
+                "batchgen_vs_batchgen_nocache"):
+        assert r[key] > 0
+    table = format_table(result)
+    for s in result["systems"]:
+        assert s["label"] in table
+    assert "vs best transformers" in table and "TTFT50 s" in table
+    path = save_json(result, tmp_path / "b.json")
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+    assert len(partials) == len(result["systems"])                                  # saved after each system
+    assert [s["label"] for s in partials[-1]["systems"]] == [s["label"] for s in result["systems"]]
+
+
+def test_ratios_skip_missing_and_skipped_systems():
+    on = SystemResult("batchgen", "batchgen", wall_s=2.0)
+    hf4 = SystemResult("hf-generate", "hf-generate bs=4", wall_s=10.0)
+    hf8 = SystemResult("hf-generate", "hf-generate bs=8", wall_s=8.0)
+    cb = SystemResult("hf-cb", "hf-cb", skipped="not here")
+    r = ratios([on, hf4, hf8, cb])
+    assert r["best_transformers"] == "hf-generate bs=8" and r["batchgen_vs_best_transformers"] == 4.0
+    assert "batchgen_nocache_vs_best_transformers" not in r
+    assert percentile([3, 1, 2], 50) == 2 and percentile([1, 2], 90) == pytest.approx(1.9)
+    assert percentile([], 50) is None
+
+
+def test_unknown_shape_and_system_are_errors():
+    with pytest.raises(ValueError, match="unknown workload shape"):
+        make_workload("nope")
+    with pytest.raises(ValueError, match="unknown system"):
+        run_bench(BenchOptions(workload=make_workload("shared-prefix", quick=True), systems=("vllm",), log=False))
+
+
+def test_cli_bench(tiny_dir, tmp_path):
+    from pipeline.cli import main
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(main, ["bench", "--quick", "--model", tiny_dir, "--dtype", "float32",
+                                    "--systems", "batchgen,hf-generate", "--no-roofline", "--n", "4",
+                                    "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "batchgen (prefix cache on) vs best transformers" in res.output
+    data = json.loads(out.read_text())
+    assert [s["label"] for s in data["systems"]] == ["batchgen", "hf-generate bs=4"]
+    assert data["workload"]["n"] == 4 and all(s["output_tokens"] == 4 * 6 for s in data["systems"])
+    assert data["systems"][0]["mfu"] is None                                         # --no-roofline
+    bad = CliRunner().invoke(main, ["bench", "--quick", "--systems", "vllm"])
+    assert bad.exit_code == 2 and "unknown vllm" in bad.output
