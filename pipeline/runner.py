@@ -177,9 +177,15 @@ class Runner:
                     st.lock()
                     locked.append(st)
                 old_handlers = self._install_signal_handlers()
-            llm = self.llm_factory(model, merge_engine_args(jobs))
+            engine_args = merge_engine_args(jobs)
+            try:
+                llm = self.llm_factory(model, engine_args)
+            except BatchgenError as e:       # the engine's message, with the job files it comes from
+                raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: cannot start model {model!r}"
+                               f"{' with engine ' + json.dumps(engine_args) if engine_args else ''}: {e}") from None
             t_loaded = time.monotonic()
             info = dict(llm.model_info)
+            _check_kv_pool(llm, info, jobs)
             tok = llm.get_tokenizer()
             runs = [self._job_run(job, st, tok, info) for job, st in zip(jobs, states)]
             heads: list[tuple[int, ...]] = []
@@ -464,7 +470,11 @@ class Runner:
         dependents = {p: len(w) for p, w in waiters.items()}
         ready = [p for p in range(n) if plan.provider[p] < 0]
         heapq.heapify(ready)
-        pins: dict[int, int] = {}          # provider position -> pin id
+        pins: dict[int, tuple[int, int]] = {}    # provider position -> (pin id, blocks it holds)
+        block_size = int(llm.model_info.get("block_size") or 16)
+        num_blocks = llm.model_info.get("num_kv_blocks")
+        pin_budget = int(num_blocks) // 2 if isinstance(num_blocks, int) else 1 << 62
+        pinned_blocks = 0
         in_flight: set[int] = set()
         open_groups: set[int] = set()
         finished = 0
@@ -526,16 +536,23 @@ class Runner:
                     if p in waiters:
                         for w in waiters.pop(p):
                             heapq.heappush(ready, w)
-                        try:
-                            pins[p] = llm.pin_prefix(list(heads[int(plan.group[p])]))
-                        except Exception:      # NOTE: a pin is an optimization; never fail a run over it
-                            pass
+                        head = heads[int(plan.group[p])]
+                        # NOTE: pins hold blocks no request can use; at most half the pool is pinned, so a
+                        # small pool still runs every document (unpinned heads are just likelier evicted).
+                        if pinned_blocks + len(head) // block_size <= pin_budget:
+                            try:
+                                pins[p] = (llm.pin_prefix(list(head)), len(head) // block_size)
+                                pinned_blocks += pins[p][1]
+                            except Exception:  # NOTE: a pin is an optimization; never fail a run over it
+                                pass
                     prov = int(plan.provider[p])
                     if prov >= 0:
                         dependents[prov] -= 1
                         if dependents[prov] == 0:
                             if prov in pins:
-                                llm.unpin_prefix(pins.pop(prov))
+                                pin_id, nblocks = pins.pop(prov)
+                                llm.unpin_prefix(pin_id)
+                                pinned_blocks -= nblocks
                             open_groups.discard(int(plan.group[prov]))
                     bar.update(1)
                     elapsed = max(time.monotonic() - t_start, 1e-9)
@@ -720,6 +737,19 @@ class Runner:
         if report.trace_dir is not None:
             lines.append(f"Trace: {report.trace_dir} (batchgen report {report.trace_dir}).")
         return " ".join(lines)
+
+
+def _check_kv_pool(llm, info: dict, jobs: list[Job]) -> None:
+    """Impossible engine settings fail before compute: a KV pool with fewer blocks than ``max_num_seqs``
+    (less than one block per sequence) cannot run the batch it is configured for."""
+    blocks, block_size = info.get("num_kv_blocks"), info.get("block_size")
+    max_seqs = getattr(getattr(llm, "config", None), "max_num_seqs", None)
+    if isinstance(blocks, int) and isinstance(max_seqs, int) and blocks < max_seqs:
+        files = ", ".join(sorted({j.file for j in jobs}))
+        raise RunError(f"{files}: engine: impossible settings: the KV cache pool has {blocks} block"
+                       f"{'s' * (blocks != 1)} of {block_size} tokens, less than one block per sequence for "
+                       f"max_num_seqs {max_seqs}; raise engine.kv_cache_memory (or num_gpu_blocks_override) or "
+                       "lower engine.max_num_seqs")
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
