@@ -169,6 +169,7 @@ class Runner:
         locked: list[RunState] = []
         old_handlers = {}
         self._trace = None
+        llm = None
         try:
             if not dry_run:
                 # NOTE: the lock comes before the model load, so an overlapping run (cron firing while the
@@ -227,11 +228,11 @@ class Runner:
             self._history_finish(hist, runs, "ok", report.trace_dir)
             return report
         except Interrupted as e:
-            self._flush_trace(locals().get("llm"))
+            self._flush_trace(llm)
             self._history_finish(hist, runs, "interrupted", self._trace_dir(), str(e))
             raise
         except BatchgenError as e:
-            self._flush_trace(locals().get("llm"))
+            self._flush_trace(llm)
             self._history_finish(hist, runs, "failed", self._trace_dir(), str(e))
             raise
         except InputError as e:
@@ -246,8 +247,12 @@ class Runner:
                            "kept; fix that and run the same command again to resume.")
             self._history_finish(hist, runs, "failed", self._trace_dir(), str(err))
             raise err from None
+        except KeyboardInterrupt:            # a second Ctrl-C: stopped at once; committed rows are kept
+            self._flush_trace(llm)
+            self._history_finish(hist, runs, "interrupted", self._trace_dir(), "interrupted (Ctrl-C twice)")
+            raise
         except BaseException as e:
-            self._flush_trace(locals().get("llm"))
+            self._flush_trace(llm)
             self._history_finish(hist, runs, "failed", self._trace_dir(), f"{type(e).__name__}: {e}")
             raise
         finally:
@@ -312,7 +317,7 @@ class Runner:
         by_name = {jr.job.name: jr for jr in runs}
         for name, run_id in hist.items():
             jr = by_name.get(name)
-            this = (jr.manifest or {}).get("this_run", {}) if jr else {}
+            this = (jr.manifest or {}).get("this_run", {}) if jr and not jr.up_to_date else {}
             try:
                 history.finish_run(
                     run_id, status, rows_done=jr.computed if jr else 0, rows_skipped=jr.reused if jr else 0,

@@ -6,6 +6,8 @@
         lock                                  pid + host of the running process
         parts/part-<time>-<seq>.parquet       committed results, one row per finished row (by row_key)
         keys.arrow / spill.arrow              this run's row keys (input order) / prompts to compute
+        runs/<run id>/                        the run's trace (pipeline.trace) -> `batchgen report <dir>`
+        current_run                           the id of an unfinished run (a resume appends to its trace)
 
 A part is written to a temp name, fsynced and renamed, so a kill at any point leaves only whole parts; the
 results they hold are never recomputed. Rows are identified by ``row_key`` (id + hash of what determines
