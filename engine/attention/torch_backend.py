@@ -1,17 +1,22 @@
 """Torch attention backend over the paged KV cache: runs on any device (CPU included) and is the reference.
 
-- Decode sequences (one query each) are batched: one gather of each sequence's window of keys/values, one
+- Decode sequences (one query each) are batched: one gather of each sequence's visible KV blocks, one
   batched matmul pair. Memory-bound, so it reads only what each query needs (the window for sliding layers).
-- Prefill chunks go one sequence at a time through scaled_dot_product_attention. A chunk with no cached
-  context that fits its window uses the plain causal kernel. Otherwise queries are tiled by the window so a
-  sliding layer attends to at most ~2 windows of keys per tile instead of masking a full square.
+- Prefill chunks go one sequence at a time, tiled by queries (``PREFILL_TILE``): each tile multiplies only
+  against the keys it can see (its window, up to its last query), as two batched matmuls with the GQA group
+  folded into the rows and a float32 softmax in between.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
+
+# Query rows per prefill tile. Small tiles keep a sliding layer's keys per tile near its window
+# (tile + window - 1) and let a causal tile skip every key after its last query. Measured here (bf16, one
+# thread): ~3.5x faster than SDPA with an explicit band mask for a 512 window over a 1,900-token prompt, and
+# faster than SDPA's causal kernel on the global layers.
+PREFILL_TILE = 128
 
 
 class TorchAttentionBackend:
@@ -23,10 +28,8 @@ class TorchAttentionBackend:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k/v into the cache, returns [T, Hq, D]."""
         k_cache, v_cache = kv_cache                                  # [N_blocks, bs, Hkv, D]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)           # [N_blocks * bs, Hkv, D]
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         nd = meta.num_decode_seqs
@@ -35,35 +38,48 @@ class TorchAttentionBackend:
         qsl, bs = meta.query_start_loc, meta.block_size
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
-            seq_len = meta.seq_lens[i]
-            start = seq_len - (e - s)
-            if start == 0 and (window is None or e - s <= window):
-                out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], None, scale, causal=True)
-                continue
-            table = meta.block_tables[i]
-            tile = window or (e - s)
-            for ts in range(start, seq_len, tile):                 # absolute query positions [ts, te)
-                te = min(ts + tile, seq_len)
-                lo = max(0, ts - window + 1) if window else 0
-                kk = _gather_range(k_cache, table, lo, te, bs)     # [te-lo, Hkv, D]
-                vv = _gather_range(v_cache, table, lo, te, bs)
-                q_pos = torch.arange(ts, te, device=q.device)[:, None]
-                k_pos = torch.arange(lo, te, device=q.device)[None, :]
-                mask = k_pos <= q_pos
-                if window:
-                    mask &= k_pos > q_pos - window
-                r0 = s + ts - start
-                out[r0:r0 + te - ts] = _sdpa(q[r0:r0 + te - ts], kk, vv, mask, scale, causal=False)
+            out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
+                                meta.seq_lens[i], window, scale, bs)
         return out
 
 
-def _sdpa(q, k, v, mask, scale, causal):
-    # q: [L, Hq, D], k/v: [S, Hkv, D] -> [L, Hq, D]
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-        v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
-    return o.squeeze(0).transpose(0, 1)
+def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int):
+    """One sequence's chunk. q: [n, Hq, D] at positions [seq_len - n, seq_len); k/v_new: [n, Hkv, D].
+
+        keys:  lo_all ........... start ......... seq_len
+               | cached context   | this chunk    |
+    The cache is read only when some query's window reaches back before this chunk.
+    """
+    n, hq, d = q.shape
+    hkv = k_new.shape[1]
+    g = hq // hkv
+    start = seq_len - n
+    lo_all = max(0, start - window + 1) if window else 0
+    if lo_all >= start:
+        keys, vals, base = k_new, v_new, start
+    else:
+        keys = _gather_range(k_cache, table, lo_all, seq_len, bs)  # [S, Hkv, D]
+        vals = _gather_range(v_cache, table, lo_all, seq_len, bs)
+        base = lo_all
+    kt = keys.to(q.dtype).permute(1, 2, 0)                       # [Hkv, D, S]
+    vt = vals.to(q.dtype).transpose(0, 1)                        # [Hkv, S, D]
+    out = torch.empty_like(q)
+    for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)
+        te = min(ts + PREFILL_TILE, seq_len)
+        t = te - ts
+        lo = max(base, ts - window + 1) if window else base
+        qt = q[ts - start:te - start].view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
+        scores = torch.matmul(qt, kt[:, :, lo - base:te - base]).float().view(hkv, g, t, te - lo)
+        q_pos = torch.arange(ts, te, device=q.device)[:, None]
+        k_pos = torch.arange(lo, te, device=q.device)[None, :]
+        hide = k_pos > q_pos
+        if window:
+            hide |= k_pos <= q_pos - window
+        scores.mul_(scale).masked_fill_(hide, float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype).view(hkv, g * t, te - lo)
+        o = torch.matmul(probs, vt[:, lo - base:te - base])       # [Hkv, G*t, D]
+        out[ts - start:te - start] = o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+    return out
 
 
 def _gather_range(cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int, bs: int) -> torch.Tensor:
