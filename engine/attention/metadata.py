@@ -43,11 +43,11 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens, default=0)
 
-    def rope_cache(self, rotary, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cache(self, rotary, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for this step's positions, computed once per distinct RoPE base."""
-        key = ("rope", rotary.key)
+        key = ("rope", rotary.key, dtype)
         if key not in self._cache:
-            self._cache[key] = rotary.cos_sin(positions)
+            self._cache[key] = rotary.cos_sin(positions, dtype)
         return self._cache[key]
 
     def memo(self, key, fn):

@@ -69,16 +69,17 @@ class RotaryEmbedding(nn.Module):
         """Recompute inv_freq (float32) after the module was materialized from the meta device."""
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, D] in ``dtype`` (as HF: computed in float32, then cast)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, D/2]
-        return freqs.cos(), freqs.sin()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; cos/sin: [T, D/2]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        # x: [T, H, D]; cos/sin: [T, 1, D]; rotate-half form, in x's dtype like HF.
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = meta.rope_cache(self.rotary, positions)
+        cos, sin = meta.rope_cache(self.rotary, positions, q.dtype)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, window=self.window, scale=self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.q_size))
