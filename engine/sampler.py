@@ -254,6 +254,14 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest logit (the first on ties, like argmax).
+
+    NOTE: ``max(dim).indices`` is ~4x faster than ``argmax`` on CPU for bfloat16 [64, 262144] logits.
+    """
+    return logits.max(dim=-1).indices
+
+
 def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """One draw per row: argmax(probs / q), q ~ Exp(1). Seeded rows draw q from their own generator."""
     if md.has_unseeded_random_rows:
@@ -273,8 +281,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (tuple(logits.shape), md.num_rows)
         if md.all_greedy and md.banned_rows is None and md.no_penalties:
-            # NOTE: argmax of the model-dtype logits equals argmax of their float32 copy: skip the copy.
-            return logits.argmax(dim=-1)
+            # NOTE: the max of the model-dtype logits is the max of their float32 copy: skip the copy.
+            return greedy(logits)
         logits = logits.float()
         if md.banned_rows is not None:
             logits = mask_tokens(logits.clone(), md.banned_rows, md.banned_token_ids)
@@ -282,12 +290,12 @@ class Sampler:
             logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
                                      md.repetition_penalty, md.presence_penalty, md.frequency_penalty)
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy(logits)
 
         sampled = self.sample(logits, md)
         if md.greedy_rows is None:
             return sampled
-        return torch.where(md.greedy_rows, logits.argmax(dim=-1), sampled)
+        return torch.where(md.greedy_rows, greedy(logits), sampled)
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
