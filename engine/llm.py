@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import torch
 
 from engine.attention import get_backend
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTION, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError
 from engine.loader import load_model_config, load_weights, resolve_model
@@ -104,8 +104,9 @@ class LLM:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_utilization)
         else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        if self.device.type == "cpu":
+            avail = _available_memory_bytes() or 4 * DEFAULT_CPU_KV_CACHE_MAX_BYTES
+            budget = min(DEFAULT_CPU_KV_CACHE_MAX_BYTES, int(avail * DEFAULT_CPU_KV_FRACTION))
+        if self.device.type == "cpu" and cfg.kv_cache_memory:
             avail = _available_memory_bytes()
             if avail is not None and budget > avail * 0.9:
                 raise ConfigError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the memory available "
