@@ -5,8 +5,9 @@
                   bad rows become error results at once; the rest go to a spill file (token ids on disk)
       2. plan     prefix tree over all prompt heads of all jobs -> order, predicted hits, providers
       3. execute  keep a bounded window of requests in the engine (priority = plan position); a request
-                  starts once its provider finished (its prefix blocks are cached); a group's head is
-                  pinned while requests that reuse it are pending; finished rows are committed as parts
+                  joins right after its provider (the engine schedules by priority, so the provider
+                  computes and caches the shared blocks first); a group's head is pinned while
+                  requests that reuse it are pending; finished rows are committed as parts
                   every couple of seconds
       4. assemble per job: keys (input order) join committed results -> output, atomically; manifest
 
@@ -510,6 +511,23 @@ class Runner:
                     j, local = int(req_job[plan.order[p]]), int(req_local[plan.order[p]])
                     key, gid, doc_ids, tail = spills[j].row(local)
                     ids = list(heads[gid]) + doc_ids + list(tails[j][tail])
+                    if p in waiters:
+                        # Pin p's head first (its blocks are held as soon as p computes them), then release
+                        # who reuses it. NOTE: they may join at once: the engine admits by priority, so p is
+                        # scheduled before them and registers its prefix blocks in the step it computes them
+                        # (a follower admitted in that same step already hits them). Waiting for p to
+                        # *finish* would leave the batch at one request per group for p's whole decode.
+                        head = heads[int(plan.group[p])]
+                        # NOTE: pins hold blocks no request can use; at most half the pool is pinned, so a
+                        # small pool still runs every document (unpinned heads are just likelier evicted).
+                        if pinned_blocks + len(head) // block_size <= pin_budget:
+                            try:
+                                pins[p] = (llm.pin_prefix(list(head)), len(head) // block_size)
+                                pinned_blocks += pins[p][1]
+                            except Exception:  # NOTE: a pin is an optimization; never fail a run over it
+                                pass
+                        for w in waiters.pop(p):
+                            heapq.heappush(ready, w)
                     llm.add_request(str(p), ids, runs[j].params, priority=p)
                     in_flight.add(p)
                 if not in_flight:
@@ -537,19 +555,6 @@ class Runner:
                     prompt += res["prompt_tokens"]
                     cached += res["cached_tokens"]
                     toks += res["prompt_tokens"] - res["cached_tokens"] + res["output_tokens"]
-                    # Release who waited on p; pin p's head while they run.
-                    if p in waiters:
-                        for w in waiters.pop(p):
-                            heapq.heappush(ready, w)
-                        head = heads[int(plan.group[p])]
-                        # NOTE: pins hold blocks no request can use; at most half the pool is pinned, so a
-                        # small pool still runs every document (unpinned heads are just likelier evicted).
-                        if pinned_blocks + len(head) // block_size <= pin_budget:
-                            try:
-                                pins[p] = (llm.pin_prefix(list(head)), len(head) // block_size)
-                                pinned_blocks += pins[p][1]
-                            except Exception:  # NOTE: a pin is an optimization; never fail a run over it
-                                pass
                     prov = int(plan.provider[p])
                     if prov >= 0:
                         dependents[prov] -= 1

@@ -95,9 +95,9 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer):
 class FakeLLM:
     """The LLM door over a pretend model: prefix cache by block chains, no real compute.
 
-    Each step runs up to ``max_num_seqs`` waiting requests (by priority) to completion. Hits are looked up
-    for all of a step's requests before any of them adds blocks (so same-step requests do not share,
-    as in a real engine where blocks are cached once computed).
+    Each step runs up to ``max_num_seqs`` waiting requests (by priority) to completion. As in the real
+    engine, a request's full blocks are registered when it is admitted, so a request admitted after it in the
+    same step (lower priority) already hits them.
     """
 
     def __init__(self, tokenizer, block_size=16, max_num_seqs=8, max_model_len=4096, **_):
@@ -151,13 +151,13 @@ class FakeLLM:
         self.steps += 1
         self.waiting.sort(key=lambda r: (r[0], r[1]))
         batch, self.waiting = self.waiting[:self.config.max_num_seqs], self.waiting[self.config.max_num_seqs:]
-        outs, new_blocks = [], []
+        outs = []
         for _, _, rid, ids, params in batch:
             chain = self._chain(ids)
             hit = 0
             while hit < min(len(chain), (len(ids) - 1) // self.block_size) and chain[hit] in self.cache:
                 hit += 1
-            new_blocks.extend(chain)
+            self.cache.update(chain)
             m = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, prefill_start_time=0.1,
                                prefill_end_time=0.2, first_token_time=0.2, token_times=[0.2, 0.3], finish_time=0.3)
             if len(ids) > self.max_model_len:
@@ -168,7 +168,6 @@ class FakeLLM:
             text = f"summary-{sum(ids) % 9973}-{len(ids)}"
             outs.append(RequestOutput(rid, None, ids, text, list(range(3, 3 + n_out)), "length",
                                       hit * self.block_size, m))
-        self.cache.update(new_blocks)
         return outs
 
 
