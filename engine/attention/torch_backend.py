@@ -4,7 +4,7 @@
   batched matmul pair. Memory-bound, so it reads only what each query needs (the window for sliding layers).
 - Prefill chunks go one sequence at a time, tiled by queries (``PREFILL_TILE``): each tile multiplies only
   against the keys it can see (its window, up to its last query), as two batched matmuls with the GQA group
-  folded into the rows and a float32 softmax in between.
+  folded into the rows (token-major, so MQA needs no copies) and a float32 softmax in between.
 """
 from __future__ import annotations
 
@@ -63,22 +63,24 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
         base = lo_all
     kt = keys.to(q.dtype).permute(1, 2, 0)                       # [Hkv, D, S]
     vt = vals.to(q.dtype).transpose(0, 1)                        # [Hkv, S, D]
+    qs = q * scale                                               # fold the scale into q once
     out = torch.empty_like(q)
     for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)
         te = min(ts + PREFILL_TILE, seq_len)
         t = te - ts
         lo = max(base, ts - window + 1) if window else base
-        qt = q[ts - start:te - start].view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
-        scores = torch.matmul(qt, kt[:, :, lo - base:te - base]).float().view(hkv, g, t, te - lo)
+        # Rows are (token, head-in-group): with one KV head (MQA) these reshapes are views, no copies.
+        qt = qs[ts - start:te - start].view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)
+        scores = torch.matmul(qt, kt[:, :, lo - base:te - base]).view(hkv, t, g, te - lo)
         q_pos = torch.arange(ts, te, device=q.device)[:, None]
         k_pos = torch.arange(lo, te, device=q.device)[None, :]
         hide = k_pos > q_pos
         if window:
             hide |= k_pos <= q_pos - window
-        scores.mul_(scale).masked_fill_(hide, float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype).view(hkv, g * t, te - lo)
-        o = torch.matmul(probs, vt[:, lo - base:te - base])       # [Hkv, G*t, D]
-        out[ts - start:te - start] = o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+        scores.masked_fill_(hide[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(hkv, t * g, te - lo)
+        o = torch.matmul(probs, vt[:, lo - base:te - base])       # [Hkv, t*G, D]
+        out[ts - start:te - start] = o.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)
     return out
 
 
