@@ -32,7 +32,6 @@ import errno
 import hashlib
 import heapq
 import json
-import os
 import platform
 import signal
 import sys

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, GatedMLP, RMSNorm
+from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -44,23 +43,10 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
+    model_cls = Gemma3Model
+
     def __init__(self, config: ModelConfig):
-        super().__init__()
         if config.attn_logit_softcapping:
             raise ModelLoadError("Gemma3 with attn_logit_softcapping is not supported")
-        self.config = config
-        self.model = Gemma3Model(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = hidden @ weight.t()
-        cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits.float() / cap) * cap
-        return logits
+        super().__init__(config)

@@ -138,6 +138,32 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class CausalLM(nn.Module):
+    """Decoder + LM head shared by every architecture; subclasses set ``model_cls`` (the decoder stack)."""
+
+    model_cls: type[nn.Module]
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[T] token ids and positions -> [T, hidden] final hidden states."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only the rows that are sampled: [N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts)."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = hidden @ weight.t()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits.float() / cap) * cap
+        return logits
+
+
 # Fused parameters: (our name, HF name, shard index). Shards are concatenated along dim 0 in index order.
 STACKED_PARAMS = (
     ("qkv_proj", "q_proj", 0),

@@ -1,12 +1,10 @@
 """Llama family: Llama 2/3, Mistral-style, SmolLM, TinyLlama; Qwen2 (qkv bias) and Qwen3 (q/k norm) by flags."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, GatedMLP, RMSNorm
+from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -36,19 +34,5 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[T] token ids and positions -> [T, hidden] final hidden states."""
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Only the rows that are sampled: [N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts)."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return hidden @ weight.t()
+class LlamaForCausalLM(CausalLM):
+    model_cls = LlamaModel
