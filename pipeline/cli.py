@@ -98,13 +98,17 @@ def plan(job_files):
 @click.option("--fail-fast", is_flag=True, help="Stop at the first bad row (rows done so far are kept).")
 @click.option("--commit-every", type=float, default=2.0, show_default=True, metavar="SECONDS",
               help="Make finished rows durable at least this often (a crash loses at most this much work).")
+@click.option("--order", type=click.Choice(["planned", "input", "shuffled"]), default="planned",
+              show_default=True, help="Request order: the prefix-aware plan, or (to measure the planner) rows as "
+                                      "given / shuffled, without grouping or pinning.")
 @_user_errors
-def submit(job_files, quiet, fail_fast, commit_every):
+def submit(job_files, quiet, fail_fast, commit_every, order):
     """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume."""
     from pipeline.runner import RunOptions, run_jobs
     from pipeline.validate import load_valid_jobs_recorded
     jobs = load_valid_jobs_recorded(list(job_files))
-    for report in run_jobs(jobs, options=RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every)):
+    opts = RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every, order=order)
+    for report in run_jobs(jobs, options=opts):
         click.echo(report.summary)
 
 

@@ -142,3 +142,15 @@ def make_plan(heads: list[tuple[int, ...]], request_group: np.ndarray, prompt_le
     group = request_group[order] if n else np.zeros(0, dtype=np.int64)
     return Plan(order=order, cached=cached, provider=provider, prompt_len=plen, group=group,
                 group_order=group_order, block_size=block_size)
+
+
+def unplanned(request_group: np.ndarray, prompt_len: np.ndarray, block_size: int, how: str,
+              seed: int = 0) -> Plan:
+    """Baselines for benchmarking the planner: rows fed as given ("input") or shuffled ("shuffled"), with
+    no grouping, gating or pinning (what a script around an engine would do). Hits are not predicted."""
+    request_group = np.asarray(request_group, dtype=np.int64)
+    n = request_group.shape[0]
+    order = np.arange(n) if how == "input" else np.random.default_rng(seed).permutation(n)
+    return Plan(order=order, cached=np.zeros(n, dtype=np.int64), provider=np.full(n, -1, dtype=np.int64),
+                prompt_len=np.asarray(prompt_len, dtype=np.int64)[order], group=request_group[order],
+                group_order=sorted(set(request_group.tolist())), block_size=block_size)

@@ -49,7 +49,7 @@ from pipeline import history
 from pipeline.errors import RunError
 from pipeline.io import InputError, iter_batches, read_output, write_bytes_atomic, write_output
 from pipeline.job import Job
-from pipeline.planner import Plan, make_plan
+from pipeline.planner import Plan, make_plan, unplanned
 from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_columns, row_key
 from pipeline.state import RESULT_COLUMNS, RunState, manifest_path_for
 from pipeline.trace import RunTrace
@@ -74,6 +74,7 @@ class RunOptions:
     stop_after_rows: int | None = None  # testing: behave as if interrupted after this many rows
     record_history: bool = True        # one row per job per run in pipeline.history (``batchgen status``)
     state_dir: str | None = None       # history's state dir (None: $BATCHGEN_STATE_DIR or ~/.local/state/batchgen)
+    order: str = "planned"             # planned | input | shuffled (the last two: baselines for benchmarks)
 
 
 @dataclass
@@ -202,6 +203,9 @@ class Runner:
             req_local_a = np.concatenate(req_local)
             plan = make_plan(heads, np.concatenate(req_group), np.concatenate(req_len),
                              int(info.get("block_size") or 16))
+            if self.opts.order != "planned":
+                plan = unplanned(np.concatenate(req_group), np.concatenate(req_len), plan.block_size,
+                                 self.opts.order)
             pjob = req_job_a[plan.order]
             for j, jr in enumerate(runs):
                 mask = pjob == j
@@ -219,6 +223,7 @@ class Runner:
             report.trace_dir = self._trace.run_dir if self._trace is not None else None
             if plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
+            self._engine_s = time.monotonic() - t_loaded
             for jr in runs:
                 self._assemble(jr, info, llm, time.monotonic() - t0, report.trace_dir)
             self._flush_trace(llm)
@@ -683,6 +688,7 @@ class Runner:
                          "predicted_hit_rate": _rate(jr.predicted_cached, jr.planned_prompt_tokens),
                          "achieved_hit_rate": _rate(jr.cached_tokens, jr.prompt_tokens),
                          "wall_s": round(wall_s, 3),
+                         "engine_s": round(getattr(self, "_engine_s", wall_s), 3),   # after model load
                          "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None},
             "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                        "hit_rate": _rate(all_cached, all_prompt)},

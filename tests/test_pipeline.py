@@ -132,3 +132,16 @@ def test_lock_refuses_second_run(tmp_path, make_docs_dataset, fake_llm_factory):
     (sd / "lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename, "started": "x"}))
     run([job], fake_llm_factory)                   # stale lock of a dead process is taken over
     assert not (sd / "lock").exists()
+
+
+@pytest.mark.parametrize("order", ["input", "shuffled"])
+def test_unplanned_orders_give_the_same_rows(tmp_path, make_docs_dataset, fake_llm_factory, order):
+    """The benchmark baselines (`submit --order input|shuffled`) change only the request order."""
+    data = make_docs_dataset(n=24)
+    planned = write_job(tmp_path, "p", data)
+    other = write_job(tmp_path, "o", data)
+    run([planned], fake_llm_factory)
+    run([other], fake_llm_factory, order=order)
+    a, b = pq.read_table(tmp_path / "out/p.parquet"), pq.read_table(tmp_path / "out/o.parquet")
+    assert a.column("id").to_pylist() == b.column("id").to_pylist()
+    assert a.column("summary").to_pylist() == b.column("summary").to_pylist()
