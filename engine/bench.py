@@ -587,8 +587,14 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         _say(opts, f"transformers: loading {opts.model}")
         t = time.monotonic()
         hf_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
-        hf = load_hf_model(opts.model, hf_dtype)
+        try:
+            hf = load_hf_model(opts.model, hf_dtype)
+        except (ImportError, ValueError, OSError) as e:   # e.g. GGUF loading needs `accelerate`
+            for name in hf_systems:
+                add(SystemResult(system=name, label=name, skipped=f"cannot load in transformers: {e}"))
+            hf_systems = []
         env["hf_load_s"] = time.monotonic() - t
+    if hf_systems:
         if prompts is None:
             from engine.loader import load_model_config, resolve_model
             from engine.tokenizer import load_tokenizer
