@@ -17,6 +17,7 @@ from typing import Iterable, Sequence
 import torch
 
 from engine.attention import get_backend
+from engine.cpu_tuning import keep_freed_memory
 from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTION, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError
@@ -47,6 +48,8 @@ class LLM:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _DTYPES["bfloat16" if cfg.dtype == "auto" else cfg.dtype]
+        if self.device.type == "cpu":
+            keep_freed_memory()
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
 

@@ -39,11 +39,12 @@ class TorchAttentionBackend:
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
-                                meta.seq_lens[i], window, scale, bs)
+                                meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn))
         return out
 
 
-def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int):
+def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
+             memo=lambda key, fn: fn()):
     """One sequence's chunk. q: [n, Hq, D] at positions [seq_len - n, seq_len); k/v_new: [n, Hkv, D].
 
         keys:  lo_all ........... start ......... seq_len
@@ -72,16 +73,22 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
         # Rows are (token, head-in-group): with one KV head (MQA) these reshapes are views, no copies.
         qt = qs[ts - start:te - start].view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)
         scores = torch.matmul(qt, kt[:, :, lo - base:te - base]).view(hkv, t, g, te - lo)
-        q_pos = torch.arange(ts, te, device=q.device)[:, None]
-        k_pos = torch.arange(lo, te, device=q.device)[None, :]
-        hide = k_pos > q_pos
-        if window:
-            hide |= k_pos <= q_pos - window
-        scores.masked_fill_(hide[:, None, :], float("-inf"))
+        hide = memo(("hide", window, ts), lambda: _tile_mask(ts, te, lo, window, q.device))  # shared by layers
+        scores.masked_fill_(hide, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(hkv, t * g, te - lo)
         o = torch.matmul(probs, vt[:, lo - base:te - base])       # [Hkv, t*G, D]
         out[ts - start:te - start] = o.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)
     return out
+
+
+def _tile_mask(ts: int, te: int, lo: int, window: int | None, device) -> torch.Tensor:
+    """[t, 1, te-lo] True where key position k is hidden from query position q (k > q, or out of window)."""
+    q_pos = torch.arange(ts, te, device=device)[:, None]
+    k_pos = torch.arange(lo, te, device=device)[None, :]
+    hide = k_pos > q_pos
+    if window:
+        hide |= k_pos <= q_pos - window
+    return hide[:, None, :]
 
 
 def _gather_range(cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int, bs: int) -> torch.Tensor:
