@@ -120,15 +120,21 @@ def _decode_gather_index(meta: AttentionMetadata, window: int | None, device):
 
 
 def _decode(q, k_cache, v_cache, meta, window, scale):
-    """One query per sequence. q: [Bd, Hq, D] -> [Bd, Hq, D]."""
+    """One query per sequence. q: [Bd, Hq, D] -> [Bd, Hq, D].
+
+    Rows of the two batched matmuls are (sequence, KV head): with one KV head (MQA) every reshape is a view and
+    the keys enter the first matmul as a transposed view (no copy beyond the block gather).
+    """
     blocks, valid = meta.memo(("decode", window), lambda: _decode_gather_index(meta, window, q.device))
     bd, hq, d = q.shape
     hkv = k_cache.shape[2]
+    g = hq // hkv
     L = valid.shape[1]
-    kk = k_cache.index_select(0, blocks).view(bd, L, hkv, d).to(q.dtype)   # [Bd, L, Hkv, D]
-    vv = v_cache.index_select(0, blocks).view(bd, L, hkv, d).to(q.dtype)
-    qq = q.view(bd, hkv, hq // hkv, d)                            # [Bd, Hkv, G, D]
-    scores = torch.matmul(qq, kk.permute(0, 2, 3, 1)).float() * scale  # [Bd, Hkv, G, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype)
-    return torch.matmul(probs, vv.transpose(1, 2)).reshape(bd, hq, d)
+    kk = k_cache.index_select(0, blocks).view(bd, L, hkv, d).transpose(1, 2).reshape(bd * hkv, L, d)
+    vv = v_cache.index_select(0, blocks).view(bd, L, hkv, d).transpose(1, 2).reshape(bd * hkv, L, d)
+    qq = (q * scale).view(bd * hkv, g, d)
+    scores = torch.bmm(qq, kk.to(q.dtype).transpose(1, 2))      # [Bd*Hkv, G, L]
+    hide = meta.memo(("decode_hide", window, hkv), lambda: (~valid).repeat_interleave(hkv, 0)[:, None, :])
+    scores.masked_fill_(hide, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, vv.to(q.dtype)).view(bd, hq, d)
