@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata
 
@@ -62,22 +63,29 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
         keys = _gather_range(k_cache, table, lo_all, seq_len, bs)  # [S, Hkv, D]
         vals = _gather_range(v_cache, table, lo_all, seq_len, bs)
         base = lo_all
-    kt = keys.to(q.dtype).permute(1, 2, 0)                       # [Hkv, D, S]
-    vt = vals.to(q.dtype).transpose(0, 1)                        # [Hkv, S, D]
+    keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     qs = q * scale                                               # fold the scale into q once
     out = torch.empty_like(q)
     for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)
         te = min(ts + PREFILL_TILE, seq_len)
         t = te - ts
         lo = max(base, ts - window + 1) if window else base
-        # Rows are (token, head-in-group): with one KV head (MQA) these reshapes are views, no copies.
-        qt = qs[ts - start:te - start].view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)
-        scores = torch.matmul(qt, kt[:, :, lo - base:te - base]).view(hkv, t, g, te - lo)
+        kk, vv = keys[lo - base:te - base], vals[lo - base:te - base]          # [S', Hkv, D]
+        # Rows are (token, head-in-group), token-major.
+        if hkv == 1:   # MQA: plain 2-D matmuls against contiguous key rows, no copies
+            scores = F.linear(qs[ts - start:te - start].reshape(t * g, d), kk.view(-1, d)).view(t, g, -1)
+        else:
+            qt = qs[ts - start:te - start].view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)
+            scores = torch.bmm(qt, kk.permute(1, 2, 0)).view(hkv, t, g, -1)
         hide = memo(("hide", window, ts), lambda: _tile_mask(ts, te, lo, window, q.device))  # shared by layers
         scores.masked_fill_(hide, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(hkv, t * g, te - lo)
-        o = torch.matmul(probs, vt[:, lo - base:te - base])       # [Hkv, t*G, D]
-        out[ts - start:te - start] = o.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if hkv == 1:
+            o = torch.mm(probs.view(t * g, -1), vv.view(-1, d)).view(t, hq, d)
+        else:
+            o = torch.bmm(probs.view(hkv, t * g, -1), vv.transpose(0, 1))       # [Hkv, t*G, D]
+            o = o.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)
+        out[ts - start:te - start] = o
     return out
 
 
