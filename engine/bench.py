@@ -462,8 +462,8 @@ def run_hf_cb(model, prompts: list[BenchPrompt], T: int, pad_id: int, max_batch_
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     page = 256
     # NOTE: transformers sizes its activations (full-vocab logits for every batched token) from max_batch_tokens
-    # and refuses to start when that exceeds memory (4096 wanted ~14 GB here); 1024 fits and still batches.
-    max_batch_tokens = min(max_batch_tokens, 1024)
+    # and refuses to start when that exceeds free memory (4096 wanted ~14 GB here); 512 fits and still batches.
+    max_batch_tokens = min(max_batch_tokens, 512)
     num_blocks = sum(-(-(len(p.token_ids) + T) // page) for p in prompts) + 2
     cfg = lambda: ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks,  # noqa: E731
                                            max_batch_tokens=max_batch_tokens)
