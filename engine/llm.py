@@ -132,9 +132,7 @@ class LLM:
         self._requests[request_id] = req
         self._prompts[request_id] = text
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        if not token_ids:
-            self._fail(req, "empty prompt")
-        self.scheduler.add_request(req)
+        self.scheduler.add_request(req)      # an empty or never-fitting prompt finishes there with an error
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -161,35 +159,15 @@ class LLM:
         for rid, tok in sampled.items():
             req = self._requests[rid]
             if self._detok[rid].append(tok) and rid not in done:
-                req.stop_reason = self._detok[rid].stop_reason
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason)
                 finished.append(req)
-                done.add(rid)
-        for rid in getattr(out, "finished_errors", ()):
-            if rid not in done and rid in self._requests:
-                finished.append(self._requests[rid])
-                done.add(rid)
-        t1 = time.monotonic()
-        self._record_step(out, len(sampled), t0, t1)
+        # NOTE: the scheduler already counted everything StepStats holds when it scheduled this step.
+        self.step_stats.append(StepStats(step=len(self.step_stats), start_time=t0, end_time=time.monotonic(),
+                                         **self.scheduler.last_step_stats()))
         results = [self._make_output(r) for r in finished]
         for r in finished:
             self._forget(r.request_id)
         return results
-
-    def _record_step(self, out, num_sampled: int, t0: float, t1: float) -> None:
-        s = self.scheduler.last_step_stats()
-        self.step_stats.append(StepStats(
-            step=len(self.step_stats), start_time=t0, end_time=t1,
-            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
-            num_prefill_seqs=sum(1 for x in out.scheduled if x.is_prefill),
-            num_decode_seqs=sum(1 for x in out.scheduled if not x.is_prefill),
-            num_running=s.get("num_running", 0), num_waiting=s.get("num_waiting", 0),
-            kv_blocks_used=s.get("kv_blocks_used", 0), kv_blocks_total=self.num_kv_blocks,
-            prefix_cache_queries=s.get("prefix_cache_queries", 0), prefix_cache_hits=s.get("prefix_cache_hits", 0),
-            num_preemptions=s.get("num_preemptions", 0), num_sampled=num_sampled))
-
-    def _fail(self, req: Request, message: str) -> None:
-        req.error = message
 
     def _make_output(self, req: Request) -> RequestOutput:
         detok = self._detok[req.request_id]
