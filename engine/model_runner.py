@@ -26,9 +26,7 @@ class ModelRunner:
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_hidden_layers)]
-        for layer, cache in zip(model.model.layers, self.kv_caches):
-            layer.self_attn.kv_cache = cache
-            layer.self_attn.backend = backend
+        bind_kv_caches(model, self.kv_caches, backend)
         self.sampler = Sampler()
         self.default_generator = make_generator(seed, device)
         self._generators: dict[str, torch.Generator] = {}
@@ -104,6 +102,13 @@ class ModelRunner:
             device=dev, default_generator=self.default_generator)
         tokens = self.sampler(logits, md).tolist()
         return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+
+
+def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> None:
+    """Give each attention layer its (K, V) cache and the attention backend."""
+    for layer, cache in zip(model.model.layers, kv_caches):
+        layer.self_attn.kv_cache = cache
+        layer.self_attn.backend = backend
 
 
 def _banned(req: Request) -> list[int] | None:

@@ -7,6 +7,7 @@ from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.loader.resolve import ModelSource
 from engine.loader.safetensors_loader import load_safetensors_weights
+from engine.model_runner import bind_kv_caches
 from engine.models import build_model
 from engine.models.config import ModelConfig
 
@@ -90,10 +91,8 @@ def load_ours(source: ModelSource, dtype=torch.float32):
 def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32):
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    backend = TorchAttentionBackend()
-    for layer in model.model.layers:
-        layer.self_attn.kv_cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-        layer.self_attn.backend = backend
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
+    bind_kv_caches(model, caches, TorchAttentionBackend())
 
 
 @torch.inference_mode()

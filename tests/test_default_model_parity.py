@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.model_runner import bind_kv_caches
 from tests.model_utils import run_chunks
 from tests.test_gguf_loader import _copy_without_vocab
 
@@ -51,8 +52,7 @@ def test_logits_match_transformers(engines):
 
 def test_32_greedy_tokens_identical(engines):
     llm, hf = engines
-    for layer, cache in zip(llm.model.model.layers, llm.runner.kv_caches):   # run_chunks rebound the caches
-        layer.self_attn.kv_cache = cache
+    bind_kv_caches(llm.model, llm.runner.kv_caches, llm.backend)   # run_chunks rebound the caches
     ids = llm.get_tokenizer().encode(TEXT)[:200]
     ours = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
     ref, past, x = [], None, torch.tensor([ids])
