@@ -88,19 +88,20 @@ def load_ours(source: ModelSource, dtype=torch.float32):
     return build_model(mcfg, load_safetensors_weights(source.path, dtype), dtype, torch.device("cpu"))
 
 
-def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32):
+def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, native: bool | None = None):
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
-    bind_kv_caches(model, caches, TorchAttentionBackend())
+    bind_kv_caches(model, caches, TorchAttentionBackend(native))
 
 
 @torch.inference_mode()
 def run_chunks(model, token_ids: list[int], chunks: list[int], block_size: int = 4,
-               block_ids: list[int] | None = None) -> torch.Tensor:
+               block_ids: list[int] | None = None, native: bool | None = None) -> torch.Tensor:
     """Feed one sequence in chunks of the given sizes through a fresh paged cache; return logits [T, V].
 
     block_ids: the physical blocks of the sequence (default: a shuffled table, to exercise indirection).
+    native: False forces the pure-torch decode attention (default: the C kernel where it builds).
     """
     n = len(token_ids)
     assert sum(chunks) == n
@@ -108,7 +109,7 @@ def run_chunks(model, token_ids: list[int], chunks: list[int], block_size: int =
     if block_ids is None:
         g = torch.Generator().manual_seed(1)
         block_ids = torch.randperm(nblocks + 3, generator=g)[:nblocks].tolist()
-    bind_cache(model, max(block_ids) + 1, block_size)
+    bind_cache(model, max(block_ids) + 1, block_size, native=native)
     out = []
     start = 0
     for c in chunks:

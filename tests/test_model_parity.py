@@ -34,8 +34,9 @@ def test_full_sequence_logits_match_transformers(pair):
     _close(run_chunks(ours, ids, [37]), _ref_logits(hf, ids))
 
 
-def test_chunked_prefill_and_decode_match_full_forward(pair):
+@pytest.mark.parametrize("native", [None, False], ids=["c-kernel-decode", "torch-decode"])
+def test_chunked_prefill_and_decode_match_full_forward(pair, native):
     """Prefill in uneven chunks over a cached prefix, then single-token decode steps: same logits."""
     _, hf, ours = pair
     ids = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(4)).tolist()
-    _close(run_chunks(ours, ids, [5, 13, 1, 17, 1, 1, 1, 1, 1]), _ref_logits(hf, ids))
+    _close(run_chunks(ours, ids, [5, 13, 1, 17, 1, 1, 1, 1, 1], native=native), _ref_logits(hf, ids))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 
 # Query rows per prefill tile. Small tiles keep a sliding layer's keys per tile near its window
@@ -21,7 +22,13 @@ PREFILL_TILE = 128
 
 
 class TorchAttentionBackend:
+    """``native=None`` (default): decode attention uses the C kernel (``cpu_kernels``) when it can run the
+    tensors and builds here; ``False``: always the pure-torch gather path (tests compare the two)."""
+
     name = "torch"
+
+    def __init__(self, native: bool | None = None):
+        self.native = native is not False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -35,7 +42,7 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         nd = meta.num_decode_seqs
         if nd:
-            out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, window, scale)
+            out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, window, scale, self.native)
         qsl, bs = meta.query_start_loc, meta.block_size
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
@@ -127,14 +134,17 @@ def _decode_gather_index(meta: AttentionMetadata, window: int | None, device):
     return phys.reshape(-1), valid
 
 
-def _decode(q, k_cache, v_cache, meta, window, scale):
+def _decode(q, k_cache, v_cache, meta, window, scale, native: bool = False):
     """One query per sequence. q: [Bd, Hq, D] -> [Bd, Hq, D].
 
     Rows of the two batched matmuls are (sequence, KV head): with one KV head (MQA) every reshape is a view and
     the keys enter the first matmul as a transposed view (no copy beyond the block gather).
     """
-    blocks, valid = meta.memo(("decode", window), lambda: _decode_gather_index(meta, window, q.device))
     bd, hq, d = q.shape
+    if native and cpu_kernels.supports(q, k_cache):   # reads K/V in place: no gather copy
+        lens = meta.memo(("decode_lens",), lambda: torch.tensor(meta.seq_lens[:bd], dtype=torch.int32))
+        return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables[:bd], lens, window, scale)
+    blocks, valid = meta.memo(("decode", window), lambda: _decode_gather_index(meta, window, q.device))
     hkv = k_cache.shape[2]
     g = hq // hkv
     L = valid.shape[1]

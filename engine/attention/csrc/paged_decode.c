@@ -1,0 +1,318 @@
+/* Paged decode attention for the CPU: one query token per sequence, keys/values read in place from the
+ * paged KV cache (no gather copy), online softmax in float32.
+ *
+ * Why: the torch path gathers every decode sequence's visible blocks into a contiguous copy, then runs two
+ * batched matmuls with M = heads-per-KV-head (4 for gemma-3): the KV bytes move three times at a poor rate.
+ * Decode attention is memory-bound, so reading each visible key and value once is what matters.
+ *
+ * Layouts (all contiguous, row-major):
+ *   q, out        [num_seqs, num_heads, head_dim]
+ *   k/v cache     [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables  [num_seqs, table_stride] int32 (physical block of each logical block)
+ *   seq_lens      [num_seqs] int32: keys at positions [lo, seq_len) are visible, lo = max(0, seq_len - window)
+ *                 when window > 0, else 0.
+ * The query heads h*G .. h*G+G-1 share KV head h (G = num_heads / num_kv_heads).
+ *
+ * Work item = (sequence, KV head); items run in parallel (OpenMP). Each walks its visible blocks: scores for
+ * the block's tokens, an online-softmax update, then the weighted sum of the block's values. bf16 caches
+ * with head_dim % 16 == 0 and G in {1, 2, 4, 8} take an AVX-512 path (scores with AVX512-BF16 dot products
+ * where the CPU has them); everything else takes the portable loops, which are also the reference.
+ *
+ * Built on first use by engine/attention/cpu_kernels.py (cc -O3 -march=native -fopenmp); plain C, no torch
+ * headers, builds in about a second.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_GROUP 64
+#define MAX_BLOCK 256
+
+static inline uint16_t f32_to_bf16(float f) {       /* round to nearest even, as torch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ---- portable tile pieces (float32 tiles) ------------------------------------------------------------- */
+
+static void widen_bf16(const uint16_t *src, int64_t stride, int32_t n, int32_t D, float *dst) {
+    for (int32_t j = 0; j < n; j++) {
+        const uint16_t *r = src + j * stride;
+        uint32_t *o = (uint32_t *)(dst + (int64_t)j * D);
+        for (int32_t d = 0; d < D; d++) o[d] = (uint32_t)r[d] << 16;
+    }
+}
+
+static void widen_f32(const float *src, int64_t stride, int32_t n, int32_t D, float *dst) {
+    for (int32_t j = 0; j < n; j++) memcpy(dst + (int64_t)j * D, src + j * stride, sizeof(float) * D);
+}
+
+/* s[g*ld + j] = q[g] . k[j]; q [G, D], k [n, D] dense float32. */
+static void tile_scores(const float *q, const float *k, int32_t G, int32_t n, int32_t D, float *s, int32_t ld) {
+    for (int32_t g = 0; g < G; g++) {
+        for (int32_t j = 0; j < n; j++) {
+            const float *qg = q + (int64_t)g * D, *kj = k + (int64_t)j * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+:dot)
+            for (int32_t d = 0; d < D; d++) dot += qg[d] * kj[d];
+            s[g * ld + j] = dot;
+        }
+    }
+}
+
+/* acc[g] += sum_j p[g*ld + j] * v[j]; v [n, D] dense float32. */
+static void tile_accumulate(float *acc, const float *p, const float *v, int32_t G, int32_t n, int32_t D,
+                            int32_t ld) {
+    for (int32_t g = 0; g < G; g++) {
+        float *ag = acc + (int64_t)g * D;
+        for (int32_t j = 0; j < n; j++) {
+            const float pj = p[g * ld + j];
+            const float *vj = v + (int64_t)j * D;
+#pragma omp simd
+            for (int32_t d = 0; d < D; d++) ag[d] += pj * vj[d];
+        }
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^n * e^r with |r| <= ln2/2 and a
+ * degree-6 polynomial; relative error ~2e-7, below float32 rounding of what it feeds. x below -87 gives ~0. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;   /* ln2 split hi + lo */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Online softmax over one block: s[g, :n] becomes exp(s - new max); acc, l, m are rescaled. */
+static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D, float *m, float *l, float *acc) {
+    for (int32_t g = 0; g < G; g++) {
+        float *sg = s + g * ld;
+        float bmax = m[g];
+        for (int32_t j = 0; j < n; j++) bmax = sg[j] > bmax ? sg[j] : bmax;
+        const float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - bmax);
+        if (corr != 1.0f) {
+            for (int32_t d = 0; d < D; d++) acc[(int64_t)g * D + d] *= corr;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+:sum)
+        for (int32_t j = 0; j < n; j++) {
+            sg[j] = exp_nonpos(sg[j] - bmax);
+            sum += sg[j];
+        }
+        l[g] = l[g] * corr + sum;
+        m[g] = bmax;
+    }
+}
+
+/* ---- AVX-512 pieces for bf16 caches ------------------------------------------------------------------- */
+#if defined(__AVX512F__)
+#define FAST_PATH 1
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* s[g*ld + j] = q[g] . k_j for n tokens of one block (row stride `stride`). G is a compile-time constant at
+ * every call site (always_inline + switch), so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void fast_scores(
+        const int G, const float *qf, const uint16_t *qb, const uint16_t *k, int64_t stride, int32_t n,
+        int32_t D, float *s, int32_t ld) {
+    (void)qb;
+    (void)qf;
+    int32_t j = 0;
+    for (; j + 1 < n; j += 2) {                         /* two tokens at a time: 2G independent chains */
+        const uint16_t *k0 = k + j * stride, *k1 = k0 + stride;
+        __m512 a[8], b[8];
+        for (int g = 0; g < G; g++) a[g] = b[g] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+        for (int32_t c = 0; c < D; c += 32) {          /* 32 bf16 pairs per instruction, no widening */
+            __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(k0 + c));
+            __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(k1 + c));
+            for (int g = 0; g < G; g++) {
+                __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
+                a[g] = _mm512_dpbf16_ps(a[g], qv, x0);
+                b[g] = _mm512_dpbf16_ps(b[g], qv, x1);
+            }
+        }
+#else
+        for (int32_t c = 0; c < D; c += 16) {
+            __m512 x0 = load_bf16x16(k0 + c), x1 = load_bf16x16(k1 + c);
+            for (int g = 0; g < G; g++) {
+                __m512 qv = _mm512_loadu_ps(qf + g * D + c);
+                a[g] = _mm512_fmadd_ps(qv, x0, a[g]);
+                b[g] = _mm512_fmadd_ps(qv, x1, b[g]);
+            }
+        }
+#endif
+        for (int g = 0; g < G; g++) {
+            s[g * ld + j] = hsum(a[g]);
+            s[g * ld + j + 1] = hsum(b[g]);
+        }
+    }
+    for (; j < n; j++) {
+        const uint16_t *kj = k + j * stride;
+        __m512 a[8];
+        for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+        for (int32_t c = 0; c < D; c += 16) {
+            __m512 kv = load_bf16x16(kj + c);
+            for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c), kv, a[g]);
+        }
+        for (int g = 0; g < G; g++) s[g * ld + j] = hsum(a[g]);
+    }
+}
+
+/* acc[g] += sum_j p[g*ld + j] * v_j: per 16-wide column chunk, the G accumulators stay in registers across
+ * the block's tokens. */
+static inline __attribute__((always_inline)) void fast_accumulate(
+        const int G, float *acc, const float *p, int32_t ld, const uint16_t *v, int64_t stride, int32_t n,
+        int32_t D) {
+    for (int32_t c = 0; c < D; c += 32) {              /* two 16-wide chunks: 2G independent chains */
+        __m512 a0[8], a1[8];
+        for (int g = 0; g < G; g++) {
+            a0[g] = _mm512_loadu_ps(acc + g * D + c);
+            a1[g] = _mm512_loadu_ps(acc + g * D + c + 16);
+        }
+        for (int32_t j = 0; j < n; j++) {
+            const uint16_t *vj = v + j * stride + c;
+            __m512 v0 = load_bf16x16(vj), v1 = load_bf16x16(vj + 16);
+            for (int g = 0; g < G; g++) {
+                __m512 pj = _mm512_set1_ps(p[g * ld + j]);
+                a0[g] = _mm512_fmadd_ps(pj, v0, a0[g]);
+                a1[g] = _mm512_fmadd_ps(pj, v1, a1[g]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(acc + g * D + c, a0[g]);
+            _mm512_storeu_ps(acc + g * D + c + 16, a1[g]);
+        }
+    }
+}
+
+#define DISPATCH_G(G, CALL)                                         \
+    switch (G) {                                                    \
+        case 1: { const int G_ = 1; CALL; } break;                  \
+        case 2: { const int G_ = 2; CALL; } break;                  \
+        case 4: { const int G_ = 4; CALL; } break;                  \
+        default: { const int G_ = 8; CALL; } break;                 \
+    }
+#else
+#define FAST_PATH 0
+#endif
+
+/* ---- one work item ------------------------------------------------------------------------------------ */
+
+static void item_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+                      int32_t seq_len, int32_t num_kv_heads, int32_t G, int32_t D, int32_t bs, int32_t window,
+                      float scale, int32_t h, uint16_t *out) {
+    float qf[G * D], acc[G * D], tile[bs * D], m[G], l[G], s[G * bs];
+    uint16_t qb[G * D];
+    widen_bf16(q + (int64_t)h * G * D, D, G, D, qf);
+    for (int32_t i = 0; i < G * D; i++) {
+        qf[i] *= scale;
+        qb[i] = f32_to_bf16(qf[i]);
+        acc[i] = 0.0f;
+    }
+    for (int32_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+    const int fast = FAST_PATH && D % 32 == 0 && (G == 1 || G == 2 || G == 4 || G == 8);
+    (void)tile;
+    const int32_t lo = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    const int64_t tok_stride = (int64_t)num_kv_heads * D;
+    for (int32_t b = lo / bs; b * bs < seq_len; b++) {
+        const int32_t t0 = b * bs > lo ? b * bs : lo;
+        const int32_t t1 = (b + 1) * bs < seq_len ? (b + 1) * bs : seq_len;
+        const int32_t n = t1 - t0;
+        const int64_t base = ((int64_t)table[b] * bs + (t0 - b * bs)) * tok_stride + (int64_t)h * D;
+        if (fast) {
+#if FAST_PATH
+            DISPATCH_G(G, fast_scores(G_, qf, qb, k_cache + base, tok_stride, n, D, s, bs));
+            softmax_update(s, bs, n, G, D, m, l, acc);
+            DISPATCH_G(G, fast_accumulate(G_, acc, s, bs, v_cache + base, tok_stride, n, D));
+#endif
+        } else {
+            widen_bf16(k_cache + base, tok_stride, n, D, tile);
+            tile_scores(qf, tile, G, n, D, s, bs);
+            softmax_update(s, bs, n, G, D, m, l, acc);
+            widen_bf16(v_cache + base, tok_stride, n, D, tile);
+            tile_accumulate(acc, s, tile, G, n, D, bs);
+        }
+    }
+    uint16_t *o = out + (int64_t)h * G * D;
+    for (int32_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int32_t d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + d] * inv);
+    }
+}
+
+static void item_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                     int32_t seq_len, int32_t num_kv_heads, int32_t G, int32_t D, int32_t bs, int32_t window,
+                     float scale, int32_t h, float *out) {
+    float qf[G * D], acc[G * D], tile[bs * D], m[G], l[G], s[G * bs];
+    for (int32_t i = 0; i < G * D; i++) {
+        qf[i] = q[(int64_t)h * G * D + i] * scale;
+        acc[i] = 0.0f;
+    }
+    for (int32_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+    const int32_t lo = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    const int64_t tok_stride = (int64_t)num_kv_heads * D;
+    for (int32_t b = lo / bs; b * bs < seq_len; b++) {
+        const int32_t t0 = b * bs > lo ? b * bs : lo;
+        const int32_t t1 = (b + 1) * bs < seq_len ? (b + 1) * bs : seq_len;
+        const int32_t n = t1 - t0;
+        const int64_t base = ((int64_t)table[b] * bs + (t0 - b * bs)) * tok_stride + (int64_t)h * D;
+        widen_f32(k_cache + base, tok_stride, n, D, tile);
+        tile_scores(qf, tile, G, n, D, s, bs);
+        softmax_update(s, bs, n, G, D, m, l, acc);
+        widen_f32(v_cache + base, tok_stride, n, D, tile);
+        tile_accumulate(acc, s, tile, G, n, D, bs);
+    }
+    float *o = out + (int64_t)h * G * D;
+    for (int32_t g = 0; g < G; g++) {
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int32_t d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
+/* ---- entry points --------------------------------------------------------------------------------------- */
+
+#define ENTRY(NAME, T, ITEM)                                                                                   \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables, int64_t table_stride, \
+             const int32_t *seq_lens, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,               \
+             int32_t head_dim, int32_t block_size, int32_t window, float scale, T *out, int32_t num_threads) { \
+        if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP              \
+            || block_size < 1 || block_size > MAX_BLOCK || head_dim < 1)                                      \
+            return 1;                                                                                         \
+        const int32_t G = num_heads / num_kv_heads;                                                           \
+        const int64_t items = (int64_t)num_seqs * num_kv_heads;                                               \
+        (void)num_threads;                                                                                    \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                            \
+        for (int64_t it = 0; it < items; it++) {                                                              \
+            const int64_t i = it / num_kv_heads;                                                              \
+            ITEM(q + i * num_heads * head_dim, k_cache, v_cache, block_tables + i * table_stride, seq_lens[i], \
+                 num_kv_heads, G, head_dim, block_size, window, scale, (int32_t)(it % num_kv_heads),          \
+                 out + i * num_heads * head_dim);                                                             \
+        }                                                                                                     \
+        return 0;                                                                                             \
+    }
+
+ENTRY(paged_decode_bf16, uint16_t, item_bf16)
+ENTRY(paged_decode_f32, float, item_f32)
