@@ -4,7 +4,7 @@ import shutil
 import pytest
 import torch
 
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import _decode
 
@@ -93,3 +93,71 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     assert "build failed" in cpu_kernels.unavailable_reason()
     q, k, _, _ = _case(torch.float32, [5], 4, 1, 32, 4)
     assert not cpu_kernels.supports(q, k)
+
+
+# ---- fused bf16 elementwise kernels and the prefill softmax: against the torch ops they replace ---------------
+
+def _bf16_close(got, ref, ulps=2):
+    """Within a couple of bf16 ulps of the reference (torch rounds after every op; the kernels once)."""
+    got, ref = got.float(), ref.float()
+    assert got.shape == ref.shape
+    err = (got - ref).abs()
+    assert (err <= ulps * 2.0 ** -7 * ref.abs() + 1e-6).float().mean().item() > 0.999, err.max()
+    assert err.max().item() <= 4 * 2.0 ** -7 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_glu_kernel(act):
+    x = torch.randn(37, 2 * 96, generator=torch.Generator().manual_seed(0)).mul(3).to(torch.bfloat16)
+    gate, up = x.float().chunk(2, dim=-1)
+    fn = (lambda t: torch.nn.functional.gelu(t, approximate="tanh")) if act == "gelu_tanh" else torch.nn.functional.silu
+    _bf16_close(cpu_kernels.glu(x, act), fn(gate) * up)
+
+
+def test_rms_norm_kernel_on_strided_heads_with_and_without_rope():
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(9, 3 * 64 + 2 * 64, generator=g).to(torch.bfloat16)
+    q = qkv[:, :192].view(9, 3, 64)                                  # strided rows, as inside the fused qkv output
+    w = torch.randn(64, generator=g)
+    ref = q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    _bf16_close(cpu_kernels.rms_norm(q, w, 1e-6), ref)
+    pos = torch.arange(100, 109, dtype=torch.float32)
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))[None]
+    emb = torch.cat((freqs, freqs), -1)[:, None, :]
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    r = ref.to(torch.bfloat16).float()
+    rot = torch.cat((-r[..., 32:], r[..., :32]), -1)
+    _bf16_close(cpu_kernels.rms_norm(q, w, 1e-6, cos, sin), r * cos.float() + rot * sin.float())
+    before = qkv.clone()
+    cpu_kernels.rope_(q, cos, sin)                                   # in place, only q's columns
+    xf = before[:, :192].view(9, 3, 64).float()
+    _bf16_close(q, xf * cos.float() + torch.cat((-xf[..., 32:], xf[..., :32]), -1) * sin.float())
+    assert torch.equal(qkv[:, 192:], before[:, 192:])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("outer", [1, 2])
+def test_masked_softmax_kernel(window, outer):
+    t, g, S, q_start, k_start = 6, 3, 14, 20, 9                      # queries 20..25 over keys 9..22
+    scores = torch.randn(outer, t, g, S, generator=torch.Generator().manual_seed(2)).mul(4).to(torch.bfloat16)
+    qp = torch.arange(q_start, q_start + t)[:, None, None]
+    kp = torch.arange(k_start, k_start + S)[None, None, :]
+    hide = (kp > qp) | ((kp <= qp - window) if window else torch.zeros_like(kp > qp))
+    ref = torch.softmax(scores.float().masked_fill(hide, float("-inf")), dim=-1)
+    got = cpu_kernels.masked_softmax_(scores.clone(), t, g, q_start, k_start, window)
+    assert torch.equal(got.float()[hide.expand_as(got)], torch.zeros(int(hide.expand_as(got).sum())))
+    _bf16_close(got, ref, ulps=1)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_bf16_model_with_kernels_matches_the_torch_path(arch, tmp_path, monkeypatch):
+    """Whole tiny model in bf16 (chunked prefill + decode): every kernel on vs the pure-torch path."""
+    from tests.model_utils import load_ours, run_chunks, save_tiny, tiny_hf_model
+    ours = load_ours(save_tiny(tiny_hf_model(arch), tmp_path), torch.bfloat16)
+    ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    chunks = [7, 20, 1, 1, 10, 1]
+    with_kernels = run_chunks(ours, ids, chunks).float()
+    monkeypatch.setattr(cpu_kernels, "elementwise_ok", lambda x: False)
+    torch_only = run_chunks(ours, ids, chunks, native=False).float()
+    assert (with_kernels - torch_only).abs().max().item() <= 0.05 * torch_only.abs().max().item()
+    assert (with_kernels.argmax(-1) == torch_only.argmax(-1)).float().mean().item() >= 0.9

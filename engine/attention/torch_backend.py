@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 
 # Query rows per prefill tile. Small tiles keep a sliding layer's keys per tile near its window
@@ -22,7 +22,7 @@ PREFILL_TILE = 128
 
 
 class TorchAttentionBackend:
-    """``native=None`` (default): decode attention uses the C kernel (``cpu_kernels``) when it can run the
+    """``native=None`` (default): decode attention uses the C kernel (``engine.cpu_kernels``) when it can run the
     tensors and builds here; ``False``: always the pure-torch gather path (tests compare the two)."""
 
     name = "torch"
@@ -47,12 +47,13 @@ class TorchAttentionBackend:
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
-                                meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn))
+                                meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn),
+                                self.native)
         return out
 
 
 def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
-             memo=lambda key, fn: fn()):
+             memo=lambda key, fn: fn(), native: bool = False):
     """One sequence's chunk. q: [n, Hq, D] at positions [seq_len - n, seq_len); k/v_new: [n, Hkv, D].
 
         keys:  lo_all ........... start ......... seq_len
@@ -72,6 +73,7 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
         base = lo_all
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     qs = q * scale                                               # fold the scale into q once
+    fused_softmax = native and cpu_kernels.elementwise_ok(q)
     out = torch.empty_like(q)
     for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)
         te = min(ts + PREFILL_TILE, seq_len)
@@ -84,9 +86,12 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
         else:
             qt = qs[ts - start:te - start].view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)
             scores = torch.bmm(qt, kk.permute(1, 2, 0)).view(hkv, t, g, -1)
-        hide = memo(("hide", window, ts), lambda: _tile_mask(ts, te, lo, window, q.device))  # shared by layers
-        scores.masked_fill_(hide, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if fused_softmax:
+            probs = cpu_kernels.masked_softmax_(scores, t, g, ts, lo, window)
+        else:
+            hide = memo(("hide", window, ts), lambda: _tile_mask(ts, te, lo, window, q.device))  # shared by layers
+            scores.masked_fill_(hide, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         if hkv == 1:
             o = torch.mm(probs.view(t * g, -1), vv.view(-1, d)).view(t, hq, d)
         else:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention import AttentionMetadata
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
@@ -29,8 +30,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self._w32: tuple[int, torch.Tensor] | None = None
+
+    def kernel_weight(self) -> torch.Tensor:
+        """offset + weight in float32 for the fused kernel, recomputed if the weight was modified in place."""
+        version = self.weight._version
+        if self._w32 is None or self._w32[0] != version:
+            self._w32 = (version, (self.weight.detach().float() + self.offset).contiguous())
+        return self._w32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.elementwise_ok(x):        # bf16 on CPU: one fused pass, float32 math (as HF's Gemma)
+            return cpu_kernels.rms_norm(x, self.kernel_weight(), self.eps)
         ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).pow_(2).div_(x.shape[-1])
         inv = torch.rsqrt(ms.add_(self.eps)).to(x.dtype)
         w = (self.weight.float() + self.offset).to(x.dtype) if self.offset else self.weight
@@ -112,10 +123,17 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = meta.rope_cache(self.rotary, positions, q.dtype)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        if cpu_kernels.elementwise_ok(q):        # bf16 on CPU: norm + RoPE fused, one pass each for q and k
+            if self.q_norm is not None:
+                q = cpu_kernels.rms_norm(q, self.q_norm.kernel_weight(), self.q_norm.eps, cos, sin)
+                k = cpu_kernels.rms_norm(k, self.k_norm.kernel_weight(), self.k_norm.eps, cos, sin)
+            else:                                # in place inside this step's fresh qkv output
+                q, k = cpu_kernels.rope_(q, cos, sin), cpu_kernels.rope_(k, cos, sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, window=self.window, scale=self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -127,17 +145,21 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.fused_act = None                    # name for cpu_kernels.glu, where a fused kernel exists
         if act in ("silu", "swish"):
-            self.act = F.silu
+            self.act, self.fused_act = F.silu, "silu"
         elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
-            self.act = lambda t: F.gelu(t, approximate="tanh")
+            self.act, self.fused_act = (lambda t: F.gelu(t, approximate="tanh")), "gelu_tanh"
         elif act == "gelu":
             self.act = F.gelu
         else:
             raise ModelLoadError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh, gelu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_act and cpu_kernels.elementwise_ok(gate_up):
+            return self.down_proj(cpu_kernels.glu(gate_up, self.fused_act))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

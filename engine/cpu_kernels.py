@@ -1,7 +1,11 @@
 """Native CPU kernels (plain C in ``csrc/``), built on first use with the system C compiler, called via ctypes.
 
-Only what torch cannot do well on the CPU lives here: paged decode attention that reads keys and values in
-place from the paged cache (torch needs a gather copy first). The build takes about a second, has no torch
+Only what torch cannot do well on the CPU lives here:
+- paged decode attention that reads keys and values in place from the paged cache (torch needs a gather
+  copy first): ``paged_decode``;
+- fused bf16 elementwise passes (GeGLU/SwiGLU, RMSNorm with optional RoPE, RoPE): ``glu``, ``rms_norm``,
+  ``rope_``; torch would make three to five passes over each activation.
+The build takes a second or two, has no torch
 headers, and is cached per source + flags + CPU under ``$BATCHGEN_CACHE_DIR`` (default
 ``~/.cache/batchgen/kernels``). Without a compiler, or with ``BATCHGEN_CPU_KERNELS=0``, the torch backend
 uses its pure-torch path: same results within float rounding, slower decode.
@@ -25,7 +29,7 @@ import torch
 
 log = logging.getLogger("batchgen.engine")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp"],
     ["-O3", "-fopenmp"],
@@ -67,17 +71,17 @@ def _compiler() -> str | None:
 
 def build(cc: str, flag_sets=_FLAG_SETS) -> Path:
     """Compile the kernels with the first flag set that works (or reuse the cached build); the .so path."""
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     errors = []
     for flags in flag_sets:
         key = hashlib.sha256(src + repr((cc, flags, _cpu_signature())).encode()).hexdigest()[:16]
-        out = cache_dir() / f"paged_decode-{key}.so"
+        out = cache_dir() / f"batchgen_kernels-{key}.so"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", *map(str, SOURCES), "-o", tmp, "-lm"]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
@@ -94,11 +98,19 @@ def build(cc: str, flag_sets=_FLAG_SETS) -> Path:
 
 def open_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    for name in _FUNCS.values():
+    P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    sigs = {name: [P] * 4 + [I64, P] + [I32] * 6 + [F32, P, I32] for name in _FUNCS.values()}
+    sigs.update({
+        "gelu_tanh_mul_bf16": [P, I64, I64, P, I32],
+        "silu_mul_bf16": [P, I64, I64, P, I32],
+        "rms_norm_rope_bf16": [P, I64, I64, I64, I64, P, F32, P, P, P, I32],
+        "rope_neox_bf16": [P, I64, I64, I64, I64, P, P, I32],
+        "masked_softmax_bf16": [P] + [I64] * 7 + [I32],
+    })
+    for name, args in sigs.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int32] * 6 + [
-            ctypes.c_float, ctypes.c_void_p, ctypes.c_int32]
+        fn.restype = ctypes.c_int if name in _FUNCS.values() else None
+        fn.argtypes = args
     return lib
 
 
@@ -144,6 +156,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return call(load(), q, k_cache, v_cache, block_tables, seq_lens, window, scale)
 
 
+def masked_softmax_(scores: torch.Tensor, t: int, g: int, q_start: int, k_start: int,
+                    window: int | None) -> torch.Tensor:
+    """In place on dense bf16 scores [..., t, g, S] of a prefill tile: causal (and window) mask + softmax."""
+    assert scores.is_contiguous() and scores.dtype == torch.bfloat16
+    S = scores.shape[-1]
+    outer = scores.numel() // (t * g * S)
+    load().masked_softmax_bf16(scores.data_ptr(), outer, t, g, S, q_start, k_start, window or 0,
+                               torch.get_num_threads())
+    return scores
+
+
 def call(lib: ctypes.CDLL, q, k_cache, v_cache, block_tables, seq_lens, window, scale) -> torch.Tensor:
     """``paged_decode`` on a given build of the library (tests run a portable build too)."""
     q = q.contiguous()
@@ -159,3 +182,55 @@ def call(lib: ctypes.CDLL, q, k_cache, v_cache, block_tables, seq_lens, window, 
     if rc != 0:
         raise ValueError(f"paged_decode: unsupported shape q={tuple(q.shape)} cache={tuple(k_cache.shape)}")
     return out
+
+
+# ---- fused bf16 elementwise passes -------------------------------------------------------------------------
+
+_GLU = {"gelu_tanh": "gelu_tanh_mul_bf16", "silu": "silu_mul_bf16"}
+
+
+def elementwise_ok(x: torch.Tensor) -> bool:
+    """True when the fused elementwise kernels can take ``x`` (bf16 on the CPU) and the library loaded."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and load() is not None
+
+
+def glu(x: torch.Tensor, act: str) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up, [T, I]. act: gelu_tanh | silu."""
+    x = x.contiguous()
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=x.dtype)
+    getattr(load(), _GLU[act])(x.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(tokens, heads, dim, token stride) of a [T, H, D] or [T, D] view whose rows are dense."""
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    t, h, d = x.shape
+    if x.stride(2) != 1 or (h > 1 and x.stride(1) != d):
+        raise ValueError("cpu_kernels: rows must be dense")
+    return t, h, d, x.stride(0)
+
+
+def rms_norm(x: torch.Tensor, weight_f32: torch.Tensor, eps: float,
+             cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim (weight_f32 = offset + weight, float32), then RoPE when cos/sin are given
+    ([T, 1, D] or [T, D] bf16). Returns a new dense tensor shaped like x."""
+    t, h, d, stride = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    c = s = None
+    if cos is not None:
+        c, s = cos.contiguous(), sin.contiguous()
+    load().rms_norm_rope_bf16(x.data_ptr(), t, h, d, stride, weight_f32.data_ptr(), eps,
+                            c.data_ptr() if c is not None else None, s.data_ptr() if s is not None else None,
+                            out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE in place on a [T, H, D] view with dense rows (e.g. q inside the fused qkv output)."""
+    t, h, d, stride = _rows(x)
+    c, s = cos.contiguous(), sin.contiguous()
+    load().rope_neox_bf16(x.data_ptr(), t, h, d, stride, c.data_ptr(), s.data_ptr(), torch.get_num_threads())
+    return x

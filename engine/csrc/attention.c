@@ -1,5 +1,8 @@
-/* Paged decode attention for the CPU: one query token per sequence, keys/values read in place from the
- * paged KV cache (no gather copy), online softmax in float32.
+/* Attention kernels for the CPU.
+ *
+ * paged_decode_{bf16,f32}: decode attention, one query token per sequence, keys/values read in place from
+ * the paged KV cache (no gather copy), online softmax in float32. masked_softmax_bf16 (at the end): the
+ * causal / sliding-window softmax of a prefill tile in one pass.
  *
  * Why: the torch path gathers every decode sequence's visible blocks into a contiguous copy, then runs two
  * batched matmuls with M = heads-per-KV-head (4 for gemma-3): the KV bytes move three times at a poor rate.
@@ -18,7 +21,7 @@
  * with head_dim % 16 == 0 and G in {1, 2, 4, 8} take an AVX-512 path (scores with AVX512-BF16 dot products
  * where the CPU has them); everything else takes the portable loops, which are also the reference.
  *
- * Built on first use by engine/attention/cpu_kernels.py (cc -O3 -march=native -fopenmp); plain C, no torch
+ * Built on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); plain C, no torch
  * headers, builds in about a second.
  */
 #include <math.h>
@@ -38,6 +41,13 @@ static inline uint16_t f32_to_bf16(float f) {       /* round to nearest even, as
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 /* ---- portable tile pieces (float32 tiles) ------------------------------------------------------------- */
@@ -316,3 +326,41 @@ static void item_f32(const float *q, const float *k_cache, const float *v_cache,
 
 ENTRY(paged_decode_bf16, uint16_t, item_bf16)
 ENTRY(paged_decode_f32, float, item_f32)
+
+/* ---- prefill: causal / sliding-window softmax over a tile of scores ------------------------------------- */
+
+/* In place on bf16 scores [outer, t, g, S] (rows = outer * t * g, each of S keys): row r belongs to query
+ * position q = q_start + (r / g) % t, column j to key position k = k_start + j. Keys with k > q, or with
+ * k <= q - window when window > 0, get probability 0; the rest a float32 softmax, rounded to bf16 once.
+ * One pass where torch makes four (mask fill, float32 softmax, cast, plus the mask itself). */
+void masked_softmax_bf16(uint16_t *scores, int64_t outer, int64_t t, int64_t g, int64_t S, int64_t q_start,
+                         int64_t k_start, int64_t window, int32_t num_threads) {
+    (void)num_threads;
+    const int64_t rows = outer * t * g;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *row = scores + r * S;
+        const int64_t q = q_start + (r / g) % t;
+        int64_t j0 = window > 0 ? q - window + 1 - k_start : 0;     /* visible columns [j0, j1) */
+        int64_t j1 = q - k_start + 1;
+        j0 = j0 < 0 ? 0 : j0;
+        j1 = j1 > S ? S : j1;
+        float mx = -INFINITY;
+        for (int64_t j = j0; j < j1; j++) {
+            const float v = bf16_to_f32(row[j]);
+            mx = v > mx ? v : mx;
+        }
+        float sum = 0.0f;
+        float e[j1 > j0 ? j1 - j0 : 1];
+#pragma omp simd reduction(+:sum)
+        for (int64_t j = j0; j < j1; j++) {
+            e[j - j0] = exp_nonpos(bf16_to_f32(row[j]) - mx);
+            sum += e[j - j0];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t j = 0; j < j0; j++) row[j] = 0;
+#pragma omp simd
+        for (int64_t j = j0; j < j1; j++) row[j] = f32_to_bf16(e[j - j0] * inv);
+        for (int64_t j = j1 > j0 ? j1 : j0; j < S; j++) row[j] = 0;
+    }
+}
