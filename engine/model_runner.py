@@ -86,13 +86,22 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables.to(dev),
             num_decode_seqs=num_decode, block_size=bs)
+        # The sampled rows again, as one-query sequences: the last layer computes only these.
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        meta.sample_rows = rows_t
+        meta.sample_meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sampled) + 1)),
+            seq_lens=[seq_lens[i] for i in sampled], block_tables=meta.block_tables[sampled],
+            num_decode_seqs=len(sampled), block_size=bs)
         if self.backend.name == "flash_attn":
-            meta.query_start_loc_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
-            meta.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+            for m in (meta, meta.sample_meta):
+                m.query_start_loc_t = torch.tensor(m.query_start_loc, dtype=torch.int32, device=dev)
+                m.seq_lens_t = torch.tensor(m.seq_lens, dtype=torch.int32, device=dev)
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         if not sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [N, vocab] fp32
+        logits = self.model.compute_logits(hidden)                  # [N, vocab], sampled rows only
         md = SamplingMetadata.build(
             params=[r.sampling_params for r in sample_reqs],
             output_token_ids=[r.output_token_ids for r in sample_reqs],

@@ -40,3 +40,44 @@ def test_chunked_prefill_and_decode_match_full_forward(pair, native):
     _, hf, ours = pair
     ids = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(4)).tolist()
     _close(run_chunks(ours, ids, [5, 13, 1, 17, 1, 1, 1, 1, 1], native=native), _ref_logits(hf, ids))
+
+
+def test_engine_step_computes_only_sampled_rows_with_transformers_logits(pair):
+    """A mixed step as the model runner builds it (two prefill chunks, one that samples, one mid-prompt, plus
+    a decode): with ``sample_rows`` the last layer computes only the sampled rows, and their logits equal
+    transformers' full forward at those positions."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.model_runner import ModelRunner
+    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    _, hf, ours = pair
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (23, 30, 9)]
+    runner = ModelRunner(ours, num_blocks=32, block_size=4, dtype=torch.float32, device=torch.device("cpu"),
+                         backend=TorchAttentionBackend())
+    reqs = {str(i): Request(str(i), p, SamplingParams(temperature=0, max_tokens=4))
+            for i, p in enumerate(prompts)}
+    tables = {"0": list(range(0, 8)), "1": list(range(8, 16)), "2": list(range(16, 24))}
+    captured = {}
+    orig = ours.compute_logits
+    ours.compute_logits = lambda h: captured.setdefault("logits", orig(h))
+    try:
+        # step 1: prompt 2 completely except its last token; prompt 0's first 15 tokens (no sample)
+        runner.execute(SchedulerOutput(scheduled=[
+            ScheduledRequest("2", prompts[2][:8], 0, tables["2"], False, True),
+            ScheduledRequest("0", prompts[0][:15], 0, tables["0"], False, True)]), reqs)
+        assert "logits" not in captured
+        # step 2: prompt 2's last token (a one-token chunk that samples), prompt 0's rest (samples), and
+        # prompt 1's first 20 tokens (no sample)
+        runner.execute(SchedulerOutput(scheduled=[
+            ScheduledRequest("2", prompts[2][8:], 8, tables["2"], True, True),
+            ScheduledRequest("0", prompts[0][15:], 15, tables["0"], True, True),
+            ScheduledRequest("1", prompts[1][:20], 0, tables["1"], False, True)]), reqs)
+    finally:
+        ours.compute_logits = orig
+    got = captured["logits"].float()
+    assert got.shape[0] == 2
+    _close(got[0], _ref_logits(hf, prompts[2])[-1])
+    _close(got[1], _ref_logits(hf, prompts[0])[-1])

@@ -28,6 +28,11 @@ class AttentionMetadata:
     # Device copies for kernels that want them (flash-attn).
     query_start_loc_t: torch.Tensor | None = None
     seq_lens_t: torch.Tensor | None = None
+    # Rows whose final hidden states the caller needs (the sampled ones). When set, the last layer writes every
+    # token's K/V but computes attention and its MLP only for these rows, via ``sample_meta``: the same rows
+    # as one-query sequences over the cache. None: every row (tests comparing full logits).
+    sample_rows: torch.Tensor | None = None
+    sample_meta: "AttentionMetadata | None" = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
+from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, run_layers
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -21,8 +21,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
         self.post_feedforward_layernorm = RMSNorm(h, eps, off)
 
-    def forward(self, positions, x, meta):
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
+    def forward(self, positions, x, meta, rows=None):
+        h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
+        x = (x if rows is None else x[rows]) + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -38,9 +39,7 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # NOTE: HF multiplies by the scale cast to the embedding dtype; do the same for bit-parity.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, positions, x, meta))
 
 
 class Gemma3ForCausalLM(CausalLM):

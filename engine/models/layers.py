@@ -116,7 +116,9 @@ class Attention(nn.Module):
         self.backend = None                    # set by the model runner (engine.attention.get_backend)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; with ``rows`` (last layer): K/V of all T tokens, output [len(rows), hidden]."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -134,8 +136,34 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, window=self.window, scale=self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(T, self.q_size))
+        if rows is not None:                     # later steps need every token's K/V; this step only `rows`
+            write_kv(self.kv_cache, k, v, meta.slot_mapping)
+            if rows.numel() == 0:
+                return x.new_empty(0, x.shape[1])
+            q, k, v, meta = q[rows], k[rows], v[rows], meta.sample_meta
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, window=self.window, scale=self.scale)  # [R, Hq, D]
+        return self.o_proj(out.reshape(out.shape[0], self.q_size))
+
+
+def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, Hkv, D] at their cache slots (what every backend does before attending)."""
+    k_cache, v_cache = kv_cache
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Every layer over every token, except that the last one computes only ``meta.sample_rows`` when set.
+
+    Nothing after the last layer's K/V write feeds another token, so for a 4,096-token prefill step that
+    samples a handful of rows this skips the last layer's attention, output projection and MLP for the rest.
+    """
+    *body, last = layers
+    for layer in body:
+        x = layer(positions, x, meta)
+    return last(positions, x, meta, rows=meta.sample_rows)
 
 
 class GatedMLP(nn.Module):
@@ -176,7 +204,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[T] token ids and positions -> [T, hidden] final hidden states."""
+        """[T] token ids and positions -> final hidden states: [T, hidden], or [len(meta.sample_rows), hidden]."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm
+from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, run_layers
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -15,8 +15,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, positions, x, meta, rows=None):
+        h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
+        x = (x if rows is None else x[rows]) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -28,10 +29,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, positions, self.embed_tokens(input_ids), meta))
 
 
 class LlamaForCausalLM(CausalLM):
