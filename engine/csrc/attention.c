@@ -50,6 +50,12 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+/* Software prefetch of n rows of `bytes` each (row stride in elements of 2 bytes), one per cache line. */
+static inline void prefetch_rows(const uint16_t *p, int64_t stride, int32_t n, int32_t bytes) {
+    for (int32_t j = 0; j < n; j++)
+        for (int32_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)(p + j * stride) + o, 0, 3);
+}
+
 /* ---- portable tile pieces (float32 tiles) ------------------------------------------------------------- */
 
 static void widen_bf16(const uint16_t *src, int64_t stride, int32_t n, int32_t D, float *dst) {
@@ -191,6 +197,55 @@ static inline __attribute__((always_inline)) void fast_scores(
     }
 }
 
+#if defined(__AVX512BF16__)
+/* acc[g] += sum_j p[g*ld + j] * v_j with AVX512-BF16: tokens in pairs, each instruction a dot product of a
+ * (p_j, p_j+1) pair with the interleaved (v_j[d], v_j+1[d]) pairs of 16 columns. The interleave works within
+ * 128-bit lanes, so acc holds each 32-column chunk permuted (see PAIRED_INDEX); the item un-permutes once at
+ * the end. The probabilities enter as bf16, as in the torch path. */
+#define PAIRED_PV 1
+static inline int paired_index(int32_t d) {           /* column d of a chunk -> its slot in acc */
+    const int32_t c = d & ~31, r = d & 31, lane = r >> 3, i = r & 7;
+    return c + (i < 4 ? 4 * lane + i : 16 + 4 * lane + (i - 4));
+}
+
+static inline __attribute__((always_inline)) void fast_accumulate(
+        const int G, float *acc, const float *p, int32_t ld, const uint16_t *v, int64_t stride, int32_t n,
+        int32_t D) {
+    uint32_t pairs[8][MAX_BLOCK / 2 + 1];
+    const int32_t np = (n + 1) / 2;
+    for (int g = 0; g < G; g++)
+        for (int32_t k = 0; k < np; k++) {
+            const float p0 = p[g * ld + 2 * k], p1 = 2 * k + 1 < n ? p[g * ld + 2 * k + 1] : 0.0f;
+            pairs[g][k] = (uint32_t)f32_to_bf16(p0) | ((uint32_t)f32_to_bf16(p1) << 16);
+        }
+    for (int32_t c = 0; c < D; c += 32) {
+        __m512 lo[8], hi[8];
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm512_loadu_ps(acc + g * D + c);
+            hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
+        }
+        for (int32_t k = 0; k < np; k++) {
+            const uint16_t *v0 = v + 2 * k * stride + c;
+            const uint16_t *v1 = 2 * k + 1 < n ? v0 + stride : v0;   /* odd tail: partner weight is 0 */
+            const __m512i x0 = _mm512_loadu_si512((const void *)v0), x1 = _mm512_loadu_si512((const void *)v1);
+            const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            for (int g = 0; g < G; g++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g][k]);
+                lo[g] = _mm512_dpbf16_ps(lo[g], w, plo);
+                hi[g] = _mm512_dpbf16_ps(hi[g], w, phi);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(acc + g * D + c, lo[g]);
+            _mm512_storeu_ps(acc + g * D + c + 16, hi[g]);
+        }
+    }
+}
+#else
+#define PAIRED_PV 0
+static inline int paired_index(int32_t d) { return d; }
+
 /* acc[g] += sum_j p[g*ld + j] * v_j: per 16-wide column chunk, the G accumulators stay in registers across
  * the block's tokens. */
 static inline __attribute__((always_inline)) void fast_accumulate(
@@ -218,6 +273,8 @@ static inline __attribute__((always_inline)) void fast_accumulate(
     }
 }
 
+#endif
+
 #define DISPATCH_G(G, CALL)                                         \
     switch (G) {                                                    \
         case 1: { const int G_ = 1; CALL; } break;                  \
@@ -227,6 +284,8 @@ static inline __attribute__((always_inline)) void fast_accumulate(
     }
 #else
 #define FAST_PATH 0
+#define PAIRED_PV 0
+static inline int paired_index(int32_t d) { return d; }
 #endif
 
 /* ---- one work item ------------------------------------------------------------------------------------ */
@@ -252,6 +311,11 @@ static void item_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
         const int32_t t1 = (b + 1) * bs < seq_len ? (b + 1) * bs : seq_len;
         const int32_t n = t1 - t0;
         const int64_t base = ((int64_t)table[b] * bs + (t0 - b * bs)) * tok_stride + (int64_t)h * D;
+        if (b + 1 < (seq_len + bs - 1) / bs) {         /* next block's rows: hide the scattered-block latency */
+            const int64_t next = (int64_t)table[b + 1] * bs * tok_stride + (int64_t)h * D;
+            prefetch_rows(k_cache + next, tok_stride, bs, D * (int32_t)sizeof(uint16_t));
+            prefetch_rows(v_cache + next, tok_stride, bs, D * (int32_t)sizeof(uint16_t));
+        }
         if (fast) {
 #if FAST_PATH
             DISPATCH_G(G, fast_scores(G_, qf, qb, k_cache + base, tok_stride, n, D, s, bs));
@@ -269,7 +333,11 @@ static void item_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
     uint16_t *o = out + (int64_t)h * G * D;
     for (int32_t g = 0; g < G; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int32_t d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + d] * inv);
+        if (fast && PAIRED_PV) {
+            for (int32_t d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + paired_index(d)] * inv);
+        } else {
+            for (int32_t d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + d] * inv);
+        }
     }
 }
 
