@@ -8,6 +8,8 @@ Conventions (all counts are exact closed forms, no sampling):
   A query at position ``p`` (0-based) sees ``p + 1`` keys; a sliding layer sees at most ``window`` of them
   (the window counts the query itself, as in ``ModelConfig.layer_window``).
 - The LM head runs only on sampled rows: ``2 * hidden * vocab`` FLOPs per sampled token.
+- These are model FLOPs (what MFU divides by): every layer counts for every token, although the engine's last
+  layer skips attention, o_proj and MLP for rows that do not sample (about 5 % of a prefill step's FLOPs).
 - A decode step reads every weight once (the LM head only if something is sampled) plus, per sequence,
   the K and V it attends to (window-limited on sliding layers) and writes one token of K/V.
 
