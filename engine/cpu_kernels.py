@@ -29,7 +29,8 @@ import torch
 
 log = logging.getLogger("batchgen.engine")
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.c"))
 _FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp"],
     ["-O3", "-fopenmp"],
@@ -71,7 +72,7 @@ def _compiler() -> str | None:
 
 def build(cc: str, flag_sets=_FLAG_SETS) -> Path:
     """Compile the kernels with the first flag set that works (or reuse the cached build); the .so path."""
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))   # headers are part of the key
     errors = []
     for flags in flag_sets:
         key = hashlib.sha256(src + repr((cc, flags, _cpu_signature())).encode()).hexdigest()[:16]

@@ -24,9 +24,7 @@
  * Built on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); plain C, no torch
  * headers, builds in about a second.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -35,25 +33,22 @@
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
 
-static inline uint16_t f32_to_bf16(float f) {       /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* Software prefetch of n rows of `bytes` each (row stride in elements of 2 bytes), one per cache line. */
 static inline void prefetch_rows(const uint16_t *p, int64_t stride, int32_t n, int32_t bytes) {
     for (int32_t j = 0; j < n; j++)
         for (int32_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)(p + j * stride) + o, 0, 3);
+}
+
+/* Block b of a sequence whose visible keys are [lo, seq_len): *n visible rows starting at the returned element
+ * offset (KV head h) in the cache. */
+static inline int64_t block_rows(const int32_t *table, int32_t b, int32_t lo, int32_t seq_len, int32_t bs,
+                                 int64_t tok_stride, int32_t h, int32_t D, int32_t *n) {
+    const int32_t t0 = b * bs > lo ? b * bs : lo;
+    const int32_t t1 = (b + 1) * bs < seq_len ? (b + 1) * bs : seq_len;
+    *n = t1 - t0;
+    return ((int64_t)table[b] * bs + (t0 - b * bs)) * tok_stride + (int64_t)h * D;
 }
 
 /* ---- portable tile pieces (float32 tiles) ------------------------------------------------------------- */
@@ -97,24 +92,6 @@ static void tile_accumulate(float *acc, const float *p, const float *v, int32_t 
     }
 }
 
-/* exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^n * e^r with |r| <= ln2/2 and a
- * degree-6 polynomial; relative error ~2e-7, below float32 rounding of what it feeds. x below -87 gives ~0. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;   /* ln2 split hi + lo */
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* Online softmax over one block: s[g, :n] becomes exp(s - new max); acc, l, m are rescaled. */
 static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D, float *m, float *l, float *acc) {
@@ -129,7 +106,7 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
         float sum = 0.0f;
 #pragma omp simd reduction(+:sum)
         for (int32_t j = 0; j < n; j++) {
-            sg[j] = exp_nonpos(sg[j] - bmax);
+            sg[j] = exp_clamped(sg[j] - bmax);
             sum += sg[j];
         }
         l[g] = l[g] * corr + sum;
@@ -295,6 +272,7 @@ static void item_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                       float scale, int32_t h, uint16_t *out) {
     float qf[G * D], acc[G * D], tile[bs * D], m[G], l[G], s[G * bs];
     uint16_t qb[G * D];
+    (void)qb;                                          /* used by the AVX512-BF16 scores only */
     widen_bf16(q + (int64_t)h * G * D, D, G, D, qf);
     for (int32_t i = 0; i < G * D; i++) {
         qf[i] *= scale;
@@ -307,10 +285,8 @@ static void item_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
     const int32_t lo = (window > 0 && seq_len > window) ? seq_len - window : 0;
     const int64_t tok_stride = (int64_t)num_kv_heads * D;
     for (int32_t b = lo / bs; b * bs < seq_len; b++) {
-        const int32_t t0 = b * bs > lo ? b * bs : lo;
-        const int32_t t1 = (b + 1) * bs < seq_len ? (b + 1) * bs : seq_len;
-        const int32_t n = t1 - t0;
-        const int64_t base = ((int64_t)table[b] * bs + (t0 - b * bs)) * tok_stride + (int64_t)h * D;
+        int32_t n;
+        const int64_t base = block_rows(table, b, lo, seq_len, bs, tok_stride, h, D, &n);
         if (b + 1 < (seq_len + bs - 1) / bs) {         /* next block's rows: hide the scattered-block latency */
             const int64_t next = (int64_t)table[b + 1] * bs * tok_stride + (int64_t)h * D;
             prefetch_rows(k_cache + next, tok_stride, bs, D * (int32_t)sizeof(uint16_t));
@@ -353,10 +329,8 @@ static void item_f32(const float *q, const float *k_cache, const float *v_cache,
     const int32_t lo = (window > 0 && seq_len > window) ? seq_len - window : 0;
     const int64_t tok_stride = (int64_t)num_kv_heads * D;
     for (int32_t b = lo / bs; b * bs < seq_len; b++) {
-        const int32_t t0 = b * bs > lo ? b * bs : lo;
-        const int32_t t1 = (b + 1) * bs < seq_len ? (b + 1) * bs : seq_len;
-        const int32_t n = t1 - t0;
-        const int64_t base = ((int64_t)table[b] * bs + (t0 - b * bs)) * tok_stride + (int64_t)h * D;
+        int32_t n;
+        const int64_t base = block_rows(table, b, lo, seq_len, bs, tok_stride, h, D, &n);
         widen_f32(k_cache + base, tok_stride, n, D, tile);
         tile_scores(qf, tile, G, n, D, s, bs);
         softmax_update(s, bs, n, G, D, m, l, acc);
@@ -422,7 +396,7 @@ void masked_softmax_bf16(uint16_t *scores, int64_t outer, int64_t t, int64_t g, 
         float e[j1 > j0 ? j1 - j0 : 1];
 #pragma omp simd reduction(+:sum)
         for (int64_t j = j0; j < j1; j++) {
-            e[j - j0] = exp_nonpos(bf16_to_f32(row[j]) - mx);
+            e[j - j0] = exp_clamped(bf16_to_f32(row[j]) - mx);
             sum += e[j - j0];
         }
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;

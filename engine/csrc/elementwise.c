@@ -10,43 +10,7 @@
  * differ from torch by at most an ulp or two of bf16; float32 models never come here). Plain C that compilers
  * vectorize; rows are split across OpenMP threads.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float bf2f(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) {           /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x), vectorizable: 2^n * e^r, |r| <= ln2/2, degree-6 polynomial; relative error ~2e-7. Clamped to
- * [-87, 88] (results ~1e-38 .. ~1.6e38), which is all sigmoid below needs. */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &bits, sizeof s);
-    return p * s;
-}
+#include "common.h"
 
 /* gelu_tanh(g) = g * 0.5 * (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) * (g + 0.044715 g^3) */
 static inline float gelu_tanh(float g) {
@@ -64,7 +28,7 @@ static inline float silu(float g) { return g / (1.0f + exp_clamped(-g)); }
             const uint16_t *g = x + t * 2 * inter, *u = g + inter;                                         \
             uint16_t *o = out + t * inter;                                                                 \
             _Pragma("omp simd")                                                                            \
-            for (int64_t i = 0; i < inter; i++) o[i] = f2bf(ACT(bf2f(g[i])) * bf2f(u[i]));                \
+            for (int64_t i = 0; i < inter; i++) o[i] = f32_to_bf16(ACT(bf16_to_f32(g[i])) * bf16_to_f32(u[i]));                \
         }                                                                                                  \
     }
 
@@ -87,21 +51,21 @@ void rms_norm_rope_bf16(const uint16_t *x, int64_t tokens, int64_t heads, int64_
             uint16_t *o = out + (t * heads + h) * dim;
             float ss = 0.0f;
 #pragma omp simd reduction(+:ss)
-            for (int64_t i = 0; i < dim; i++) ss += bf2f(xr[i]) * bf2f(xr[i]);
+            for (int64_t i = 0; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
             const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
             if (!cos) {
 #pragma omp simd
-                for (int64_t i = 0; i < dim; i++) o[i] = f2bf(bf2f(xr[i]) * inv * w[i]);
+                for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * w[i]);
                 continue;
             }
             /* HF rounds the normalized row to bf16 before RoPE: do the same, then rotate in float32. */
 #pragma omp simd
-            for (int64_t i = 0; i < dim; i++) y[i] = bf2f(f2bf(bf2f(xr[i]) * inv * w[i]));
+            for (int64_t i = 0; i < dim; i++) y[i] = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv * w[i]));
             const uint16_t *c = cos + t * dim, *s = sin + t * dim;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
-                o[i] = f2bf(y[i] * bf2f(c[i]) - y[i + half] * bf2f(s[i]));
-                o[i + half] = f2bf(y[i + half] * bf2f(c[i + half]) + y[i] * bf2f(s[i + half]));
+                o[i] = f32_to_bf16(y[i] * bf16_to_f32(c[i]) - y[i + half] * bf16_to_f32(s[i]));
+                o[i + half] = f32_to_bf16(y[i + half] * bf16_to_f32(c[i + half]) + y[i] * bf16_to_f32(s[i + half]));
             }
         }
     }
@@ -120,9 +84,9 @@ void rope_neox_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t dim, int
             uint16_t *xh = x + t * stride + h * dim;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
-                const float a = bf2f(xh[i]), b = bf2f(xh[i + half]);
-                xh[i] = f2bf(a * bf2f(c[i]) - b * bf2f(s[i]));
-                xh[i + half] = f2bf(b * bf2f(c[i + half]) + a * bf2f(s[i + half]));
+                const float a = bf16_to_f32(xh[i]), b = bf16_to_f32(xh[i + half]);
+                xh[i] = f32_to_bf16(a * bf16_to_f32(c[i]) - b * bf16_to_f32(s[i]));
+                xh[i + half] = f32_to_bf16(b * bf16_to_f32(c[i + half]) + a * bf16_to_f32(s[i + half]));
             }
         }
     }

@@ -1,0 +1,44 @@
+/* Helpers shared by the kernels in this folder: bf16 <-> float32 and a vectorizable exp. */
+#ifndef BATCHGEN_COMMON_H
+#define BATCHGEN_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {       /* round to nearest even, as torch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x), vectorizable: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial; relative error ~2e-7, below
+ * float32 rounding of what it feeds. x is clamped to [-87, 88] (results ~1e-38 .. ~1.6e38): softmax over
+ * x - max <= 0 and sigmoid need nothing wider. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;   /* ln2 split hi + lo */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif
