@@ -1,10 +1,15 @@
 """Per-run traces: what each request and each engine step did, and how the run's time splits into phases.
 
-A run directory gets three files, rewritten on every ``write()`` (so a long run flushes periodically):
+A run directory gets two Parquet datasets and a JSON file; each ``write()`` (periodic, so a long run flushes
+as it goes) appends one part file to each dataset and never rewrites earlier ones, so a million-row run costs
+O(rows), not O(rows^2):
 
-    requests.parquet   one row per finished request: timestamps, token counts, each token's time
-    steps.parquet      one row per engine step (StepStats) with its duration
+    requests.parquet/  one row per finished request: timestamps, token counts, each token's time
+    steps.parquet/     one row per engine step (StepStats) with its duration
     run.json           model info and config, calibration used, phases (load / setup / warm-up / steady / wall)
+
+``pq.read_table("requests.parquet")`` reads a dataset directory whole (runs written before this layout have a
+single file there, which reads the same way).
 
 Times are seconds relative to the run start (the ``RunTrace``'s creation). A run resumed in the same directory
 appends a new session whose times continue after the previous sessions' wall time, so one axis covers all.
@@ -252,19 +257,28 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _append_parquet(path: Path, rows: list[dict], schema: pa.Schema) -> None:
-    """Append rows to a Parquet file by rewriting it (atomically); creates the file (maybe empty) if absent."""
-    if not rows and path.exists():
+    """Append rows as the next part file of the dataset directory ``path`` (created, maybe empty, if absent).
+
+    Parts are written under a dot name (readers skip those) and renamed, so a reader never sees half a part.
+    A single file at ``path`` (the layout of older runs, e.g. a resumed one) becomes the first part.
+    """
+    if path.is_file():
+        old = path.with_name(f".{path.name}.old")
+        path.replace(old)
+        path.mkdir()
+        old.replace(path / "part-00000.parquet")
+    path.mkdir(parents=True, exist_ok=True)
+    if not rows:
         return
-    new = pa.Table.from_pylist(rows, schema=schema)
-    if path.exists():
-        old = pq.read_table(path).cast(schema)
-        new = pa.concat_tables([old, new])
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(new, tmp)
-    tmp.replace(path)
+    n = sum(1 for _ in path.glob("part-*.parquet"))
+    tmp = path / f".part-{n:05d}.tmp"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+    tmp.replace(path / f"part-{n:05d}.parquet")
 
 
 def _read_table(path: Path, schema: pa.Schema) -> dict[str, list]:
+    if path.is_dir() and not any(path.glob("part-*.parquet")):
+        return {name: [] for name in schema.names}
     if not path.exists():
         return {name: [] for name in schema.names}
-    return pq.read_table(path).to_pydict()
+    return pq.read_table(path, schema=schema).to_pydict()

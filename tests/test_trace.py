@@ -98,8 +98,9 @@ def _traced(tmp_path, shapes=SHAPES, **kw):
 def test_files_exist_and_are_consistent(tmp_path):
     trace, outputs, steps = _traced(tmp_path)
     run_dir = tmp_path / "run"
-    for name in ("requests.parquet", "steps.parquet", "run.json"):
-        assert (run_dir / name).is_file()
+    assert (run_dir / "run.json").is_file()
+    for name in ("requests.parquet", "steps.parquet"):
+        assert sorted(p.name for p in (run_dir / name).iterdir()) == ["part-00000.parquet"]
     run = read_run(run_dir)
     assert run.num_requests == len(SHAPES) and run.num_steps == len(steps)
     assert check_trace(run) == []
@@ -111,7 +112,8 @@ def test_files_exist_and_are_consistent(tmp_path):
     assert sum(s["num_prefill_tokens"]) == sum(r["computed_tokens"])
     # times are relative to the run start; token times are a list column
     assert r["arrival"][0] == pytest.approx(0.0)
-    assert pq.read_schema(run_dir / "requests.parquet").field("token_times").type.value_type.bit_width == 64
+    assert pq.read_schema(run_dir / "requests.parquet" / "part-00000.parquet").field(
+        "token_times").type.value_type.bit_width == 64
     assert all(len(tt) == o for tt, o in zip(r["token_times"], r["output_tokens"]))
 
 
@@ -210,3 +212,35 @@ def test_real_engine_run_is_consistent(tmp_path):
     assert run.num_requests == len(prompts)
     assert check_trace(run) == []
     assert sum(run.requests["cached_tokens"]) > 0           # the shared 40-token prefix was reused
+
+
+def test_each_write_appends_a_part_and_never_rewrites_earlier_ones(tmp_path):
+    """A long run flushes many times: each write costs only its new rows (earlier parts are untouched)."""
+    trace, outputs, steps = _traced(tmp_path)
+    first = tmp_path / "run" / "requests.parquet" / "part-00000.parquet"
+    before = (first.stat().st_mtime_ns, first.read_bytes())
+    trace.add_request(outputs[0], job="again", row_id="x")
+    trace.write()
+    trace.write()                                                   # nothing new: no empty part
+    parts = sorted(p.name for p in (tmp_path / "run" / "requests.parquet").iterdir())
+    assert parts == ["part-00000.parquet", "part-00001.parquet"]
+    assert (first.stat().st_mtime_ns, first.read_bytes()) == before
+    run = read_run(tmp_path / "run")
+    assert run.num_requests == len(SHAPES) + 1 and run.requests["job"][-1] == "again"
+
+
+def test_reads_and_extends_a_run_written_as_single_files(tmp_path):
+    """Runs written before the dataset layout (one file per table) still read, and resume into parts."""
+    from pipeline.trace import REQUEST_SCHEMA, STEP_SCHEMA, _append_parquet
+    trace, outputs, steps = _traced(tmp_path)
+    run_dir = tmp_path / "run"
+    for name, schema in (("requests.parquet", REQUEST_SCHEMA), ("steps.parquet", STEP_SCHEMA)):
+        table = pq.read_table(run_dir / name, schema=schema)
+        for p in (run_dir / name).iterdir():
+            p.unlink()
+        (run_dir / name).rmdir()
+        pq.write_table(table, run_dir / name)                       # the old layout: one file
+    assert read_run(run_dir).num_requests == len(SHAPES)
+    _append_parquet(run_dir / "requests.parquet", [], REQUEST_SCHEMA)   # a resumed session's first write
+    assert (run_dir / "requests.parquet" / "part-00000.parquet").is_file()
+    assert read_run(run_dir).num_requests == len(SHAPES)
