@@ -57,6 +57,7 @@ _OUTPUT = {
     "include_columns": (list, False),
     "rows_per_shard": (int, False),
     "keep_deleted_rows": (bool, False),
+    "keep_runs": (int, False),
 }
 
 
@@ -114,6 +115,7 @@ class OutputSpec:
     include_columns: tuple[str, ...] = ()
     rows_per_shard: int = 100_000   # a directory output is split into shards of this many rows
     keep_deleted_rows: bool = False  # rows that left the input: dropped (default) or kept at the output's end
+    keep_runs: int = 20             # run traces kept under the state dir; older ones are deleted after a run
 
 
 @dataclass(frozen=True)
@@ -254,8 +256,9 @@ def load_job(path: str | Path) -> Job:
         if inp.get(key) is not None and inp[key] < 1:
             problems.append(Problem(file, f"input.{key}", f"must be >= 1, got {inp[key]}",
                                     lines.get(f"input.{key}")))
-    if out.get("rows_per_shard") is not None and out["rows_per_shard"] < 1:
-        problems.append(Problem(file, "output.rows_per_shard", "must be >= 1", lines.get("output.rows_per_shard")))
+    for key in ("rows_per_shard", "keep_runs"):
+        if out.get(key) is not None and out[key] < 1:
+            problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
     gen, eng = d.get("generation") or {}, d.get("engine") or {}
     for section, build in (("generation", lambda: SamplingParams(**gen)),
                            ("engine", lambda: EngineConfig(model=d.get("model", DEFAULT_MODEL), **eng))):
@@ -277,7 +280,8 @@ def load_job(path: str | Path) -> Job:
         output=OutputSpec(path=out["path"],
                           include_columns=tuple(out.get("include_columns") or ()),
                           rows_per_shard=out.get("rows_per_shard") or 100_000,
-                          keep_deleted_rows=out.get("keep_deleted_rows", False)),
+                          keep_deleted_rows=out.get("keep_deleted_rows", False),
+                          keep_runs=out.get("keep_runs") or 20),
         generation=gen, engine=eng, schedule=d.get("schedule"), lines=lines,
     )
 

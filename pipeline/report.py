@@ -242,7 +242,6 @@ def diagnose(sm: dict) -> list[str]:
     """Plain-language findings, most important first: which stage dominated and what to try."""
     t, eng, lat, st, roof = sm["totals"], sm["engine_time"], sm["latency"], sm["steady"], sm["roofline"]
     out: list[str] = []
-    wall = t["wall_s"] or 0.0
     if not t["documents"]:
         return ["No finished requests in this trace; nothing to diagnose."]
     if t["errors"]:

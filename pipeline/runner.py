@@ -52,7 +52,7 @@ from pipeline.job import Job
 from pipeline.planner import Plan, make_plan, unplanned
 from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_columns, row_key
 from pipeline.state import RESULT_COLUMNS, RunState, manifest_path_for
-from pipeline.trace import RunTrace
+from pipeline.trace import RunTrace, prune_runs
 
 SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
                           ("tail", pa.int64())])
@@ -231,6 +231,8 @@ class Runner:
             report.wall_s = time.monotonic() - t0
             report.summary = self._summary(report)
             self._history_finish(hist, runs, "ok", report.trace_dir)
+            if not dry_run and report.trace_dir is not None:
+                self._prune_traces(states[0], jobs, report.trace_dir)
             return report
         except Interrupted as e:
             self._flush_trace(llm)
@@ -286,6 +288,13 @@ class Runner:
         except (OSError, ValueError) as e:     # NOTE: a trace must never fail a run
             self._warn(f"no trace for this run ({e})")
             return None
+
+    def _prune_traces(self, state: RunState, jobs, current: Path | None) -> None:
+        """Keep the newest ``output.keep_runs`` traces (the smallest over the jobs sharing this state dir)."""
+        try:
+            prune_runs(state.dir / "runs", min(j.output.keep_runs for j in jobs), current)
+        except OSError as e:                    # NOTE: pruning must never fail a finished run
+            self._warn(f"could not prune old run traces ({e})")
 
     def _trace_dir(self) -> Path | None:
         return self._trace.run_dir if self._trace is not None else None

@@ -189,6 +189,22 @@ class Run:
         return len(self.steps.get("step", []))
 
 
+def prune_runs(runs_dir: str | Path, keep: int, current: str | Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` run directories (names sort by start time); never ``current``.
+
+    Traces grow with the rows (each request's token times), so a daily cron job would otherwise fill the disk.
+    Returns what was removed.
+    """
+    import shutil
+
+    runs = sorted(p for p in Path(runs_dir).iterdir() if p.is_dir()) if Path(runs_dir).is_dir() else []
+    cur = Path(current).resolve() if current is not None else None
+    old = [p for p in runs[:max(len(runs) - keep, 0)] if p.resolve() != cur]
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
+
+
 def read_run(run_dir: str | Path) -> Run:
     """Read a run directory written by ``RunTrace``; raise FileNotFoundError naming what is missing."""
     p = Path(run_dir)

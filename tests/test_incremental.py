@@ -127,3 +127,27 @@ def test_overlapping_run_exits_at_once(tmp_path, make_docs_dataset, driver):  # 
     statuses = [(r.status, (r.error or "")[:40]) for r in history.recent_runs("slow")]
     assert statuses[0][0] == "interrupted" or statuses[1][0] == "interrupted"
     assert any(s == "failed" and "already running" in e for s, e in statuses)
+
+
+def test_old_run_traces_are_pruned_to_keep_runs(tmp_path, fake_engine):
+    """A daily job keeps only its newest `output.keep_runs` traces (they grow with the rows)."""
+    data = tmp_path / "grows.parquet"
+    job = write_job(tmp_path, "pruned", data, extra="  keep_runs: 2\n")
+    runs_dir = tmp_path / "out" / ".pruned.parquet.batchgen" / "runs"
+    seen = []
+    for i in range(4):
+        _write(data, make_docs(3 + i))                   # one new row per run
+        _submit(job)
+        seen.append(sorted(p.name for p in runs_dir.iterdir()))
+    assert [len(s) for s in seen] == [1, 2, 2, 2]
+    assert seen[3][0] == seen[2][1]                      # the oldest goes, the newest stays
+    assert all(s[-1] not in earlier for s, earlier in zip(seen[1:], seen))   # each run made a new trace
+    res = CliRunner().invoke(main, ["report", str(runs_dir / seen[3][-1]), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 0, res.output
+
+
+def test_keep_runs_must_be_positive(tmp_path):
+    from pipeline.job import JobError, load_jobs
+    job = write_job(tmp_path, "bad", tmp_path / "x.parquet", extra="  keep_runs: 0\n")
+    with pytest.raises(JobError, match="output.keep_runs"):
+        load_jobs([job])
