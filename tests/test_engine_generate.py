@@ -54,6 +54,17 @@ def test_batched_greedy_equals_single(llama_dir, reference, budget, caching):
         assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.step_stats)
 
 
+def test_engine_without_the_c_kernels_gives_the_same_tokens(llama_dir, reference, monkeypatch):
+    """No C compiler (or BATCHGEN_CPU_KERNELS=0): the engine runs on the torch path, same greedy tokens."""
+    from engine import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    monkeypatch.setattr(cpu_kernels, "_error", "disabled for this test")
+    llm = _llm(llama_dir, max_num_batched_tokens=32)
+    assert not cpu_kernels.supports(torch.zeros(1, 4, 16), torch.zeros(1, 4, 2, 16))
+    assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == reference
+
+
 def test_preemption_keeps_results(llama_dir, reference):
     # 14 blocks of 4 tokens: far too few for 8 sequences of up to 172 tokens at once.
     llm = _llm(llama_dir, num_gpu_blocks_override=48, max_num_batched_tokens=64)
