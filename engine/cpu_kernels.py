@@ -5,10 +5,9 @@ Only what torch cannot do well on the CPU lives here:
   copy first): ``paged_decode``;
 - fused bf16 elementwise passes (GeGLU/SwiGLU, RMSNorm with optional RoPE, RoPE): ``glu``, ``rms_norm``,
   ``rope_``; torch would make three to five passes over each activation.
-The build takes a second or two, has no torch
-headers, and is cached per source + flags + CPU under ``$BATCHGEN_CACHE_DIR`` (default
-``~/.cache/batchgen/kernels``). Without a compiler, or with ``BATCHGEN_CPU_KERNELS=0``, the torch backend
-uses its pure-torch path: same results within float rounding, slower decode.
+The build takes a second or two, has no torch headers, and is cached per source + flags + CPU under
+``$BATCHGEN_CACHE_DIR`` (default ``~/.cache/batchgen/kernels``). Without a compiler, or with
+``BATCHGEN_CPU_KERNELS=0``, every caller takes its pure-torch path: same results within float rounding, slower.
 
 The library links OpenMP (``-fopenmp``). torch's CPU wheels ship ``libgomp.so.1``; loading ours after torch
 reuses that runtime (same soname), so both share one thread pool.
