@@ -190,14 +190,20 @@ class Run:
 
 
 def prune_runs(runs_dir: str | Path, keep: int, current: str | Path | None = None) -> list[Path]:
-    """Delete all but the newest ``keep`` run directories (names sort by start time); never ``current``.
+    """Delete all but the ``keep`` most recently written run directories; never ``current``.
 
     Traces grow with the rows (each request's token times), so a daily cron job would otherwise fill the disk.
-    Returns what was removed.
+    Recency is the last write of run.json (every trace write updates it; a resumed run counts as recent), not
+    the name: run ids are second-resolution and reused once deleted. Returns what was removed.
     """
     import shutil
 
-    runs = sorted(p for p in Path(runs_dir).iterdir() if p.is_dir()) if Path(runs_dir).is_dir() else []
+    def last_write(p: Path) -> tuple[int, str]:
+        f = p / RUN_FILE
+        return ((f if f.exists() else p).stat().st_mtime_ns, p.name)
+
+    runs = sorted((p for p in Path(runs_dir).iterdir() if p.is_dir()), key=last_write) \
+        if Path(runs_dir).is_dir() else []
     cur = Path(current).resolve() if current is not None else None
     old = [p for p in runs[:max(len(runs) - keep, 0)] if p.resolve() != cur]
     for p in old:
