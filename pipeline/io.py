@@ -198,3 +198,10 @@ def read_output(path: str | Path) -> pa.Table:
     if path.is_dir():
         return pa.concat_tables([pq.read_table(f) for f in sorted(path.glob("part-*.parquet"))])
     return pq.read_table(path)
+
+
+def iter_output_batches(path: str | Path, batch_size: int = 65_536):
+    """Record batches of an output written by ``write_output``, in order, without reading it whole."""
+    path = Path(path)
+    for f in sorted(path.glob("part-*.parquet")) if path.is_dir() else [path]:
+        yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size)

@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 from engine.errors import BatchgenError
 from pipeline import history
 from pipeline.errors import RunError
-from pipeline.io import InputError, iter_batches, read_output, write_bytes_atomic, write_output
+from pipeline.io import InputError, iter_batches, iter_output_batches, write_bytes_atomic, write_output
 from pipeline.job import Job
 from pipeline.planner import Plan, make_plan, unplanned
 from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_columns, row_key
@@ -717,16 +717,23 @@ class Runner:
             prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
         except (pa.ArrowException, OSError, KeyError):
             return None                  # not an output of ours (or unreadable): nothing to carry over
-        prev_ids = pc.replace_substring_regex(prev_keys, pattern="#[0-9a-f]{20}$", replacement="")
-        gone = pc.invert(pc.is_in(prev_ids, value_set=pa.array(sorted(jr.ids), pa.string())))
-        n = int(pc.sum(gone).as_py() or 0)
+        current = pa.array(sorted(jr.ids), pa.string())
+
+        def gone_mask(keys):
+            ids = pc.replace_substring_regex(keys, pattern="#[0-9a-f]{20}$", replacement="")
+            return pc.invert(pc.is_in(ids, value_set=current))
+
+        n = int(pc.sum(gone_mask(prev_keys)).as_py() or 0)
         if not n:
             return None
         if not jr.job.output.keep_deleted_rows:
             jr.deleted_dropped = n
             return None
         jr.deleted_kept = n
-        return read_output(out_path).filter(gone)
+        # Batch by batch: only the kept rows are held, not the whole previous output.
+        kept = [pa.Table.from_batches([b]).filter(gone_mask(b.column("row_key")))
+                for b in iter_output_batches(out_path)]
+        return pa.concat_tables([t for t in kept if t.num_rows] or kept[:1])
 
     # ---- summary ------------------------------------------------------------------------------------
     def _summary(self, report: RunReport) -> str:

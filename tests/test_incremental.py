@@ -154,3 +154,20 @@ def test_keep_runs_must_be_positive(tmp_path):
     job = write_job(tmp_path, "bad", tmp_path / "x.parquet", extra="  keep_runs: 0\n")
     with pytest.raises(JobError, match="output.keep_runs"):
         load_jobs([job])
+
+
+def test_deleted_rows_kept_from_a_sharded_output(tmp_path, fake_engine):
+    """keep_deleted_rows reads the previous output shard by shard (never whole) and keeps the right rows."""
+    from pipeline.io import read_output
+    rows = make_docs(10)
+    data = tmp_path / "shrinks.parquet"
+    _write(data, rows)
+    job = write_job(tmp_path, "shards", data, out=tmp_path / "out/shards",
+                    extra="  rows_per_shard: 3\n  keep_deleted_rows: true\n")
+    _submit(job)
+    assert len(list((tmp_path / "out/shards").glob("part-*.parquet"))) == 4
+    gone = [rows[1]["id"], rows[8]["id"]]
+    now = [r for r in rows if r["id"] not in gone]
+    _write(data, now)
+    assert "2 no longer in the input kept" in _submit(job)
+    assert read_output(tmp_path / "out/shards").column("id").to_pylist() == [r["id"] for r in now] + gone
