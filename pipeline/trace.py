@@ -299,8 +299,6 @@ def _append_parquet(path: Path, rows: list[dict], schema: pa.Schema) -> None:
 
 
 def _read_table(path: Path, schema: pa.Schema) -> dict[str, list]:
-    if path.is_dir() and not any(path.glob("part-*.parquet")):
-        return {name: [] for name in schema.names}
-    if not path.exists():
+    if not path.exists() or (path.is_dir() and not any(path.glob("part-*.parquet"))):
         return {name: [] for name in schema.names}
     return pq.read_table(path, schema=schema).to_pydict()

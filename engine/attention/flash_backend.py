@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 
 FLASH_BLOCK_SIZE = 256
@@ -24,10 +25,8 @@ class FlashAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 window: int | None, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache                                  # [N_blocks, bs, Hkv, D]
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         cu_k = meta.memo("cu_seqlens_k", lambda: torch.nn.functional.pad(
             meta.seq_lens_t.cumsum(0, dtype=torch.int32), (1, 0)))
         return self._varlen(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 
 # Query rows per prefill tile. Small tiles keep a sliding layer's keys per tile near its window
@@ -34,10 +35,8 @@ class TorchAttentionBackend:
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 window: int | None, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k/v into the cache, returns [T, Hq, D]."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache                                  # [N_blocks, bs, Hkv, D]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         nd = meta.num_decode_seqs

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, write_kv
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 
@@ -137,21 +137,13 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         if rows is not None:                     # later steps need every token's K/V; this step only `rows`
+            # NOTE: the backend writes the sampled rows' K/V once more (idempotent, a handful of rows).
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
             if rows.numel() == 0:
                 return x.new_empty(0, x.shape[1])
             q, k, v, meta = q[rows], k[rows], v[rows], meta.sample_meta
         out = self.backend.forward(q, k, v, self.kv_cache, meta, window=self.window, scale=self.scale)  # [R, Hq, D]
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
-
-
-def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k/v [T, Hkv, D] at their cache slots (what every backend does before attending)."""
-    k_cache, v_cache = kv_cache
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

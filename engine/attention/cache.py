@@ -1,0 +1,13 @@
+"""Writing a step's keys/values into the paged KV cache: what every backend does before it attends."""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, Hkv, D] at their cache slots (cache: two [num_blocks, block_size, Hkv, D] tensors)."""
+    k_cache, v_cache = kv_cache
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
