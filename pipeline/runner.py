@@ -201,11 +201,10 @@ class Runner:
                 req_len.append(np.asarray(ln, dtype=np.int64))
             req_job_a = np.concatenate(req_job)
             req_local_a = np.concatenate(req_local)
-            plan = make_plan(heads, np.concatenate(req_group), np.concatenate(req_len),
-                             int(info.get("block_size") or 16))
-            if self.opts.order != "planned":
-                plan = unplanned(np.concatenate(req_group), np.concatenate(req_len), plan.block_size,
-                                 self.opts.order)
+            groups_a, lens_a = np.concatenate(req_group), np.concatenate(req_len)
+            block_size = int(info.get("block_size") or 16)
+            plan = (make_plan(heads, groups_a, lens_a, block_size) if self.opts.order == "planned"
+                    else unplanned(groups_a, lens_a, block_size, self.opts.order))
             pjob = req_job_a[plan.order]
             for j, jr in enumerate(runs):
                 mask = pjob == j
