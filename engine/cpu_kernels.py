@@ -3,9 +3,13 @@
 Only what torch cannot do well on the CPU lives here:
 - paged decode attention that reads keys and values in place from the paged cache (torch needs a gather
   copy first): ``paged_decode``;
-- fused bf16 elementwise passes (GeGLU/SwiGLU, RMSNorm with optional RoPE, RoPE): ``glu``, ``rms_norm``,
-  ``rope_``; torch would make three to five passes over each activation.
-The build takes a second or two, has no torch headers, and is cached per source + flags + CPU under
+- fused elementwise passes in bf16 and float32 (GeGLU/SwiGLU, RMSNorm with optional RoPE, RoPE, the prefill
+  tile's masked softmax): ``glu``, ``rms_norm``, ``rope_``, ``masked_softmax_``; torch would make three to
+  five passes over each activation.
+Per-ISA code paths are chosen at compile time (``csrc/simd.h``): ``-march=native`` gives the AVX-512 path on
+AVX-512 CPUs (AVX512-BF16 dot products where present), the AVX2 + FMA path on AVX2-only CPUs, and the portable
+C loops anywhere else; the portable loops are the reference the tests hold the others to. ``isa(lib)`` says
+which one a build has. The build takes a second or two, has no torch headers, and is cached per source + flags + CPU under
 ``$BATCHGEN_CACHE_DIR`` (default ``~/.cache/batchgen/kernels``). Without a compiler, or with
 ``BATCHGEN_CPU_KERNELS=0``, every caller takes its pure-torch path: same results within float rounding, slower.
 
@@ -36,6 +40,7 @@ _FLAG_SETS = (
     ["-O3"],                                   # no OpenMP: single-threaded, still gather-free
 )
 _FUNCS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
@@ -100,18 +105,32 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
     sigs = {name: [P] * 4 + [I64, P] + [I32] * 6 + [F32, P, I32] for name in _FUNCS.values()}
-    sigs.update({
-        "gelu_tanh_mul_bf16": [P, I64, I64, P, I32],
-        "silu_mul_bf16": [P, I64, I64, P, I32],
-        "rms_norm_rope_bf16": [P, I64, I64, I64, I64, P, F32, P, P, P, I32],
-        "rope_neox_bf16": [P, I64, I64, I64, I64, P, P, I32],
-        "masked_softmax_bf16": [P] + [I64] * 7 + [I32],
-    })
+    for sfx in _SUFFIX.values():
+        sigs.update({
+            f"gelu_tanh_mul_{sfx}": [P, I64, I64, P, I32],
+            f"silu_mul_{sfx}": [P, I64, I64, P, I32],
+            f"rms_norm_rope_{sfx}": [P, I64, I64, I64, I64, P, F32, P, P, P, I32],
+            f"rope_neox_{sfx}": [P, I64, I64, I64, I64, P, P, I32],
+            f"masked_softmax_{sfx}": [P] + [I64] * 7 + [I32],
+        })
     for name, args in sigs.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in _FUNCS.values() else None
         fn.argtypes = args
+    lib.batchgen_kernel_isa.restype = ctypes.c_char_p
+    lib.batchgen_kernel_isa.argtypes = []
     return lib
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The instruction set a build's fast paths use: avx512_bf16 | avx512 | avx2 | portable (see csrc/simd.h)."""
+    return lib.batchgen_kernel_isa().decode()
+
+
+def describe() -> str:
+    """One line for logs, manifests and the report: which kernel build runs here, or why none does."""
+    lib = load()
+    return f"{isa(lib)} build" if lib is not None else f"unavailable ({_error}); torch path"
 
 
 def load() -> ctypes.CDLL | None:
@@ -158,11 +177,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def masked_softmax_(scores: torch.Tensor, t: int, g: int, q_start: int, k_start: int,
                     window: int | None) -> torch.Tensor:
-    """In place on dense bf16 scores [..., t, g, S] of a prefill tile: causal (and window) mask + softmax."""
-    assert scores.is_contiguous() and scores.dtype == torch.bfloat16
+    """In place on dense bf16/fp32 scores [..., t, g, S] of a prefill tile: causal (and window) mask + softmax."""
+    assert scores.is_contiguous() and scores.dtype in _SUFFIX
     S = scores.shape[-1]
     outer = scores.numel() // (t * g * S)
-    load().masked_softmax_bf16(scores.data_ptr(), outer, t, g, S, q_start, k_start, window or 0,
+    getattr(load(), f"masked_softmax_{_SUFFIX[scores.dtype]}")(scores.data_ptr(), outer, t, g, S, q_start, k_start, window or 0,
                                torch.get_num_threads())
     return scores
 
@@ -184,14 +203,18 @@ def call(lib: ctypes.CDLL, q, k_cache, v_cache, block_tables, seq_lens, window, 
     return out
 
 
-# ---- fused bf16 elementwise passes -------------------------------------------------------------------------
+# ---- fused elementwise passes (bf16 and float32) -------------------------------------------------------------------------
 
-_GLU = {"gelu_tanh": "gelu_tanh_mul_bf16", "silu": "silu_mul_bf16"}
+_GLU = {"gelu_tanh": "gelu_tanh_mul", "silu": "silu_mul"}
 
 
 def elementwise_ok(x: torch.Tensor) -> bool:
-    """True when the fused elementwise kernels can take ``x`` (bf16 on the CPU) and the library loaded."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and load() is not None
+    """True when the fused elementwise kernels can take ``x`` (bf16 or float32 on the CPU) and the library loaded."""
+    return x.dtype in _SUFFIX and x.device.type == "cpu" and load() is not None
+
+
+def _fn(name: str, x: torch.Tensor):
+    return getattr(load(), f"{name}_{_SUFFIX[x.dtype]}")
 
 
 def glu(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -199,7 +222,7 @@ def glu(x: torch.Tensor, act: str) -> torch.Tensor:
     x = x.contiguous()
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, inter, dtype=x.dtype)
-    getattr(load(), _GLU[act])(x.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
+    _fn(_GLU[act], x)(x.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -216,13 +239,13 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
 def rms_norm(x: torch.Tensor, weight_f32: torch.Tensor, eps: float,
              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim (weight_f32 = offset + weight, float32), then RoPE when cos/sin are given
-    ([T, 1, D] or [T, D] bf16). Returns a new dense tensor shaped like x."""
+    ([T, 1, D] or [T, D], x's dtype). Returns a new dense tensor shaped like x."""
     t, h, d, stride = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype)
     c = s = None
     if cos is not None:
-        c, s = cos.contiguous(), sin.contiguous()
-    load().rms_norm_rope_bf16(x.data_ptr(), t, h, d, stride, weight_f32.data_ptr(), eps,
+        c, s = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+    _fn("rms_norm_rope", x)(x.data_ptr(), t, h, d, stride, weight_f32.data_ptr(), eps,
                             c.data_ptr() if c is not None else None, s.data_ptr() if s is not None else None,
                             out.data_ptr(), torch.get_num_threads())
     return out
@@ -231,6 +254,6 @@ def rms_norm(x: torch.Tensor, weight_f32: torch.Tensor, eps: float,
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox RoPE in place on a [T, H, D] view with dense rows (e.g. q inside the fused qkv output)."""
     t, h, d, stride = _rows(x)
-    c, s = cos.contiguous(), sin.contiguous()
-    load().rope_neox_bf16(x.data_ptr(), t, h, d, stride, c.data_ptr(), s.data_ptr(), torch.get_num_threads())
+    c, s = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+    _fn("rope_neox", x)(x.data_ptr(), t, h, d, stride, c.data_ptr(), s.data_ptr(), torch.get_num_threads())
     return x

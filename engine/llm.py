@@ -12,19 +12,21 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention import get_backend
 from engine.cpu_tuning import keep_freed_memory
 from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTION, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.dtype_policy import resolve_dtype
 from engine.errors import ConfigError
-from engine.loader import load_model_config, load_weights, resolve_model
+from engine.loader import load_model, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
 from engine.model_runner import ModelRunner
-from engine.models import build_model
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -32,9 +34,6 @@ from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("batchgen.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLM:
     def __init__(self, model: str = "gemma-3-270m", dtype: str = "auto", **engine_args):
@@ -47,18 +46,30 @@ class LLM:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = _DTYPES["bfloat16" if cfg.dtype == "auto" else cfg.dtype]
+        self.dtype_choice = resolve_dtype(cfg.dtype, self.device)    # auto: by device and instruction set
+        self.dtype = self.dtype_choice.torch_dtype
         if self.device.type == "cpu":
             keep_freed_memory()
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
 
+        marks = _Marks()
         self.source = resolve_model(model)
         self.model_config = mcfg = load_model_config(self.source)
-        self.model = build_model(mcfg, load_weights(self.source, mcfg, self.dtype, self.device),
-                                 self.dtype, self.device, source=str(self.source.path))
-        self.tokenizer = load_tokenizer(self.source)
+        self._identity = model_identity(self.source)
+        marks("resolve_s")
+        # NOTE: the tokenizer (a 33 MB tokenizer.json for a 262k vocabulary, ~0.7 s in the Rust parser) loads on
+        # a second thread while the weights are mapped and checksummed (zlib and page-ins release the GIL).
+        with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, self.source)
+            self.model, self.weights_from = load_model(self.source, mcfg, self.dtype, self.device, self._identity)
+            marks("weights_s")
+            self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_ids(mcfg, self.tokenizer)
+        marks("tokenizer_wait_s")
+        if self.device.type == "cpu":
+            cpu_kernels.load()                     # built once per CPU and source version, then cached
+        marks("kernels_s")
 
         self.backend = get_backend(cfg.attention_backend, self.device)
         block_size = cfg.block_size
@@ -74,13 +85,16 @@ class LLM:
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.backend, cfg.seed)
         self.scheduler = Scheduler(dataclasses.replace(cfg, block_size=block_size), num_blocks, self.max_model_len)
+        marks("kv_cache_s")
         self.step_stats: list[StepStats] = []
         self.load_time_s = time.monotonic() - t0
+        self.load_breakdown = {**marks.spans, "weights_from": self.weights_from}
+        log.info("engine loaded in %.2fs (%s)", self.load_time_s,
+                 ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()))
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
-        self._identity: str | None = None
 
     # ---- info ----------------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -88,10 +102,9 @@ class LLM:
 
     @property
     def model_info(self) -> dict:
-        if self._identity is None:
-            self._identity = model_identity(self.source)
         return {"name": self.source.name, "path": str(self.source.path), "identity": self._identity,
                 "architecture": self.model_config.architecture, "dtype": str(self.dtype).replace("torch.", ""),
+                "dtype_reason": self.dtype_choice.reason, "cpu_kernels": cpu_kernels.describe(),
                 "device": str(self.device), "max_model_len": self.max_model_len, "block_size": self.block_size,
                 "num_kv_blocks": self.num_kv_blocks, "attention_backend": self.backend.name}
 
@@ -218,6 +231,19 @@ class LLM:
         if bar:
             bar.close()
         return [results[rid] for rid in ids]
+
+
+class _Marks:
+    """Wall-clock spans of start-up phases: ``marks("name_s")`` closes the span since the previous mark."""
+
+    def __init__(self):
+        self.spans: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.spans[name] = round(now - self._last, 3)
+        self._last = now
 
 
 def _eos_ids(mcfg, tokenizer) -> tuple[int, ...]:

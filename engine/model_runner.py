@@ -7,12 +7,26 @@ otherwise be most of the step.
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata, make_generator
 from engine.scheduler_output import SchedulerOutput
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV pool. On the CPU it is an anonymous memory map: the kernel hands out zero pages on
+    first touch, so a 4 GiB pool costs nothing until its blocks are used (torch.zeros would write every page
+    at start-up: ~5 s here) and a cron run over ten rows touches only the blocks it fills."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -24,7 +38,7 @@ class ModelRunner:
         self.backend = backend
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device))
                           for _ in range(cfg.num_hidden_layers)]
         bind_kv_caches(model, self.kv_caches, backend)
         self.sampler = Sampler()

@@ -38,8 +38,8 @@ def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
 
 @click.command("calibrate")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
-              show_default=True, help="The engine dtype to measure matmuls at.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
+              show_default=True, help="The engine dtype to measure matmuls at (auto: what the engine would choose).")
 @click.option("--quick", is_flag=True, help="One matrix shape and a smaller buffer (seconds, less accurate).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where calibrations are cached (default: $BATCHGEN_CACHE_DIR or ~/.cache/batchgen).")
@@ -49,9 +49,14 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
     import torch
 
     from engine.calibrate import cache_path, calibrate, load_calibration
+    from engine.dtype_policy import choose_dtype
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    choice = choose_dtype(dtype, torch.device(device).type)
+    dtype = choice.dtype
+    if choice.slow:
+        click.echo(f"warning: {choice.reason}", err=True)
     if show:
         cal = load_calibration(device, dtype, cache_dir)
         if cal is None:
@@ -61,7 +66,7 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
         click.echo(f"calibrating {device} at {dtype}{' (quick)' if quick else ''} ...", err=True)
         cal = calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
     click.echo(f"device:            {cal.device_name} [{cal.device}]")
-    click.echo(f"dtype:             {cal.dtype}")
+    click.echo(f"dtype:             {cal.dtype} ({choice.reason})")
     click.echo(f"matmul peak:       {cal.matmul_flops / 1e9:,.1f} GFLOP/s")
     for shape, v in cal.matmul_by_shape.items():
         click.echo(f"  {shape:>16}: {v / 1e9:,.1f} GFLOP/s")

@@ -504,6 +504,9 @@ def _single_html(run: Run, sm: dict) -> str:
     parts = [f"<p class='small'>run: {html.escape(sm['run'])} · model: {html.escape(str(mi.get('name')))} "
              f"({html.escape(str(mi.get('architecture')))}, {mi.get('dtype')}, {mi.get('device')}, "
              f"backend {mi.get('attention_backend', '–')})</p>"]
+    if mi.get("dtype_reason"):
+        parts.append(f"<p class='small'>{html.escape(str(mi['dtype_reason']))}"
+                     f"{' · CPU kernels: ' + html.escape(str(mi['cpu_kernels'])) if mi.get('cpu_kernels') else ''}</p>")
     parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
                                                                 for d in sm["diagnosis"]) + "</ul>")
     parts.append("<h2>Totals</h2>" + _table(["", "value"], [

@@ -697,6 +697,8 @@ class Runner:
                          "achieved_hit_rate": _rate(jr.cached_tokens, jr.prompt_tokens),
                          "wall_s": round(wall_s, 3),
                          "engine_s": round(getattr(self, "_engine_s", wall_s), 3),   # after model load
+                         "load_s": round(float(getattr(llm, "load_time_s", 0.0) or 0.0), 3),
+                         "load_breakdown_s": dict(getattr(llm, "load_breakdown", {}) or {}),
                          "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None},
             "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                        "hit_rate": _rate(all_cached, all_prompt)},

@@ -1,10 +1,11 @@
-"""The C paged-decode kernel equals the pure-torch gather path, in its AVX-512 build and its portable build."""
+"""The C kernels equal the pure-torch path in every build: native, AVX2 + FMA, AVX-512 without BF16, portable."""
+import platform
 import shutil
 
 import pytest
 import torch
 
-from engine import cpu_kernels
+from engine import cpu_kernels, dtype_policy
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import _decode
 
@@ -35,29 +36,84 @@ SHAPES = [  # (hq, hkv, head_dim, block_size): fast path (G in 1/2/4/8, D % 32 =
 LENS = [1, 2, 15, 16, 17, 100, 531]
 
 
+def _x86_with(flag: str) -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and flag in dtype_policy._cpuinfo_flags()
+
+
+# Every build a CPU may get, forced by compile flags so each path is tested on any machine that can run it:
+# name -> (flags, expected isa(), runnable here?). The AVX2 build is what an AVX2-only CPU gets from
+# -march=native; the portable build is the reference.
+BUILDS = {
+    "native": (None, None, True),
+    "avx2": (["-O3", "-mavx2", "-mfma", "-fopenmp"], "avx2", _x86_with("avx2") and _x86_with("fma")),
+    "avx512-no-bf16": (["-O3", "-march=native", "-mno-avx512bf16", "-fopenmp"], "avx512",
+                       _x86_with("avx512f") and _x86_with("avx512bw")),
+    "portable": (["-O2"], "portable", True),
+}
+
+
 @pytest.fixture(scope="module")
 def libs():
     native = cpu_kernels.load()
     assert native is not None, cpu_kernels.unavailable_reason()
-    portable = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(["-O2"],)))
-    return {"native": native, "portable": portable}
+    out = {"native": native}
+    for name, (flags, want, runnable) in BUILDS.items():
+        if flags is None or not runnable:
+            continue
+        lib = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(flags,)))
+        assert cpu_kernels.isa(lib) == want, (name, cpu_kernels.isa(lib))
+        out[name] = lib
+    return out
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+def _lib(libs, build):
+    if build not in libs:
+        pytest.skip(f"this CPU cannot run the {build} build")
+    return libs[build]
+
+
+@pytest.fixture
+def use_build(libs, monkeypatch):
+    """Route the module-level kernel calls (glu, rms_norm, ...) to one build."""
+    def use(build):
+        monkeypatch.setattr(cpu_kernels, "_lib", _lib(libs, build))
+        monkeypatch.setattr(cpu_kernels, "_tried", True)
+    return use
+
+
+def test_native_build_matches_this_cpu(libs):
+    """-march=native picks the widest path this CPU has."""
+    isa = cpu_kernels.isa(libs["native"])
+    flags = dtype_policy._cpuinfo_flags()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert isa == "portable"
+    elif "avx512f" in flags:
+        assert isa == ("avx512_bf16" if "avx512_bf16" in flags else "avx512")
+    elif "avx2" in flags and "fma" in flags:
+        assert isa == "avx2"
+    else:
+        assert isa == "portable"
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
 @pytest.mark.parametrize("window", [None, 7, 64])
 def test_kernel_equals_torch_gather_path(libs, build, dtype, shape, window):
     hq, hkv, d, bs = shape
+    lib = _lib(libs, build)
     q, k, v, meta = _case(dtype, LENS, hq, hkv, d, bs)
     scale = d ** -0.5
+    lens = torch.tensor(LENS, dtype=torch.int32)
     ref = _decode(q, k, v, meta, window, scale, native=False).float()
-    got = cpu_kernels.call(libs[build], q, k, v, meta.block_tables, torch.tensor(LENS, dtype=torch.int32),
-                           window, scale).float()
+    got = cpu_kernels.call(lib, q, k, v, meta.block_tables, lens, window, scale).float()
     # float32: same math up to summation order. bf16: the torch path rounds q*scale and the probabilities to
     # bf16 before its matmuls; the kernel keeps float32 probabilities.
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+    if dtype == torch.float32:      # ... and every vector build against the portable C loops, the reference
+        port = cpu_kernels.call(libs["portable"], q, k, v, meta.block_tables, lens, window, scale).float()
+        assert (got - port).abs().max().item() <= 2e-5 * max(1.0, port.abs().max().item())
 
 
 def test_rows_are_independent_of_the_batch(libs):
@@ -95,69 +151,91 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     assert not cpu_kernels.supports(q, k)
 
 
-# ---- fused bf16 elementwise kernels and the prefill softmax: against the torch ops they replace ---------------
+# ---- fused elementwise kernels and the prefill softmax: against the torch ops they replace, every build -------
 
-def _bf16_close(got, ref, ulps=2):
-    """Within a couple of bf16 ulps of the reference (torch rounds after every op; the kernels once)."""
+def _close(got, ref, dtype, ulps=2):
+    """bf16: within a couple of bf16 ulps of the float32 reference (torch rounds after every op; the kernels
+    once). float32: float rounding (and exp's ~2e-7)."""
     got, ref = got.float(), ref.float()
     assert got.shape == ref.shape
     err = (got - ref).abs()
+    if dtype == torch.float32:
+        assert err.max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), err.max()
+        return
     assert (err <= ulps * 2.0 ** -7 * ref.abs() + 1e-6).float().mean().item() > 0.999, err.max()
     assert err.max().item() <= 4 * 2.0 ** -7 * ref.abs().max().item()
 
 
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+EVERY_BUILD = pytest.mark.parametrize("build", list(BUILDS))
+
+
+@EVERY_BUILD
+@DTYPES
 @pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
-def test_glu_kernel(act):
-    x = torch.randn(37, 2 * 96, generator=torch.Generator().manual_seed(0)).mul(3).to(torch.bfloat16)
+def test_glu_kernel(use_build, build, dtype, act):
+    use_build(build)
+    x = torch.randn(37, 2 * 96, generator=torch.Generator().manual_seed(0)).mul(3).to(dtype)
     gate, up = x.float().chunk(2, dim=-1)
     fn = (lambda t: torch.nn.functional.gelu(t, approximate="tanh")) if act == "gelu_tanh" else torch.nn.functional.silu
-    _bf16_close(cpu_kernels.glu(x, act), fn(gate) * up)
+    _close(cpu_kernels.glu(x, act), fn(gate) * up, dtype)
 
 
-def test_rms_norm_kernel_on_strided_heads_with_and_without_rope():
+@EVERY_BUILD
+@DTYPES
+def test_rms_norm_kernel_on_strided_heads_with_and_without_rope(use_build, build, dtype):
+    use_build(build)
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(9, 3 * 64 + 2 * 64, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(9, 3 * 64 + 2 * 64, generator=g).to(dtype)
     q = qkv[:, :192].view(9, 3, 64)                                  # strided rows, as inside the fused qkv output
     w = torch.randn(64, generator=g)
     ref = q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w
-    _bf16_close(cpu_kernels.rms_norm(q, w, 1e-6), ref)
+    _close(cpu_kernels.rms_norm(q, w, 1e-6), ref, dtype)
     pos = torch.arange(100, 109, dtype=torch.float32)
     freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))[None]
     emb = torch.cat((freqs, freqs), -1)[:, None, :]
-    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
-    r = ref.to(torch.bfloat16).float()
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    r = ref.to(dtype).float()
     rot = torch.cat((-r[..., 32:], r[..., :32]), -1)
-    _bf16_close(cpu_kernels.rms_norm(q, w, 1e-6, cos, sin), r * cos.float() + rot * sin.float())
+    _close(cpu_kernels.rms_norm(q, w, 1e-6, cos, sin), r * cos.float() + rot * sin.float(), dtype)
     before = qkv.clone()
     cpu_kernels.rope_(q, cos, sin)                                   # in place, only q's columns
     xf = before[:, :192].view(9, 3, 64).float()
-    _bf16_close(q, xf * cos.float() + torch.cat((-xf[..., 32:], xf[..., :32]), -1) * sin.float())
+    _close(q, xf * cos.float() + torch.cat((-xf[..., 32:], xf[..., :32]), -1) * sin.float(), dtype)
     assert torch.equal(qkv[:, 192:], before[:, 192:])
 
 
+@EVERY_BUILD
+@DTYPES
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("outer", [1, 2])
-def test_masked_softmax_kernel(window, outer):
+def test_masked_softmax_kernel(use_build, build, dtype, window, outer):
+    use_build(build)
     t, g, S, q_start, k_start = 6, 3, 14, 20, 9                      # queries 20..25 over keys 9..22
-    scores = torch.randn(outer, t, g, S, generator=torch.Generator().manual_seed(2)).mul(4).to(torch.bfloat16)
+    scores = torch.randn(outer, t, g, S, generator=torch.Generator().manual_seed(2)).mul(4).to(dtype)
     qp = torch.arange(q_start, q_start + t)[:, None, None]
     kp = torch.arange(k_start, k_start + S)[None, None, :]
     hide = (kp > qp) | ((kp <= qp - window) if window else torch.zeros_like(kp > qp))
     ref = torch.softmax(scores.float().masked_fill(hide, float("-inf")), dim=-1)
     got = cpu_kernels.masked_softmax_(scores.clone(), t, g, q_start, k_start, window)
     assert torch.equal(got.float()[hide.expand_as(got)], torch.zeros(int(hide.expand_as(got).sum())))
-    _bf16_close(got, ref, ulps=1)
+    _close(got, ref, dtype, ulps=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
-def test_bf16_model_with_kernels_matches_the_torch_path(arch, tmp_path, monkeypatch):
-    """Whole tiny model in bf16 (chunked prefill + decode): every kernel on vs the pure-torch path."""
+def test_model_with_kernels_matches_the_torch_path(arch, dtype, tmp_path, monkeypatch):
+    """Whole tiny model (chunked prefill + decode): every kernel on vs the pure-torch path."""
     from tests.model_utils import load_ours, run_chunks, save_tiny, tiny_hf_model
-    ours = load_ours(save_tiny(tiny_hf_model(arch), tmp_path), torch.bfloat16)
+    ours = load_ours(save_tiny(tiny_hf_model(arch), tmp_path), dtype)
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     chunks = [7, 20, 1, 1, 10, 1]
     with_kernels = run_chunks(ours, ids, chunks).float()
     monkeypatch.setattr(cpu_kernels, "elementwise_ok", lambda x: False)
     torch_only = run_chunks(ours, ids, chunks, native=False).float()
+    if dtype == torch.float32:
+        assert (with_kernels - torch_only).abs().max().item() <= 1e-4 * torch_only.abs().max().item()
+        assert torch.equal(with_kernels.argmax(-1), torch_only.argmax(-1))
+        return
     assert (with_kernels - torch_only).abs().max().item() <= 0.05 * torch_only.abs().max().item()
     assert (with_kernels.argmax(-1) == torch_only.argmax(-1)).float().mean().item() >= 0.9

@@ -142,5 +142,8 @@ def test_cli_calibrate_quick(tmp_path):
     res = CliRunner().invoke(calibrate_cmd, ["--quick", "--device", "cpu", "--cache-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "GFLOP/s" in res.output and "GB/s" in res.output
+    from engine.dtype_policy import choose_dtype
+    auto = choose_dtype("auto", "cpu")
+    assert f"dtype:             {auto.dtype} ({auto.reason})" in res.output     # the engine's own choice
     shown = CliRunner().invoke(calibrate_cmd, ["--show", "--device", "cpu", "--cache-dir", str(tmp_path)])
     assert shown.exit_code == 0 and "matmul peak" in shown.output

@@ -17,28 +17,28 @@
  * The query heads h*G .. h*G+G-1 share KV head h (G = num_heads / num_kv_heads).
  *
  * Work item = (sequence, KV head); items run in parallel (OpenMP). Each walks its visible blocks: scores for
- * the block's tokens, an online-softmax update, then the weighted sum of the block's values. bf16 caches
- * with head_dim % 16 == 0 and G in {1, 2, 4, 8} take an AVX-512 path (scores with AVX512-BF16 dot products
- * where the CPU has them); everything else takes the portable loops, which are also the reference.
+ * the block's tokens, an online-softmax update, then the weighted sum of the block's values. With a vector
+ * build (simd.h: AVX-512 or AVX2 + FMA), head_dim a multiple of 32 and G in {1, 2, 4, 8}, both bf16 and float32
+ * caches take the vector path (bf16 scores and P.V with AVX512-BF16 dot products where the CPU has them);
+ * everything else takes the portable loops, which are also the reference.
  *
  * Built on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); plain C, no torch
  * headers, builds in about a second.
  */
 #include "common.h"
+#include "simd.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+const char *batchgen_kernel_isa(void) { return KERNEL_ISA; }
 
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
 
 
 
-/* Software prefetch of n rows of `bytes` each (row stride in elements of 2 bytes), one per cache line. */
-static inline void prefetch_rows(const uint16_t *p, int64_t stride, int32_t n, int32_t bytes) {
+/* Software prefetch of n rows of `bytes` each (row stride in bytes), one per cache line. */
+static inline void prefetch_rows(const char *p, int64_t stride, int32_t n, int32_t bytes) {
     for (int32_t j = 0; j < n; j++)
-        for (int32_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)(p + j * stride) + o, 0, 3);
+        for (int32_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + j * stride + o, 0, 3);
 }
 
 /* Block b of a sequence whose visible keys are [lo, seq_len): *n visible rows starting at the returned element
@@ -53,16 +53,17 @@ static inline int64_t block_rows(const int32_t *table, int32_t b, int32_t lo, in
 
 /* ---- portable tile pieces (float32 tiles) ------------------------------------------------------------- */
 
-static void widen_bf16(const uint16_t *src, int64_t stride, int32_t n, int32_t D, float *dst) {
+/* n rows of D (row stride in elements) from a bf16 or float32 cache into a dense float32 tile. */
+static void widen(const void *src, int64_t stride, int32_t n, int32_t D, float *dst, const int is_bf16) {
     for (int32_t j = 0; j < n; j++) {
-        const uint16_t *r = src + j * stride;
-        uint32_t *o = (uint32_t *)(dst + (int64_t)j * D);
-        for (int32_t d = 0; d < D; d++) o[d] = (uint32_t)r[d] << 16;
+        if (is_bf16) {
+            const uint16_t *r = (const uint16_t *)src + j * stride;
+            uint32_t *o = (uint32_t *)(dst + (int64_t)j * D);
+            for (int32_t d = 0; d < D; d++) o[d] = (uint32_t)r[d] << 16;
+        } else {
+            memcpy(dst + (int64_t)j * D, (const float *)src + j * stride, sizeof(float) * D);
+        }
     }
-}
-
-static void widen_f32(const float *src, int64_t stride, int32_t n, int32_t D, float *dst) {
-    for (int32_t j = 0; j < n; j++) memcpy(dst + (int64_t)j * D, src + j * stride, sizeof(float) * D);
 }
 
 /* s[g*ld + j] = q[g] . k[j]; q [G, D], k [n, D] dense float32. */
@@ -114,78 +115,85 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
     }
 }
 
-/* ---- AVX-512 pieces for bf16 caches ------------------------------------------------------------------- */
-#if defined(__AVX512F__)
+/* ---- vector pieces (AVX-512 or AVX2 + FMA; see simd.h) ------------------------------------------------ */
+#if VEC_WIDTH
 #define FAST_PATH 1
 
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+/* A row of keys or values as float32 vectors, from a bf16 or a float32 cache. `is_bf16` is a compile-time
+ * constant at every call site (always_inline), so each instantiation has no branch. */
+static inline __attribute__((always_inline)) vf load_kv(const void *base, int64_t i, const int is_bf16) {
+    return is_bf16 ? vf_load_bf16((const uint16_t *)base + i) : vf_load((const float *)base + i);
 }
 
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-/* s[g*ld + j] = q[g] . k_j for n tokens of one block (row stride `stride`). G is a compile-time constant at
- * every call site (always_inline + switch), so the accumulators live in registers. */
+/* s[g*ld + j] = q[g] . k_j for n tokens of one block (row stride `stride`, in elements). G is a compile-time
+ * constant at every call site (always_inline + DISPATCH_G), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void fast_scores(
-        const int G, const float *qf, const uint16_t *qb, const uint16_t *k, int64_t stride, int32_t n,
-        int32_t D, float *s, int32_t ld) {
+        const int G, const int is_bf16, const float *qf, const uint16_t *qb, const void *k, int64_t stride,
+        int32_t n, int32_t D, float *s, int32_t ld) {
     (void)qb;
-    (void)qf;
     int32_t j = 0;
-    for (; j + 1 < n; j += 2) {                         /* two tokens at a time: 2G independent chains */
-        const uint16_t *k0 = k + j * stride, *k1 = k0 + stride;
-        __m512 a[8], b[8];
-        for (int g = 0; g < G; g++) a[g] = b[g] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-        for (int32_t c = 0; c < D; c += 32) {          /* 32 bf16 pairs per instruction, no widening */
-            __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(k0 + c));
-            __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(k1 + c));
+    if (is_bf16) {                                      /* 32 bf16 pairs per instruction, no widening */
+        for (; j + 1 < n; j += 2) {                     /* two tokens at a time: 2G independent chains */
+            const uint16_t *k0 = (const uint16_t *)k + j * stride, *k1 = k0 + stride;
+            __m512 a[8], b[8];
+            for (int g = 0; g < G; g++) a[g] = b[g] = _mm512_setzero_ps();
+            for (int32_t c = 0; c < D; c += 32) {
+                __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(k0 + c));
+                __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(k1 + c));
+                for (int g = 0; g < G; g++) {
+                    __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
+                    a[g] = _mm512_dpbf16_ps(a[g], qv, x0);
+                    b[g] = _mm512_dpbf16_ps(b[g], qv, x1);
+                }
+            }
             for (int g = 0; g < G; g++) {
-                __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
-                a[g] = _mm512_dpbf16_ps(a[g], qv, x0);
-                b[g] = _mm512_dpbf16_ps(b[g], qv, x1);
+                s[g * ld + j] = _mm512_reduce_add_ps(a[g]);
+                s[g * ld + j + 1] = _mm512_reduce_add_ps(b[g]);
             }
         }
-#else
-        for (int32_t c = 0; c < D; c += 16) {
-            __m512 x0 = load_bf16x16(k0 + c), x1 = load_bf16x16(k1 + c);
-            for (int g = 0; g < G; g++) {
-                __m512 qv = _mm512_loadu_ps(qf + g * D + c);
-                a[g] = _mm512_fmadd_ps(qv, x0, a[g]);
-                b[g] = _mm512_fmadd_ps(qv, x1, b[g]);
-            }
-        }
+    }
 #endif
+    for (; j + 1 < n; j += 2) {                         /* two tokens at a time: 2G independent chains */
+        const int64_t r0 = j * stride, r1 = r0 + stride;
+        vf a[8], b[8];
+        for (int g = 0; g < G; g++) a[g] = b[g] = vf_zero();
+        for (int32_t c = 0; c < D; c += VEC_WIDTH) {
+            const vf x0 = load_kv(k, r0 + c, is_bf16), x1 = load_kv(k, r1 + c, is_bf16);
+            for (int g = 0; g < G; g++) {
+                const vf qv = vf_load(qf + g * D + c);
+                a[g] = vf_fma(qv, x0, a[g]);
+                b[g] = vf_fma(qv, x1, b[g]);
+            }
+        }
         for (int g = 0; g < G; g++) {
-            s[g * ld + j] = hsum(a[g]);
-            s[g * ld + j + 1] = hsum(b[g]);
+            s[g * ld + j] = vf_hsum(a[g]);
+            s[g * ld + j + 1] = vf_hsum(b[g]);
         }
     }
     for (; j < n; j++) {
-        const uint16_t *kj = k + j * stride;
-        __m512 a[8];
-        for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
-        for (int32_t c = 0; c < D; c += 16) {
-            __m512 kv = load_bf16x16(kj + c);
-            for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c), kv, a[g]);
+        vf a[8];
+        for (int g = 0; g < G; g++) a[g] = vf_zero();
+        for (int32_t c = 0; c < D; c += VEC_WIDTH) {
+            const vf kv = load_kv(k, j * stride + c, is_bf16);
+            for (int g = 0; g < G; g++) a[g] = vf_fma(vf_load(qf + g * D + c), kv, a[g]);
         }
-        for (int g = 0; g < G; g++) s[g * ld + j] = hsum(a[g]);
+        for (int g = 0; g < G; g++) s[g * ld + j] = vf_hsum(a[g]);
     }
 }
 
 #if defined(__AVX512BF16__)
-/* acc[g] += sum_j p[g*ld + j] * v_j with AVX512-BF16: tokens in pairs, each instruction a dot product of a
- * (p_j, p_j+1) pair with the interleaved (v_j[d], v_j+1[d]) pairs of 16 columns. The interleave works within
- * 128-bit lanes, so acc holds each 32-column chunk permuted (see PAIRED_INDEX); the item un-permutes once at
- * the end. The probabilities enter as bf16, as in the torch path. */
+/* acc[g] += sum_j p[g*ld + j] * v_j with AVX512-BF16 (bf16 caches): tokens in pairs, each instruction a dot
+ * product of a (p_j, p_j+1) pair with the interleaved (v_j[d], v_j+1[d]) pairs of 16 columns. The interleave
+ * works within 128-bit lanes, so acc holds each 32-column chunk permuted (see paired_index); the item
+ * un-permutes once at the end. The probabilities enter as bf16, as in the torch path. */
 #define PAIRED_PV 1
 static inline int paired_index(int32_t d) {           /* column d of a chunk -> its slot in acc */
     const int32_t c = d & ~31, r = d & 31, lane = r >> 3, i = r & 7;
     return c + (i < 4 ? 4 * lane + i : 16 + 4 * lane + (i - 4));
 }
 
-static inline __attribute__((always_inline)) void fast_accumulate(
+static inline __attribute__((always_inline)) void paired_accumulate(
         const int G, float *acc, const float *p, int32_t ld, const uint16_t *v, int64_t stride, int32_t n,
         int32_t D) {
     uint32_t pairs[8][MAX_BLOCK / 2 + 1];
@@ -222,35 +230,39 @@ static inline __attribute__((always_inline)) void fast_accumulate(
 #else
 #define PAIRED_PV 0
 static inline int paired_index(int32_t d) { return d; }
+#endif
 
-/* acc[g] += sum_j p[g*ld + j] * v_j: per 16-wide column chunk, the G accumulators stay in registers across
- * the block's tokens. */
+/* acc[g] += sum_j p[g*ld + j] * v_j: per column chunk of two vectors, the G accumulators stay in registers
+ * across the block's tokens (2G independent chains). bf16 caches on AVX512-BF16 CPUs take paired_accumulate. */
 static inline __attribute__((always_inline)) void fast_accumulate(
-        const int G, float *acc, const float *p, int32_t ld, const uint16_t *v, int64_t stride, int32_t n,
-        int32_t D) {
-    for (int32_t c = 0; c < D; c += 32) {              /* two 16-wide chunks: 2G independent chains */
-        __m512 a0[8], a1[8];
+        const int G, const int is_bf16, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
+        int32_t n, int32_t D) {
+#if PAIRED_PV
+    if (is_bf16) {
+        paired_accumulate(G, acc, p, ld, (const uint16_t *)v, stride, n, D);
+        return;
+    }
+#endif
+    for (int32_t c = 0; c < D; c += 2 * VEC_WIDTH) {
+        vf a0[8], a1[8];
         for (int g = 0; g < G; g++) {
-            a0[g] = _mm512_loadu_ps(acc + g * D + c);
-            a1[g] = _mm512_loadu_ps(acc + g * D + c + 16);
+            a0[g] = vf_load(acc + g * D + c);
+            a1[g] = vf_load(acc + g * D + c + VEC_WIDTH);
         }
         for (int32_t j = 0; j < n; j++) {
-            const uint16_t *vj = v + j * stride + c;
-            __m512 v0 = load_bf16x16(vj), v1 = load_bf16x16(vj + 16);
+            const vf v0 = load_kv(v, j * stride + c, is_bf16), v1 = load_kv(v, j * stride + c + VEC_WIDTH, is_bf16);
             for (int g = 0; g < G; g++) {
-                __m512 pj = _mm512_set1_ps(p[g * ld + j]);
-                a0[g] = _mm512_fmadd_ps(pj, v0, a0[g]);
-                a1[g] = _mm512_fmadd_ps(pj, v1, a1[g]);
+                const vf pj = vf_set1(p[g * ld + j]);
+                a0[g] = vf_fma(pj, v0, a0[g]);
+                a1[g] = vf_fma(pj, v1, a1[g]);
             }
         }
         for (int g = 0; g < G; g++) {
-            _mm512_storeu_ps(acc + g * D + c, a0[g]);
-            _mm512_storeu_ps(acc + g * D + c + 16, a1[g]);
+            vf_store(acc + g * D + c, a0[g]);
+            vf_store(acc + g * D + c + VEC_WIDTH, a1[g]);
         }
     }
 }
-
-#endif
 
 #define DISPATCH_G(G, CALL)                                         \
     switch (G) {                                                    \
@@ -259,89 +271,80 @@ static inline __attribute__((always_inline)) void fast_accumulate(
         case 4: { const int G_ = 4; CALL; } break;                  \
         default: { const int G_ = 8; CALL; } break;                 \
     }
+/* Column chunks: two vectors for PV; the AVX512-BF16 score and PV paths work in 32-column chunks too. */
+#define FAST_D_MULTIPLE (2 * VEC_WIDTH > 32 ? 2 * VEC_WIDTH : 32)
 #else
 #define FAST_PATH 0
 #define PAIRED_PV 0
+#define FAST_D_MULTIPLE 1
 static inline int paired_index(int32_t d) { return d; }
 #endif
 
-/* ---- one work item ------------------------------------------------------------------------------------ */
+/* ---- one work item: (sequence, KV head), for bf16 (is_bf16 = 1) or float32 caches ------------------------ */
 
-static void item_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
-                      int32_t seq_len, int32_t num_kv_heads, int32_t G, int32_t D, int32_t bs, int32_t window,
-                      float scale, int32_t h, uint16_t *out) {
+static inline __attribute__((always_inline)) void item(
+        const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int32_t seq_len,
+        int32_t num_kv_heads, int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h,
+        void *out, const int is_bf16) {
     float qf[G * D], acc[G * D], tile[bs * D], m[G], l[G], s[G * bs];
-    uint16_t qb[G * D];
-    (void)qb;                                          /* used by the AVX512-BF16 scores only */
-    widen_bf16(q + (int64_t)h * G * D, D, G, D, qf);
+    uint16_t qb[G * D];                                /* q in bf16: the AVX512-BF16 scores only */
+    (void)qb;
+    const int64_t q0 = (int64_t)h * G * D;
     for (int32_t i = 0; i < G * D; i++) {
-        qf[i] *= scale;
+        qf[i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[q0 + i]) : ((const float *)q)[q0 + i]) * scale;
         qb[i] = f32_to_bf16(qf[i]);
         acc[i] = 0.0f;
     }
     for (int32_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
-    const int fast = FAST_PATH && D % 32 == 0 && (G == 1 || G == 2 || G == 4 || G == 8);
-    (void)tile;
+    const int fast = FAST_PATH && D % FAST_D_MULTIPLE == 0 && (G == 1 || G == 2 || G == 4 || G == 8);
     const int32_t lo = (window > 0 && seq_len > window) ? seq_len - window : 0;
     const int64_t tok_stride = (int64_t)num_kv_heads * D;
+    const int32_t esize = is_bf16 ? 2 : 4;
+    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
     for (int32_t b = lo / bs; b * bs < seq_len; b++) {
         int32_t n;
         const int64_t base = block_rows(table, b, lo, seq_len, bs, tok_stride, h, D, &n);
         if (b + 1 < (seq_len + bs - 1) / bs) {         /* next block's rows: hide the scattered-block latency */
             const int64_t next = (int64_t)table[b + 1] * bs * tok_stride + (int64_t)h * D;
-            prefetch_rows(k_cache + next, tok_stride, bs, D * (int32_t)sizeof(uint16_t));
-            prefetch_rows(v_cache + next, tok_stride, bs, D * (int32_t)sizeof(uint16_t));
+            prefetch_rows(kc + next * esize, tok_stride * esize, bs, D * esize);
+            prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
         }
+        const void *kb = kc + base * esize, *vb = vc + base * esize;
         if (fast) {
 #if FAST_PATH
-            DISPATCH_G(G, fast_scores(G_, qf, qb, k_cache + base, tok_stride, n, D, s, bs));
+            DISPATCH_G(G, fast_scores(G_, is_bf16, qf, qb, kb, tok_stride, n, D, s, bs));
             softmax_update(s, bs, n, G, D, m, l, acc);
-            DISPATCH_G(G, fast_accumulate(G_, acc, s, bs, v_cache + base, tok_stride, n, D));
+            DISPATCH_G(G, fast_accumulate(G_, is_bf16, acc, s, bs, vb, tok_stride, n, D));
 #endif
         } else {
-            widen_bf16(k_cache + base, tok_stride, n, D, tile);
+            widen(kb, tok_stride, n, D, tile, is_bf16);
             tile_scores(qf, tile, G, n, D, s, bs);
             softmax_update(s, bs, n, G, D, m, l, acc);
-            widen_bf16(v_cache + base, tok_stride, n, D, tile);
+            widen(vb, tok_stride, n, D, tile, is_bf16);
             tile_accumulate(acc, s, tile, G, n, D, bs);
         }
     }
-    uint16_t *o = out + (int64_t)h * G * D;
+    const int permuted = fast && PAIRED_PV && is_bf16;
     for (int32_t g = 0; g < G; g++) {
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        if (fast && PAIRED_PV) {
-            for (int32_t d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + paired_index(d)] * inv);
-        } else {
-            for (int32_t d = 0; d < D; d++) o[g * D + d] = f32_to_bf16(acc[g * D + d] * inv);
+        for (int32_t d = 0; d < D; d++) {
+            const float x = acc[g * D + (permuted ? paired_index(d) : d)] * inv;
+            if (is_bf16) ((uint16_t *)out)[q0 + g * D + d] = f32_to_bf16(x);
+            else ((float *)out)[q0 + g * D + d] = x;
         }
     }
 }
 
-static void item_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                     int32_t seq_len, int32_t num_kv_heads, int32_t G, int32_t D, int32_t bs, int32_t window,
-                     float scale, int32_t h, float *out) {
-    float qf[G * D], acc[G * D], tile[bs * D], m[G], l[G], s[G * bs];
-    for (int32_t i = 0; i < G * D; i++) {
-        qf[i] = q[(int64_t)h * G * D + i] * scale;
-        acc[i] = 0.0f;
-    }
-    for (int32_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
-    const int32_t lo = (window > 0 && seq_len > window) ? seq_len - window : 0;
-    const int64_t tok_stride = (int64_t)num_kv_heads * D;
-    for (int32_t b = lo / bs; b * bs < seq_len; b++) {
-        int32_t n;
-        const int64_t base = block_rows(table, b, lo, seq_len, bs, tok_stride, h, D, &n);
-        widen_f32(k_cache + base, tok_stride, n, D, tile);
-        tile_scores(qf, tile, G, n, D, s, bs);
-        softmax_update(s, bs, n, G, D, m, l, acc);
-        widen_f32(v_cache + base, tok_stride, n, D, tile);
-        tile_accumulate(acc, s, tile, G, n, D, bs);
-    }
-    float *o = out + (int64_t)h * G * D;
-    for (int32_t g = 0; g < G; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int32_t d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * inv;
-    }
+static void item_bf16(const void *q, const void *k, const void *v, const int32_t *table, int32_t seq_len,
+                      int32_t hkv, int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h,
+                      void *out) {
+    item(q, k, v, table, seq_len, hkv, G, D, bs, window, scale, h, out, 1);
+}
+
+static void item_f32(const void *q, const void *k, const void *v, const int32_t *table, int32_t seq_len,
+                     int32_t hkv, int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h,
+                     void *out) {
+    item(q, k, v, table, seq_len, hkv, G, D, bs, window, scale, h, out, 0);
 }
 
 /* ---- entry points --------------------------------------------------------------------------------------- */
@@ -371,38 +374,43 @@ ENTRY(paged_decode_f32, float, item_f32)
 
 /* ---- prefill: causal / sliding-window softmax over a tile of scores ------------------------------------- */
 
-/* In place on bf16 scores [outer, t, g, S] (rows = outer * t * g, each of S keys): row r belongs to query
- * position q = q_start + (r / g) % t, column j to key position k = k_start + j. Keys with k > q, or with
- * k <= q - window when window > 0, get probability 0; the rest a float32 softmax, rounded to bf16 once.
+/* In place on scores [outer, t, g, S] (bf16 or float32; rows = outer * t * g, each of S keys): row r belongs to
+ * query position q = q_start + (r / g) % t, column j to key position k = k_start + j. Keys with k > q, or with
+ * k <= q - window when window > 0, get probability 0; the rest a float32 softmax (rounded to bf16 once).
  * One pass where torch makes four (mask fill, float32 softmax, cast, plus the mask itself). */
-void masked_softmax_bf16(uint16_t *scores, int64_t outer, int64_t t, int64_t g, int64_t S, int64_t q_start,
-                         int64_t k_start, int64_t window, int32_t num_threads) {
-    (void)num_threads;
-    const int64_t rows = outer * t * g;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < rows; r++) {
-        uint16_t *row = scores + r * S;
-        const int64_t q = q_start + (r / g) % t;
-        int64_t j0 = window > 0 ? q - window + 1 - k_start : 0;     /* visible columns [j0, j1) */
-        int64_t j1 = q - k_start + 1;
-        j0 = j0 < 0 ? 0 : j0;
-        j1 = j1 > S ? S : j1;
-        float mx = -INFINITY;
-        for (int64_t j = j0; j < j1; j++) {
-            const float v = bf16_to_f32(row[j]);
-            mx = v > mx ? v : mx;
-        }
-        float sum = 0.0f;
-        float e[j1 > j0 ? j1 - j0 : 1];
-#pragma omp simd reduction(+:sum)
-        for (int64_t j = j0; j < j1; j++) {
-            e[j - j0] = exp_clamped(bf16_to_f32(row[j]) - mx);
-            sum += e[j - j0];
-        }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int64_t j = 0; j < j0; j++) row[j] = 0;
-#pragma omp simd
-        for (int64_t j = j0; j < j1; j++) row[j] = f32_to_bf16(e[j - j0] * inv);
-        for (int64_t j = j1 > j0 ? j1 : j0; j < S; j++) row[j] = 0;
+#define MASKED_SOFTMAX(NAME, T, LOAD, STORE)                                                                 \
+    void NAME(T *scores, int64_t outer, int64_t t, int64_t g, int64_t S, int64_t q_start, int64_t k_start,    \
+              int64_t window, int32_t num_threads) {                                                         \
+        (void)num_threads;                                                                                   \
+        const int64_t rows = outer * t * g;                                                                  \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                              \
+        for (int64_t r = 0; r < rows; r++) {                                                                 \
+            T *row = scores + r * S;                                                                         \
+            const int64_t q = q_start + (r / g) % t;                                                         \
+            int64_t j0 = window > 0 ? q - window + 1 - k_start : 0;     /* visible columns [j0, j1) */       \
+            int64_t j1 = q - k_start + 1;                                                                    \
+            j0 = j0 < 0 ? 0 : j0;                                                                            \
+            j1 = j1 > S ? S : j1;                                                                            \
+            float mx = -INFINITY;                                                                            \
+            for (int64_t j = j0; j < j1; j++) {                                                              \
+                const float v = LOAD(row[j]);                                                                \
+                mx = v > mx ? v : mx;                                                                        \
+            }                                                                                                \
+            float sum = 0.0f;                                                                                \
+            float e[j1 > j0 ? j1 - j0 : 1];                                                                  \
+            _Pragma("omp simd reduction(+:sum)")                                                             \
+            for (int64_t j = j0; j < j1; j++) {                                                              \
+                e[j - j0] = exp_clamped(LOAD(row[j]) - mx);                                                  \
+                sum += e[j - j0];                                                                            \
+            }                                                                                                \
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;                                                \
+            for (int64_t j = 0; j < j0; j++) row[j] = 0;                                                     \
+            _Pragma("omp simd")                                                                              \
+            for (int64_t j = j0; j < j1; j++) row[j] = STORE(e[j - j0] * inv);                               \
+            for (int64_t j = j1 > j0 ? j1 : j0; j < S; j++) row[j] = 0;                                      \
+        }                                                                                                    \
     }
-}
+
+static inline float same_f32(float x) { return x; }
+MASKED_SOFTMAX(masked_softmax_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+MASKED_SOFTMAX(masked_softmax_f32, float, same_f32, same_f32)

@@ -1,14 +1,15 @@
-/* Fused bf16 elementwise kernels for the CPU: one pass over memory where torch makes three to five
- * (each torch op reads and writes the whole activation, in bf16 with a float32 round trip).
+/* Fused elementwise kernels for the CPU, in bf16 (_bf16) and float32 (_f32): one pass over memory where torch
+ * makes three to five (each torch op reads and writes the whole activation; in bf16 with a float32 round trip).
  *
- *   gelu_tanh_mul_bf16  out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i]     (GeGLU on the fused gate_up output)
- *   silu_mul_bf16       out[t, i] = silu(x[t, i]) * x[t, I + i]          (SwiGLU)
- *   rms_norm_rope_bf16  out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, optionally then RoPE (strided rows)
- *   rope_neox_bf16      x[t, h] = x * cos + rotate_half(x) * sin, in place (strided rows)
+ *   gelu_tanh_mul_*  out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i]     (GeGLU on the fused gate_up output)
+ *   silu_mul_*       out[t, i] = silu(x[t, i]) * x[t, I + i]          (SwiGLU)
+ *   rms_norm_rope_*  out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, optionally then RoPE (strided rows)
+ *   rope_neox_*      x[t, h] = x * cos + rotate_half(x) * sin, in place (strided rows)
  *
- * All math is float32 and each output is rounded to bf16 once (torch rounds after every op, so results
- * differ from torch by at most an ulp or two of bf16; float32 models never come here). Plain C that compilers
- * vectorize; rows are split across OpenMP threads.
+ * All math is float32; a bf16 output is rounded once (torch rounds after every op, so results differ from
+ * torch by at most an ulp or two of bf16; in float32 by float rounding and exp's ~2e-7). Plain C written for
+ * the compiler's vectorizer (omp simd): the instruction set is the build's (-march=native: AVX-512 or
+ * AVX2 + FMA; without it, baseline SSE2). Rows are split across OpenMP threads.
  */
 #include "common.h"
 
@@ -20,74 +21,92 @@ static inline float gelu_tanh(float g) {
 
 static inline float silu(float g) { return g / (1.0f + exp_clamped(-g)); }
 
-#define GLU(NAME, ACT)                                                                                     \
-    void NAME(const uint16_t *x, int64_t rows, int64_t inter, uint16_t *out, int32_t num_threads) {     \
+/* Element access for the two activation dtypes: bf16 (uint16_t, rounded to nearest even on store) and float32.
+ * Each kernel below is stamped out once per dtype; the math is the same float32 code. */
+static inline float ld_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+static inline void st_bf16(uint16_t *p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
+static inline float rt_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }   /* round trip through bf16 */
+static inline float ld_f32(const float *p, int64_t i) { return p[i]; }
+static inline void st_f32(float *p, int64_t i, float x) { p[i] = x; }
+static inline float rt_f32(float x) { return x; }
+
+#define GLU(NAME, T, SFX, ACT)                                                                             \
+    void NAME(const T *x, int64_t rows, int64_t inter, T *out, int32_t num_threads) {                     \
         (void)num_threads;                                                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
         for (int64_t t = 0; t < rows; t++) {                                                               \
-            const uint16_t *g = x + t * 2 * inter, *u = g + inter;                                         \
-            uint16_t *o = out + t * inter;                                                                 \
+            const T *g = x + t * 2 * inter, *u = g + inter;                                                \
+            T *o = out + t * inter;                                                                        \
             _Pragma("omp simd")                                                                            \
-            for (int64_t i = 0; i < inter; i++) o[i] = f32_to_bf16(ACT(bf16_to_f32(g[i])) * bf16_to_f32(u[i]));                \
+            for (int64_t i = 0; i < inter; i++) st_##SFX(o, i, ACT(ld_##SFX(g, i)) * ld_##SFX(u, i));     \
         }                                                                                                  \
     }
 
-GLU(gelu_tanh_mul_bf16, gelu_tanh)
-GLU(silu_mul_bf16, silu)
+GLU(gelu_tanh_mul_bf16, uint16_t, bf16, gelu_tanh)
+GLU(silu_mul_bf16, uint16_t, bf16, silu)
+GLU(gelu_tanh_mul_f32, float, f32, gelu_tanh)
+GLU(silu_mul_f32, float, f32, silu)
 
 /* x: `tokens` x `heads` rows of `dim`, row (t, h) at x + t * stride + h * dim; out is dense
- * [tokens, heads, dim]; w already holds (offset + w) in float32. With cos/sin ([tokens, dim] bf16, or NULL)
+ * [tokens, heads, dim]; w already holds (offset + w) in float32. With cos/sin ([tokens, dim], or NULL)
  * the normalized row is then rotated (neox RoPE): Gemma's q/k norm and RoPE in one pass. */
-void rms_norm_rope_bf16(const uint16_t *x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride,
-                        const float *w, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *out,
-                        int32_t num_threads) {
-    (void)num_threads;
-    const int64_t half = dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < tokens; t++) {
-        float y[dim];
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t *xr = x + t * stride + h * dim;
-            uint16_t *o = out + (t * heads + h) * dim;
-            float ss = 0.0f;
-#pragma omp simd reduction(+:ss)
-            for (int64_t i = 0; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
-            const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-            if (!cos) {
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * w[i]);
-                continue;
-            }
-            /* HF rounds the normalized row to bf16 before RoPE: do the same, then rotate in float32. */
-#pragma omp simd
-            for (int64_t i = 0; i < dim; i++) y[i] = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv * w[i]));
-            const uint16_t *c = cos + t * dim, *s = sin + t * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                o[i] = f32_to_bf16(y[i] * bf16_to_f32(c[i]) - y[i + half] * bf16_to_f32(s[i]));
-                o[i + half] = f32_to_bf16(y[i + half] * bf16_to_f32(c[i + half]) + y[i] * bf16_to_f32(s[i + half]));
-            }
-        }
+#define RMS_NORM_ROPE(NAME, T, SFX)                                                                        \
+    void NAME(const T *x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride, const float *w,      \
+              float eps, const T *cos, const T *sin, T *out, int32_t num_threads) {                        \
+        (void)num_threads;                                                                                 \
+        const int64_t half = dim / 2;                                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        for (int64_t t = 0; t < tokens; t++) {                                                             \
+            float y[dim];                                                                                  \
+            for (int64_t h = 0; h < heads; h++) {                                                          \
+                const T *xr = x + t * stride + h * dim;                                                    \
+                T *o = out + (t * heads + h) * dim;                                                        \
+                float ss = 0.0f;                                                                           \
+                _Pragma("omp simd reduction(+:ss)")                                                        \
+                for (int64_t i = 0; i < dim; i++) ss += ld_##SFX(xr, i) * ld_##SFX(xr, i);                 \
+                const float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                     \
+                if (!cos) {                                                                                \
+                    _Pragma("omp simd")                                                                    \
+                    for (int64_t i = 0; i < dim; i++) st_##SFX(o, i, ld_##SFX(xr, i) * inv * w[i]);        \
+                    continue;                                                                              \
+                }                                                                                          \
+                /* HF rounds the normalized row to the activation dtype before RoPE: so do we. */          \
+                _Pragma("omp simd")                                                                        \
+                for (int64_t i = 0; i < dim; i++) y[i] = rt_##SFX(ld_##SFX(xr, i) * inv * w[i]);           \
+                const T *c = cos + t * dim, *s = sin + t * dim;                                            \
+                _Pragma("omp simd")                                                                        \
+                for (int64_t i = 0; i < half; i++) {                                                       \
+                    st_##SFX(o, i, y[i] * ld_##SFX(c, i) - y[i + half] * ld_##SFX(s, i));                  \
+                    st_##SFX(o, i + half, y[i + half] * ld_##SFX(c, i + half) + y[i] * ld_##SFX(s, i + half)); \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
     }
-}
+
+RMS_NORM_ROPE(rms_norm_rope_bf16, uint16_t, bf16)
+RMS_NORM_ROPE(rms_norm_rope_f32, float, f32)
 
 /* x: tokens of `heads` rows of `dim`, token t's head h at x + t * stride + h * dim; cos/sin: [tokens, dim]
- * dense bf16 (the model's cos/sin, cast like HF's). Rotate-half (neox) form, in place. */
-void rope_neox_bf16(uint16_t *x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride,
-                    const uint16_t *cos, const uint16_t *sin, int32_t num_threads) {
-    (void)num_threads;
-    const int64_t half = dim / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *c = cos + t * dim, *s = sin + t * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            uint16_t *xh = x + t * stride + h * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = bf16_to_f32(xh[i]), b = bf16_to_f32(xh[i + half]);
-                xh[i] = f32_to_bf16(a * bf16_to_f32(c[i]) - b * bf16_to_f32(s[i]));
-                xh[i + half] = f32_to_bf16(b * bf16_to_f32(c[i + half]) + a * bf16_to_f32(s[i + half]));
-            }
-        }
+ * dense (the model's cos/sin, cast like HF's). Rotate-half (neox) form, in place. */
+#define ROPE_NEOX(NAME, T, SFX)                                                                            \
+    void NAME(T *x, int64_t tokens, int64_t heads, int64_t dim, int64_t stride, const T *cos, const T *sin, \
+              int32_t num_threads) {                                                                       \
+        (void)num_threads;                                                                                 \
+        const int64_t half = dim / 2;                                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        for (int64_t t = 0; t < tokens; t++) {                                                             \
+            const T *c = cos + t * dim, *s = sin + t * dim;                                                \
+            for (int64_t h = 0; h < heads; h++) {                                                          \
+                T *xh = x + t * stride + h * dim;                                                          \
+                _Pragma("omp simd")                                                                        \
+                for (int64_t i = 0; i < half; i++) {                                                       \
+                    const float a = ld_##SFX(xh, i), b = ld_##SFX(xh, i + half);                           \
+                    st_##SFX(xh, i, a * ld_##SFX(c, i) - b * ld_##SFX(s, i));                              \
+                    st_##SFX(xh, i + half, b * ld_##SFX(c, i + half) + a * ld_##SFX(s, i + half));         \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
     }
-}
+
+ROPE_NEOX(rope_neox_bf16, uint16_t, bf16)
+ROPE_NEOX(rope_neox_f32, float, f32)

@@ -17,20 +17,40 @@ def model_class(config: ModelConfig):
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["ModelConfig", "model_class", "build_model"]
+__all__ = ["ModelConfig", "model_class", "build_model", "build_model_from_state"]
+
+
+def _on_meta(config: ModelConfig):
+    """The model's modules on the meta device: no memory, no random init of a 262k x 640 embedding."""
+    import torch
+
+    with torch.device("meta"):
+        return model_class(config)(config)
+
+
+def _reset_buffers(model, device):
+    from engine.models.layers import RotaryEmbedding
+
+    for mod in model.modules():           # non-persistent float32 buffers are lost by to_empty/assign: rebuild
+        if isinstance(mod, RotaryEmbedding):
+            mod.reset_buffers(device)
+    return model.eval()
 
 
 def build_model(config: ModelConfig, weights: dict, dtype, device, source: str = "checkpoint"):
-    """Build on the meta device (no random init of a 262k x 640 embedding), then load HF-named weights."""
-    import torch
+    """Build on the meta device, then copy in HF-named weights (fusing q/k/v and gate/up)."""
+    from engine.models.layers import load_hf_weights
 
-    from engine.models.layers import RotaryEmbedding, load_hf_weights
-
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    model = model.to(dtype).to_empty(device=device)
-    for mod in model.modules():           # non-persistent float32 buffers are lost by to_empty: rebuild them
-        if isinstance(mod, RotaryEmbedding):
-            mod.reset_buffers(device)
+    model = _on_meta(config).to(dtype).to_empty(device=device)
     load_hf_weights(model, weights, source=source)
-    return model.eval()
+    return _reset_buffers(model, device)
+
+
+def build_model_from_state(config: ModelConfig, state: dict, device):
+    """Build around an existing ``state_dict`` (our names, final layout), using its tensors as they are
+    (memory-mapped ones stay mapped on the CPU)."""
+    model = _on_meta(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if str(device) != "cpu":
+        model = model.to(device)
+    return _reset_buffers(model, device)

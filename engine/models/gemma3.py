@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, run_layers
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -30,7 +30,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.embed_scale = config.embed_scale

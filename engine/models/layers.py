@@ -17,6 +17,14 @@ from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without its random init: weights always come from a checkpoint, and ``normal_`` on the
+    meta device imports torch's Python meta kernels (~1 s of a cold start)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. ``offset=1`` is Gemma's ``(1 + w)`` form.
 
@@ -40,7 +48,7 @@ class RMSNorm(nn.Module):
         return self._w32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.elementwise_ok(x):        # bf16 on CPU: one fused pass, float32 math (as HF's Gemma)
+        if cpu_kernels.elementwise_ok(x):        # CPU (bf16/fp32): one fused pass, float32 math (as HF's Gemma)
             return cpu_kernels.rms_norm(x, self.kernel_weight(), self.eps)
         ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).pow_(2).div_(x.shape[-1])
         inv = torch.rsqrt(ms.add_(self.eps)).to(x.dtype)
@@ -50,7 +58,7 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, with HF's rope scaling variants we support."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         pass
@@ -126,7 +134,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         cos, sin = meta.rope_cache(self.rotary, positions, q.dtype)
-        if cpu_kernels.elementwise_ok(q):        # bf16 on CPU: norm + RoPE fused, one pass each for q and k
+        if cpu_kernels.elementwise_ok(q):        # CPU: norm + RoPE fused, one pass each for q and k
             if self.q_norm is not None:
                 q = cpu_kernels.rms_norm(q, self.q_norm.kernel_weight(), self.q_norm.eps, cos, sin)
                 k = cpu_kernels.rms_norm(k, self.k_norm.kernel_weight(), self.k_norm.eps, cos, sin)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, GatedMLP, RMSNorm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, run_layers
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -24,7 +24,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

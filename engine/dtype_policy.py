@@ -1,0 +1,109 @@
+"""Which dtype ``dtype: auto`` means on this device, and why: one function, one table.
+
+    device   what the hardware has                                   auto      why
+    -------  ------------------------------------------------------  --------  ------------------------------------
+    cuda     bf16 support (Ampere and later)                         bfloat16  tensor cores, half the bytes of fp32
+    cuda     no bf16 (Volta, Turing)                                 float16   the fast half type there
+    cpu      AMX-BF16 (Sapphire Rapids and later Xeons)              bfloat16  AMX tiles: ~3x fp32 matmul
+    cpu      AVX512-BF16 (Zen 4 and later, Cooper Lake)              bfloat16  vdpbf16ps: ~2.5x fp32 on Zen 4
+    cpu      anything else (AVX2-only x86, AVX-512 without BF16,    float32   torch's bf16 matmul falls back to scalar
+             aarch64, ...)                                                     code there: ~200x slower than fp32
+
+Measured with torch 2.13, 2 threads, a 2048x640 @ 640x2048 matmul: on a Zen 4 EPYC (AVX512-BF16) bf16
+~359 GFLOP/s vs float32 ~145; on a Zen 3 EPYC (AVX2 + FMA only, shared/MACHINE.md) bf16 ~0.5 vs float32 ~110.
+
+CPU features come from torch's own probes (``torch.cpu._is_amx_tile_supported`` and friends, the ones its
+kernels dispatch on), with ``/proc/cpuinfo`` flags as a second source where torch lacks a probe.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("batchgen.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str                 # "bfloat16" | "float16" | "float32"
+    reason: str                # one line for logs, manifests and the report header
+    slow: bool = False         # an explicit choice this hardware runs far below its best dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _cpuinfo_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU features that decide the dtype: a subset of {amx_bf16, avx512_bf16, avx512f, avx2, fma}."""
+    flags = _cpuinfo_flags()
+    found = {f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags}
+    probes = {"amx_bf16": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported",
+              "avx512f": "_is_avx512_supported", "avx2": "_is_avx2_supported"}
+    for feature, probe in probes.items():
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                found.add(feature)
+        except Exception:          # noqa: BLE001 - a probe that fails only means "unknown"
+            pass
+    return frozenset(found)
+
+
+def cpu_has_bf16_matmul(features: frozenset[str] | None = None) -> bool:
+    features = cpu_features() if features is None else features
+    return bool({"amx_bf16", "avx512_bf16"} & features)
+
+
+def choose_dtype(requested: str, device_type: str, features: frozenset[str] | None = None,
+                 cuda_bf16: bool | None = None) -> DtypeChoice:
+    """Resolve ``requested`` (auto | bfloat16 | float16 | float32) for ``device_type`` (cpu | cuda).
+
+    ``features`` / ``cuda_bf16`` default to probing this machine; tests pass them in.
+    """
+    if device_type == "cuda":
+        if cuda_bf16 is None:
+            cuda_bf16 = torch.cuda.is_bf16_supported()
+        if requested != "auto":
+            return DtypeChoice(requested, f"{requested} requested")
+        if cuda_bf16:
+            return DtypeChoice("bfloat16", "bfloat16 chosen: this GPU supports bf16")
+        return DtypeChoice("float16", "float16 chosen: this GPU has no bf16 support")
+    features = cpu_features() if features is None else features
+    fast_bf16 = cpu_has_bf16_matmul(features)
+    units = "AMX-BF16" if "amx_bf16" in features else "AVX512-BF16"
+    if requested == "auto":
+        if fast_bf16:
+            return DtypeChoice("bfloat16", f"bfloat16 chosen: this CPU has bf16 matmul units ({units})")
+        return DtypeChoice("float32", "float32 chosen: this CPU has no bf16 matmul units (no AMX-BF16 or "
+                                      "AVX512-BF16)")
+    if requested == "bfloat16" and not fast_bf16:
+        return DtypeChoice("bfloat16", "bfloat16 requested, but this CPU has no bf16 matmul units (no AMX-BF16 "
+                                       "or AVX512-BF16): matmuls run ~100x slower than float32; use dtype: auto "
+                                       "or float32", slow=True)
+    return DtypeChoice(requested, f"{requested} requested")
+
+
+def resolve_dtype(requested: str, device: torch.device) -> DtypeChoice:
+    """``choose_dtype`` for a device, logged once per engine (a warning when the choice will be slow)."""
+    choice = choose_dtype(requested, device.type)
+    (log.warning if choice.slow else log.info)("dtype: %s", choice.reason)
+    return choice
+
+
+__all__ = ["DtypeChoice", "DTYPES", "choose_dtype", "resolve_dtype", "cpu_features", "cpu_has_bf16_matmul"]
