@@ -743,6 +743,9 @@ def options_from(shape: str, quick: bool, n=None, groups=None, prefix_tokens=Non
                       output_tokens=output_tokens)
     if hf_batch_sizes is None:
         hf_batch_sizes = QUICK_HF_BATCH_SIZES if quick else DEFAULT_HF_BATCH_SIZES
+    if kw.get("dtype", "auto") == "auto":      # what the engine would choose on this CPU, for every system
+        from engine.dtype_policy import choose_dtype
+        kw["dtype"] = choose_dtype("auto", "cpu").dtype
     return BenchOptions(workload=w, quick=quick, hf_batch_sizes=tuple(hf_batch_sizes), **kw)
 
 
@@ -756,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc-tokens", type=int)
     ap.add_argument("--output-tokens", type=int)
     ap.add_argument("--model", default="gemma-3-270m")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--threads", type=int, help="torch threads for every system (default: torch's)")
     ap.add_argument("--systems", type=_csv_systems, default=SYSTEMS, help=f"comma list of {','.join(SYSTEMS)}")
     ap.add_argument("--hf-batch-sizes", type=_csv_ints, help="comma list (default 4,8,16; quick: 4)")

@@ -23,7 +23,8 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--doc-tokens", type=int, default=None, help="Document tokens per request.")
 @click.option("--output-tokens", type=int, default=None, help="Output tokens per request (greedy, ignore_eos).")
 @click.option("--model", default="gemma-3-270m", show_default=True, help="Alias, HF checkpoint dir or .gguf file.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help="Every system's dtype (auto: the engine's choice for this CPU).")
 @click.option("--threads", type=int, default=None, help="Torch threads for every system (default: torch's).")
 @click.option("--systems", default=",".join(_SYSTEMS), show_default=True, help="Comma list of systems to run.")
 @click.option("--hf-batch-sizes", default=None, help="Comma list for transformers generate (default 4,8,16; quick: 4).")

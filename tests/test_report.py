@@ -72,9 +72,9 @@ def test_sliding_window_limits_decode_bytes(tmp_path):
     assert dec["bytes"] == 2752 + 4 * 16 + 16          # context 21, but the window reads 4 tokens
 
 
-def _sim_run(path, shapes=SHAPES, **kw):
+def _sim_run(path, shapes=SHAPES, model_info=MODEL_INFO, **kw):
     outputs, steps = simulate(shapes, **kw)
-    trace = RunTrace(path, MODEL_INFO, 0.8, model_config=gemma_270m(), calibration=CAL, start_time=1000.0)
+    trace = RunTrace(path, model_info, 0.8, model_config=gemma_270m(), calibration=CAL, start_time=1000.0)
     for i, o in enumerate(outputs):
         trace.add_request(o, "even" if i % 2 == 0 else "odd", i)
     trace.add_steps(steps)
@@ -117,6 +117,13 @@ def test_report_html_renders_sections_and_images(tmp_path):
         assert section in doc, section
     assert len(re.findall(r"src=\"data:image/png;base64,", doc)) >= 3
     assert "http://" not in doc and "https://" not in doc          # readable offline
+
+
+def test_report_header_says_why_this_dtype(tmp_path):
+    reason = "float32 chosen: this CPU has no bf16 matmul units (no AMX-BF16 or AVX512-BF16)"
+    info = {**MODEL_INFO, "dtype": "float32", "dtype_reason": reason, "cpu_kernels": "avx2 build"}
+    doc = render_report([_sim_run(tmp_path / "a", model_info=info)]).read_text()
+    assert reason in doc and "CPU kernels: avx2 build" in doc
 
 
 def test_compare_two_runs_warns_on_shape_difference(tmp_path):
