@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from engine.cache_root import cache_root
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +59,7 @@ class Calibration:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
+    return cache_root()
 
 
 def device_key(device: str | torch.device) -> tuple[str, str]:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cache_root import cache_root
+
 log = logging.getLogger("batchgen.engine")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -51,9 +53,7 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("BATCHGEN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchgen")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_signature() -> str:

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine.cache_root import cache_root as batchgen_cache_root
 from engine.errors import ModelLoadError
 from engine.loader.resolve import ModelSource, model_identity
 
@@ -23,8 +24,7 @@ _MARKER = "batchgen_tokenizer.txt"
 
 
 def cache_root() -> Path:
-    base = os.environ.get("BATCHGEN_CACHE_DIR")
-    return (Path(base) if base else Path.home() / ".cache" / "batchgen") / "tokenizers"
+    return batchgen_cache_root() / "tokenizers"
 
 
 # Gemma's turn format, for Gemma GGUF files that ship no template (the default model's does not).

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cache_root import cache_root
+
 log = logging.getLogger("batchgen.engine")
 
 FORMAT = "1"
@@ -42,9 +44,7 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("BATCHGEN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchgen")
-    return Path(root) / "weights"
+    return cache_root() / "weights"
 
 
 def _code_hash() -> str:

@@ -1,0 +1,14 @@
+"""Where batchgen keeps what it builds once per machine: ``$BATCHGEN_CACHE_DIR``, else
+``$XDG_CACHE_HOME/batchgen``, else ``~/.cache/batchgen``. Subfolders: kernels/, weights/, tokenizers/, and the
+calibrations (calibration-*.json) at the top."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    base = os.environ.get("BATCHGEN_CACHE_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchgen"
