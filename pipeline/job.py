@@ -136,6 +136,13 @@ class Job:
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.generation)
 
+    @property
+    def passthrough_columns(self) -> tuple[str, ...]:
+        """Input columns copied into the output: the id column first (when the job names one), so every output
+        row can be joined back to its input, then ``output.include_columns``."""
+        head = (self.input.id_column,) if self.input.id_column else ()
+        return tuple(dict.fromkeys(head + tuple(self.output.include_columns)))
+
     def line(self, key: str) -> int | None:
         while key:
             if key in self.lines:

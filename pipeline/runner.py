@@ -617,7 +617,7 @@ class Runner:
         job = jr.job
         out_path = Path(job.output.path)
         mpath = manifest_path_for(out_path)
-        layout = {"include_columns": list(job.output.include_columns), "rows_per_shard": job.output.rows_per_shard,
+        layout = {"include_columns": list(job.passthrough_columns), "rows_per_shard": job.output.rows_per_shard,
                   "keep_deleted_rows": job.output.keep_deleted_rows}
         if jr.computed == 0 and jr.row_errors == 0 and out_path.exists() and mpath.exists():
             try:
@@ -636,7 +636,7 @@ class Runner:
             raise RunError(f"job {job.name!r}: internal error assembling output ({joined.num_rows} rows for "
                            f"{jr.num_rows} inputs)")
         missing = joined.column("finish_reason").null_count
-        include = list(job.output.include_columns)
+        include = list(job.passthrough_columns)
         results_cols = joined.select([c for c in RESULT_COLUMNS if c != "row_key"] + ["row_key"])
 
         def tables():

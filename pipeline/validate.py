@@ -58,12 +58,15 @@ def check_job(job: Job) -> list[Problem]:
                 problems.append(job.problem("prompt.template", f"placeholder {{{col}}} is neither system, "
                                             "reference, document nor an input column"
                                             + (f" (did you mean {{{hint[0]}}}?)" if hint else "")))
-        for col in job.output.include_columns:
+        for col in job.passthrough_columns:
+            key = "input.id_column" if col == job.input.id_column else "output.include_columns"
             if col not in schema.names:
-                problems.append(_column_problem(job, "output.include_columns", col, schema))
+                if key == "output.include_columns":     # a missing id column is reported above
+                    problems.append(_column_problem(job, key, col, schema))
             elif col in RESULT_COLUMNS:
-                problems.append(job.problem("output.include_columns", f"column {col!r} clashes with an output "
-                                            f"column of the same name ({', '.join(RESULT_COLUMNS)})"))
+                problems.append(job.problem(key, f"column {col!r} clashes with an output column of the same "
+                                                 f"name ({', '.join(RESULT_COLUMNS)}); it is copied into the "
+                                                 "output"))
     if "system" in job.prompt.placeholders and job.prompt.system is None and job.prompt.system_column is None:
         problems.append(job.problem("prompt", "the template uses {system} but neither prompt.system nor "
                                               "prompt.system_column is set"))

@@ -145,3 +145,18 @@ def test_unplanned_orders_give_the_same_rows(tmp_path, make_docs_dataset, fake_l
     a, b = pq.read_table(tmp_path / "out/p.parquet"), pq.read_table(tmp_path / "out/o.parquet")
     assert a.column("id").to_pylist() == b.column("id").to_pylist()
     assert a.column("summary").to_pylist() == b.column("summary").to_pylist()
+
+
+@pytest.mark.parametrize("include", ["", "  include_columns: [category]\n", "  include_columns: [category, id]\n"])
+def test_id_column_is_always_the_first_output_column(tmp_path, make_docs_dataset, fake_llm_factory, include):
+    """With input.id_column set, every output row carries its id (first), whatever include_columns says."""
+    data = make_docs_dataset(n=6)
+    path = write_job(tmp_path, "a", data)
+    path.write_text(path.read_text().replace("  include_columns: [id, category]\n", include))
+    run([path], fake_llm_factory)
+    t = pq.read_table(tmp_path / "out/a.parquet")
+    assert t.column_names[0] == "id" and t.column_names.count("id") == 1
+    assert t.column("id").to_pylist() == pq.read_table(data).column("id").to_pylist()
+    assert ("category" in t.column_names) == ("category" in include)
+    if "category" in include:
+        assert t.column_names[1] == "category"
