@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import DEFAULT_MODEL
+
 # ---- workloads ---------------------------------------------------------------------------------------
 
 SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
@@ -253,7 +255,7 @@ class _Roofline:
 @dataclass(frozen=True)
 class BenchOptions:
     workload: Workload
-    model: str = "gemma-3-270m"
+    model: str = DEFAULT_MODEL
     dtype: str = "bfloat16"
     threads: int | None = None
     systems: tuple[str, ...] = SYSTEMS
@@ -579,7 +581,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
                 src = resolve_model(opts.model)
                 ensure_prompts(load_tokenizer(src), load_model_config(src))
             res, llm = run_batchgen(opts, prompts, caching, roof)
-            model_info = model_info or llm.model_info
+            model_info = model_info or llm.info.to_dict()
         finally:
             del llm
             gc.collect()
@@ -758,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int)
     ap.add_argument("--doc-tokens", type=int)
     ap.add_argument("--output-tokens", type=int)
-    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--threads", type=int, help="torch threads for every system (default: torch's)")
     ap.add_argument("--systems", type=_csv_systems, default=SYSTEMS, help=f"comma list of {','.join(SYSTEMS)}")

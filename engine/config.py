@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from engine.errors import ConfigError
 
+DEFAULT_MODEL = "gemma-3-270m"        # google/gemma-3-270m, Q4_K_M GGUF from PyPI (engine.loader.resolve)
+
 # CPU default KV pool: a quarter of the memory available at start, at most 4 GiB (18 KiB/token for gemma-3-270m
 # in bf16: 4 GiB holds ~230k tokens, 128 sequences of 1,800).
 DEFAULT_CPU_KV_FRACTION = 0.25
@@ -13,8 +15,8 @@ DEFAULT_CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "gemma-3-270m"
-    dtype: str = "auto"                      # auto -> bfloat16; "float32", "bfloat16", "float16"
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"                      # auto -> by device and ISA (engine.dtype_policy); float32 | bfloat16 | float16
     device: str = "auto"                     # auto -> cuda if available else cpu
     block_size: int = 16
     kv_cache_memory: int | None = None       # bytes for the KV pool; None -> default (CPU) / fraction (CUDA)

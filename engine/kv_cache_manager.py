@@ -41,6 +41,9 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        # Pins hold blocks no request can use: at most half the pool is claimed by pins, so a small pool still
+        # runs every request (a prefix that finds no pin room is only likelier to be evicted).
+        self.pin_budget_blocks = num_blocks // 2
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -157,15 +160,18 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     # ---- pins ---------------------------------------------------------------------------------------
-    def pin_prefix(self, token_ids: Sequence[int]) -> int:
+    def pin_prefix(self, token_ids: Sequence[int]) -> int | None:
         """Keep the full blocks of ``token_ids`` from eviction until ``unpin``.
 
         Blocks of the chain already cached get an extra ref now; the others get it when they are cached.
         Returns:
-            a pin id for ``unpin``.
+            a pin id for ``unpin``, or None when the pin would claim more than ``pin_budget_blocks`` in all.
         """
+        hashes = tuple(hash_request_tokens(self.block_size, token_ids)) if self.enable_caching else ()
+        if self.num_pin_claimed_blocks() + len(hashes) > self.pin_budget_blocks:
+            return None
         pin_id = next(self._pin_ids)
-        pin = _Pin(tuple(hash_request_tokens(self.block_size, token_ids)) if self.enable_caching else ())
+        pin = _Pin(hashes)
         self._pins[pin_id] = pin
         for block_hash in pin.hashes:
             self._pins_by_hash.setdefault(block_hash, set()).add(pin_id)
@@ -187,6 +193,10 @@ class KVCacheManager:
                     del self._pins_by_hash[block_hash]
         # Deepest blocks first, so the chain's head stays cached longest.
         self.block_pool.free_blocks(reversed(list(pin.held.values())))
+
+    def num_pin_claimed_blocks(self) -> int:
+        """Blocks the live pins will hold once their chains are cached (what the pin budget counts)."""
+        return sum(len(pin.hashes) for pin in self._pins.values())
 
     def num_pinned_blocks(self) -> int:
         return len({id(b) for pin in self._pins.values() for b in pin.held.values()})

@@ -20,12 +20,14 @@ import torch
 from engine import cpu_kernels
 from engine.attention import get_backend
 from engine.cpu_tuning import keep_freed_memory
-from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTION, EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_policy import resolve_dtype
 from engine.errors import ConfigError
+from engine.interface import EngineInfo
 from engine.loader import load_model, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
+from engine.memory import num_kv_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.request import Request, RequestStatus
@@ -36,7 +38,7 @@ from engine.tokenizer import load_tokenizer
 log = logging.getLogger("batchgen.engine")
 
 class LLM:
-    def __init__(self, model: str = "gemma-3-270m", dtype: str = "auto", **engine_args):
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_args) - fields)
         if unknown:
@@ -77,18 +79,25 @@ class LLM:
         if block_size % need:
             log.info("block_size %d -> %d for the %s backend", block_size, need, self.backend.name)
             block_size = need
-        self.block_size = block_size
-        self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        num_blocks = self._num_kv_blocks(block_size)
-        if num_blocks < 1:
-            raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
-        self.num_kv_blocks = num_blocks
+        max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        # The one resolved config: every "auto" and None made concrete; the scheduler, runner, info and
+        # manifest all see this one.
+        self.config = cfg = dataclasses.replace(cfg, dtype=self.dtype_choice.dtype, device=str(self.device),
+                                                block_size=block_size, max_model_len=max_model_len)
+        num_blocks = num_kv_blocks(cfg, mcfg, self.dtype, self.device, block_size, max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.backend, cfg.seed)
-        self.scheduler = Scheduler(dataclasses.replace(cfg, block_size=block_size), num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(cfg, num_blocks, max_model_len)
         marks("kv_cache_s")
         self.step_stats: list[StepStats] = []
         self.load_time_s = time.monotonic() - t0
-        self.load_breakdown = {**marks.spans, "weights_from": self.weights_from}
+        self.info = EngineInfo(
+            name=self.source.name, identity=self._identity, architecture=mcfg.architecture, dtype=cfg.dtype,
+            device=cfg.device, max_model_len=max_model_len, block_size=block_size, max_num_seqs=cfg.max_num_seqs,
+            num_kv_blocks=num_blocks, attention_backend=self.backend.name, path=str(self.source.path),
+            dtype_reason=self.dtype_choice.reason, cpu_kernels=cpu_kernels.describe() if self.device.type == "cpu"
+            else "", load_time_s=round(self.load_time_s, 3),
+            load_breakdown={**marks.spans, "weights_from": self.weights_from},
+            config=dataclasses.asdict(cfg))
         log.info("engine loaded in %.2fs (%s)", self.load_time_s,
                  ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()))
         self._requests: dict[str, Request] = {}
@@ -96,40 +105,9 @@ class LLM:
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
 
-    # ---- info ----------------------------------------------------------------------------------------
+    # ---- info (self.info: EngineInfo; self.config: the resolved EngineConfig) ---------------------------
     def get_tokenizer(self):
         return self.tokenizer
-
-    @property
-    def model_info(self) -> dict:
-        return {"name": self.source.name, "path": str(self.source.path), "identity": self._identity,
-                "architecture": self.model_config.architecture, "dtype": str(self.dtype).replace("torch.", ""),
-                "dtype_reason": self.dtype_choice.reason, "cpu_kernels": cpu_kernels.describe(),
-                "device": str(self.device), "max_model_len": self.max_model_len, "block_size": self.block_size,
-                "num_kv_blocks": self.num_kv_blocks, "attention_backend": self.backend.name}
-
-    def _num_kv_blocks(self, block_size: int) -> int:
-        cfg, m = self.config, self.model_config
-        if cfg.num_gpu_blocks_override:
-            return cfg.num_gpu_blocks_override
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * elem
-        if cfg.kv_cache_memory:
-            budget = cfg.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_utilization)
-        else:
-            avail = _available_memory_bytes() or 4 * DEFAULT_CPU_KV_CACHE_MAX_BYTES
-            budget = min(DEFAULT_CPU_KV_CACHE_MAX_BYTES, int(avail * DEFAULT_CPU_KV_FRACTION))
-        if self.device.type == "cpu" and cfg.kv_cache_memory:
-            avail = _available_memory_bytes()
-            if avail is not None and budget > avail * 0.9:
-                raise ConfigError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the memory available "
-                                  f"on this machine ({avail / 2**30:.1f} GiB); lower kv_cache_memory")
-        # No point holding more than max_num_seqs full-length sequences.
-        cap = cfg.max_num_seqs * -(-self.max_model_len // block_size) + 1
-        return min(budget // per_block, cap)
 
     # ---- the incremental door ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
@@ -156,7 +134,7 @@ class LLM:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
 
-    def pin_prefix(self, token_ids: Sequence[int]) -> int:
+    def pin_prefix(self, token_ids: Sequence[int]) -> int | None:
         return self.scheduler.pin_prefix(list(token_ids))
 
     def unpin_prefix(self, pin_id: int) -> None:
@@ -255,14 +233,3 @@ def _eos_ids(mcfg, tokenizer) -> tuple[int, ...]:
         if isinstance(eot, int) and eot != tokenizer.unk_token_id:
             ids.add(eot)
     return tuple(sorted(ids))
-
-
-def _available_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

@@ -128,7 +128,7 @@ class Scheduler:
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
 
-    def pin_prefix(self, token_ids: list[int]) -> int:
+    def pin_prefix(self, token_ids: list[int]) -> int | None:
         return self.kv_cache_manager.pin_prefix(token_ids)
 
     def unpin(self, pin_id: int) -> None:

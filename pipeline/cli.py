@@ -80,7 +80,7 @@ def plan(job_files):
     jobs = load_valid_jobs(list(job_files))
     for report in run_jobs(jobs, dry_run=True):
         p = report.plan
-        click.echo(f"model {report.model_info.get('name')} (block size {p.block_size}):")
+        click.echo(f"model {report.engine_info.name} (block size {p.block_size}):")
         for jr in report.jobs:
             done = f", {jr.reused} already done" if jr.reused else ""
             errs = f", {jr.row_errors} bad rows" if jr.row_errors else ""

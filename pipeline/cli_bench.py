@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import click
 
+from engine.config import DEFAULT_MODEL
+
 _SHAPES = ("shared-prefix", "long-prompt", "short-prompt")
 _SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
 
@@ -22,7 +24,7 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--prefix-tokens", type=int, default=None, help="Shared system prompt + reference tokens per group.")
 @click.option("--doc-tokens", type=int, default=None, help="Document tokens per request.")
 @click.option("--output-tokens", type=int, default=None, help="Output tokens per request (greedy, ignore_eos).")
-@click.option("--model", default="gemma-3-270m", show_default=True, help="Alias, HF checkpoint dir or .gguf file.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Alias, HF checkpoint dir or .gguf file.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="Every system's dtype (auto: the engine's choice for this CPU).")
 @click.option("--threads", type=int, default=None, help="Torch threads for every system (default: torch's).")

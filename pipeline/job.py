@@ -17,12 +17,11 @@ from typing import Any
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import BatchgenError
 from engine.sampling_params import SamplingParams
 from pipeline.errors import JobError, Problem
 
-DEFAULT_MODEL = "gemma-3-270m"
 DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
 DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSummarize the document."
 BUILTIN_PLACEHOLDERS = ("system", "reference", "document")

@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from engine.errors import BatchgenError
+from engine.interface import Engine, EngineInfo
 from pipeline import history
 from pipeline.errors import RunError
 from pipeline.io import InputError, iter_batches, iter_output_batches, write_bytes_atomic, write_output
@@ -110,12 +111,12 @@ class RunReport:
     jobs: list[JobRun]
     plan: Plan | None
     wall_s: float
-    model_info: dict
+    engine_info: EngineInfo
     summary: str = ""
     trace_dir: Path | None = None
 
 
-def default_llm_factory(model: str, engine_args: dict):
+def default_llm_factory(model: str, engine_args: dict) -> Engine:
     from engine import LLM
     return LLM(model=model, **engine_args)
 
@@ -182,12 +183,14 @@ class Runner:
             engine_args = merge_engine_args(jobs)
             try:
                 llm = self.llm_factory(model, engine_args)
+                if not isinstance(llm, Engine):
+                    raise TypeError(f"llm_factory returned {type(llm).__name__}, which lacks the engine.Engine door")
             except BatchgenError as e:       # the engine's message, with the job files it comes from
                 raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: cannot start model {model!r}"
                                f"{' with engine ' + json.dumps(engine_args) if engine_args else ''}: {e}") from None
             t_loaded = time.monotonic()
-            info = dict(llm.model_info)
-            _check_kv_pool(llm, info, jobs)
+            info = llm.info
+            _check_kv_pool(info, jobs)
             tok = llm.get_tokenizer()
             runs = [self._job_run(job, st, tok, info) for job, st in zip(jobs, states)]
             heads: list[tuple[int, ...]] = []
@@ -202,7 +205,7 @@ class Runner:
             req_job_a = np.concatenate(req_job)
             req_local_a = np.concatenate(req_local)
             groups_a, lens_a = np.concatenate(req_group), np.concatenate(req_len)
-            block_size = int(info.get("block_size") or 16)
+            block_size = info.block_size
             plan = (make_plan(heads, groups_a, lens_a, block_size) if self.opts.order == "planned"
                     else unplanned(groups_a, lens_a, block_size, self.opts.order))
             pjob = req_job_a[plan.order]
@@ -224,7 +227,7 @@ class Runner:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             self._engine_s = time.monotonic() - t_loaded
             for jr in runs:
-                self._assemble(jr, info, llm, time.monotonic() - t0, report.trace_dir)
+                self._assemble(jr, info, time.monotonic() - t0, report.trace_dir)
             self._flush_trace(llm)
             (states[0].dir / "current_run").unlink(missing_ok=True)
             report.wall_s = time.monotonic() - t0
@@ -268,7 +271,7 @@ class Runner:
                 st.unlock()
 
     # ---- trace and history --------------------------------------------------------------------------
-    def _start_trace(self, llm, state: RunState, start: float) -> RunTrace | None:
+    def _start_trace(self, llm: Engine, state: RunState, start: float) -> RunTrace | None:
         """A trace in ``<state dir>/runs/<run id>``; an unfinished earlier run's id is reused (resume)."""
         runs_dir = state.dir / "runs"
         marker = state.dir / "current_run"
@@ -280,8 +283,8 @@ class Runner:
                 n += 1
                 run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
         try:
-            trace = RunTrace(runs_dir / run_id, llm.model_info, float(getattr(llm, "load_time_s", 0.0) or 0.0),
-                             model_config=getattr(llm, "model_config", None), start_time=start)
+            trace = RunTrace(runs_dir / run_id, llm.info.to_dict(), llm.info.load_time_s,
+                             model_config=llm.model_config, start_time=start)
             marker.write_text(run_id)
             return trace
         except (OSError, ValueError) as e:     # NOTE: a trace must never fail a run
@@ -298,12 +301,12 @@ class Runner:
     def _trace_dir(self) -> Path | None:
         return self._trace.run_dir if self._trace is not None else None
 
-    def _flush_trace(self, llm) -> None:
+    def _flush_trace(self, llm: Engine | None) -> None:
         trace = self._trace
         if trace is None or llm is None:
             return
         try:
-            trace.add_steps(getattr(llm, "step_stats", ()) or ())
+            trace.add_steps(llm.step_stats)
             trace.write()
         except Exception as e:                  # NOTE: e.g. a full disk; the results matter, the trace less
             self._warn(f"cannot write the trace to {trace.run_dir} ({e}); the run goes on without it")
@@ -344,14 +347,14 @@ class Runner:
                 return
 
     # ---- 1. prepare ---------------------------------------------------------------------------------
-    def _job_run(self, job: Job, state: RunState, tok, info: dict) -> JobRun:
+    def _job_run(self, job: Job, state: RunState, tok, info: EngineInfo) -> JobRun:
         params = job.sampling_params
-        fp = fingerprint(info.get("identity"), dataclasses.asdict(params), job.prompt.on_too_long,
+        fp = fingerprint(info.identity, dataclasses.asdict(params), job.prompt.on_too_long,
                          job.prompt.chat_template)
         return JobRun(job=job, renderer=PromptRenderer(job.prompt, tok), state=state, fingerprint=fp,
                       params=params)
 
-    def _prepare(self, jr: JobRun, info: dict, heads: list, head_index: dict, dry_run: bool):
+    def _prepare(self, jr: JobRun, info: EngineInfo, heads: list, head_index: dict, dry_run: bool):
         """Stream the job's input; write keys (+ spill of rows to compute). Returns (groups, prompt_lens)."""
         job, r = jr.job, jr.renderer
         id_col = job.input.id_column
@@ -359,7 +362,7 @@ class Runner:
         done = jr.state.load_done() if jr.state.dir.exists() else None
         done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
         done_ids = {k.rpartition("#")[0] for k in done_keys}
-        max_len = int(info.get("max_model_len") or 1 << 30)
+        max_len = info.max_model_len
         max_tokens = jr.params.max_tokens
         seen_ids: set[str] = set()
         seen_keys: set[str] = set()
@@ -472,15 +475,14 @@ class Runner:
                 pass
         return old
 
-    def _execute(self, llm, runs: list[JobRun], plan: Plan, req_job: np.ndarray, req_local: np.ndarray,
+    def _execute(self, llm: Engine, runs: list[JobRun], plan: Plan, req_job: np.ndarray, req_local: np.ndarray,
                  heads: list) -> None:
         from tqdm import tqdm
 
         spills = [_Spill(jr.state.scratch("spill.arrow")) if jr.spill_rows else None for jr in runs]
         tails = [{v: k for k, v in jr.__dict__.get("_tails", {}).items()} for jr in runs]
         n = plan.num_requests
-        max_seqs = int(getattr(getattr(llm, "config", None), "max_num_seqs", 0) or 64)
-        window = max(1, self.opts.window_factor * max_seqs)
+        window = max(1, self.opts.window_factor * llm.info.max_num_seqs)
         # Who waits on whom: dependents of each provider, and refcounts for the provider's pin.
         waiters: dict[int, list[int]] = {}
         for p in np.nonzero(plan.provider >= 0)[0].tolist():
@@ -488,11 +490,7 @@ class Runner:
         dependents = {p: len(w) for p, w in waiters.items()}
         ready = [p for p in range(n) if plan.provider[p] < 0]
         heapq.heapify(ready)
-        pins: dict[int, tuple[int, int]] = {}    # provider position -> (pin id, blocks it holds)
-        block_size = int(llm.model_info.get("block_size") or 16)
-        num_blocks = llm.model_info.get("num_kv_blocks")
-        pin_budget = int(num_blocks) // 2 if isinstance(num_blocks, int) else 1 << 62
-        pinned_blocks = 0
+        pins: dict[int, int] = {}               # provider position -> pin id
         in_flight: set[int] = set()
         open_groups: set[int] = set()
         finished = 0
@@ -529,15 +527,11 @@ class Runner:
                         # scheduled before them and registers its prefix blocks in the step it computes them
                         # (a follower admitted in that same step already hits them). Waiting for p to
                         # *finish* would leave the batch at one request per group for p's whole decode.
-                        head = heads[int(plan.group[p])]
-                        # NOTE: pins hold blocks no request can use; at most half the pool is pinned, so a
-                        # small pool still runs every document (unpinned heads are just likelier evicted).
-                        if pinned_blocks + len(head) // block_size <= pin_budget:
-                            try:
-                                pins[p] = (llm.pin_prefix(list(head)), len(head) // block_size)
-                                pinned_blocks += pins[p][1]
-                            except Exception:  # NOTE: a pin is an optimization; never fail a run over it
-                                pass
+                        # NOTE: the engine refuses pins past its budget (None); unpinned heads are only
+                        # likelier to be evicted.
+                        pin_id = llm.pin_prefix(list(heads[int(plan.group[p])]))
+                        if pin_id is not None:
+                            pins[p] = pin_id
                         for w in waiters.pop(p):
                             heapq.heappush(ready, w)
                     llm.add_request(str(p), ids, runs[j].params, priority=p)
@@ -572,9 +566,7 @@ class Runner:
                         dependents[prov] -= 1
                         if dependents[prov] == 0:
                             if prov in pins:
-                                pin_id, nblocks = pins.pop(prov)
-                                llm.unpin_prefix(pin_id)
-                                pinned_blocks -= nblocks
+                                llm.unpin_prefix(pins.pop(prov))
                             open_groups.discard(int(plan.group[prov]))
                     bar.update(1)
                     elapsed = max(time.monotonic() - t_start, 1e-9)
@@ -613,7 +605,7 @@ class Runner:
                 jr.state.commit(rows)
 
     # ---- 4. assemble --------------------------------------------------------------------------------
-    def _assemble(self, jr: JobRun, info: dict, llm, wall_s: float, trace_dir: Path | None = None) -> None:
+    def _assemble(self, jr: JobRun, info: EngineInfo, wall_s: float, trace_dir: Path | None = None) -> None:
         job = jr.job
         out_path = Path(job.output.path)
         mpath = manifest_path_for(out_path)
@@ -682,11 +674,10 @@ class Runner:
         all_prompt = pc.sum(joined.column("prompt_tokens")).as_py() or 0
         all_cached = pc.sum(joined.column("cached_tokens")).as_py() or 0
         all_errors = joined.column("error").is_valid().to_pylist().count(True)
-        cfg = getattr(llm, "config", None)
         manifest = {
             "job": job.name, "job_file": job.file, "output": str(out_path),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": info, "engine_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else job.engine,
+            "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
             "generation": dataclasses.asdict(jr.params), "versions": _versions(),
             "rows": jr.num_rows + jr.deleted_kept, "rows_with_error": all_errors,
             "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped},
@@ -697,8 +688,7 @@ class Runner:
                          "achieved_hit_rate": _rate(jr.cached_tokens, jr.prompt_tokens),
                          "wall_s": round(wall_s, 3),
                          "engine_s": round(getattr(self, "_engine_s", wall_s), 3),   # after model load
-                         "load_s": round(float(getattr(llm, "load_time_s", 0.0) or 0.0), 3),
-                         "load_breakdown_s": dict(getattr(llm, "load_breakdown", {}) or {}),
+                         "load_s": info.load_time_s, "load_breakdown_s": dict(info.load_breakdown),
                          "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None},
             "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                        "hit_rate": _rate(all_cached, all_prompt)},
@@ -762,7 +752,7 @@ class Runner:
             lines.append(f"{jr.job.name}: " + ", ".join(bits) + ".")
         if computed:
             lines.append(
-                f"Model {report.model_info.get('name')}: {computed} documents in {report.wall_s:.1f}s, "
+                f"Model {report.engine_info.name}: {computed} documents in {report.wall_s:.1f}s, "
                 f"{(prompt - cached + out_toks) / max(report.wall_s, 1e-9):,.0f} computed tokens/s "
                 f"({prompt:,} prompt tokens, {cached:,} from cache, {out_toks:,} generated); cache hit rate "
                 f"{_pct(cached, prompt)} achieved vs {_pct(plan.cached_tokens, plan.prompt_tokens)} predicted.")
@@ -771,12 +761,11 @@ class Runner:
         return " ".join(lines)
 
 
-def _check_kv_pool(llm, info: dict, jobs: list[Job]) -> None:
+def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
     """Impossible engine settings fail before compute: a KV pool with fewer blocks than ``max_num_seqs``
     (less than one block per sequence) cannot run the batch it is configured for."""
-    blocks, block_size = info.get("num_kv_blocks"), info.get("block_size")
-    max_seqs = getattr(getattr(llm, "config", None), "max_num_seqs", None)
-    if isinstance(blocks, int) and isinstance(max_seqs, int) and blocks < max_seqs:
+    blocks, block_size, max_seqs = info.num_kv_blocks, info.block_size, info.max_num_seqs
+    if blocks is not None and blocks < max_seqs:
         files = ", ".join(sorted({j.file for j in jobs}))
         raise RunError(f"{files}: engine: impossible settings: the KV cache pool has {blocks} block"
                        f"{'s' * (blocks != 1)} of {block_size} tokens, less than one block per sequence for "

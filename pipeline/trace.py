@@ -14,7 +14,7 @@ single file there, which reads the same way).
 Times are seconds relative to the run start (the ``RunTrace``'s creation). A run resumed in the same directory
 appends a new session whose times continue after the previous sessions' wall time, so one axis covers all.
 
-    trace = RunTrace(run_dir, llm.model_info, llm.load_time_s, model_config=llm.model_config)
+    trace = RunTrace(run_dir, llm.info.to_dict(), llm.info.load_time_s, model_config=llm.model_config)
     for out in finished: trace.add_request(out, job="summaries", row_id=row_id)
     trace.add_steps(llm.step_stats)     # the whole list each time is fine: steps already seen are skipped
     trace.write()                       # periodically, and once at the end
@@ -56,8 +56,8 @@ class RunTrace:
 
     Args:
         run_dir: where the trace files go (created if needed).
-        model_info: ``llm.model_info`` (name, identity, dtype, device, ...).
-        load_time_s: ``llm.load_time_s``.
+        model_info: ``llm.info.to_dict()`` (name, identity, dtype, device, ...; stored as run.json's model_info).
+        load_time_s: ``llm.info.load_time_s``.
         model_config: ``llm.model_config``; stored so the report can count FLOPs and bytes.
         calibration: an ``engine.calibrate.Calibration``; None -> the cached one for the model's device/dtype.
         start_time: ``time.monotonic()`` of the run start; None -> now.

@@ -2,7 +2,7 @@
 
 * ``tiny_tokenizer`` / ``tiny_llama_dir``: a small byte-level BPE tokenizer and a tiny random Llama saved
   as an HF checkpoint directory (config.json + model.safetensors + tokenizer), no download.
-* ``fake_llm_factory``: an engine stand-in with the LLM door (add_request / step / pins / model_info) and a
+* ``fake_llm_factory``: an engine stand-in with the typed door (engine.interface.Engine) and a
   block-level prefix cache, for fast pipeline tests.
 * ``make_docs_dataset``: a small documents dataset (Parquet) under a few reference texts.
 """
@@ -116,9 +116,14 @@ class FakeLLM:
         return self.tokenizer
 
     @property
-    def model_info(self):
-        return {"name": "fake", "identity": "fake-identity", "architecture": "Fake", "dtype": "float32",
-                "device": "cpu", "max_model_len": self.max_model_len, "block_size": self.block_size}
+    def info(self):
+        from engine.interface import EngineInfo
+        return EngineInfo(name="fake", identity="fake-identity", architecture="Fake", dtype="float32", device="cpu",
+                          max_model_len=self.max_model_len, block_size=self.block_size,
+                          max_num_seqs=self.config.max_num_seqs, load_time_s=0.01)
+
+    model_config = None
+    step_stats: list = []
 
     def _chain(self, ids):
         h, out = "", []

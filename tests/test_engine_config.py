@@ -50,3 +50,31 @@ def test_kv_budget_beyond_machine_memory_is_a_clear_error(tmp_path):
     save_tiny(tiny_hf_model("llama"), tmp_path)
     with pytest.raises(ConfigError, match="exceeds the memory available"):
         LLM(str(tmp_path), kv_cache_memory=1 << 50)
+
+
+def test_config_is_resolved_once_and_shared(tmp_path):
+    """LLM resolves every auto/None once; the scheduler, the info and the manifest see that one config."""
+    import dataclasses
+
+    from engine import LLM
+    from engine.dtype_policy import choose_dtype
+    from engine.interface import Engine, EngineInfo
+    from tests.model_utils import save_tiny, tiny_hf_model
+    save_tiny(tiny_hf_model("llama"), tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_memory=1 << 20)
+    cfg = llm.config
+    assert cfg.dtype == choose_dtype("auto", "cpu").dtype and cfg.device == "cpu"
+    assert cfg.max_model_len == llm.model_config.max_position_embeddings and cfg.block_size == 16
+    assert llm.scheduler.config is cfg
+    info = llm.info
+    assert isinstance(info, EngineInfo) and isinstance(llm, Engine)
+    assert info.config == dataclasses.asdict(cfg) and "auto" not in (info.dtype, info.device)
+    assert (info.block_size, info.max_model_len, info.max_num_seqs) == (16, cfg.max_model_len, cfg.max_num_seqs)
+    m = llm.model_config
+    per_block = 2 * m.num_hidden_layers * 16 * m.num_key_value_heads * m.head_dim       # K and V, every layer
+    assert info.num_kv_blocks == (1 << 20) // (per_block * (4 if cfg.dtype == "float32" else 2))
+
+
+def test_fake_engine_satisfies_the_door(fake_llm_factory):
+    from engine.interface import Engine
+    assert isinstance(fake_llm_factory("m", {}), Engine)

@@ -264,3 +264,18 @@ def test_reset_prefix_cache():
     kv.free(a)
     assert kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make_req("b", range(9))) == ([], 0)
+
+
+def test_pin_budget_is_half_the_pool_counting_future_blocks():
+    """Pins claim at most half the pool, counting blocks not cached yet; a refused pin returns None and takes
+    nothing; unpinning gives the room back."""
+    kv = KVCacheManager(8, BS)
+    assert kv.pin_budget_blocks == 4
+    first = kv.pin_prefix(list(range(12)))          # 3 blocks claimed, none cached yet
+    assert first is not None and kv.num_pin_claimed_blocks() == 3 and kv.num_pinned_blocks() == 0
+    assert kv.pin_prefix(list(range(100, 108))) is None          # 3 + 2 > 4: refused
+    assert kv.num_pin_claimed_blocks() == 3
+    second = kv.pin_prefix(list(range(100, 104)))                # 3 + 1 = 4: fits
+    assert second is not None and kv.num_pin_claimed_blocks() == 4
+    kv.unpin(first)
+    assert kv.num_pin_claimed_blocks() == 1 and kv.pin_prefix(list(range(100, 108))) is not None

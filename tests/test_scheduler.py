@@ -239,6 +239,7 @@ def test_pins_holding_the_pool_error_instead_of_hang():
     sched = make_sched(num_blocks=4)
     warm = make_req("warm", range(13), max_tokens=1)
     run_all(sched, [warm])
+    sched.kv_cache_manager.pin_budget_blocks = 4    # past the default half-pool budget, to reach this state
     sched.pin_prefix(list(range(12)))               # 3 of 4 blocks pinned
     big = make_req("big", range(50, 59))            # needs 3 blocks, only 1 left
     finished, _ = run_all(sched, [big])

@@ -199,7 +199,7 @@ def test_real_engine_run_is_consistent(tmp_path):
     from engine import SamplingParams
     shared = list(range(3, 43))
     prompts = [shared + list(range(50, 50 + n)) for n in (3, 20, 1, 9)] + [list(range(60, 120))]
-    trace = RunTrace(tmp_path / "run", llm.model_info, llm.load_time_s, model_config=llm.model_config,
+    trace = RunTrace(tmp_path / "run", llm.info.to_dict(), llm.info.load_time_s, model_config=llm.model_config,
                      calibration={})
     for i, p in enumerate(prompts):
         llm.add_request(f"q{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), priority=i)

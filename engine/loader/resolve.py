@@ -10,9 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import DEFAULT_MODEL
 from engine.errors import ModelLoadError
-
-DEFAULT_MODEL = "gemma-3-270m"
 
 # NOTE: GGUF metadata (tokenizer vocab included) sits at the front of the file; 8 MiB covers the header of
 # a 262k-vocab model's metadata for most files, and the file size pins down the rest.

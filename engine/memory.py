@@ -1,0 +1,60 @@
+"""How big the KV pool is: the memory probe and the sizing rule, in one place.
+
+CPU: a quarter of the memory available at start (``/proc/meminfo`` MemAvailable), at most 4 GiB, unless
+``kv_cache_memory`` names bytes (refused when above 90 % of what is available). CUDA: ``gpu_memory_utilization``
+of the free device memory. Never more blocks than ``max_num_seqs`` full-length sequences need.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTION, EngineConfig
+from engine.errors import ConfigError
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of this machine, or None where /proc/meminfo is not readable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers (K and V)."""
+    m = model_config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * elem
+
+
+def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, block_size: int,
+                  max_model_len: int) -> int:
+    """The KV pool size in blocks for these (resolved) settings; ConfigError when it cannot hold one block."""
+    if cfg.num_gpu_blocks_override:
+        return cfg.num_gpu_blocks_override
+    per_block = kv_block_bytes(model_config, block_size, dtype)
+    if cfg.kv_cache_memory:
+        budget = cfg.kv_cache_memory
+        if device.type == "cpu":
+            avail = available_memory_bytes()
+            if avail is not None and budget > avail * 0.9:
+                raise ConfigError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the memory available "
+                                  f"on this machine ({avail / 2**30:.1f} GiB); lower kv_cache_memory")
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.gpu_memory_utilization)
+    else:
+        avail = available_memory_bytes() or 4 * DEFAULT_CPU_KV_CACHE_MAX_BYTES
+        budget = min(DEFAULT_CPU_KV_CACHE_MAX_BYTES, int(avail * DEFAULT_CPU_KV_FRACTION))
+    cap = cfg.max_num_seqs * -(-max_model_len // block_size) + 1   # no point in more than max_num_seqs full seqs
+    blocks = min(budget // per_block, cap)
+    if blocks < 1:
+        raise ConfigError("the KV cache budget is smaller than one block; raise kv_cache_memory")
+    return blocks
+
+
+__all__ = ["available_memory_bytes", "kv_block_bytes", "num_kv_blocks"]
