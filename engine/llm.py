@@ -74,11 +74,9 @@ class LLM:
         marks("kernels_s")
 
         self.backend = get_backend(cfg.attention_backend, self.device)
-        block_size = cfg.block_size
-        need = getattr(self.backend, "required_block_multiple", 1)
-        if block_size % need:
-            log.info("block_size %d -> %d for the %s backend", block_size, need, self.backend.name)
-            block_size = need
+        block_size = self.backend.block_size_for(cfg.block_size)
+        if block_size != cfg.block_size:
+            log.info("block_size %d -> %d for the %s backend", cfg.block_size, block_size, self.backend.name)
         max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         # The one resolved config: every "auto" and None made concrete; the scheduler, runner, info and
         # manifest all see this one.

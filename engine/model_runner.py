@@ -108,10 +108,8 @@ class ModelRunner:
             slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sampled) + 1)),
             seq_lens=[seq_lens[i] for i in sampled], block_tables=meta.block_tables[sampled],
             num_decode_seqs=len(sampled), block_size=bs)
-        if self.backend.name == "flash_attn":
-            for m in (meta, meta.sample_meta):
-                m.query_start_loc_t = torch.tensor(m.query_start_loc, dtype=torch.int32, device=dev)
-                m.seq_lens_t = torch.tensor(m.seq_lens, dtype=torch.int32, device=dev)
+        for m in (meta, meta.sample_meta):
+            self.backend.prepare(m)
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         if not sample_rows:
             return {}

@@ -25,9 +25,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor        # [B, max_blocks] int32, padded with 0
     num_decode_seqs: int              # the first num_decode_seqs sequences have exactly one query token
     block_size: int
-    # Device copies for kernels that want them (flash-attn).
+    # Device copies for kernels that want them (set by the backend's ``prepare``; flash-attn).
     query_start_loc_t: torch.Tensor | None = None
     seq_lens_t: torch.Tensor | None = None
+    cu_seqlens_k_t: torch.Tensor | None = None
     # Rows whose final hidden states the caller needs (the sampled ones). When set, the last layer writes every
     # token's K/V but computes attention and its MLP only for these rows, via ``sample_meta``: the same rows
     # as one-query sequences over the cache. None: every row (tests comparing full logits).

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.attention.backend import AttentionBackend
 from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 
@@ -22,7 +23,7 @@ from engine.attention.metadata import AttentionMetadata
 PREFILL_TILE = 128
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """``native=None`` (default): decode attention uses the C kernel (``engine.cpu_kernels``) when it can run the
     tensors and builds here; ``False``: always the pure-torch gather path (tests compare the two)."""
 
