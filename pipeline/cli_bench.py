@@ -1,6 +1,6 @@
 """``batchgen bench`` (plugged into the ``batchgen`` group by pipeline/cli.py): the engine benchmark.
 
-Same options as ``python -m engine.bench``; the work happens in ``engine.bench``.
+The one bench CLI; the work happens in ``perf.bench``.
 """
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import click
 
 from engine.config import DEFAULT_MODEL
 
-_SHAPES = ("shared-prefix", "long-prompt", "short-prompt")
-_SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
+from perf import BENCH_SHAPES as _SHAPES
+from perf import BENCH_SYSTEMS as _SYSTEMS
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -40,7 +40,7 @@ def _csv(value: str | None) -> list[str] | None:
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
               hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, seed, json_path):
     """Run a workload through batchgen (prefix cache on/off) and transformers in one run; print the table."""
-    from engine.bench import format_table, options_from, run_bench, save_json
+    from perf.bench import format_table, options_from, run_bench, save_json
 
     chosen = _csv(systems) or []
     bad = sorted(set(chosen) - set(_SYSTEMS))

@@ -48,7 +48,7 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
     """Measure this device's matmul FLOP/s and memory bandwidth; cache them for report's roofline."""
     import torch
 
-    from engine.calibrate import cache_path, calibrate, load_calibration
+    from perf.calibrate import cache_path, calibrate, load_calibration
     from engine.dtype_policy import choose_dtype
 
     if device == "auto":

@@ -3,7 +3,7 @@
     summary = analyze(read_run(run_dir))          # plain dict of numbers; the HTML and the tests read it
     render_report([run_dir], "report.html")       # one run; two run dirs -> side-by-side comparison
 
-Roofline accounting (engine.flops counts, engine.calibrate limits). Each step is one forward pass:
+Roofline accounting (perf.flops counts, perf.calibrate limits). Each step is one forward pass:
 
     flops(step) = 2*layer_params*(prefill + decode tokens) + prefill attention + decode attention
                   + LM head on the sampled rows
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from engine import flops as F
+from perf import flops as F
 from pipeline.trace import Run, check_trace, read_run
 
 PROMPT_THRESHOLD = 512      # tokens: a "long" prompt

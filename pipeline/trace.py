@@ -59,7 +59,7 @@ class RunTrace:
         model_info: ``llm.info.to_dict()`` (name, identity, dtype, device, ...; stored as run.json's model_info).
         load_time_s: ``llm.info.load_time_s``.
         model_config: ``llm.model_config``; stored so the report can count FLOPs and bytes.
-        calibration: an ``engine.calibrate.Calibration``; None -> the cached one for the model's device/dtype.
+        calibration: an ``perf.calibrate.Calibration``; None -> the cached one for the model's device/dtype.
         start_time: ``time.monotonic()`` of the run start; None -> now.
     """
 
@@ -161,7 +161,7 @@ class RunTrace:
         cal = self.calibration
         if cal is None:
             try:
-                from engine.calibrate import load_calibration
+                from perf.calibrate import load_calibration
                 cal = load_calibration(self.model_info.get("device", "cpu"), self.model_info.get("dtype", "bfloat16"))
             except Exception:   # NOTE: a trace must never fail a run; no calibration just means no roofline
                 cal = None
@@ -261,7 +261,7 @@ def _config_dict(config) -> dict | None:
         return None
     if isinstance(config, dict):
         return config
-    from engine.flops import to_dict
+    from perf.flops import to_dict
     return to_dict(config)
 
 

@@ -1,4 +1,4 @@
-"""engine.bench / `batchgen bench`: the quick preset on a tiny random Llama runs every system and gives a
+"""perf.bench / `batchgen bench`: the quick preset on a tiny random Llama runs every system and gives a
 well-formed table and JSON with consistent token counts. No timing assertions: speeds here are noise."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import (SYSTEMS, BenchOptions, build_prompts, format_table, make_workload, options_from,
+from perf.bench import (SYSTEMS, BenchOptions, build_prompts, format_table, make_workload, options_from,
                           percentile, ratios, run_bench, save_json, SystemResult)
 from tests.model_utils import save_tiny, tiny_hf_model, tiny_tokenizer
 

@@ -1,9 +1,9 @@
-"""engine.calibrate: quick calibration gives positive, plausible numbers and round-trips through the cache."""
+"""perf.calibrate: quick calibration gives positive, plausible numbers and round-trips through the cache."""
 from __future__ import annotations
 
 import json
 
-from engine import calibrate as cal_mod
+from perf import calibrate as cal_mod
 from engine.dtype_policy import choose_dtype
 
 

@@ -1,9 +1,9 @@
-"""FLOP/byte counts of engine.flops against hand-computed cases and MACHINE.md's gemma-3-270m figures."""
+"""FLOP/byte counts of perf.flops against hand-computed cases and MACHINE.md's gemma-3-270m figures."""
 from __future__ import annotations
 
 import pytest
 
-from engine import flops
+from perf import flops
 from engine.models.config import ModelConfig
 
 

@@ -1,8 +1,8 @@
 """Benchmark: named workload shapes through batchgen and transformers, side by side in one run.
 
-    python -m engine.bench shared-prefix --n 48 --groups 4 --prefix-tokens 1500 --doc-tokens 400 \\
+    batchgen bench shared-prefix --n 48 --groups 4 --prefix-tokens 1500 --doc-tokens 400 \\
         --output-tokens 64 --json bench.json
-    python -m engine.bench --quick --model path/to/hf_dir        # a small smoke run
+    batchgen bench --quick --model path/to/hf_dir        # a small smoke run
 
 Every system gets the same token id lists (built from varied English sentences tokenized with the model's
 tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical work:
@@ -19,13 +19,12 @@ A prompt is ``[BOS] + prefix[group] + document[i]``:
 Numbers are only meaningful as ratios inside one run: this machine's cores (and its AMX unit) are shared,
 so absolute speeds drift between runs. The run notes the load average before and after.
 
-MFU counts the model FLOPs each system had to compute (``engine.flops``: window-limited attention, LM head
+MFU counts the model FLOPs each system had to compute (``perf.flops``: window-limited attention, LM head
 only on sampled rows; padding and masked work are not counted) against the calibrated matmul peak
-(``engine.calibrate``); decode MBU counts weight + KV bytes of decode steps against calibrated bandwidth.
+(``perf.calibrate``); decode MBU counts weight + KV bytes of decode steps against calibrated bandwidth.
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import dataclasses
 import gc
@@ -42,10 +41,11 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_MODEL
+from perf import BENCH_SHAPES, BENCH_SYSTEMS
 
 # ---- workloads ---------------------------------------------------------------------------------------
 
-SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
+SYSTEMS = BENCH_SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ SHAPES = {
     # Short prompt, long output, nothing shared: decode-bound.
     "short-prompt": dict(n=32, groups=32, prefix_tokens=0, doc_tokens=64, output_tokens=256),
 }
+assert tuple(SHAPES) == BENCH_SHAPES, "perf.BENCH_SHAPES lists the shapes for the CLI"
 QUICK = {
     "shared-prefix": dict(n=8, groups=2, prefix_tokens=96, doc_tokens=24, output_tokens=6),
     "long-prompt": dict(n=4, groups=4, prefix_tokens=0, doc_tokens=160, output_tokens=4),
@@ -178,7 +179,7 @@ class SystemResult:
     output_tokens: int = 0
     ttft_s: list[float] | None = None
     tpot_s: list[float] | None = None
-    flops: float | None = None        # model FLOPs this system computed (engine.flops)
+    flops: float | None = None        # model FLOPs this system computed (perf.flops)
     mfu: float | None = None          # flops / wall / calibrated peak
     prefill_mfu: float | None = None  # over the time spent in steps (batches) with prompt work
     decode_mbu: float | None = None   # decode-only steps: bytes moved / time / calibrated bandwidth
@@ -231,16 +232,16 @@ class _Roofline:
         self.mcfg, self.dtype_bytes, self.cal = mcfg, dtype_bytes, cal
 
     def request_flops(self, prompt_len: int, cached: int, output_tokens: int) -> float:
-        from engine import flops
+        from perf import flops
         f = flops.prefill_flops(self.mcfg, prompt_len - cached, cached, num_sampled=1)
         return f + sum(self.decode_flops([prompt_len + k]) for k in range(1, output_tokens))
 
     def decode_flops(self, ctx_lens: list[int]) -> float:
-        from engine import flops
+        from perf import flops
         return flops.decode_step_flops(self.mcfg, ctx_lens)
 
     def decode_bytes(self, ctx_lens: list[int]) -> float:
-        from engine import flops
+        from perf import flops
         return flops.decode_step_bytes(self.mcfg, ctx_lens, self.dtype_bytes)
 
     def mfu(self, fl: float, secs: float) -> float | None:
@@ -518,7 +519,7 @@ def _git_commit() -> str | None:
 
 
 def _calibration(opts: BenchOptions, device: str):
-    from engine.calibrate import get_calibration
+    from perf.calibrate import get_calibration
     return get_calibration(device, opts.dtype, quick=opts.quick)
 
 
@@ -730,14 +731,6 @@ def save_json(result: dict, path: str | Path) -> Path:
 
 # ---- command line ------------------------------------------------------------------------------------
 
-def _csv_ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x.strip())
-
-
-def _csv_systems(s: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in s.split(",") if x.strip())
-
-
 def options_from(shape: str, quick: bool, n=None, groups=None, prefix_tokens=None, doc_tokens=None,
                  output_tokens=None, hf_batch_sizes=None, **kw) -> BenchOptions:
     """BenchOptions from command-line values (None = the shape's / preset's default); shared with the CLI."""
@@ -749,41 +742,3 @@ def options_from(shape: str, quick: bool, n=None, groups=None, prefix_tokens=Non
         from engine.dtype_policy import choose_dtype
         kw["dtype"] = choose_dtype("auto", "cpu").dtype
     return BenchOptions(workload=w, quick=quick, hf_batch_sizes=tuple(hf_batch_sizes), **kw)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("shape", nargs="?", default="shared-prefix", choices=list(SHAPES))
-    ap.add_argument("--quick", action="store_true", help="small smoke preset")
-    ap.add_argument("--n", type=int)
-    ap.add_argument("--groups", type=int)
-    ap.add_argument("--prefix-tokens", type=int)
-    ap.add_argument("--doc-tokens", type=int)
-    ap.add_argument("--output-tokens", type=int)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    ap.add_argument("--threads", type=int, help="torch threads for every system (default: torch's)")
-    ap.add_argument("--systems", type=_csv_systems, default=SYSTEMS, help=f"comma list of {','.join(SYSTEMS)}")
-    ap.add_argument("--hf-batch-sizes", type=_csv_ints, help="comma list (default 4,8,16; quick: 4)")
-    ap.add_argument("--max-num-seqs", type=int)
-    ap.add_argument("--max-num-batched-tokens", type=int)
-    ap.add_argument("--kv-cache-memory", type=int, help="bytes")
-    ap.add_argument("--no-roofline", action="store_true", help="skip calibration and MFU/MBU")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", dest="json_path", help="save the results here")
-    a = ap.parse_args(argv)
-    opts = options_from(a.shape, a.quick, n=a.n, groups=a.groups, prefix_tokens=a.prefix_tokens,
-                        doc_tokens=a.doc_tokens, output_tokens=a.output_tokens, hf_batch_sizes=a.hf_batch_sizes,
-                        model=a.model, dtype=a.dtype, threads=a.threads, systems=a.systems,
-                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        kv_cache_memory=a.kv_cache_memory, roofline=not a.no_roofline, seed=a.seed)
-    progress = (lambda partial: save_json(partial, a.json_path)) if a.json_path else None
-    result = run_bench(opts, progress)
-    print(format_table(result))
-    if a.json_path:
-        print(f"saved {save_json(result, a.json_path)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

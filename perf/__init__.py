@@ -1,0 +1,12 @@
+"""Measurement tools beside the engine and the pipeline; nothing here runs during inference.
+
+    flops.py       model FLOPs and bytes per step (window-limited attention, sampled-rows LM head)
+    calibrate.py   this device's matmul FLOP/s and memory bandwidth, cached (``batchgen calibrate``)
+    roofline.py    per-step MFU/MBU from flops + a calibration: one model for the report, the bench and the plan
+    bench.py       batchgen vs transformers on synthetic workloads, side by side (``batchgen bench``)
+    bench_plan.py  planner orders (planned / input / shuffled) on real jobs
+"""
+
+# The bench's systems and workload shapes, here so the CLI can list them without importing torch.
+BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
+BENCH_SHAPES = ("shared-prefix", "long-prompt", "short-prompt")
