@@ -1,20 +1,29 @@
 """batchgen's engine: our own paged-KV inference engine on torch.
 
-The door (vLLM's names): ``from engine import LLM, SamplingParams``.
+The door (vLLM's names): ``from engine import LLM, SamplingParams``; the typed contract the pipeline codes
+against: ``Engine`` and ``EngineInfo`` (engine/interface.py). The pipeline imports only what this module
+exports.
 """
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import BatchgenError, ConfigError, ModelLoadError
+from engine.interface import Engine, EngineInfo
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
 
+# Imported on first use, so `import engine` stays cheap (these pull in torch or the model code).
+_LAZY = {"LLM": ("engine.llm", "LLM"), "choose_dtype": ("engine.dtype_policy", "choose_dtype"),
+         "resolve_model": ("engine.loader.resolve", "resolve_model"),
+         "load_model_config": ("engine.loader", "load_model_config")}
+
 
 def __getattr__(name):
-    # LLM pulls in torch and the model code; import it lazily so `import engine` stays cheap.
-    if name == "LLM":
-        from engine.llm import LLM
-        return LLM
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "RequestMetrics", "StepStats",
-           "BatchgenError", "ConfigError", "ModelLoadError"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "DEFAULT_MODEL", "Engine", "EngineInfo", "RequestOutput",
+           "RequestMetrics", "StepStats", "BatchgenError", "ConfigError", "ModelLoadError", "choose_dtype",
+           "resolve_model", "load_model_config"]

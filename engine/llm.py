@@ -3,8 +3,10 @@
     llm = LLM(model="gemma-3-270m", dtype="auto", **engine_args)   # engine_args: EngineConfig fields
     outs = llm.generate(prompts, SamplingParams(max_tokens=64))    # one RequestOutput per prompt
 
-The pipeline drives it incrementally: ``add_request`` / ``step`` / ``has_unfinished_requests``, and pins a
-group's shared prefix with ``pin_prefix`` / ``unpin_prefix``. Nothing outside engine/ reaches further in.
+It implements ``engine.interface.Engine``: the pipeline drives it incrementally (``add_request`` / ``step`` /
+``has_unfinished_requests``), pins a group's shared prefix with ``pin_prefix`` / ``unpin_prefix``, and reads
+``info`` (an ``EngineInfo``). ``config`` is the resolved ``EngineConfig``. Nothing outside engine/ reaches
+further in than ``engine/__init__.py`` exports.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from engine.errors import BatchgenError
+from engine import BatchgenError
 
 # NOTE: cli_schedule owns `cron` and `status`, cli_report owns `report` and `calibrate`; a name registered twice
 # is refused with a warning (the first module wins).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from engine.config import DEFAULT_MODEL
+from engine import DEFAULT_MODEL
 
 from perf import BENCH_SHAPES as _SHAPES
 from perf import BENCH_SYSTEMS as _SYSTEMS

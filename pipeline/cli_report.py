@@ -49,7 +49,7 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
     import torch
 
     from perf.calibrate import cache_path, calibrate, load_calibration
-    from engine.dtype_policy import choose_dtype
+    from engine import choose_dtype
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

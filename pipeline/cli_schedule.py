@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from engine.errors import BatchgenError
+from engine import BatchgenError
 from pipeline import cron, history
 
 _user_option = click.option("--user", metavar="USER", default=None,

@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 
 from croniter import croniter
 
-from engine.errors import BatchgenError
+from engine import BatchgenError
 from pipeline.history import resolve_state_dir
 
 BEGIN = "# BEGIN batchgen (managed by `batchgen cron`; edits here are overwritten)"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import BatchgenError
+from engine import BatchgenError
 
 
 @dataclass(frozen=True)

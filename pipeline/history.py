@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from engine.errors import BatchgenError
+from engine import BatchgenError
 
 DB_NAME = "history.sqlite"
 FINAL_STATUSES = ("ok", "failed", "interrupted")

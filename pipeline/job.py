@@ -17,9 +17,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.errors import BatchgenError
-from engine.sampling_params import SamplingParams
+from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams
 from pipeline.errors import JobError, Problem
 
 DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"

@@ -57,7 +57,7 @@ def _model_config(run: Run):
     if not path:
         return None
     try:   # NOTE: older runs without a stored config: read it from the checkpoint if it is still there
-        from engine.loader import load_model_config, resolve_model
+        from engine import load_model_config, resolve_model
         return load_model_config(resolve_model(path))
     except Exception:
         return None

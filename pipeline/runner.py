@@ -44,8 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engine.errors import BatchgenError
-from engine.interface import Engine, EngineInfo
+from engine import BatchgenError, Engine, EngineInfo
 from pipeline import history
 from pipeline.errors import RunError
 from pipeline.io import InputError, iter_batches, iter_output_batches, write_bytes_atomic, write_output

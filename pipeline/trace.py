@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.outputs import RequestOutput, StepStats
+from engine import RequestOutput, StepStats
 
 REQUESTS_FILE, STEPS_FILE, RUN_FILE = "requests.parquet", "steps.parquet", "run.json"
 WARMUP_STEPS = 1   # the first step of a session pays for allocation, kernel selection, any compilation

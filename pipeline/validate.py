@@ -109,8 +109,7 @@ def _output_problems(job: Job) -> list[Problem]:
 def _model_problems(job: Job) -> list[Problem]:
     # NOTE: resolving the model name is a file-system check the door does not offer yet; the engine's
     # resolver is the one source of truth for what a model spec may be, so it is used as is.
-    from engine.errors import BatchgenError
-    from engine.loader.resolve import resolve_model
+    from engine import BatchgenError, resolve_model
     try:
         resolve_model(job.model)
     except BatchgenError as e:
