@@ -16,7 +16,8 @@ DEFAULT_CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"                      # auto -> by device and ISA (engine.dtype_policy); float32 | bfloat16 | float16
+    dtype: str = "auto"                      # auto -> by device and ISA (engine.dtype_policy); or float32,
+                                             # bfloat16, float16
     device: str = "auto"                     # auto -> cuda if available else cpu
     block_size: int = 16
     kv_cache_memory: int | None = None       # bytes for the KV pool; None -> default (CPU) / fraction (CUDA)

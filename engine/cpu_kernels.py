@@ -9,7 +9,8 @@ Only what torch cannot do well on the CPU lives here:
 Per-ISA code paths are chosen at compile time (``csrc/simd.h``): ``-march=native`` gives the AVX-512 path on
 AVX-512 CPUs (AVX512-BF16 dot products where present), the AVX2 + FMA path on AVX2-only CPUs, and the portable
 C loops anywhere else; the portable loops are the reference the tests hold the others to. ``isa(lib)`` says
-which one a build has. The build takes a second or two, has no torch headers, and is cached per source + flags + CPU under
+which one a build has. The build takes a second or two, has no torch headers, and is cached per source + flags +
+CPU under
 ``$BATCHGEN_CACHE_DIR`` (default ``~/.cache/batchgen/kernels``). Without a compiler, or with
 ``BATCHGEN_CPU_KERNELS=0``, every caller takes its pure-torch path: same results within float rounding, slower.
 
@@ -181,7 +182,8 @@ def masked_softmax_(scores: torch.Tensor, t: int, g: int, q_start: int, k_start:
     assert scores.is_contiguous() and scores.dtype in _SUFFIX
     S = scores.shape[-1]
     outer = scores.numel() // (t * g * S)
-    getattr(load(), f"masked_softmax_{_SUFFIX[scores.dtype]}")(scores.data_ptr(), outer, t, g, S, q_start, k_start, window or 0,
+    getattr(load(), f"masked_softmax_{_SUFFIX[scores.dtype]}")(scores.data_ptr(), outer, t, g, S, q_start, k_start,
+                                                               window or 0,
                                torch.get_num_threads())
     return scores
 
@@ -203,7 +205,7 @@ def call(lib: ctypes.CDLL, q, k_cache, v_cache, block_tables, seq_lens, window, 
     return out
 
 
-# ---- fused elementwise passes (bf16 and float32) -------------------------------------------------------------------------
+# ---- fused elementwise passes (bf16 and float32) -----------------------------------------------------------
 
 _GLU = {"gelu_tanh": "gelu_tanh_mul", "silu": "silu_mul"}
 

@@ -21,8 +21,8 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import get_backend
-from engine.cpu_tuning import keep_freed_memory
 from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_policy import resolve_dtype
 from engine.errors import ConfigError
@@ -49,7 +49,8 @@ class LLM:
         t0 = time.monotonic()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
         self.dtype_choice = resolve_dtype(cfg.dtype, self.device)    # auto: by device and instruction set
         self.dtype = self.dtype_choice.torch_dtype
         if self.device.type == "cpu":
@@ -169,7 +170,8 @@ class LLM:
             finish_time=req.finish_time or time.monotonic(), num_preemptions=req.num_preemptions)
         return RequestOutput(
             request_id=req.request_id, prompt=self._prompts.get(req.request_id),
-            prompt_token_ids=req.prompt_token_ids, text=detok.flush() if req.status.finished else detok.text, token_ids=list(req.output_token_ids),
+            prompt_token_ids=req.prompt_token_ids, text=detok.flush() if req.status.finished else detok.text,
+            token_ids=list(req.output_token_ids),
             finish_reason=req.status.value if req.status.finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0), metrics=m, error=req.error,
             stop_reason=req.stop_reason)
@@ -189,7 +191,8 @@ class LLM:
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        one = isinstance(sampling_params, SamplingParams)
+        params = [sampling_params] * len(prompts) if one else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         prios = list(priorities) if priorities is not None else [0] * len(prompts)

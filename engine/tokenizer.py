@@ -99,7 +99,8 @@ def convert_gguf_tokenizer(path: Path):
 
 def _cache_valid(cache_dir: Path) -> bool:
     marker = cache_dir / _MARKER
-    return (cache_dir / "tokenizer.json").is_file() and marker.is_file() and marker.read_text().strip() == _CACHE_VERSION
+    return ((cache_dir / "tokenizer.json").is_file() and marker.is_file()
+            and marker.read_text().strip() == _CACHE_VERSION)
 
 
 _CONFIG_SKIP = {"tokenizer_class", "auto_map", "backend", "is_local", "local_files_only", "name_or_path"}

@@ -198,7 +198,9 @@ class SystemResult:
 
     @property
     def hit_rate(self) -> float | None:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens and self.system.startswith("batchgen") else None
+        if not self.prompt_tokens or not self.system.startswith("batchgen"):
+            return None
+        return self.cached_tokens / self.prompt_tokens
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -280,7 +282,8 @@ def _say(opts: BenchOptions, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], prefix_caching: bool, roof) -> tuple[SystemResult, object]:
+def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], prefix_caching: bool,
+                 roof) -> tuple[SystemResult, object]:
     """One LLM per setting (a fresh prefix cache), a short warm-up, then the whole workload in one generate."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams

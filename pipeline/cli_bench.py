@@ -7,7 +7,6 @@ from __future__ import annotations
 import click
 
 from engine import DEFAULT_MODEL
-
 from perf import BENCH_SHAPES as _SHAPES
 from perf import BENCH_SYSTEMS as _SYSTEMS
 

@@ -48,8 +48,8 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
     """Measure this device's matmul FLOP/s and memory bandwidth; cache them for report's roofline."""
     import torch
 
-    from perf.calibrate import cache_path, calibrate, load_calibration
     from engine import choose_dtype
+    from perf.calibrate import cache_path, calibrate, load_calibration
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,7 +71,8 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
     for shape, v in cal.matmul_by_shape.items():
         click.echo(f"  {shape:>16}: {v / 1e9:,.1f} GFLOP/s")
     click.echo(f"matmul at M=16:    {cal.small_m_flops / 1e9:,.1f} GFLOP/s")
-    click.echo(f"memory bandwidth:  {cal.memory_bandwidth / 1e9:,.1f} GB/s read, {cal.copy_bandwidth / 1e9:,.1f} GB/s copy")
+    click.echo(f"memory bandwidth:  {cal.memory_bandwidth / 1e9:,.1f} GB/s read, "
+               f"{cal.copy_bandwidth / 1e9:,.1f} GB/s copy")
     click.echo(f"ridge point:       {cal.ridge_point:,.1f} FLOP/byte")
     click.echo(f"cached at:         {cache_path(device, dtype, cache_dir)}")
 

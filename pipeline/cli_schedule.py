@@ -23,8 +23,8 @@ _dry_run_option = click.option("--dry-run", is_flag=True, help="Print what would
 
 def _load_jobs(files: list[str]):
     """Parse job files, and check their schedules (each problem with its file and YAML line)."""
-    from pipeline.job import load_jobs          # lazy: the job loader pulls in engine config
     from pipeline.errors import JobError
+    from pipeline.job import load_jobs  # lazy: the job loader pulls in engine config
 
     jobs = load_jobs(files)
     problems = []

@@ -5,7 +5,8 @@ cron ignores it). Writes rebuild that block and leave every other line of the cr
 
     MAILTO=me@example.com                                       <- the user's lines: never touched
     # BEGIN batchgen (managed by `batchgen cron`; edits here are overwritten)
-    0 2 * * * cd /work && mkdir -p /logs && PATH=... /venv/bin/batchgen submit /work/jobs/a.yaml --quiet >> /logs/a.log 2>&1 # batchgen:a
+    0 2 * * * cd /work && mkdir -p /logs && PATH=... /venv/bin/batchgen submit /work/jobs/a.yaml --quiet \
+        >> /logs/a.log 2>&1 # batchgen:a          (one line in the crontab)
     # END batchgen
 
 An entry is self-contained, since cron runs it with ``PATH=/usr/bin:/bin`` and ``HOME`` from passwd, in

@@ -1,6 +1,7 @@
 """The job file: one YAML file per job, parsed into a frozen ``Job`` with every problem reported at once.
 
-Paths in a job are relative to the current directory. Parsing (``load_job``) checks the file's shape: YAML syntax, unknown keys (with a did-you-mean), missing keys,
+Paths in a job are relative to the current directory. Parsing (``load_job``) checks the file's shape: YAML syntax,
+unknown keys (with a did-you-mean), missing keys,
 types, enums, and the generation / engine sections (built into ``SamplingParams`` / ``EngineConfig``). Each
 problem names the file, the dotted key and the YAML line. Checks that need the outside world (input files and
 columns, output path, model, cron) live in ``pipeline.validate``.

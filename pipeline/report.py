@@ -515,12 +515,14 @@ def _single_html(run: Run, sm: dict) -> str:
         ["&nbsp; cached (prefix hits)", f"{_fmt(t['cached_tokens'])} ({_fmt(t['cache_hit_rate'], '%')})"],
         ["&nbsp; computed", _fmt(t["computed_tokens"])], ["output tokens", _fmt(t["output_tokens"])],
         ["wall time", _fmt(t["wall_s"], "s")], ["documents/s", _fmt(t["docs_per_s"])],
-        ["output tokens/s", _fmt(t["output_tokens_per_s"])], ["all tokens/s (prompt + output)", _fmt(t["tokens_per_s"])],
+        ["output tokens/s", _fmt(t["output_tokens_per_s"])],
+        ["all tokens/s (prompt + output)", _fmt(t["tokens_per_s"])],
         ["engine steps", _fmt(t["steps"])], ["preemptions", _fmt(t["preemptions"])]]))
     e = sm["engine_time"]
     parts.append("<h2>Phases and engine time</h2>" + _table(["phase", "seconds"], [
         ["model load", _fmt(ph.get("load_s"), "s")], ["setup (run start → first step)", _fmt(ph.get("setup_s"), "s")],
-        ["warm-up (first step)", _fmt(ph.get("warmup_s"), "s")], ["steady state (after warm-up)", _fmt(ph.get("steady_s"), "s")],
+        ["warm-up (first step)", _fmt(ph.get("warmup_s"), "s")],
+        ["steady state (after warm-up)", _fmt(ph.get("steady_s"), "s")],
         ["&nbsp; steps with prefill tokens", _fmt(e["prefill_steps_s"], "s")],
         ["&nbsp;&nbsp; of which mixed prefill + decode", _fmt(e["mixed_steps_s"], "s")],
         ["&nbsp; decode-only steps", _fmt(e["decode_steps_s"], "s")],
@@ -605,10 +607,13 @@ def _compare_html(sms: list[dict]) -> str:
         return x
 
     metrics = [("documents", ("totals", "documents"), ""), ("prompt tokens", ("totals", "prompt_tokens"), ""),
-               ("cache hit rate", ("totals", "cache_hit_rate"), "%"), ("output tokens", ("totals", "output_tokens"), ""),
+               ("cache hit rate", ("totals", "cache_hit_rate"), "%"),
+               ("output tokens", ("totals", "output_tokens"), ""),
                ("wall time", ("totals", "wall_s"), "s"), ("documents/s", ("totals", "docs_per_s"), ""),
-               ("output tokens/s", ("totals", "output_tokens_per_s"), ""), ("all tokens/s", ("totals", "tokens_per_s"), ""),
-               ("model load", ("phases", "load_s"), "s"), ("prefill steps time", ("engine_time", "prefill_steps_s"), "s"),
+               ("output tokens/s", ("totals", "output_tokens_per_s"), ""),
+               ("all tokens/s", ("totals", "tokens_per_s"), ""),
+               ("model load", ("phases", "load_s"), "s"),
+               ("prefill steps time", ("engine_time", "prefill_steps_s"), "s"),
                ("decode-only steps time", ("engine_time", "decode_steps_s"), "s"),
                ("TTFT p50", ("latency", "ttft_s", "p50"), "ms"), ("TTFT p99", ("latency", "ttft_s", "p99"), "ms"),
                ("TPOT p50", ("latency", "tpot_s", "p50"), "ms"), ("TPOT p99", ("latency", "tpot_s", "p99"), "ms"),

@@ -19,7 +19,8 @@ dropped from the output, or kept at its end with ``output.keep_deleted_rows: tru
 
 Every run also leaves (see ``RunTrace`` / ``pipeline.history``):
 
-    <state dir>/runs/<run id>/        requests.parquet/, steps.parquet/ (append-only part files), run.json -> ``batchgen report <dir>``
+    <state dir>/runs/<run id>/        requests.parquet/, steps.parquet/ (append-only part files), run.json
+                                      -> ``batchgen report <dir>``
     <state dir>/current_run           the run id while a run is unfinished (a resume appends to its trace)
     history.sqlite (state dir of ``pipeline.history``)   one row per job per run -> ``batchgen status``
 

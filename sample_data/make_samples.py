@@ -267,7 +267,7 @@ def _support_doc(rng: random.Random, i: int, name: str) -> str:
         f"the delivery of my {product} was {rng.choice([8, 10, 12])} days later than promised",
         f"I changed my mind about the {product}; it is still sealed in its box",
         f"the {product} has failed for the third time since I bought it",
-        f"the courier missed the delivery slot twice and nobody called me",
+        "the courier missed the delivery slot twice and nobody called me",
     ])
     want = rng.choice(["a full refund", "a replacement", "a repair visit", "compensation for my time",
                        "my delivery fee back", "to return it and buy a different model"])
@@ -275,7 +275,7 @@ def _support_doc(rng: random.Random, i: int, name: str) -> str:
              f"Hello, I bought {_a(product)} from you {days} days ago and {problem}. I would like {want}."]
     extras = [
         f"I have attached {rng.randint(2, 6)} photos showing the problem and the packaging.",
-        f"I paid with a credit card that has since expired, so I am not sure how a refund would reach me.",
+        "I paid with a credit card that has since expired, so I am not sure how a refund would reach me.",
         f"This {product} was a gift for my {rng.choice(['mother', 'brother', 'neighbour', 'friend'])}.",
         "I have already called twice and was told someone would ring me back, but nobody did.",
         f"The engineer who came on {rng.choice(['Monday', 'Tuesday', 'Thursday'])} said the part was on order "
@@ -349,7 +349,8 @@ def _tenancy_doc(rng: random.Random, i: int, name: str) -> str:
                           "the smoke alarm in the hallway keeps beeping",
                           "there is a smell of gas near the cooker"])
     paras = [f"Maintenance request {i} from {name}, flat {flat}.",
-             f"Hello, I am writing because {problem}. It started {rng.choice(['this morning', 'yesterday', 'three days ago', 'last week'])}."]
+             f"Hello, I am writing because {problem}. It started "
+             f"{rng.choice(['this morning', 'yesterday', 'three days ago', 'last week'])}."]
     extras = [
         "I am at home most days, so any time is fine for a visit.",
         "I work during the day; please call before coming so I can arrange access.",

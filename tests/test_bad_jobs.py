@@ -74,6 +74,7 @@ CASES = [
 def good_output(tmp_path, make_docs_dataset, fake_llm_factory, monkeypatch, tiny_llama_dir):
     """A valid output of job ``good`` (fake engine), and what the bad variants need."""
     import pyarrow as pa
+
     from tests.conftest import make_docs
     rows = [{**r, "region": "EU"} for r in make_docs(8)]
     data = tmp_path / "docs.parquet"

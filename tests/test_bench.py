@@ -7,8 +7,19 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from perf.bench import (SYSTEMS, BenchOptions, build_prompts, format_table, make_workload, options_from,
-                          percentile, ratios, run_bench, save_json, SystemResult)
+from perf.bench import (
+    SYSTEMS,
+    BenchOptions,
+    SystemResult,
+    build_prompts,
+    format_table,
+    make_workload,
+    options_from,
+    percentile,
+    ratios,
+    run_bench,
+    save_json,
+)
 from tests.model_utils import save_tiny, tiny_hf_model, tiny_tokenizer
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from perf import calibrate as cal_mod
 from engine.dtype_policy import choose_dtype
+from perf import calibrate as cal_mod
 
 
 def test_quick_calibration_is_plausible_and_cached(tmp_path):

@@ -54,6 +54,7 @@ def test_duplicate_ids_fail_before_compute(tmp_path, make_docs_dataset, fake_eng
 
 def test_datasets_input_and_sharded_output(tmp_path, fake_engine):
     import datasets
+
     from tests.conftest import make_docs
     ds_dir = tmp_path / "ds"
     datasets.Dataset.from_list(make_docs(15)).save_to_disk(str(ds_dir))

@@ -4,8 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-from gguf.quants import dequantize as ref_dequantize, quantize as ref_quantize
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as ref_dequantize
+from gguf.quants import quantize as ref_quantize
 
 import engine.loader.dequant as dq
 from engine.errors import ModelLoadError
@@ -17,7 +19,8 @@ K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0,
 
 
 def _bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype == np.float32 and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    return (a.shape == b.shape and a.dtype == b.dtype == np.float32
+            and np.array_equal(a.view(np.uint32), b.view(np.uint32)))
 
 
 def _random_k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from perf import flops
 from engine.models.config import ModelConfig
+from perf import flops
 
 
 def gemma_270m() -> ModelConfig:

@@ -1,9 +1,9 @@
 """GGUF loading: config from metadata, HF-named weights, parity with transformers' own GGUF loading."""
 from __future__ import annotations
 
+import struct
 import time
 from pathlib import Path
-import struct
 
 import gguf
 import numpy as np

@@ -1,5 +1,4 @@
 """Job files: parsing, did-you-mean, file/key/line in every message; validate catches each bad-job kind."""
-import textwrap
 
 import pytest
 from click.testing import CliRunner

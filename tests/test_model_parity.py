@@ -48,9 +48,9 @@ def test_engine_step_computes_only_sampled_rows_with_transformers_logits(pair):
     transformers' full forward at those positions."""
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.model_runner import ModelRunner
-    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
     from engine.request import Request
     from engine.sampling_params import SamplingParams
+    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
     _, hf, ours = pair
     g = torch.Generator().manual_seed(9)

@@ -121,6 +121,7 @@ def test_bad_rows_become_error_rows(tmp_path, make_docs_dataset, fake_llm_factor
 
 def test_lock_refuses_second_run(tmp_path, make_docs_dataset, fake_llm_factory):
     import os
+
     from pipeline.errors import RunError
     data = make_docs_dataset(n=4)
     job = write_job(tmp_path, "l", data)

@@ -6,8 +6,8 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from perf import flops
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
+from perf import flops
 from pipeline.cli_report import calibrate_cmd, commands, report_cmd
 from pipeline.report import analyze, diagnose, render_report, roofline, shape_warnings
 from pipeline.trace import RunTrace, read_run

@@ -66,7 +66,8 @@ def driver(tmp_path):
 
 
 def _run(driver, job, env=None, check=True):
-    p = subprocess.run([sys.executable, str(driver), "submit", "-q", "--commit-every", "0", str(job)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, str(driver), "submit", "-q", "--commit-every", "0", str(job)],
+                       capture_output=True, text=True,
                        env={**os.environ, **(env or {})}, cwd=ROOT, timeout=120)
     if check:
         assert p.returncode == 0, p.stderr

@@ -11,7 +11,7 @@ import pytest
 
 import engine.tokenizer as tokmod
 from engine.loader.resolve import ModelSource, resolve_model
-from engine.tokenizer import load_gguf_tokenizer, load_tokenizer
+from engine.tokenizer import load_tokenizer
 
 FIXED = [
     "", " ", "  ", "\n", "\n\n\n", "\t\t x", "Hello world", "Hello  world  ", " leading space", "trailing space ",

@@ -45,7 +45,8 @@ def simulate(shapes, budget=64, max_seqs=4, block_size=16, num_blocks=256, t0=10
                 n = min(r["prompt"] - r["done"], left)
                 left -= n
                 this_step.append((r, n, True))
-        dur = 0.002 + 2e-5 * sum(n for _, n, pre in this_step if pre) + 1e-4 * sum(1 for *_, pre in this_step if not pre)
+        dur = (0.002 + 2e-5 * sum(n for _, n, pre in this_step if pre)
+               + 1e-4 * sum(1 for *_, pre in this_step if not pre))
         now = end = start + dur
         for r, n, pre in this_step:
             m = r["metrics"]

@@ -7,7 +7,8 @@ result so later loads map the file instead (``safe_open`` is mmap-backed: a page
   torch version and a hash of the code that produces the tensors (engine/loader, engine/models): a new
   engine version never trusts an old layout.
 * Integrity: a crc32 of every tensor's bytes is stored in the file's metadata and checked on load (~4 GB/s a
-  thread, two threads, and it pages the weights in, which the first step would do anyway). A truncated or corrupted file is
+  thread, two threads, and it pages the weights in, which the first step would do anyway). A truncated or corrupted
+  file is
   reported, deleted and rebuilt.
 * Concurrency: writers write a private temporary file in the cache directory and ``os.replace`` it into
   place, so two processes loading at once both succeed and a reader never sees a half-written file.

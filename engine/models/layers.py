@@ -154,7 +154,8 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
-def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
     """Every layer over every token, except that the last one computes only ``meta.sample_rows`` when set.
 
     Nothing after the last layer's K/V write feeds another token, so for a 4,096-token prefill step that
