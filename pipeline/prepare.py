@@ -1,0 +1,206 @@
+"""Step 1 of a run: stream a job's input into row keys and a spill file of what is left to compute.
+
+For every input row: render the prompt, compute its ``row_key`` (row id + prompt + model + parameters); a key
+with a committed result is reused; a bad row becomes an error result at once; the rest are tokenized and go to
+the spill file (head group, document ids, tail id) that the feeder reads back by row number. Nothing here
+touches the engine beyond its tokenizer and ``EngineInfo``.
+
+    keys.arrow    row_idx -> row_key, in input order (the assembly joins results onto it)
+    spill.arrow   row_key, group, doc_ids, tail  for the rows to compute
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from engine import EngineInfo
+from pipeline.errors import RunError
+from pipeline.io import iter_batches
+from pipeline.job import Job
+from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_columns, row_key
+from pipeline.state import RunState
+
+SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
+                          ("tail", pa.int64())])
+KEYS_SCHEMA = pa.schema([("row_idx", pa.int64()), ("row_key", pa.string())])
+
+
+@dataclass
+class JobRun:
+    """One job's state while it runs."""
+    job: Job
+    renderer: PromptRenderer
+    state: RunState
+    fingerprint: str
+    params: object
+    num_rows: int = 0
+    reused: int = 0
+    changed: int = 0
+    row_errors: int = 0
+    computed: int = 0
+    spill_rows: int = 0
+    keys_digest: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    predicted_cached: int = 0
+    planned_prompt_tokens: int = 0
+    pending: list = field(default_factory=list)
+    up_to_date: bool = False
+    manifest: dict | None = None
+    ids: set = field(default_factory=set)      # the current input's row ids
+    deleted_kept: int = 0                      # rows no longer in the input, kept (output.keep_deleted_rows)
+    deleted_dropped: int = 0                   # ... dropped from the output
+    tails: dict = field(default_factory=dict)  # rendered prompt tail (token ids) -> its id in the spill file
+
+
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """What the planner needs of a prepared job: per row to compute (spill order), its head group and length."""
+    groups: list[int]
+    prompt_lens: list[int]
+
+
+def new_job_run(job: Job, state: RunState, tokenizer, info: EngineInfo) -> JobRun:
+    params = job.sampling_params
+    fp = fingerprint(info.identity, dataclasses.asdict(params), job.prompt.on_too_long, job.prompt.chat_template)
+    return JobRun(job=job, renderer=PromptRenderer(job.prompt, tokenizer), state=state, fingerprint=fp,
+                  params=params)
+
+
+def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
+            fail_fast: bool) -> PreparedJob:
+    """Stream the job's input; write keys (+ spill of rows to compute). Rows already committed are reused, bad
+    rows are committed as error rows at once. ``heads`` / ``head_index`` collect the distinct prompt heads of
+    every job on the model (the planner's groups)."""
+    job, r = jr.job, jr.renderer
+    id_col = job.input.id_column
+    cols = list(dict.fromkeys(([id_col] if id_col else []) + needed_columns(job.prompt)))
+    done = jr.state.load_done() if jr.state.dir.exists() else None
+    done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
+    done_ids = {k.rpartition("#")[0] for k in done_keys}
+    max_len = info.max_model_len
+    max_tokens = jr.params.max_tokens
+    seen_ids: set[str] = set()
+    seen_keys: set[str] = set()
+    digest = hashlib.sha256()
+    groups, lens = [], []
+    keys_path, spill_path = jr.state.scratch("keys.arrow"), jr.state.scratch("spill.arrow")
+    if dry_run:
+        keys_w = spill_w = None
+    else:
+        jr.state.dir.mkdir(parents=True, exist_ok=True)
+        keys_w = pa.ipc.new_file(str(keys_path), KEYS_SCHEMA)
+        spill_w = pa.ipc.new_file(str(spill_path), SPILL_SCHEMA)
+    row_idx = 0
+    try:
+        for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
+                                  job.input.split, job.input.limit):
+            rows = batch.to_pylist()
+            keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": []}
+            rendered: list = []
+            for i, row in enumerate(rows):
+                rid = str(row[id_col]) if id_col else str(row_idx + i)
+                if id_col and row[id_col] is None:
+                    rid = f"<null id at row {row_idx + i}>"
+                if rid in seen_ids and not job.input.allow_duplicate_ids:
+                    raise RunError(f"{job.file}: input.id_column {id_col!r}: id {rid!r} appears more than "
+                                   f"once (again at row {row_idx + i}); ids must be unique, or set "
+                                   "input.allow_duplicate_ids: true")
+                seen_ids.add(rid)
+                try:
+                    rr = r.render(row)
+                    key = row_key(rid, rr.text, jr.fingerprint)
+                except RowError as e:
+                    rr, key = e, row_key(rid, "error:" + str(e) + repr(sorted(row.items(), key=str)),
+                                         jr.fingerprint)
+                rendered.append((rid, rr, key))
+            todo = [k for k, (_, rr, key) in enumerate(rendered)
+                    if not isinstance(rr, RowError) and key not in done_keys and key not in seen_keys]
+            doc_ids = dict(zip(todo, r.document_ids([rendered[k][1].document for k in todo])))
+            for k, (rid, rr, key) in enumerate(rendered):
+                keys.append(key)
+                digest.update(key.encode() + b"\n")
+                if key in done_keys or key in seen_keys:
+                    jr.reused += key in done_keys
+                    continue
+                seen_keys.add(key)
+                if rid in done_ids:
+                    jr.changed += 1
+                if not isinstance(rr, RowError):
+                    head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
+                    try:
+                        ids = r.fit(head, doc_ids[k], tail, max_len, max_tokens)
+                    except RowError as e:
+                        rr = e
+                if isinstance(rr, RowError):
+                    _row_error(jr, key, str(rr), row_idx + k, fail_fast)
+                    continue
+                gid = head_index.setdefault("\0".join((rr.head, str(job.prompt.chat_template))), len(heads))
+                if gid == len(heads):
+                    heads.append(head)
+                groups.append(gid)
+                lens.append(len(head) + len(ids) + len(tail))
+                spill["row_key"].append(key)
+                spill["group"].append(gid)
+                spill["doc_ids"].append(ids)
+                spill["tail"].append(jr.tails.setdefault(tail, len(jr.tails)))
+            if keys_w is not None:
+                keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
+                                                    pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
+                if spill["row_key"]:
+                    spill_w.write_batch(pa.record_batch(spill, schema=SPILL_SCHEMA))
+            row_idx += len(rows)
+            if not dry_run and len(jr.pending) >= commit_rows:
+                jr.state.commit(jr.pending)
+                jr.pending = []
+    finally:
+        if keys_w is not None:
+            keys_w.close()
+            spill_w.close()
+    if not dry_run:
+        jr.state.commit(jr.pending)
+        jr.pending = []
+    jr.num_rows = row_idx
+    jr.ids = seen_ids
+    jr.spill_rows = len(groups)
+    jr.keys_digest = digest.hexdigest()
+    return PreparedJob(groups, lens)
+
+
+def _row_error(jr: JobRun, key: str, message: str, row_idx: int, fail_fast: bool) -> None:
+    jr.row_errors += 1
+    if fail_fast:
+        raise RunError(f"job {jr.job.name!r}, row {row_idx} ({key.rpartition('#')[0]}): {message}. "
+                       "Stopped because of --fail-fast; rows done so far are kept.")
+    jr.pending.append({"row_key": key, "error": message, "finish_reason": "error"})
+
+
+class Spill:
+    """Random access by row number into the spill file (memory-mapped Arrow IPC)."""
+
+    def __init__(self, path: Path):
+        self._reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        sizes = [self._reader.get_batch(i).num_rows for i in range(self._reader.num_record_batches)]
+        self._starts = np.cumsum([0] + sizes)
+        self._cache: tuple[int, list] | None = None
+
+    def row(self, i: int) -> tuple[str, int, list[int], int]:
+        b = int(np.searchsorted(self._starts, i, side="right") - 1)
+        if self._cache is None or self._cache[0] != b:
+            batch = self._reader.get_batch(b)
+            self._cache = (b, [batch.column(k) for k in range(4)])
+        cols = self._cache[1]
+        off = i - int(self._starts[b])
+        return (cols[0][off].as_py(), cols[1][off].as_py(), cols[2][off].values.to_numpy().tolist(),
+                cols[3][off].as_py())
+
+    def close(self) -> None:
+        self._reader = None
