@@ -36,7 +36,7 @@ class KVCacheManager:
 
     Invariants:
         * ``req_to_blocks[r]`` covers ``ceil((num_computed + num_new) / block_size)`` blocks after allocate.
-        * the first ``num_cached_blocks[r]`` blocks of a request have been offered to the prefix cache.
+        * the first ``num_registered_blocks[r]`` blocks of a request have been offered to the prefix cache.
         * each block's ref_cnt = number of requests holding it + number of pins holding it.
     """
 
@@ -48,7 +48,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        self.num_registered_blocks: dict[str, int] = {}
         self._pins: dict[int, _Pin] = {}
         self._pins_by_hash: dict[BlockHash, set[int]] = {}
         self._pin_ids = itertools.count()
@@ -109,7 +109,7 @@ class KVCacheManager:
 
         if is_new:
             self.req_to_blocks[request.request_id] = blocks
-            self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+            self.num_registered_blocks[request.request_id] = len(new_computed_blocks)
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit_tokens
@@ -123,14 +123,14 @@ class KVCacheManager:
         return new_blocks
 
     def _cache_blocks(self, request: Request, blocks: list[KVBlock], num_full_blocks: int) -> None:
-        num_cached = self.num_cached_blocks[request.request_id]
+        num_cached = self.num_registered_blocks[request.request_id]
         if num_full_blocks <= num_cached:
             return
         self._update_block_hashes(request)
         for block in self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full_blocks):
             for pin_id in self._pins_by_hash.get(block.block_hash, ()):
                 self._pin_take(self._pins[pin_id], block)
-        self.num_cached_blocks[request.request_id] = num_full_blocks
+        self.num_registered_blocks[request.request_id] = num_full_blocks
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to all full blocks of ``all_token_ids`` (incremental)."""
@@ -147,7 +147,7 @@ class KVCacheManager:
         this step, then preempted before running) lose their hash: their content was never computed.
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        num_cached = self.num_registered_blocks.pop(request.request_id, 0)
         if blocks is None:
             return
         for block in blocks[request.num_computed_tokens // self.block_size:num_cached]:

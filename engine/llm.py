@@ -145,10 +145,10 @@ class LLM:
         """Schedule and run one step; return the requests that finished in it."""
         t0 = time.monotonic()
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out, self._requests)
-        finished = self.scheduler.update_from_output(out, sampled)
+        new_tokens = self.runner.execute(out, self._requests)      # request id -> the token it sampled
+        finished = self.scheduler.update_from_output(out, new_tokens)
         done = {r.request_id for r in finished}
-        for rid, tok in sampled.items():
+        for rid, tok in new_tokens.items():
             req = self._requests[rid]
             if self._detok[rid].append(tok) and rid not in done:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason)
@@ -173,7 +173,7 @@ class LLM:
             prompt_token_ids=req.prompt_token_ids, text=detok.flush() if req.status.finished else detok.text,
             token_ids=list(req.output_token_ids),
             finish_reason=req.status.value if req.status.finished else None,
-            num_cached_tokens=max(req.num_cached_tokens, 0), metrics=m, error=req.error,
+            num_cached_tokens=req.num_cached_tokens or 0, metrics=m, error=req.error,
             stop_reason=req.stop_reason)
 
     def _forget(self, rid: str) -> None:

@@ -101,13 +101,13 @@ class ModelRunner:
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables.to(dev),
             num_decode_seqs=num_decode, block_size=bs)
         # The sampled rows again, as one-query sequences: the last layer computes only these.
-        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        sampled_seqs = [i for i, s in enumerate(seqs) if s.sample]
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         meta.sample_rows = rows_t
         meta.sample_meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sampled) + 1)),
-            seq_lens=[seq_lens[i] for i in sampled], block_tables=meta.block_tables[sampled],
-            num_decode_seqs=len(sampled), block_size=bs)
+            slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sampled_seqs) + 1)),
+            seq_lens=[seq_lens[i] for i in sampled_seqs], block_tables=meta.block_tables[sampled_seqs],
+            num_decode_seqs=len(sampled_seqs), block_size=bs)
         for m in (meta, meta.sample_meta):
             self.backend.prepare(m)
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)

@@ -42,7 +42,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1        # prompt tokens served from the prefix cache at first scheduling
+    num_cached_tokens: int | None = None   # prompt tokens served from the prefix cache at first scheduling
     num_preemptions: int = 0
     error: str | None = None
     stop_reason: int | str | None = None
@@ -71,10 +71,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
 
     def append_output_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)

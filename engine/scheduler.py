@@ -4,7 +4,7 @@ One loop, no prefill/decode phases (vLLM v1's idea): each step every request is 
 ``min(num_tokens - num_computed_tokens, budget)`` tokens. Running requests go first (one-token decodes, then
 prefill chunks), then waiting requests join in (priority, arrival) order while the budget and seats last.
 
-Protocol, per step:  out = schedule();  run the model on out;  finished = update_from_output(out, sampled).
+Protocol, per step:  out = schedule();  run the model on out;  finished = update_from_output(out, new_tokens).
 Call update_from_output for every output, even an empty one: it also returns the requests that schedule()
 finished with FINISHED_ERROR.
 """
@@ -210,7 +210,7 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens is None:       # first scheduling (a preempted request keeps its count)
                 req.num_cached_tokens = num_hit
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -268,12 +268,12 @@ class Scheduler:
         self._new_errors.append(req)
 
     # ---- update -------------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, new_tokens: dict[str, int]) -> list[Request]:
         """Append the sampled tokens and finish requests that stop.
 
         Args:
             scheduler_output: the output of the last schedule().
-            sampled: request id -> token id, for every scheduled request with ``sample=True``.
+            new_tokens: request id -> token id, for every scheduled request with ``sample=True``.
         Returns:
             the requests finished by this step (including the errors listed in ``finished_errors``).
         """
@@ -288,9 +288,9 @@ class Scheduler:
                 req.prefill_end_time = now
             if not sr.sample:
                 continue
-            if sr.request_id not in sampled:
+            if sr.request_id not in new_tokens:
                 raise KeyError(f"no sampled token for request {sr.request_id!r} (sample=True)")
-            req.append_output_token(int(sampled[sr.request_id]), now)
+            req.append_output_token(int(new_tokens[sr.request_id]), now)
             status = self._check_stop(req)
             if status is not None:
                 self._finish(req, status)

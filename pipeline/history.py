@@ -57,7 +57,7 @@ class HistoryError(BatchgenError):
 
 
 @dataclass(frozen=True)
-class Run:
+class HistoryRun:
     """One row of the history. ``status`` is 'running', 'ok', 'failed', 'interrupted', or 'died' (a run still
     marked running whose process is gone from this host: killed before it could record its end)."""
     id: int
@@ -197,7 +197,7 @@ def finish_run(run_id: int, status: str, *, rows_done: int = 0, rows_skipped: in
             raise HistoryError(f"no run with id {run_id} in {db_path(state_dir)}")
 
 
-def recent_runs(job: str | None = None, limit: int = 20, *, state_dir: str | Path | None = None) -> list[Run]:
+def recent_runs(job: str | None = None, limit: int = 20, *, state_dir: str | Path | None = None) -> list[HistoryRun]:
     """The ``limit`` most recent runs (of ``job``, or of every job), newest first. An absent database is empty."""
     if not db_path(state_dir).exists():
         return []
@@ -208,7 +208,7 @@ def recent_runs(job: str | None = None, limit: int = 20, *, state_dir: str | Pat
     return [_to_run(r) for r in rows]
 
 
-def get_run(run_id: int, *, state_dir: str | Path | None = None) -> Run:
+def get_run(run_id: int, *, state_dir: str | Path | None = None) -> HistoryRun:
     with _connect(state_dir) as conn:
         row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
     if row is None:
@@ -216,7 +216,7 @@ def get_run(run_id: int, *, state_dir: str | Path | None = None) -> Run:
     return _to_run(row)
 
 
-def _to_run(row: sqlite3.Row) -> Run:
+def _to_run(row: sqlite3.Row) -> HistoryRun:
     d = dict(row)
     try:
         d["config"] = json.loads(d["config"]) if d["config"] else {}
@@ -225,7 +225,7 @@ def _to_run(row: sqlite3.Row) -> Run:
     if d["status"] == "running" and d["host"] == socket.gethostname() and d["pid"] and not _alive(d["pid"]):
         d["status"] = "died"
         d["error"] = d["error"] or f"process {d['pid']} ended without recording the run's end (killed?)"
-    return Run(**d)
+    return HistoryRun(**d)
 
 
 def _alive(pid: int) -> bool:

@@ -113,7 +113,7 @@ class OutputSpec:
     include_columns: tuple[str, ...] = ()
     rows_per_shard: int = 100_000   # a directory output is split into shards of this many rows
     keep_deleted_rows: bool = False  # rows that left the input: dropped (default) or kept at the output's end
-    keep_runs: int = 20             # run traces kept under the state dir; older ones are deleted after a run
+    keep_runs: int = 20             # run traces kept under the job dir; older ones are deleted after a run
 
 
 @dataclass(frozen=True)

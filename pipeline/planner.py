@@ -14,8 +14,10 @@ its *provider* (the earlier request whose computed blocks it reuses), which the 
 
 The prediction replays the engine's prefix cache rules: full blocks only, and the last prompt token is always
 computed (``hit <= (prompt_len - 1) // block_size`` blocks). Blocks are assumed to stay cached while needed:
-the runner makes that true by pinning a group's head and by starting a request only after its provider has
-finished. Hits inside documents (two documents opening with the same 16+ tokens) are not predicted.
+the feeder (pipeline/feeder.py) makes that true by pinning a group's head and by admitting a request no earlier
+than its provider: the engine schedules by priority (plan position), so the provider computes and registers
+the shared blocks first, even when both join the same step. Hits inside documents (two documents opening with
+the same 16+ tokens) are not predicted.
 
 Memory: per request only a few integers (numpy arrays); token ids are held once per group.
 """

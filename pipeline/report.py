@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from perf import flops as F
-from pipeline.trace import Run, check_trace, read_run
+from pipeline.trace import TraceData, check_trace, read_run
 
 PROMPT_THRESHOLD = 512      # tokens: a "long" prompt
 OUTPUT_THRESHOLD = 128      # tokens: a "long" output
@@ -49,7 +49,7 @@ def _arr(col, dtype=float) -> np.ndarray:
     return np.asarray([np.nan if x is None else x for x in col], dtype=dtype)
 
 
-def _model_config(run: Run):
+def _model_config(run: TraceData):
     d = run.meta.get("model_config")
     if d:
         return F.from_dict(d)
@@ -63,7 +63,7 @@ def _model_config(run: Run):
         return None
 
 
-def _warmup_mask(run: Run) -> np.ndarray:
+def _warmup_mask(run: TraceData) -> np.ndarray:
     """True for warm-up steps: the first ``warmup_steps`` of each session."""
     sessions = _arr(run.steps["session"], int) if run.num_steps else np.zeros(0, int)
     sess_meta = run.meta.get("sessions") or [{}]
@@ -75,7 +75,7 @@ def _warmup_mask(run: Run) -> np.ndarray:
     return mask
 
 
-def step_work(run: Run, config, dtype_bytes: int) -> dict[str, np.ndarray]:
+def step_work(run: TraceData, config, dtype_bytes: int) -> dict[str, np.ndarray]:
     """Per-step FLOPs and bytes (see the module docstring), plus decode contexts summed per step."""
     s, r = run.steps, run.requests
     n = run.num_steps
@@ -113,7 +113,7 @@ def step_work(run: Run, config, dtype_bytes: int) -> dict[str, np.ndarray]:
     return {"flops": flops, "bytes": nbytes, "decode_keys": dec_keys}
 
 
-def roofline(run: Run, config=None, calibration: dict | None = None, warmup_steps: bool = False) -> dict | None:
+def roofline(run: TraceData, config=None, calibration: dict | None = None, warmup_steps: bool = False) -> dict | None:
     """Prefill and decode stages: time, FLOPs, bytes, achieved FLOP/s and bytes/s, intensity, MFU, MBU.
 
     None when the model's config is unknown. MFU/MBU are None without a calibration.
@@ -149,7 +149,7 @@ def _bucket(prompt: int, output: int, pt: int, ot: int) -> str:
     return f"{'long' if prompt >= pt else 'short'} prompt / {'long' if output >= ot else 'short'} output"
 
 
-def analyze(run: Run, prompt_threshold: int = PROMPT_THRESHOLD, output_threshold: int = OUTPUT_THRESHOLD) -> dict:
+def analyze(run: TraceData, prompt_threshold: int = PROMPT_THRESHOLD, output_threshold: int = OUTPUT_THRESHOLD) -> dict:
     """Every number the report shows, as a plain dict (no HTML)."""
     r, s, meta = run.requests, run.steps, run.meta
     phases = meta.get("phases") or {}
@@ -400,7 +400,7 @@ def _plt():
     return plt
 
 
-def _latency_plot(run: Run, sm: dict) -> str:
+def _latency_plot(run: TraceData, sm: dict) -> str:
     plt = _plt()
     r = run.requests
     series = {"TTFT": [x for x in r["ttft_s"] if x is not None], "TPOT": [x for x in r["tpot_s"] if x is not None],
@@ -418,7 +418,7 @@ def _latency_plot(run: Run, sm: dict) -> str:
     return _img(fig)
 
 
-def _timeline_plot(run: Run) -> str:
+def _timeline_plot(run: TraceData) -> str:
     plt = _plt()
     s = run.steps
     t = _arr(s["end"])
@@ -499,7 +499,7 @@ def _roofline_plot(roof: dict) -> str:
     return _img(fig)
 
 
-def _single_html(run: Run, sm: dict) -> str:
+def _single_html(run: TraceData, sm: dict) -> str:
     t, mi, ph = sm["totals"], sm["model_info"], sm["phases"]
     parts = [f"<p class='small'>run: {html.escape(sm['run'])} · model: {html.escape(str(mi.get('name')))} "
              f"({html.escape(str(mi.get('architecture')))}, {mi.get('dtype')}, {mi.get('device')}, "

@@ -19,12 +19,13 @@ dropped from the output, or kept at its end with ``output.keep_deleted_rows: tru
 
 Every run also leaves (see ``RunTrace`` / ``pipeline.history``):
 
-    <state dir>/runs/<run id>/        requests.parquet/, steps.parquet/ (append-only part files), run.json
+    <job dir>/runs/<run id>/         requests.parquet/, steps.parquet/ (append-only part files), run.json
                                       -> ``batchgen report <dir>``
-    <state dir>/current_run           the run id while a run is unfinished (a resume appends to its trace)
+    <job dir>/current_run             the run id while a run is unfinished (a resume appends to its trace)
     history.sqlite (state dir of ``pipeline.history``)   one row per job per run -> ``batchgen status``
 
-The trace of a run goes into the state dir of its first job (jobs on one model share one engine, so one trace).
+The trace of a run goes into the job dir (pipeline.state) of its first job (jobs on one model share one engine,
+so one trace).
 """
 from __future__ import annotations
 
@@ -228,7 +229,7 @@ class Runner:
 
     # ---- trace and history --------------------------------------------------------------------------
     def _start_trace(self, llm: Engine, state: RunState, start: float) -> RunTrace | None:
-        """A trace in ``<state dir>/runs/<run id>``; an unfinished earlier run's id is reused (resume)."""
+        """A trace in ``<job dir>/runs/<run id>``; an unfinished earlier run's id is reused (resume)."""
         runs_dir = state.dir / "runs"
         marker = state.dir / "current_run"
         run_id = marker.read_text().strip() if marker.exists() else ""
@@ -248,7 +249,7 @@ class Runner:
             return None
 
     def _prune_traces(self, state: RunState, jobs, current: Path | None) -> None:
-        """Keep the newest ``output.keep_runs`` traces (the smallest over the jobs sharing this state dir)."""
+        """Keep the newest ``output.keep_runs`` traces (the smallest over the jobs sharing this job dir)."""
         try:
             prune_runs(state.dir / "runs", min(j.output.keep_runs for j in jobs), current)
         except OSError as e:                    # NOTE: pruning must never fail a finished run

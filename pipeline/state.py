@@ -1,8 +1,10 @@
-"""The run state directory of one job: a lock, committed result parts, and the run's scratch files.
+"""The job dir of one job (beside its output): a lock, committed result parts, and the run's scratch files.
+
+("job dir" is per output; "state dir" is the per-user directory of ``pipeline.history``.)
 
     out/summaries.parquet                     the output (assembled atomically at the end)
     out/summaries.parquet.manifest.json       the run manifest
-    out/.summaries.parquet.batchgen/          the state dir
+    out/.summaries.parquet.batchgen/          the job dir
         lock                                  pid + host of the running process
         parts/part-<time>-<seq>.parquet       committed results, one row per finished row (by row_key)
         keys.arrow / spill.arrow              this run's row keys (input order) / prompts to compute
@@ -44,7 +46,7 @@ RESULT_SCHEMA = pa.schema([
 RESULT_COLUMNS = [f.name for f in RESULT_SCHEMA]
 
 
-def state_dir_for(output_path: str | Path) -> Path:
+def job_dir_for(output_path: str | Path) -> Path:
     out = Path(output_path)
     return out.parent / f".{out.name}.batchgen"
 
@@ -66,7 +68,7 @@ def _pid_alive(pid: int) -> bool:
 
 class RunState:
     def __init__(self, output_path: str | Path, job_name: str):
-        self.dir = state_dir_for(output_path)
+        self.dir = job_dir_for(output_path)
         self.parts = self.dir / "parts"
         self.job_name = job_name
         self._seq = 0

@@ -173,7 +173,7 @@ class RunTrace:
 
 # ---- reading -----------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class Run:
+class TraceData:
     """A run directory read back: the two tables as column dicts (lists), and run.json."""
     path: Path
     requests: dict[str, list]
@@ -211,7 +211,7 @@ def prune_runs(runs_dir: str | Path, keep: int, current: str | Path | None = Non
     return old
 
 
-def read_run(run_dir: str | Path) -> Run:
+def read_run(run_dir: str | Path) -> TraceData:
     """Read a run directory written by ``RunTrace``; raise FileNotFoundError naming what is missing."""
     p = Path(run_dir)
     if not (p / RUN_FILE).is_file():
@@ -219,10 +219,10 @@ def read_run(run_dir: str | Path) -> Run:
     meta = _read_json(p / RUN_FILE) or {}
     requests = _read_table(p / REQUESTS_FILE, REQUEST_SCHEMA)
     steps = _read_table(p / STEPS_FILE, STEP_SCHEMA)
-    return Run(p, requests, steps, meta)
+    return TraceData(p, requests, steps, meta)
 
 
-def check_trace(run: Run) -> list[str]:
+def check_trace(run: TraceData) -> list[str]:
     """Consistency problems between the request and step traces (empty when consistent).
 
     - every output token was sampled by some step: sum(output_tokens) == sum(num_sampled);

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import pipeline.runner
 from pipeline import history
 from pipeline.cli import PLUGINS, main
-from pipeline.state import state_dir_for
+from pipeline.state import job_dir_for
 from tests.test_pipeline import write_job
 
 
@@ -50,7 +50,7 @@ def test_lock_held_is_a_failed_run_and_engine_never_loads(tmp_path, make_docs_da
                                                           monkeypatch):
     monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
     job = write_job(tmp_path, "busy", make_docs_dataset(n=3))
-    sd = state_dir_for(tmp_path / "out/busy.parquet")
+    sd = job_dir_for(tmp_path / "out/busy.parquet")
     sd.mkdir(parents=True)
     (sd / "lock").write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "started": "x"}))
     res = CliRunner().invoke(main, ["submit", "-q", str(job)])

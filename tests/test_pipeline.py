@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.job import load_job
 from pipeline.runner import Interrupted, RunOptions, run_jobs
-from pipeline.state import state_dir_for
+from pipeline.state import job_dir_for
 
 COLUMNS = ["id", "category", "summary", "finish_reason", "prompt_tokens", "cached_tokens", "output_tokens",
            "queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s", "error"]
@@ -125,7 +125,7 @@ def test_lock_refuses_second_run(tmp_path, make_docs_dataset, fake_llm_factory):
     from pipeline.errors import RunError
     data = make_docs_dataset(n=4)
     job = write_job(tmp_path, "l", data)
-    sd = state_dir_for(tmp_path / "out/l.parquet")
+    sd = job_dir_for(tmp_path / "out/l.parquet")
     sd.mkdir(parents=True)
     (sd / "lock").write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "started": "x"}))
     with pytest.raises(RunError, match="already running"):

@@ -1,7 +1,8 @@
 """ModelConfig: one frozen, normalized description of a decoder-only checkpoint.
 
 Whatever the checkpoint says (a Hugging Face ``config.json`` or GGUF metadata) is turned into this once;
-model code never reads raw HF dicts. ``from_hf`` lives here; ``from_gguf`` lives in ``engine.loader.gguf``.
+model code never reads raw HF dicts. ``from_hf_dir`` lives here; GGUF metadata is normalized by
+``engine.loader.gguf_loader.gguf_model_config``.
 """
 from __future__ import annotations
 
