@@ -42,6 +42,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL
 from perf import BENCH_SHAPES, BENCH_SYSTEMS
+from perf.stats import percentiles
 
 # ---- workloads ---------------------------------------------------------------------------------------
 
@@ -207,22 +208,9 @@ class SystemResult:
         d.pop("outputs")
         for name in ("ttft_s", "tpot_s"):
             vals = d.pop(name)
-            d[name.replace("_s", "")] = None if not vals else {
-                "p50": percentile(vals, 50), "p90": percentile(vals, 90), "p99": percentile(vals, 99),
-                "mean": sum(vals) / len(vals)}
+            d[name.replace("_s", "")] = percentiles(vals) if vals else None
         d.update(output_tokens_per_s=self.output_tps, total_tokens_per_s=self.total_tps, hit_rate=self.hit_rate)
         return d
-
-
-def percentile(values, q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default) of a non-empty list; None when empty."""
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    pos = (len(vals) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
 # ---- roofline helpers ----------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from pipeline.prepare import JobRun
 from pipeline.state import RESULT_COLUMNS, manifest_path_for
 
 
-def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None) -> None:
+def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None,
+             prediction: dict | None = None) -> None:
     """Write the job's output (one row per current input row, input order) and its manifest, atomically.
 
     Skipped when nothing changed since the last run (same keys digest and layout): ``jr.up_to_date``."""
@@ -108,6 +109,9 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
                      "achieved_hit_rate": hit_rate(jr.cached_tokens, jr.prompt_tokens),
                      "wall_s": round(wall_s, 3),
                      "engine_s": round(engine_s, 3),   # after model load
+                     "predicted_engine_s": prediction["engine_s"] if prediction else None,   # the whole plan
+                     "predicted_job_engine_s": (round(jr.predicted_engine_s, 2)
+                                                if jr.predicted_engine_s is not None else None),
                      "load_s": info.load_time_s, "load_breakdown_s": dict(info.load_breakdown),
                      "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None},
         "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,

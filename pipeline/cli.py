@@ -84,12 +84,20 @@ def plan(job_files):
         for jr in report.jobs:
             done = f", {jr.reused} already done" if jr.reused else ""
             errs = f", {jr.row_errors} bad rows" if jr.row_errors else ""
+            alone = (f", predicted engine time {jr.predicted_engine_s:.1f}s"
+                     if jr.predicted_engine_s is not None else "")
             click.echo(f"  {jr.job.name}: {jr.num_rows} documents{done}{errs}; {jr.spill_rows} to compute, "
                        f"{jr.planned_prompt_tokens:,} prompt tokens, predicted hit rate "
-                       f"{_pct(jr.predicted_cached, jr.planned_prompt_tokens)}")
+                       f"{_pct(jr.predicted_cached, jr.planned_prompt_tokens)}{alone}")
         click.echo(f"  total: {p.num_requests} documents in {len(p.group_order)} prefix groups, "
                    f"{p.prompt_tokens:,} prompt tokens, {p.tokens_to_compute:,} to compute after sharing, "
                    f"predicted cache hit rate {_pct(p.cached_tokens, p.prompt_tokens)}")
+        pr = report.prediction
+        if pr is not None:
+            click.echo(f"  predicted engine time: {pr.engine_s:.1f}s ({pr.prefill_s:.1f}s in steps with prompt "
+                       f"tokens, {pr.decode_s:.1f}s decode-only; {pr.steps} steps; assumes every document "
+                       f"generates max_tokens; model load not included) on {report.engine_info.device}, "
+                       f"{report.engine_info.dtype}")
 
 
 @main.command()

@@ -42,6 +42,13 @@ class Plan:
     def num_requests(self) -> int:
         return int(self.order.shape[0])
 
+    def subset(self, mask: np.ndarray) -> "Plan":
+        """The plan positions where ``mask`` is true, in plan order (providers are not remapped: -1 kept only)."""
+        return Plan(order=self.order[mask], cached=self.cached[mask], provider=np.where(self.provider[mask] < 0, -1, 0),
+                    prompt_len=self.prompt_len[mask], group=self.group[mask],
+                    group_order=[g for g in self.group_order if (self.group[mask] == g).any()],
+                    block_size=self.block_size)
+
     @property
     def prompt_tokens(self) -> int:
         return int(self.prompt_len.sum())

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from perf import flops as F
+from perf.stats import percentiles
 from pipeline.trace import TraceData, check_trace, read_run
 
 PROMPT_THRESHOLD = 512      # tokens: a "long" prompt
@@ -36,15 +37,6 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 # ---- numbers -----------------------------------------------------------------------------------------
-def percentiles(values) -> dict[str, float | None]:
-    v = np.asarray([x for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))], float)
-    if v.size == 0:
-        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    p50, p90, p99 = np.percentile(v, [50, 90, 99])
-    return {"n": int(v.size), "mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
-            "max": float(v.max())}
-
-
 def _arr(col, dtype=float) -> np.ndarray:
     return np.asarray([np.nan if x is None else x for x in col], dtype=dtype)
 
@@ -504,6 +496,11 @@ def _single_html(run: TraceData, sm: dict) -> str:
     parts = [f"<p class='small'>run: {html.escape(sm['run'])} · model: {html.escape(str(mi.get('name')))} "
              f"({html.escape(str(mi.get('architecture')))}, {mi.get('dtype')}, {mi.get('device')}, "
              f"backend {mi.get('attention_backend', '–')})</p>"]
+    pred = (run.meta.get("prediction") or {}).get("engine_s")
+    if pred is not None:
+        steps_s = float(np.nansum(_arr(run.steps["duration_s"]))) if run.num_steps else 0.0
+        parts.append(f"<p class='small'>engine time: predicted {pred:.1f} s (batchgen plan), achieved "
+                     f"{steps_s:.1f} s in steps ({(steps_s / pred - 1) * 100:+.0f} %)</p>")
     if mi.get("dtype_reason"):
         parts.append(f"<p class='small'>{html.escape(str(mi['dtype_reason']))}"
                      f"{' · CPU kernels: ' + html.escape(str(mi['cpu_kernels'])) if mi.get('cpu_kernels') else ''}</p>")

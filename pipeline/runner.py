@@ -41,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from engine import BatchgenError, Engine, EngineInfo
+from perf.predict import Prediction, predict_plan
 from pipeline import history
 from pipeline.assemble import assemble, hit_rate
 from pipeline.errors import RunError
@@ -77,6 +78,7 @@ class RunReport:
     plan: Plan | None
     wall_s: float
     engine_info: EngineInfo
+    prediction: Prediction | None = None       # predicted engine time of the whole plan (perf.predict)
     summary: str = ""
     trace_dir: Path | None = None
 
@@ -170,7 +172,7 @@ class Runner:
                 mask = pjob == j
                 jr.predicted_cached = int(plan.cached[mask].sum())
                 jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
-            report = RunReport(runs, plan, 0.0, info)
+            report = RunReport(runs, plan, 0.0, info, prediction=self._predict(llm, runs, plan, pjob))
             if dry_run:
                 report.wall_s = time.monotonic() - t0
                 return report
@@ -179,12 +181,15 @@ class Runner:
                                   "same command again to start.")
             if plan.num_requests:
                 self._trace = self._start_trace(llm, states[0], t_loaded)
+                if self._trace is not None and report.prediction is not None:
+                    self._trace.prediction = report.prediction.to_dict()
             report.trace_dir = self._trace.run_dir if self._trace is not None else None
             if plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             engine_s = time.monotonic() - t_loaded
             for jr in runs:
-                assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir)
+                assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir,
+                         prediction=report.prediction.to_dict() if report.prediction else None)
             self._flush_trace(llm)
             (states[0].dir / "current_run").unlink(missing_ok=True)
             report.wall_s = time.monotonic() - t0
@@ -226,6 +231,24 @@ class Runner:
                 signal.signal(sig, h)
             for st in locked:
                 st.unlock()
+
+    def _predict(self, llm: Engine, runs: list[JobRun], plan: Plan, pjob: np.ndarray) -> Prediction | None:
+        """Predicted engine time of the plan; per job too (as if it ran alone), in ``jr.predicted_engine_s``."""
+        max_tokens = np.asarray([runs[j].params.max_tokens for j in range(len(runs))], dtype=np.int64)[pjob]
+        try:
+            whole = predict_plan(llm.info, llm.model_config, plan, max_tokens)
+            if whole is not None and len(runs) > 1:
+                for j, jr in enumerate(runs):
+                    m = pjob == j
+                    if m.any():
+                        jr.predicted_engine_s = predict_plan(llm.info, llm.model_config, plan.subset(m),
+                                                             max_tokens[m]).engine_s
+            elif whole is not None:
+                runs[0].predicted_engine_s = whole.engine_s
+            return whole
+        except Exception as e:                  # NOTE: a prediction must never fail a run
+            self._warn(f"no time prediction ({type(e).__name__}: {e})")
+            return None
 
     # ---- trace and history --------------------------------------------------------------------------
     def _start_trace(self, llm: Engine, state: RunState, start: float) -> RunTrace | None:

@@ -71,9 +71,11 @@ class RunTrace:
         self.load_time_s = float(load_time_s)
         self.model_config = model_config
         self.calibration = calibration
+        self.prediction: dict | None = None     # perf.predict for this run's plan, when there is one
         self.start = time.monotonic() if start_time is None else start_time
         self.started_at_unix = time.time() - (time.monotonic() - self.start)
         prev = _read_json(self.run_dir / RUN_FILE)
+        self._prev_prediction = prev.get("prediction") if prev else None     # a resumed run keeps the first
         self._prev_sessions: list[dict] = list(prev.get("sessions", [])) if prev else []
         self.session = len(self._prev_sessions)
         self.offset = sum(s.get("wall_s", 0.0) for s in self._prev_sessions)
@@ -150,7 +152,7 @@ class RunTrace:
         totals = {k: sum(s[k] for s in sessions) for k in ("load_s", "setup_s", "warmup_s", "steady_s", "wall_s")}
         doc = {"version": 1, "model_info": self.model_info,
                "model_config": _config_dict(self.model_config),
-               "calibration": self._calibration_dict(),
+               "calibration": self._calibration_dict(), "prediction": self._prev_prediction or self.prediction,
                "phases": totals, "sessions": sessions,
                "num_requests": sum(s["num_requests"] for s in sessions),
                "num_steps": sum(s["num_steps"] for s in sessions), "written_at_unix": time.time()}

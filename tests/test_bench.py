@@ -15,11 +15,11 @@ from perf.bench import (
     format_table,
     make_workload,
     options_from,
-    percentile,
     ratios,
     run_bench,
     save_json,
 )
+from perf.stats import percentile
 from tests.model_utils import save_tiny, tiny_hf_model, tiny_tokenizer
 
 

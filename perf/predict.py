@@ -1,0 +1,150 @@
+"""Predict a planned run's engine time before it runs (``batchgen plan``; the manifest keeps predicted vs achieved).
+
+The plan gives, per request in plan order, its prompt length and predicted cached tokens; the job gives
+``max_tokens``. ``predict`` replays the scheduler's token-budget loop coarsely (decodes first, then prefill chunks
+of running requests, then new requests in plan order, under ``max_num_batched_tokens`` and ``max_num_seqs``; no
+preemption) and prices each step on the roofline: time = max(FLOPs / matmul FLOP/s, bytes / bandwidth), with
+this device's calibration (``perf.calibrate``) at the engine dtype. The per-step prices are ``perf.flops``'s counts
+(window-limited attention, LM head only where a token is sampled).
+
+What it cannot know: outputs that stop early (EOS, stop strings) make the run shorter than predicted, since every
+request is assumed to generate ``max_tokens``; other processes on the cores make it longer.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from perf import flops as F
+
+# Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (measured: a few ms on
+# the CPU dev VM for a decode step; part of every step).
+STEP_OVERHEAD_S = 0.004
+# The fraction of the calibrated matmul rate whole engine steps reach: norms, activations, RoPE, softmax and
+# K/V writes run between the matmuls, memory-bound. Measured: prefill steps at 78 % model-FLOP utilization
+# (`batchgen bench shared-prefix`, AMD EPYC Zen 4, bf16, 2 threads).
+ENGINE_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Prediction:
+    engine_s: float            # predicted wall time of the engine's steps (no model load)
+    prefill_s: float           # in steps that carry prompt tokens
+    decode_s: float            # in decode-only steps
+    steps: int
+    output_tokens: int         # assumed generated: every request's max_tokens
+
+    def to_dict(self) -> dict:
+        return {"engine_s": round(float(self.engine_s), 2), "prefill_s": round(float(self.prefill_s), 2),
+                "decode_s": round(float(self.decode_s), 2), "steps": int(self.steps),
+                "output_tokens": int(self.output_tokens)}
+
+
+def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_batched_tokens: int,
+            max_num_seqs: int, matmul_flops: float, memory_bandwidth: float,
+            small_m_flops: float | None = None) -> Prediction:
+    """``prompt_len`` / ``cached`` / ``max_tokens``: per request, in plan (admission) order. ``matmul_flops`` is
+    the calibrated rate of large matmuls, ``small_m_flops`` that of 16-row ones (decode-sized; default: the same):
+    a step's matmuls of M rows run at the log-interpolated rate between the two."""
+    small = small_m_flops or matmul_flops
+
+    def rate(rows: int) -> float:
+        if rows >= 512:
+            return matmul_flops * ENGINE_EFFICIENCY
+        frac = max(0.0, np.log(max(rows, 1) / 16) / np.log(512 / 16))
+        return (small + (matmul_flops - small) * frac) * ENGINE_EFFICIENCY
+
+    prompt_len = np.asarray(prompt_len, dtype=np.int64)
+    cached = np.asarray(cached, dtype=np.int64)
+    max_tokens = np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), prompt_len.shape)
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    per_key = 4 * config.num_attention_heads * config.head_dim          # QK + PV FLOPs per attended key
+    kv_tok = F.kv_bytes_per_token_layer(config, dtype_bytes)
+    lin_tok = F.linear_flops(config, 1)
+    head_row = F.lm_head_flops(config, 1)
+    w_all = F.weight_bytes(config, dtype_bytes)
+    w_layers = F.weight_bytes(config, dtype_bytes, with_lm_head=False)
+
+    def keys(ctx: np.ndarray) -> float:                   # keys a query at each context attends to, all layers
+        return float(sum(ctx.sum() if w is None else np.minimum(ctx, w).sum() for w in windows))
+
+    waiting = deque(range(len(prompt_len)))
+    running: list[_Seq] = []
+    t_pre = t_dec = 0.0
+    steps = 0
+    while waiting or running:
+        budget = max_num_batched_tokens
+        decodes = [r for r in running if r.decoding][:budget]            # decodes first: one token each
+        budget -= len(decodes)
+        chunks: list[tuple[_Seq, int]] = []
+        for r in running:                                  # then prefill chunks of running requests
+            if not r.decoding and budget > 0:
+                n = min(r.prompt - r.pos, budget)
+                chunks.append((r, n))
+                budget -= n
+        while waiting and budget > 0 and len(running) < max_num_seqs:   # then new requests, plan order
+            i = waiting.popleft()
+            r = _Seq(pos=int(min(cached[i], prompt_len[i] - 1)), prompt=int(prompt_len[i]), left=int(max_tokens[i]))
+            running.append(r)
+            n = min(r.prompt - r.pos, budget)
+            chunks.append((r, n))
+            budget -= n
+        flops = nbytes = attn = 0.0
+        sampled = 0
+        for r, n in chunks:
+            attn += per_key * keys(np.arange(r.pos + 1, r.pos + n + 1))
+            flops += lin_tok * n
+            nbytes += F.kv_read_bytes(config, r.pos, dtype_bytes) + kv_tok * config.num_hidden_layers * n
+            r.pos += n
+            if r.pos == r.prompt:                          # the chunk that ends the prompt samples a token
+                r.decoding = True
+                r.left -= 1
+                sampled += 1
+        if decodes:
+            ctx = np.asarray([r.pos + 1 for r in decodes])
+            k = keys(ctx)
+            flops += lin_tok * len(decodes)
+            attn += per_key * k
+            nbytes += kv_tok * k + kv_tok * config.num_hidden_layers * len(decodes)
+            for r in decodes:
+                r.pos += 1
+                r.left -= 1
+            sampled += len(decodes)
+        rows = len(decodes) + sum(n for _, n in chunks)
+        nbytes += w_all if sampled else w_layers
+        # each piece on its own roofline (CPU ops run one after another): layer matmuls over all rows, the LM
+        # head over the sampled rows, attention at the large-matmul rate
+        t = (max(flops / rate(rows), nbytes / memory_bandwidth)
+             + (head_row * sampled / rate(sampled) if sampled else 0.0)
+             + attn / rate(512) + STEP_OVERHEAD_S)
+        if chunks:
+            t_pre += t
+        else:
+            t_dec += t
+        steps += 1
+        running = [r for r in running if r.left > 0]
+    return Prediction(float(t_pre + t_dec), float(t_pre), float(t_dec), steps, int(max_tokens.sum()))
+
+
+@dataclass
+class _Seq:
+    pos: int                   # tokens in the KV cache
+    prompt: int
+    left: int                  # tokens still to generate
+    decoding: bool = False
+
+
+def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
+    """``predict`` for a planned run on an engine (``EngineInfo``); ``max_tokens`` per plan position. None when
+    the model's shape is unknown (e.g. a stand-in engine). Uses this device's cached calibration at the engine
+    dtype, measuring a quick one (about a second) the first time."""
+    if model_config is None or not plan.num_requests:
+        return None
+    from perf.calibrate import get_calibration
+    cal = get_calibration(info.device, info.dtype, quick=True)
+    dtype_bytes = {"float32": 4}.get(info.dtype, 2)
+    return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
+                   int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
+                   cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops)

@@ -1,0 +1,55 @@
+"""perf.predict: the plan's time prediction replays the scheduler's step loop (steps, chunking, decode waves)
+and prices steps on the calibrated roofline."""
+import numpy as np
+import pytest
+
+from perf import predict as P
+from tests.test_flops import gemma_270m, tiny
+
+FAST = dict(matmul_flops=1e12, memory_bandwidth=1e18)          # compute-bound, known rate
+
+
+def _run(prompt, cached, out, budget=4096, seqs=128, config=None, **kw):
+    return P.predict(prompt, cached, out, config or tiny(), 4, budget, seqs, **{**FAST, **kw})
+
+
+def test_one_request_steps_and_price():
+    cfg = tiny()
+    pr = _run([10], [0], [3])
+    assert pr.steps == 3 and pr.output_tokens == 3          # prefill (samples token 1), then 2 decodes
+    rate = 1e12 * P.ENGINE_EFFICIENCY
+    from perf import flops as F
+    lin, head = F.linear_flops(cfg, 1), F.lm_head_flops(cfg, 1)
+    per_key = 4 * cfg.num_attention_heads * cfg.head_dim
+    # 10 tokens of M=10 rows run at the small-M rate (no small_m_flops given: the large rate)
+    prefill = lin * 10 / rate + head / rate + per_key * F.attended_keys(cfg, 10, 0) / rate + P.STEP_OVERHEAD_S
+    decode1 = lin / rate + head / rate + per_key * F.attended_keys(cfg, 1, 10) / rate + P.STEP_OVERHEAD_S
+    decode2 = lin / rate + head / rate + per_key * F.attended_keys(cfg, 1, 11) / rate + P.STEP_OVERHEAD_S
+    assert pr.prefill_s == pytest.approx(prefill) and pr.decode_s == pytest.approx(decode1 + decode2)
+
+
+def test_budget_chunks_long_prompts_and_caps_running_sequences():
+    assert _run([10_000], [0], [1], budget=4096).steps == 3            # 4096 + 4096 + 1808
+    # 8 requests, 2 at a time, 4 tokens out each: 4 waves of (1 prefill step + 3 decode steps)
+    assert _run([20] * 8, [0] * 8, [4] * 8, seqs=2).steps == 16
+
+
+def test_prefix_hits_and_outputs_move_the_prediction_the_right_way():
+    g = gemma_270m()
+    base = _run([2000] * 8, [0] * 8, [16] * 8, config=g).engine_s
+    assert _run([2000] * 8, [1500] * 8, [16] * 8, config=g).engine_s < 0.5 * base
+    assert _run([2000] * 8, [0] * 8, [64] * 8, config=g).engine_s > base
+    assert _run([2000] * 8, [0] * 8, [16] * 8, config=g, matmul_flops=1e11).engine_s > 5 * base
+
+
+def test_small_batches_run_at_the_small_m_rate():
+    fast = _run([20] * 4, [0] * 4, [32] * 4, config=gemma_270m())
+    slow = _run([20] * 4, [0] * 4, [32] * 4, config=gemma_270m(), small_m_flops=1e11)
+    assert slow.decode_s > 3 * fast.decode_s
+
+
+def test_plan_subset_keeps_positions():
+    from pipeline.planner import make_plan
+    plan = make_plan([(1, 2, 3), (4, 5, 6)], np.array([0, 1, 0, 1]), np.array([40, 40, 40, 40]), 2)
+    sub = plan.subset(plan.group == 0)
+    assert sub.num_requests == 2 and (sub.group == 0).all() and sub.prompt_tokens == 80
