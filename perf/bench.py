@@ -42,6 +42,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL
 from perf import BENCH_SHAPES, BENCH_SYSTEMS
+from perf.roofline import Roofline
 from perf.stats import percentiles
 
 # ---- workloads ---------------------------------------------------------------------------------------
@@ -213,34 +214,6 @@ class SystemResult:
         return d
 
 
-# ---- roofline helpers ----------------------------------------------------------------------------------
-
-class _Roofline:
-    """FLOP / byte counts of this workload's pieces, and the calibrated peaks to divide them by."""
-
-    def __init__(self, mcfg, dtype_bytes: int, cal):
-        self.mcfg, self.dtype_bytes, self.cal = mcfg, dtype_bytes, cal
-
-    def request_flops(self, prompt_len: int, cached: int, output_tokens: int) -> float:
-        from perf import flops
-        f = flops.prefill_flops(self.mcfg, prompt_len - cached, cached, num_sampled=1)
-        return f + sum(self.decode_flops([prompt_len + k]) for k in range(1, output_tokens))
-
-    def decode_flops(self, ctx_lens: list[int]) -> float:
-        from perf import flops
-        return flops.decode_step_flops(self.mcfg, ctx_lens)
-
-    def decode_bytes(self, ctx_lens: list[int]) -> float:
-        from perf import flops
-        return flops.decode_step_bytes(self.mcfg, ctx_lens, self.dtype_bytes)
-
-    def mfu(self, fl: float, secs: float) -> float | None:
-        return fl / secs / self.cal.matmul_flops if self.cal and secs > 0 else None
-
-    def mbu(self, nbytes: float, secs: float) -> float | None:
-        return nbytes / secs / self.cal.memory_bandwidth if self.cal and secs > 0 else None
-
-
 # ---- systems ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -315,7 +288,7 @@ def _step_summary(steps) -> dict:
             "mean_prefill_tokens_per_step": (sum(s.num_prefill_tokens for s in pre) / len(pre)) if pre else None}
 
 
-def _batchgen_roofline(res: SystemResult, outs, steps, roof: _Roofline) -> None:
+def _batchgen_roofline(res: SystemResult, outs, steps, roof: Roofline) -> None:
     """Assign each decode token to its step by time, so each step's context lengths are exact."""
     starts = [s.start_time for s in steps]
     ctx_by_step: dict[int, list[int]] = {}
@@ -554,7 +527,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
             if opts.roofline:
                 cal = _calibration(opts, "cpu" if not torch.cuda.is_available() else "cuda")
                 dtype_bytes = 4 if opts.dtype == "float32" else 2
-                roof = _Roofline(mcfg, dtype_bytes, cal)
+                roof = Roofline(mcfg, dtype_bytes, cal)
                 env["calibration"] = {"device": cal.device, "matmul_flops": cal.matmul_flops,
                                       "memory_bandwidth": cal.memory_bandwidth, "quick": cal.quick}
         return prompts

@@ -3,18 +3,7 @@
     summary = analyze(read_run(run_dir))          # plain dict of numbers; the HTML and the tests read it
     render_report([run_dir], "report.html")       # one run; two run dirs -> side-by-side comparison
 
-Roofline accounting (perf.flops counts, perf.calibrate limits). Each step is one forward pass:
-
-    flops(step) = 2*layer_params*(prefill + decode tokens) + prefill attention + decode attention
-                  + LM head on the sampled rows
-    bytes(step) = weights once (LM head too if anything is sampled) + K/V each decode query reads
-                  (window-limited) + K/V written for every new token + cached-prefix K/V the prefill reads
-
-Decode queries are placed exactly: output token j >= 1 of a request was computed in the step whose time span
-holds its token time, attending ``prompt + j`` keys. Prefill attention is exact per request and spread over
-prefill steps by their prefill tokens. Steps holding prefill tokens form the prefill stage (MFU: FLOP/s over
-calibrated matmul peak); steps with only decode tokens form the decode stage (MBU: bytes/s over calibrated
-bandwidth). Warm-up steps (the first of each session) are left out of both.
+Roofline accounting (MFU/MBU per stage, per step): ``perf.roofline``.
 """
 from __future__ import annotations
 
@@ -27,114 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from perf import flops as F
+from perf.roofline import column_array, roofline, warmup_mask
 from perf.stats import percentiles
 from pipeline.trace import TraceData, check_trace, read_run
 
 PROMPT_THRESHOLD = 512      # tokens: a "long" prompt
 OUTPUT_THRESHOLD = 128      # tokens: a "long" output
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-# ---- numbers -----------------------------------------------------------------------------------------
-def _arr(col, dtype=float) -> np.ndarray:
-    return np.asarray([np.nan if x is None else x for x in col], dtype=dtype)
-
-
-def _model_config(run: TraceData):
-    d = run.meta.get("model_config")
-    if d:
-        return F.from_dict(d)
-    path = (run.meta.get("model_info") or {}).get("path")
-    if not path:
-        return None
-    try:   # NOTE: older runs without a stored config: read it from the checkpoint if it is still there
-        from engine import load_model_config, resolve_model
-        return load_model_config(resolve_model(path))
-    except Exception:
-        return None
-
-
-def _warmup_mask(run: TraceData) -> np.ndarray:
-    """True for warm-up steps: the first ``warmup_steps`` of each session."""
-    sessions = _arr(run.steps["session"], int) if run.num_steps else np.zeros(0, int)
-    sess_meta = run.meta.get("sessions") or [{}]
-    k = int(sess_meta[0].get("warmup_steps", 1))
-    mask = np.zeros(len(sessions), bool)
-    for s in np.unique(sessions):
-        idx = np.flatnonzero(sessions == s)[:k]
-        mask[idx] = True
-    return mask
-
-
-def step_work(run: TraceData, config, dtype_bytes: int) -> dict[str, np.ndarray]:
-    """Per-step FLOPs and bytes (see the module docstring), plus decode contexts summed per step."""
-    s, r = run.steps, run.requests
-    n = run.num_steps
-    pre, dec = _arr(s["num_prefill_tokens"]), _arr(s["num_decode_tokens"])
-    sampled = _arr(s["num_sampled"])
-    starts = _arr(s["start"])
-    order = np.argsort(starts, kind="stable")
-    sorted_starts = starts[order]
-    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
-    kv_tok_layer = F.kv_bytes_per_token_layer(config, dtype_bytes)
-    attn_per_key = 4 * config.num_attention_heads * config.head_dim
-
-    def keys(ctx: np.ndarray) -> np.ndarray:            # keys one query at context ctx reads, all layers
-        return sum(ctx if w is None else np.minimum(ctx, w) for w in windows)
-
-    dec_keys = np.zeros(n)
-    pre_attn_total = pre_read_total = 0.0
-    for prompt, cached, tts in zip(r["prompt_tokens"], r["cached_tokens"], r["token_times"]):
-        pre_attn_total += F.attention_flops(config, prompt - cached, cached)
-        pre_read_total += F.kv_read_bytes(config, cached, dtype_bytes)
-        if tts and len(tts) > 1 and n:
-            t = np.asarray(tts[1:], float)
-            ctx = prompt + np.arange(1, len(tts), dtype=float)
-            idx = order[np.clip(np.searchsorted(sorted_starts, t, side="right") - 1, 0, n - 1)]
-            np.add.at(dec_keys, idx, keys(ctx))
-    total_pre = pre.sum()
-    pre_share = pre / total_pre if total_pre else np.zeros(n)
-    weights = np.where(sampled > 0, F.weight_bytes(config, dtype_bytes),
-                       F.weight_bytes(config, dtype_bytes, with_lm_head=False)).astype(float)
-    weights[(pre + dec) == 0] = 0.0
-    flops = (F.linear_flops(config, 1) * (pre + dec) + pre_attn_total * pre_share + attn_per_key * dec_keys
-             + F.lm_head_flops(config, 1) * sampled)
-    nbytes = (weights + kv_tok_layer * dec_keys + kv_tok_layer * config.num_hidden_layers * (pre + dec)
-              + pre_read_total * pre_share)
-    return {"flops": flops, "bytes": nbytes, "decode_keys": dec_keys}
-
-
-def roofline(run: TraceData, config=None, calibration: dict | None = None, warmup_steps: bool = False) -> dict | None:
-    """Prefill and decode stages: time, FLOPs, bytes, achieved FLOP/s and bytes/s, intensity, MFU, MBU.
-
-    None when the model's config is unknown. MFU/MBU are None without a calibration.
-    """
-    config = config or _model_config(run)
-    if config is None or not run.num_steps:
-        return None
-    cal = calibration if calibration is not None else (run.meta.get("calibration") or None)
-    dtype_bytes = _DTYPE_BYTES.get((run.meta.get("model_info") or {}).get("dtype", "bfloat16"), 2)
-    work = step_work(run, config, dtype_bytes)
-    dur = _arr(run.steps["duration_s"])
-    pre, dec = _arr(run.steps["num_prefill_tokens"]), _arr(run.steps["num_decode_tokens"])
-    keep = np.ones(run.num_steps, bool) if warmup_steps else ~_warmup_mask(run)
-    stages = {"prefill": keep & (pre > 0), "decode": keep & (pre == 0) & (dec > 0)}
-    out = {"stages": {}, "calibration": cal or None, "dtype_bytes": dtype_bytes,
-           "per_step": {"flops": work["flops"], "bytes": work["bytes"], "duration": dur,
-                        "stage": np.where(pre > 0, "prefill", np.where(dec > 0, "decode", "idle")), "keep": keep}}
-    for name, m in stages.items():
-        t, fl, by = float(dur[m].sum()), float(work["flops"][m].sum()), float(work["bytes"][m].sum())
-        st = {"steps": int(m.sum()), "time_s": t, "flops": fl, "bytes": by,
-              "tokens": float((pre + dec)[m].sum()), "flops_per_s": fl / t if t else None,
-              "bytes_per_s": by / t if t else None, "intensity": fl / by if by else None,
-              "mean_decode_seqs": float(_arr(run.steps["num_decode_seqs"])[m].mean()) if m.any() else None,
-              "mean_prefill_tokens": float(pre[m].mean()) if m.any() else None, "mfu": None, "mbu": None}
-        if cal and t:
-            st["mfu"] = st["flops_per_s"] / cal["matmul_flops"]
-            st["mbu"] = st["bytes_per_s"] / cal["memory_bandwidth"]
-        out["stages"][name] = st
-    return out
 
 
 def _bucket(prompt: int, output: int, pt: int, ot: int) -> str:
@@ -159,9 +46,9 @@ def analyze(run: TraceData, prompt_threshold: int = PROMPT_THRESHOLD, output_thr
               "steps": run.num_steps}
 
     # Time split, request view: seconds each request spent waiting, in prefill and in decode.
-    queue = _arr(r["queue_s"])
-    prefill = _arr(r["prefill_end"]) - _arr(r["first_scheduled"])
-    decode = _arr(r["finish"]) - _arr(r["first_token"])
+    queue = column_array(r["queue_s"])
+    prefill = column_array(r["prefill_end"]) - column_array(r["first_scheduled"])
+    decode = column_array(r["finish"]) - column_array(r["first_token"])
     jobs = sorted(set(r["job"]))
 
     def split(mask) -> dict:
@@ -178,10 +65,10 @@ def analyze(run: TraceData, prompt_threshold: int = PROMPT_THRESHOLD, output_thr
     time_split = {"overall": split(np.ones(n, bool)), "per_job": {j: split(job_arr == j) for j in jobs}}
 
     # Engine view: wall time spent in prefill steps, decode-only steps, and outside steps.
-    dur = _arr(s["duration_s"]) if run.num_steps else np.zeros(0)
-    pre = _arr(s["num_prefill_tokens"]) if run.num_steps else np.zeros(0)
-    dec = _arr(s["num_decode_tokens"]) if run.num_steps else np.zeros(0)
-    warm = _warmup_mask(run)
+    dur = column_array(s["duration_s"]) if run.num_steps else np.zeros(0)
+    pre = column_array(s["num_prefill_tokens"]) if run.num_steps else np.zeros(0)
+    dec = column_array(s["num_decode_tokens"]) if run.num_steps else np.zeros(0)
+    warm = warmup_mask(run)
     engine = {"warmup_s": float(dur[warm].sum()),
               "prefill_steps_s": float(dur[~warm & (pre > 0)].sum()),
               "mixed_steps_s": float(dur[~warm & (pre > 0) & (dec > 0)].sum()),
@@ -208,14 +95,16 @@ def analyze(run: TraceData, prompt_threshold: int = PROMPT_THRESHOLD, output_thr
 
     steady = {}
     if run.num_steps:
-        kv_total = _arr(s["kv_blocks_total"])
-        kv_frac = np.divide(_arr(s["kv_blocks_used"]), kv_total, out=np.zeros(run.num_steps), where=kv_total > 0)
+        decode_only = ~warm & (pre == 0) & (dec > 0)
+        kv_total = column_array(s["kv_blocks_total"])
+        kv_frac = np.divide(column_array(s["kv_blocks_used"]), kv_total, out=np.zeros(run.num_steps),
+                            where=kv_total > 0)
         steady = {"peak_kv_usage": float(kv_frac.max()), "mean_kv_usage": float(kv_frac.mean()),
                   "max_waiting": int(max(s["num_waiting"])), "max_running": int(max(s["num_running"])),
-                  "mean_decode_seqs": float(_arr(s["num_decode_seqs"])[~warm & (dec > 0)].mean())
+                  "mean_decode_seqs": float(column_array(s["num_decode_seqs"])[~warm & (dec > 0)].mean())
                   if (~warm & (dec > 0)).any() else None,
-                  "waiting_during_decode": float(np.mean(_arr(s["num_waiting"])[~warm & (pre == 0) & (dec > 0)] > 0))
-                  if (~warm & (pre == 0) & (dec > 0)).any() else None}
+                  "waiting_during_decode": float(np.mean(column_array(s["num_waiting"])[decode_only] > 0))
+                  if decode_only.any() else None}
         q = float(sum(s["prefix_cache_queries"]))
         steady["step_cache_hit_rate"] = float(sum(s["prefix_cache_hits"])) / q if q else None
 
@@ -413,17 +302,17 @@ def _latency_plot(run: TraceData, sm: dict) -> str:
 def _timeline_plot(run: TraceData) -> str:
     plt = _plt()
     s = run.steps
-    t = _arr(s["end"])
+    t = column_array(s["end"])
     fig, axes = plt.subplots(4, 1, figsize=(13, 10), sharex=True)
     nb = max(1, min(60, run.num_steps // 3))
-    edges = np.linspace(float(np.nanmin(_arr(s["start"]))), float(np.nanmax(t)), nb + 1)
+    edges = np.linspace(float(np.nanmin(column_array(s["start"]))), float(np.nanmax(t)), nb + 1)
     width = np.diff(edges)
     mid = (edges[:-1] + edges[1:]) / 2
     order = np.argsort(t)
-    knots = np.concatenate([[float(np.nanmin(_arr(s["start"])))], t[order]])
+    knots = np.concatenate([[float(np.nanmin(column_array(s["start"])))], t[order]])
 
     def rate(col: str) -> np.ndarray:   # tokens spread evenly over each step's span, then per bin
-        cum = np.concatenate([[0.0], np.cumsum(_arr(s[col])[order])])
+        cum = np.concatenate([[0.0], np.cumsum(column_array(s[col])[order])])
         return np.diff(np.interp(edges, knots, cum)) / width
 
     ax = axes[0]
@@ -433,28 +322,28 @@ def _timeline_plot(run: TraceData) -> str:
     ax.set_title("throughput")
     ax.legend(fontsize=8)
     ax = axes[1]
-    ax.step(t, _arr(s["num_prefill_tokens"]), where="post", label="prefill tokens/step", lw=.8)
-    ax.step(t, _arr(s["num_decode_tokens"]), where="post", label="decode tokens/step", lw=.8)
+    ax.step(t, column_array(s["num_prefill_tokens"]), where="post", label="prefill tokens/step", lw=.8)
+    ax.step(t, column_array(s["num_decode_tokens"]), where="post", label="decode tokens/step", lw=.8)
     ax.set_ylabel("tokens per step")
     ax.set_title("batch composition")
     ax.legend(fontsize=8)
     ax = axes[2]
-    total = _arr(s["kv_blocks_total"])
-    ax.plot(t, np.divide(_arr(s["kv_blocks_used"]), total, out=np.zeros_like(t), where=total > 0) * 100,
+    total = column_array(s["kv_blocks_total"])
+    ax.plot(t, np.divide(column_array(s["kv_blocks_used"]), total, out=np.zeros_like(t), where=total > 0) * 100,
             label="KV blocks used %")
     ax.set_ylabel("KV used %")
     ax2 = ax.twinx()
-    ax2.plot(t, _arr(s["num_running"]), color="g", lw=.8, label="running")
-    ax2.plot(t, _arr(s["num_waiting"]), color="r", lw=.8, label="waiting")
+    ax2.plot(t, column_array(s["num_running"]), color="g", lw=.8, label="running")
+    ax2.plot(t, column_array(s["num_waiting"]), color="r", lw=.8, label="waiting")
     ax2.set_ylabel("requests")
     ax.set_title("KV usage and queue")
     ax2.legend(fontsize=8, loc="upper right")
     ax = axes[3]
-    q, _ = np.histogram(t, edges, weights=_arr(s["prefix_cache_queries"]))
-    h, _ = np.histogram(t, edges, weights=_arr(s["prefix_cache_hits"]))
+    q, _ = np.histogram(t, edges, weights=column_array(s["prefix_cache_queries"]))
+    h, _ = np.histogram(t, edges, weights=column_array(s["prefix_cache_hits"]))
     ok = q > 0
     ax.plot(mid[ok], 100 * h[ok] / q[ok], "o-", ms=3, label="hit rate per interval")
-    cq, ch = np.cumsum(_arr(s["prefix_cache_queries"])), np.cumsum(_arr(s["prefix_cache_hits"]))
+    cq, ch = np.cumsum(column_array(s["prefix_cache_queries"])), np.cumsum(column_array(s["prefix_cache_hits"]))
     ax.plot(t, 100 * np.divide(ch, cq, out=np.zeros_like(t), where=cq > 0), label="cumulative")
     ax.set_ylabel("prefix cache hit %")
     ax.set_xlabel("seconds since run start")
@@ -498,7 +387,7 @@ def _single_html(run: TraceData, sm: dict) -> str:
              f"backend {mi.get('attention_backend', '–')})</p>"]
     pred = (run.meta.get("prediction") or {}).get("engine_s")
     if pred is not None:
-        steps_s = float(np.nansum(_arr(run.steps["duration_s"]))) if run.num_steps else 0.0
+        steps_s = float(np.nansum(column_array(run.steps["duration_s"]))) if run.num_steps else 0.0
         parts.append(f"<p class='small'>engine time: predicted {pred:.1f} s (batchgen plan), achieved "
                      f"{steps_s:.1f} s in steps ({(steps_s / pred - 1) * 100:+.0f} %)</p>")
     if mi.get("dtype_reason"):

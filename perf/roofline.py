@@ -1,0 +1,171 @@
+"""The roofline, in one place: FLOPs and bytes of engine work (``perf.flops``) against this device's calibrated
+peaks (``perf.calibrate``), as MFU (achieved FLOP/s / matmul peak) and MBU (achieved bytes/s / bandwidth).
+
+Used by ``batchgen report`` (per step of a recorded run: ``step_work``, ``roofline``), by ``batchgen bench``
+(per request of a system's run: ``Roofline``) and, for time rather than utilization, by ``perf.predict``.
+
+Per recorded step (each step is one forward pass):
+
+    flops(step) = 2*layer_params*(prefill + decode tokens) + prefill attention + decode attention
+                  + LM head on the sampled rows
+    bytes(step) = weights once (LM head too if anything is sampled) + K/V each decode query reads
+                  (window-limited) + K/V written for every new token + cached-prefix K/V the prefill reads
+
+Decode queries are placed exactly: output token j >= 1 of a request was computed in the step whose time span
+holds its token time, attending ``prompt + j`` keys. Prefill attention is exact per request and spread over
+prefill steps by their prefill tokens. Steps holding prefill tokens form the prefill stage (MFU: FLOP/s over
+calibrated matmul peak); steps with only decode tokens form the decode stage (MBU: bytes/s over calibrated
+bandwidth). Warm-up steps (the first of each session) are left out of both.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from perf import flops as F
+
+if TYPE_CHECKING:
+    from pipeline.trace import TraceData
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _peak(cal, key: str) -> float | None:
+    if not cal:
+        return None
+    return cal.get(key) if isinstance(cal, dict) else getattr(cal, key, None)
+
+
+def mfu(flops: float, secs: float, cal) -> float | None:
+    """Achieved FLOP/s over the calibrated matmul peak (``cal``: a Calibration or its dict); None without one."""
+    peak = _peak(cal, "matmul_flops")
+    return flops / secs / peak if peak and secs > 0 else None
+
+
+def mbu(nbytes: float, secs: float, cal) -> float | None:
+    """Achieved bytes/s over the calibrated memory bandwidth; None without a calibration."""
+    peak = _peak(cal, "memory_bandwidth")
+    return nbytes / secs / peak if peak and secs > 0 else None
+
+
+class Roofline:
+    """FLOP / byte counts of this workload's pieces, and the calibrated peaks to divide them by."""
+
+    def __init__(self, mcfg, dtype_bytes: int, cal):
+        self.mcfg, self.dtype_bytes, self.cal = mcfg, dtype_bytes, cal
+
+    def request_flops(self, prompt_len: int, cached: int, output_tokens: int) -> float:
+        f = F.prefill_flops(self.mcfg, prompt_len - cached, cached, num_sampled=1)
+        return f + sum(self.decode_flops([prompt_len + k]) for k in range(1, output_tokens))
+
+    def decode_flops(self, ctx_lens: list[int]) -> float:
+        return F.decode_step_flops(self.mcfg, ctx_lens)
+
+    def decode_bytes(self, ctx_lens: list[int]) -> float:
+        return F.decode_step_bytes(self.mcfg, ctx_lens, self.dtype_bytes)
+
+    def mfu(self, fl: float, secs: float) -> float | None:
+        return mfu(fl, secs, self.cal)
+
+    def mbu(self, nbytes: float, secs: float) -> float | None:
+        return mbu(nbytes, secs, self.cal)
+
+
+# ---- a recorded run (pipeline.trace) ------------------------------------------------------------------
+def column_array(col, dtype=float) -> np.ndarray:
+    return np.asarray([np.nan if x is None else x for x in col], dtype=dtype)
+
+
+def model_config_of(run: TraceData):
+    d = run.meta.get("model_config")
+    if d:
+        return F.from_dict(d)
+    path = (run.meta.get("model_info") or {}).get("path")
+    if not path:
+        return None
+    try:   # NOTE: older runs without a stored config: read it from the checkpoint if it is still there
+        from engine import load_model_config, resolve_model
+        return load_model_config(resolve_model(path))
+    except Exception:
+        return None
+
+
+def warmup_mask(run: TraceData) -> np.ndarray:
+    """True for warm-up steps: the first ``warmup_steps`` of each session."""
+    sessions = column_array(run.steps["session"], int) if run.num_steps else np.zeros(0, int)
+    sess_meta = run.meta.get("sessions") or [{}]
+    k = int(sess_meta[0].get("warmup_steps", 1))
+    mask = np.zeros(len(sessions), bool)
+    for s in np.unique(sessions):
+        idx = np.flatnonzero(sessions == s)[:k]
+        mask[idx] = True
+    return mask
+
+
+def step_work(run: TraceData, config, dtype_bytes: int) -> dict[str, np.ndarray]:
+    """Per-step FLOPs and bytes (see the module docstring), plus decode contexts summed per step."""
+    s, r = run.steps, run.requests
+    n = run.num_steps
+    pre, dec = column_array(s["num_prefill_tokens"]), column_array(s["num_decode_tokens"])
+    sampled = column_array(s["num_sampled"])
+    starts = column_array(s["start"])
+    order = np.argsort(starts, kind="stable")
+    sorted_starts = starts[order]
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    kv_tok_layer = F.kv_bytes_per_token_layer(config, dtype_bytes)
+    attn_per_key = 4 * config.num_attention_heads * config.head_dim
+
+    def keys(ctx: np.ndarray) -> np.ndarray:            # keys one query at context ctx reads, all layers
+        return sum(ctx if w is None else np.minimum(ctx, w) for w in windows)
+
+    dec_keys = np.zeros(n)
+    pre_attn_total = pre_read_total = 0.0
+    for prompt, cached, tts in zip(r["prompt_tokens"], r["cached_tokens"], r["token_times"]):
+        pre_attn_total += F.attention_flops(config, prompt - cached, cached)
+        pre_read_total += F.kv_read_bytes(config, cached, dtype_bytes)
+        if tts and len(tts) > 1 and n:
+            t = np.asarray(tts[1:], float)
+            ctx = prompt + np.arange(1, len(tts), dtype=float)
+            idx = order[np.clip(np.searchsorted(sorted_starts, t, side="right") - 1, 0, n - 1)]
+            np.add.at(dec_keys, idx, keys(ctx))
+    total_pre = pre.sum()
+    pre_share = pre / total_pre if total_pre else np.zeros(n)
+    weights = np.where(sampled > 0, F.weight_bytes(config, dtype_bytes),
+                       F.weight_bytes(config, dtype_bytes, with_lm_head=False)).astype(float)
+    weights[(pre + dec) == 0] = 0.0
+    flops = (F.linear_flops(config, 1) * (pre + dec) + pre_attn_total * pre_share + attn_per_key * dec_keys
+             + F.lm_head_flops(config, 1) * sampled)
+    nbytes = (weights + kv_tok_layer * dec_keys + kv_tok_layer * config.num_hidden_layers * (pre + dec)
+              + pre_read_total * pre_share)
+    return {"flops": flops, "bytes": nbytes, "decode_keys": dec_keys}
+
+
+def roofline(run: TraceData, config=None, calibration: dict | None = None, warmup_steps: bool = False) -> dict | None:
+    """Prefill and decode stages: time, FLOPs, bytes, achieved FLOP/s and bytes/s, intensity, MFU, MBU.
+
+    None when the model's config is unknown. MFU/MBU are None without a calibration.
+    """
+    config = config or model_config_of(run)
+    if config is None or not run.num_steps:
+        return None
+    cal = calibration if calibration is not None else (run.meta.get("calibration") or None)
+    dtype_bytes = _DTYPE_BYTES.get((run.meta.get("model_info") or {}).get("dtype", "bfloat16"), 2)
+    work = step_work(run, config, dtype_bytes)
+    dur = column_array(run.steps["duration_s"])
+    pre, dec = column_array(run.steps["num_prefill_tokens"]), column_array(run.steps["num_decode_tokens"])
+    keep = np.ones(run.num_steps, bool) if warmup_steps else ~warmup_mask(run)
+    stages = {"prefill": keep & (pre > 0), "decode": keep & (pre == 0) & (dec > 0)}
+    out = {"stages": {}, "calibration": cal or None, "dtype_bytes": dtype_bytes,
+           "per_step": {"flops": work["flops"], "bytes": work["bytes"], "duration": dur,
+                        "stage": np.where(pre > 0, "prefill", np.where(dec > 0, "decode", "idle")), "keep": keep}}
+    for name, m in stages.items():
+        t, fl, by = float(dur[m].sum()), float(work["flops"][m].sum()), float(work["bytes"][m].sum())
+        st = {"steps": int(m.sum()), "time_s": t, "flops": fl, "bytes": by,
+              "tokens": float((pre + dec)[m].sum()), "flops_per_s": fl / t if t else None,
+              "bytes_per_s": by / t if t else None, "intensity": fl / by if by else None,
+              "mean_decode_seqs": float(column_array(run.steps["num_decode_seqs"])[m].mean()) if m.any() else None,
+              "mean_prefill_tokens": float(pre[m].mean()) if m.any() else None, "mfu": None, "mbu": None}
+        st["mfu"], st["mbu"] = mfu(fl, t, cal), mbu(by, t, cal)
+        out["stages"][name] = st
+    return out
