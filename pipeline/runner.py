@@ -42,16 +42,16 @@ import numpy as np
 
 from engine import BatchgenError, Engine, EngineInfo
 from perf.predict import Prediction, predict_plan
-from pipeline import history
-from pipeline.assemble import assemble, hit_rate
+from pipeline.assemble import assemble
 from pipeline.errors import RunError
 from pipeline.feeder import Feeder
 from pipeline.io import InputError
 from pipeline.job import Job
 from pipeline.planner import Plan, make_plan, unplanned
 from pipeline.prepare import JobRun, Spill, new_job_run, prepare
-from pipeline.state import RunState, manifest_path_for
-from pipeline.trace import RunTrace, prune_runs
+from pipeline.recorder import RunRecorder, warn
+from pipeline.state import RunState
+from pipeline.summary import summarize
 
 
 class Interrupted(RunError):
@@ -108,7 +108,7 @@ class Runner:
         self.opts = options or RunOptions()
         self.echo = echo
         self._stop_reason: str | None = None      # set by SIGTERM / Ctrl-C (or stop_after_rows)
-        self._trace: RunTrace | None = None       # the current model's run trace, once it has one
+        self._rec = RunRecorder(self.opts.record_history, self.opts.state_dir)   # the current model's trace/history
 
     # ---- entry points -------------------------------------------------------------------------------
     def run(self, dry_run: bool = False) -> list[RunReport]:
@@ -123,11 +123,12 @@ class Runner:
     def _run_model(self, model: str, jobs: list[Job], dry_run: bool) -> RunReport:
         t0 = time.monotonic()
         states = [RunState(job.output.path, job.name) for job in jobs]
-        hist = {} if dry_run else self._history_start(model, jobs)
+        rec = self._rec = RunRecorder(self.opts.record_history, self.opts.state_dir)
+        if not dry_run:
+            rec.start_history(model, jobs)
         runs: list[JobRun] = []
         locked: list[RunState] = []
         old_handlers = {}
-        self._trace = None
         llm = None
         try:
             if not dry_run:
@@ -180,35 +181,32 @@ class Runner:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
             if plan.num_requests:
-                self._trace = self._start_trace(llm, states[0], t_loaded)
-                if self._trace is not None and report.prediction is not None:
-                    self._trace.prediction = report.prediction.to_dict()
-            report.trace_dir = self._trace.run_dir if self._trace is not None else None
+                rec.start_trace(llm, states[0], t_loaded, report.prediction.to_dict() if report.prediction else None)
+            report.trace_dir = rec.trace_dir
             if plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             engine_s = time.monotonic() - t_loaded
             for jr in runs:
                 assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir,
                          prediction=report.prediction.to_dict() if report.prediction else None)
-            self._flush_trace(llm)
+            rec.flush(llm)
             (states[0].dir / "current_run").unlink(missing_ok=True)
             report.wall_s = time.monotonic() - t0
-            report.summary = self._summary(report)
-            self._history_finish(hist, runs, "ok", report.trace_dir)
-            if not dry_run and report.trace_dir is not None:
-                self._prune_traces(states[0], jobs, report.trace_dir)
+            report.summary = summarize(report)
+            rec.finish_history(runs, "ok")
+            rec.prune(states[0], jobs)
             return report
         except Interrupted as e:
-            self._flush_trace(llm)
-            self._history_finish(hist, runs, "interrupted", self._trace_dir(), str(e))
+            rec.flush(llm)
+            rec.finish_history(runs, "interrupted", str(e))
             raise
         except BatchgenError as e:
-            self._flush_trace(llm)
-            self._history_finish(hist, runs, "failed", self._trace_dir(), str(e))
+            rec.flush(llm)
+            rec.finish_history(runs, "failed", str(e))
             raise
         except InputError as e:
             err = RunError(f"job input became unreadable during the run: {e}")
-            self._history_finish(hist, runs, "failed", self._trace_dir(), str(err))
+            rec.finish_history(runs, "failed", str(err))
             raise err from None
         except OSError as e:
             # NOTE: part files and the output are written atomically (whole or not at all), so after any
@@ -216,15 +214,15 @@ class Runner:
             what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
             err = RunError(f"cannot write {e.filename or 'the run state'}: {what}. Rows committed so far are "
                            "kept; fix that and run the same command again to resume.")
-            self._history_finish(hist, runs, "failed", self._trace_dir(), str(err))
+            rec.finish_history(runs, "failed", str(err))
             raise err from None
         except KeyboardInterrupt:            # a second Ctrl-C: stopped at once; committed rows are kept
-            self._flush_trace(llm)
-            self._history_finish(hist, runs, "interrupted", self._trace_dir(), "interrupted (Ctrl-C twice)")
+            rec.flush(llm)
+            rec.finish_history(runs, "interrupted", "interrupted (Ctrl-C twice)")
             raise
         except BaseException as e:
-            self._flush_trace(llm)
-            self._history_finish(hist, runs, "failed", self._trace_dir(), f"{type(e).__name__}: {e}")
+            rec.flush(llm)
+            rec.finish_history(runs, "failed", f"{type(e).__name__}: {e}")
             raise
         finally:
             for sig, h in old_handlers.items():
@@ -247,84 +245,8 @@ class Runner:
                 runs[0].predicted_engine_s = whole.engine_s
             return whole
         except Exception as e:                  # NOTE: a prediction must never fail a run
-            self._warn(f"no time prediction ({type(e).__name__}: {e})")
+            warn(f"no time prediction ({type(e).__name__}: {e})")
             return None
-
-    # ---- trace and history --------------------------------------------------------------------------
-    def _start_trace(self, llm: Engine, state: RunState, start: float) -> RunTrace | None:
-        """A trace in ``<job dir>/runs/<run id>``; an unfinished earlier run's id is reused (resume)."""
-        runs_dir = state.dir / "runs"
-        marker = state.dir / "current_run"
-        run_id = marker.read_text().strip() if marker.exists() else ""
-        if not run_id or not (runs_dir / run_id).is_dir():
-            run_id = time.strftime("%Y%m%d-%H%M%S")
-            n = 1
-            while (runs_dir / run_id).exists():
-                n += 1
-                run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-        try:
-            trace = RunTrace(runs_dir / run_id, llm.info.to_dict(), llm.info.load_time_s,
-                             model_config=llm.model_config, start_time=start)
-            marker.write_text(run_id)
-            return trace
-        except (OSError, ValueError) as e:     # NOTE: a trace must never fail a run
-            self._warn(f"no trace for this run ({e})")
-            return None
-
-    def _prune_traces(self, state: RunState, jobs, current: Path | None) -> None:
-        """Keep the newest ``output.keep_runs`` traces (the smallest over the jobs sharing this job dir)."""
-        try:
-            prune_runs(state.dir / "runs", min(j.output.keep_runs for j in jobs), current)
-        except OSError as e:                    # NOTE: pruning must never fail a finished run
-            self._warn(f"could not prune old run traces ({e})")
-
-    def _trace_dir(self) -> Path | None:
-        return self._trace.run_dir if self._trace is not None else None
-
-    def _flush_trace(self, llm: Engine | None) -> None:
-        trace = self._trace
-        if trace is None or llm is None:
-            return
-        try:
-            trace.add_steps(llm.step_stats)
-            trace.write()
-        except Exception as e:                  # NOTE: e.g. a full disk; the results matter, the trace less
-            self._warn(f"cannot write the trace to {trace.run_dir} ({e}); the run goes on without it")
-            self._trace = None
-
-    def _warn(self, message: str) -> None:
-        print(f"batchgen: warning: {message}", file=sys.stderr)
-
-    def _history_start(self, model: str, jobs: list[Job]) -> dict[str, int]:
-        if not self.opts.record_history:
-            return {}
-        ids = {}
-        for job in jobs:
-            try:
-                ids[job.name] = history.start_run(job.name, _config_summary(job, model),
-                                                  state_dir=self.opts.state_dir)
-            except history.HistoryError as e:
-                self._warn(f"run history not recorded: {e}")
-                return ids
-        return ids
-
-    def _history_finish(self, hist: dict[str, int], runs: list[JobRun], status: str, trace_dir: Path | None,
-                        error: str | None = None) -> None:
-        by_name = {jr.job.name: jr for jr in runs}
-        for name, run_id in hist.items():
-            jr = by_name.get(name)
-            this = (jr.manifest or {}).get("this_run", {}) if jr and not jr.up_to_date else {}
-            try:
-                history.finish_run(
-                    run_id, status, rows_done=jr.computed if jr else 0, rows_skipped=jr.reused if jr else 0,
-                    rows_failed=jr.row_errors if jr else 0, tokens_per_s=this.get("tokens_per_s"),
-                    cache_hit_rate=hit_rate(jr.cached_tokens, jr.prompt_tokens) if jr else None,
-                    trace_path=trace_dir,
-                    report_path=manifest_path_for(jr.job.output.path) if jr and jr.manifest else None,
-                    error=error, state_dir=self.opts.state_dir)
-            except history.HistoryError as e:
-                self._warn(f"run history not recorded: {e}")
-                return
 
     # ---- 3. execute ---------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> dict:
@@ -383,8 +305,8 @@ class Runner:
                     key = spills[j].row(local)[0]
                     res = _result_row(key, out)
                     jr.pending.append(res)
-                    if self._trace is not None:
-                        self._trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
+                    if self._rec.trace is not None:
+                        self._rec.trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
                     if res["error"]:
                         jr.row_errors += 1
                         if self.opts.fail_fast:
@@ -405,7 +327,7 @@ class Runner:
                 if now - last_commit >= self.opts.commit_interval_s or \
                         any(len(jr.pending) >= self.opts.commit_rows for jr in runs):
                     self._commit_all(runs)
-                    self._flush_trace(llm)
+                    self._rec.flush(llm)
                     last_commit = now
             clean_exit = True
         finally:
@@ -416,7 +338,7 @@ class Runner:
             except RunError as e:
                 if clean_exit:
                     raise
-                self._warn(str(e))      # keep the error that stopped the run; this one is its echo
+                warn(str(e))      # keep the error that stopped the run; this one is its echo
             for s in spills:
                 if s is not None:
                     s.close()
@@ -434,41 +356,6 @@ class Runner:
                 rows, jr.pending = jr.pending, []
                 jr.state.commit(rows)
 
-    # ---- summary ------------------------------------------------------------------------------------
-    def _summary(self, report: RunReport) -> str:
-        lines = []
-        plan = report.plan
-        computed = sum(jr.computed for jr in report.jobs)
-        prompt = sum(jr.prompt_tokens for jr in report.jobs)
-        cached = sum(jr.cached_tokens for jr in report.jobs)
-        out_toks = sum(jr.output_tokens for jr in report.jobs)
-        for jr in report.jobs:
-            if jr.up_to_date:
-                lines.append(f"{jr.job.name}: up to date, nothing to do ({jr.num_rows} rows in {jr.job.output.path}).")
-                continue
-            bits = [f"{jr.num_rows} rows -> {jr.job.output.path}", f"{jr.computed} computed"]
-            if jr.reused:
-                bits.append(f"{jr.reused} reused from earlier runs")
-            if jr.changed:
-                bits.append(f"{jr.changed} recomputed because their prompt, model or parameters changed")
-            if jr.deleted_kept:
-                bits.append(f"{jr.deleted_kept} no longer in the input kept (output.keep_deleted_rows)")
-            if jr.deleted_dropped:
-                bits.append(f"{jr.deleted_dropped} no longer in the input dropped")
-            errs = (jr.manifest or {}).get("rows_with_error", jr.row_errors)
-            bits.append(f"{errs} with errors" if errs else "no errors")
-            lines.append(f"{jr.job.name}: " + ", ".join(bits) + ".")
-        if computed:
-            lines.append(
-                f"Model {report.engine_info.name}: {computed} documents in {report.wall_s:.1f}s, "
-                f"{(prompt - cached + out_toks) / max(report.wall_s, 1e-9):,.0f} computed tokens/s "
-                f"({prompt:,} prompt tokens, {cached:,} from cache, {out_toks:,} generated); cache hit rate "
-                f"{_pct(cached, prompt)} achieved vs {_pct(plan.cached_tokens, plan.prompt_tokens)} predicted.")
-        if report.trace_dir is not None:
-            lines.append(f"Trace: {report.trace_dir} (batchgen report {report.trace_dir}).")
-        return " ".join(lines)
-
-
 def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
     """Impossible engine settings fail before compute: a KV pool with fewer blocks than ``max_num_seqs``
     (less than one block per sequence) cannot run the batch it is configured for."""
@@ -479,15 +366,6 @@ def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
                        f"{'s' * (blocks != 1)} of {block_size} tokens, less than one block per sequence for "
                        f"max_num_seqs {max_seqs}; raise engine.kv_cache_memory (or num_gpu_blocks_override) or "
                        "lower engine.max_num_seqs")
-
-
-def _config_summary(job: Job, model: str) -> dict:
-    return {"model": model, "job_file": job.file, "input": job.input.path, "output": job.output.path,
-            "schedule": job.schedule}
-
-
-def _pct(a: int, b: int) -> str:
-    return f"{100 * a / b:.1f}%" if b else "n/a"
 
 
 def _result_row(key: str, out) -> dict:
