@@ -1,15 +1,16 @@
 """Run jobs: read -> plan -> engine -> write, resumable, one row out per row in.
 
     for each model: one engine (jobs sharing a model share its prefix cache)
-      1. prepare  stream each job's input; render + tokenize rows; skip rows whose row_key is committed;
-                  bad rows become error results at once; the rest go to a spill file (token ids on disk)
-      2. plan     prefix tree over all prompt heads of all jobs -> order, predicted hits, providers
-      3. execute  keep a bounded window of requests in the engine (priority = plan position); a request
-                  joins right after its provider (the engine schedules by priority, so the provider
-                  computes and caches the shared blocks first); a group's head is pinned while
-                  requests that reuse it are pending; finished rows are committed as parts
-                  every couple of seconds
-      4. assemble per job: keys (input order) join committed results -> output, atomically; manifest
+      1. prepare  (pipeline/prepare.py) stream each job's input; render + tokenize rows; skip rows whose
+                  row_key is committed; bad rows become error results at once; the rest go to a spill file
+      2. plan     (pipeline/planner.py) prefix tree over all prompt heads of all jobs -> order, predicted
+                  hits, providers; perf/predict.py prices it in seconds
+      3. execute  (pipeline/feeder.py + here) keep a bounded window of requests in the engine (priority =
+                  plan position), followers released with their provider, heads pinned while needed;
+                  finished rows are committed as parts every couple of seconds
+      4. assemble (pipeline/assemble.py) per job: keys (input order) join committed results -> output,
+                  atomically; manifest
+    trace and history: pipeline/recorder.py; the closing paragraph: pipeline/summary.py
 
 A kill at any point loses at most the uncommitted rows; the next run recomputes only those.
 
