@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perf import flops as F
+from perf.roofline import matmul_rate
 
 # Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (measured: a few ms on
 # the CPU dev VM for a decode step; part of every step).
@@ -48,13 +49,9 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     """``prompt_len`` / ``cached`` / ``max_tokens``: per request, in plan (admission) order. ``matmul_flops`` is
     the calibrated rate of large matmuls, ``small_m_flops`` that of 16-row ones (decode-sized; default: the same):
     a step's matmuls of M rows run at the log-interpolated rate between the two."""
-    small = small_m_flops or matmul_flops
 
     def rate(rows: int) -> float:
-        if rows >= 512:
-            return matmul_flops * ENGINE_EFFICIENCY
-        frac = max(0.0, np.log(max(rows, 1) / 16) / np.log(512 / 16))
-        return (small + (matmul_flops - small) * frac) * ENGINE_EFFICIENCY
+        return matmul_rate(rows, matmul_flops, small_m_flops) * ENGINE_EFFICIENCY
 
     prompt_len = np.asarray(prompt_len, dtype=np.int64)
     cached = np.asarray(cached, dtype=np.int64)

@@ -2,7 +2,8 @@
 peaks (``perf.calibrate``), as MFU (achieved FLOP/s / matmul peak) and MBU (achieved bytes/s / bandwidth).
 
 Used by ``batchgen report`` (per step of a recorded run: ``step_work``, ``roofline``), by ``batchgen bench``
-(per request of a system's run: ``Roofline``) and, for time rather than utilization, by ``perf.predict``.
+(per request of a system's run: ``Roofline``) and, for time rather than utilization, by ``batchgen plan``
+(``perf.predict`` prices steps with ``matmul_rate`` and the same ``perf.flops`` counts).
 
 Per recorded step (each step is one forward pass):
 
@@ -41,6 +42,16 @@ def mfu(flops: float, secs: float, cal) -> float | None:
     """Achieved FLOP/s over the calibrated matmul peak (``cal``: a Calibration or its dict); None without one."""
     peak = _peak(cal, "matmul_flops")
     return flops / secs / peak if peak and secs > 0 else None
+
+
+def matmul_rate(rows: int, matmul_flops: float, small_m_flops: float | None = None) -> float:
+    """FLOP/s of a matmul with ``rows`` rows: the calibrated large-matmul rate from 512 rows up, the 16-row rate
+    (``small_m_flops``) at 16 and below, log-interpolated between (small batches stream the weights per row)."""
+    small = small_m_flops or matmul_flops
+    if rows >= 512:
+        return matmul_flops
+    frac = max(0.0, float(np.log(max(rows, 1) / 16) / np.log(512 / 16)))
+    return small + (matmul_flops - small) * frac
 
 
 def mbu(nbytes: float, secs: float, cal) -> float | None:
