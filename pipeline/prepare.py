@@ -59,6 +59,17 @@ class JobRun:
     tails: dict = field(default_factory=dict)  # rendered prompt tail (token ids) -> its id in the spill file
     predicted_engine_s: float | None = None    # perf.predict, this job's requests as if run alone
 
+    def add_result(self, key: str, out) -> dict:
+        """Count a finished engine output (``RequestOutput``) and queue its result row for the next commit."""
+        res = result_row(key, out)
+        self.pending.append(res)
+        self.row_errors += res["error"] is not None
+        self.computed += 1
+        self.prompt_tokens += res["prompt_tokens"]
+        self.cached_tokens += res["cached_tokens"]
+        self.output_tokens += res["output_tokens"]
+        return res
+
 
 
 
@@ -174,6 +185,18 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
     jr.spill_rows = len(groups)
     jr.keys_digest = digest.hexdigest()
     return PreparedJob(groups, lens)
+
+
+def result_row(key: str, out) -> dict:
+    """The committed row of a finished request (``state.RESULT_COLUMNS``)."""
+    m = out.metrics
+    err = out.error if (out.error or out.finish_reason == "error") else None
+    if out.finish_reason == "error" and not err:
+        err = "the engine could not run this prompt"
+    return {"row_key": key, "summary": None if err else out.text.strip(), "finish_reason": out.finish_reason,
+            "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": int(out.num_cached_tokens or 0),
+            "output_tokens": len(out.token_ids), "queue_s": m.queue_s, "prefill_s": m.prefill_s,
+            "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "e2e_s": m.e2e_s, "error": err}
 
 
 def _row_error(jr: JobRun, key: str, message: str, row_idx: int, fail_fast: bool) -> None:

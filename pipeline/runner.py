@@ -304,19 +304,12 @@ class Runner:
                     j, local = where(p)
                     jr = runs[j]
                     key = spills[j].row(local)[0]
-                    res = _result_row(key, out)
-                    jr.pending.append(res)
                     if self._rec.trace is not None:
                         self._rec.trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
-                    if res["error"]:
-                        jr.row_errors += 1
-                        if self.opts.fail_fast:
-                            raise RunError(f"job {jr.job.name!r}, row {key.rpartition('#')[0]}: {res['error']}. "
-                                           "Stopped because of --fail-fast; rows done so far are kept.")
-                    jr.computed += 1
-                    jr.prompt_tokens += res["prompt_tokens"]
-                    jr.cached_tokens += res["cached_tokens"]
-                    jr.output_tokens += res["output_tokens"]
+                    res = jr.add_result(key, out)
+                    if res["error"] and self.opts.fail_fast:
+                        raise RunError(f"job {jr.job.name!r}, row {key.rpartition('#')[0]}: {res['error']}. "
+                                       "Stopped because of --fail-fast; rows done so far are kept.")
                     prompt += res["prompt_tokens"]
                     cached += res["cached_tokens"]
                     toks += res["prompt_tokens"] - res["cached_tokens"] + res["output_tokens"]
@@ -367,17 +360,6 @@ def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
                        f"{'s' * (blocks != 1)} of {block_size} tokens, less than one block per sequence for "
                        f"max_num_seqs {max_seqs}; raise engine.kv_cache_memory (or num_gpu_blocks_override) or "
                        "lower engine.max_num_seqs")
-
-
-def _result_row(key: str, out) -> dict:
-    m = out.metrics
-    err = out.error if (out.error or out.finish_reason == "error") else None
-    if out.finish_reason == "error" and not err:
-        err = "the engine could not run this prompt"
-    return {"row_key": key, "summary": None if err else out.text.strip(), "finish_reason": out.finish_reason,
-            "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": int(out.num_cached_tokens or 0),
-            "output_tokens": len(out.token_ids), "queue_s": m.queue_s, "prefill_s": m.prefill_s,
-            "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "e2e_s": m.e2e_s, "error": err}
 
 
 def run_jobs(jobs: list[Job], llm_factory=None, options: RunOptions | None = None, dry_run: bool = False,
