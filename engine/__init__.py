@@ -11,7 +11,8 @@ from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
 
 # Imported on first use, so `import engine` stays cheap (these pull in torch or the model code).
-_LAZY = {"LLM": ("engine.llm", "LLM"), "choose_dtype": ("engine.dtype_policy", "choose_dtype"),
+_LAZY = {"LLM": ("engine.llm", "LLM"), "PlanningEngine": ("engine.setup", "PlanningEngine"),
+         "choose_dtype": ("engine.dtype_policy", "choose_dtype"),
          "resolve_model": ("engine.loader.resolve", "resolve_model"),
          "load_model_config": ("engine.loader", "load_model_config")}
 
@@ -24,6 +25,6 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "DEFAULT_MODEL", "Engine", "EngineInfo", "RequestOutput",
-           "RequestMetrics", "StepStats", "BatchgenError", "ConfigError", "ModelLoadError", "choose_dtype",
-           "resolve_model", "load_model_config"]
+__all__ = ["LLM", "PlanningEngine", "SamplingParams", "EngineConfig", "DEFAULT_MODEL", "Engine", "EngineInfo",
+           "RequestOutput", "RequestMetrics", "StepStats", "BatchgenError", "ConfigError", "ModelLoadError",
+           "choose_dtype", "resolve_model", "load_model_config"]

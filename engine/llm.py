@@ -10,7 +10,6 @@ further in than ``engine/__init__.py`` exports.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -20,85 +19,58 @@ from typing import Iterable, Sequence
 import torch
 
 from engine import cpu_kernels
-from engine.attention import get_backend
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.config import DEFAULT_MODEL
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
-from engine.dtype_policy import resolve_dtype
-from engine.errors import ConfigError
-from engine.interface import EngineInfo
-from engine.loader import load_model, load_model_config, resolve_model
-from engine.loader.resolve import model_identity
-from engine.memory import num_kv_blocks
+from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.setup import setup_engine
 from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("batchgen.engine")
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args):
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(engine_args) - fields)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-        self.config = cfg = EngineConfig(model=model, dtype=dtype, **engine_args)
         t0 = time.monotonic()
+        marks = _Marks()
+        setup = setup_engine(model, dtype, **engine_args)      # every automatic setting, resolved once
+        # The one resolved config: the scheduler, runner, info and manifest all see this one.
+        self.config = cfg = setup.config
+        self.device, self.dtype_choice, self.dtype = setup.device, setup.dtype_choice, setup.dtype
+        self.source, self.model_config, self._identity = setup.source, setup.model_config, setup.identity
+        self.backend = setup.backend
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        auto_device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
-        self.dtype_choice = resolve_dtype(cfg.dtype, self.device)    # auto: by device and instruction set
-        self.dtype = self.dtype_choice.torch_dtype
         if self.device.type == "cpu":
             keep_freed_memory()
-        if self.device.type == "cpu" and self.dtype == torch.float16:
-            raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
-
-        marks = _Marks()
-        self.source = resolve_model(model)
-        self.model_config = mcfg = load_model_config(self.source)
-        self._identity = model_identity(self.source)
         marks("resolve_s")
         # NOTE: the tokenizer (a 33 MB tokenizer.json for a 262k vocabulary, ~0.7 s in the Rust parser) loads on
         # a second thread while the weights are mapped and checksummed (zlib and page-ins release the GIL).
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, self.source)
-            self.model, self.weights_from = load_model(self.source, mcfg, self.dtype, self.device, self._identity)
+            self.model, self.weights_from = load_model(self.source, self.model_config, self.dtype, self.device,
+                                                       self._identity)
             marks("weights_s")
             self.tokenizer = tokenizer.result()
-        self.eos_token_ids = _eos_ids(mcfg, self.tokenizer)
+        self.eos_token_ids = _eos_ids(self.model_config, self.tokenizer)
         marks("tokenizer_wait_s")
         if self.device.type == "cpu":
             cpu_kernels.load()                     # built once per CPU and source version, then cached
         marks("kernels_s")
-
-        self.backend = get_backend(cfg.attention_backend, self.device)
-        block_size = self.backend.block_size_for(cfg.block_size)
-        if block_size != cfg.block_size:
-            log.info("block_size %d -> %d for the %s backend", cfg.block_size, block_size, self.backend.name)
-        max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        # The one resolved config: every "auto" and None made concrete; the scheduler, runner, info and
-        # manifest all see this one.
-        self.config = cfg = dataclasses.replace(cfg, dtype=self.dtype_choice.dtype, device=str(self.device),
-                                                block_size=block_size, max_model_len=max_model_len)
-        num_blocks = num_kv_blocks(cfg, mcfg, self.dtype, self.device, block_size, max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.dtype, self.device, self.backend, cfg.seed)
-        self.scheduler = Scheduler(cfg, num_blocks, max_model_len)
+        num_blocks = setup.num_kv_blocks
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, self.device, self.backend,
+                                  cfg.seed)
+        self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len)
         marks("kv_cache_s")
         self.step_stats: list[StepStats] = []
         self.load_time_s = time.monotonic() - t0
-        self.info = EngineInfo(
-            name=self.source.name, identity=self._identity, architecture=mcfg.architecture, dtype=cfg.dtype,
-            device=cfg.device, max_model_len=max_model_len, block_size=block_size, max_num_seqs=cfg.max_num_seqs,
-            num_kv_blocks=num_blocks, attention_backend=self.backend.name, path=str(self.source.path),
-            dtype_reason=self.dtype_choice.reason, cpu_kernels=cpu_kernels.describe() if self.device.type == "cpu"
-            else "", load_time_s=round(self.load_time_s, 3),
-            load_breakdown={**marks.spans, "weights_from": self.weights_from},
-            config=dataclasses.asdict(cfg))
+        self.info = setup.info(cpu_kernels=cpu_kernels.describe() if self.device.type == "cpu" else "",
+                               load_time_s=round(self.load_time_s, 3),
+                               load_breakdown={**marks.spans, "weights_from": self.weights_from})
         log.info("engine loaded in %.2fs (%s)", self.load_time_s,
                  ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()))
         self._requests: dict[str, Request] = {}

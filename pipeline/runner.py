@@ -89,6 +89,12 @@ def default_llm_factory(model: str, engine_args: dict) -> Engine:
     return LLM(model=model, **engine_args)
 
 
+def planning_llm_factory(model: str, engine_args: dict) -> Engine:
+    """Dry runs (``batchgen plan``): settings, model shape and tokenizer only; no weights, no KV pool."""
+    from engine import PlanningEngine
+    return PlanningEngine(model=model, **engine_args)
+
+
 def merge_engine_args(jobs: list[Job]) -> dict:
     merged: dict = {}
     for job in jobs:
@@ -105,7 +111,7 @@ class Runner:
     def __init__(self, jobs: list[Job], llm_factory: Callable | None = None, options: RunOptions | None = None,
                  echo: Callable[[str], None] = print):
         self.jobs = jobs
-        self.llm_factory = llm_factory or default_llm_factory
+        self.llm_factory = llm_factory          # None: the real engine, or the planning one for dry runs
         self.opts = options or RunOptions()
         self.echo = echo
         self._stop_reason: str | None = None      # set by SIGTERM / Ctrl-C (or stop_after_rows)
@@ -141,7 +147,8 @@ class Runner:
                 old_handlers = self._install_signal_handlers()
             engine_args = merge_engine_args(jobs)
             try:
-                llm = self.llm_factory(model, engine_args)
+                factory = self.llm_factory or (planning_llm_factory if dry_run else default_llm_factory)
+                llm = factory(model, engine_args)
                 if not isinstance(llm, Engine):
                     raise TypeError(f"llm_factory returned {type(llm).__name__}, which lacks the engine.Engine door")
             except BatchgenError as e:       # the engine's message, with the job files it comes from

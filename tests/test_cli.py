@@ -16,6 +16,7 @@ from tests.test_pipeline import COLUMNS, write_job
 @pytest.fixture
 def fake_engine(monkeypatch, fake_llm_factory):
     monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.runner, "planning_llm_factory", fake_llm_factory)
     return fake_llm_factory
 
 

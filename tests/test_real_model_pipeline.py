@@ -4,6 +4,7 @@ by every document after the group's first."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -61,3 +62,36 @@ output:
     assert m["this_run"]["predicted_engine_s"] > 0 and m["this_run"]["predicted_job_engine_s"] > 0
     run = read_run(m["trace"])
     assert check_trace(run) == []
+
+
+def test_plan_needs_no_weights_and_plans_the_same(tmp_path, monkeypatch):
+    """`batchgen plan` uses the planning engine (settings, config, tokenizer; no weights, no KV pool): the same
+    plan and resolved settings as the real engine's dry run."""
+    import engine.llm
+    import engine.loader
+    from pipeline.job import load_job
+    from pipeline.runner import RunOptions, default_llm_factory, run_jobs
+    job = tmp_path / "plan.yaml"
+    job.write_text(f"""name: plan
+model: gemma-3-270m
+input: {{path: {Path('sample_data/documents.parquet').resolve()}, id_column: id, limit: 12}}
+prompt: {{system_column: system, reference_column: reference, document_column: document}}
+generation: {{max_tokens: 8}}
+output: {{path: {tmp_path}/out/plan.parquet}}
+""")
+    opts = RunOptions(quiet=True, record_history=False)
+    real = run_jobs([load_job(job)], llm_factory=default_llm_factory, options=opts, dry_run=True)[0]
+
+    def no_weights(*a, **k):
+        raise AssertionError("a dry run loaded weights")
+    monkeypatch.setattr(engine.loader, "load_model", no_weights)
+    monkeypatch.setattr(engine.loader, "load_weights", no_weights)
+    monkeypatch.setattr(engine.llm.LLM, "__init__", no_weights)
+    planned = run_jobs([load_job(job)], options=opts, dry_run=True)[0]
+    for attr in ("prompt_tokens", "cached_tokens", "num_requests"):
+        assert getattr(planned.plan, attr) == getattr(real.plan, attr), attr
+    assert (planned.plan.order == real.plan.order).all()
+    a, b = planned.engine_info, real.engine_info
+    assert (a.dtype, a.block_size, a.max_model_len, a.num_kv_blocks, a.config) == \
+        (b.dtype, b.block_size, b.max_model_len, b.num_kv_blocks, b.config)
+    assert planned.prediction is not None and planned.prediction.engine_s > 0

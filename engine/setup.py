@@ -1,0 +1,108 @@
+"""Everything an engine settles before it touches weights, in one place: the resolved ``EngineConfig`` (dtype
+by device and ISA, device, block size for the attention backend, max_model_len), the model's config and
+identity, and the KV pool size. ``LLM`` builds on it; ``PlanningEngine`` stops there.
+
+``PlanningEngine`` answers what a dry run (``batchgen plan``) asks of an engine — ``info``, ``model_config``,
+the tokenizer — without loading weights or allocating the KV pool, so planning a large input costs the
+tokenizer and the input scan, not a model load.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend, get_backend
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.dtype_policy import DtypeChoice, resolve_dtype
+from engine.errors import ConfigError
+from engine.interface import EngineInfo
+from engine.loader import ModelSource, load_model_config, resolve_model
+from engine.loader.resolve import model_identity
+from engine.memory import num_kv_blocks
+from engine.models.config import ModelConfig
+
+log = logging.getLogger("batchgen.engine")
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    config: EngineConfig           # resolved: no "auto", no None where a value is decided
+    source: ModelSource
+    model_config: ModelConfig
+    identity: str
+    device: torch.device
+    dtype_choice: DtypeChoice
+    backend: AttentionBackend
+    num_kv_blocks: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dtype_choice.torch_dtype
+
+    def info(self, **extra) -> EngineInfo:
+        cfg = self.config
+        return EngineInfo(
+            name=self.source.name, identity=self.identity, architecture=self.model_config.architecture,
+            dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.num_kv_blocks, attention_backend=self.backend.name,
+            path=str(self.source.path), dtype_reason=self.dtype_choice.reason, config=dataclasses.asdict(cfg),
+            **extra)
+
+
+def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args) -> EngineSetup:
+    """Validate the options, resolve the model and every automatic setting; ConfigError / ModelLoadError
+    name what is wrong."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_args) - fields)
+    if unknown:
+        raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    cfg = EngineConfig(model=model, dtype=dtype, **engine_args)
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
+    choice = resolve_dtype(cfg.dtype, device)              # auto: by device and instruction set
+    if device.type == "cpu" and choice.dtype == "float16":
+        raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
+    source = resolve_model(model)
+    mcfg = load_model_config(source)
+    backend = get_backend(cfg.attention_backend, device)
+    block_size = backend.block_size_for(cfg.block_size)
+    if block_size != cfg.block_size:
+        log.info("block_size %d -> %d for the %s backend", cfg.block_size, block_size, backend.name)
+    max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    cfg = dataclasses.replace(cfg, dtype=choice.dtype, device=str(device), block_size=block_size,
+                              max_model_len=max_model_len)
+    blocks = num_kv_blocks(cfg, mcfg, choice.torch_dtype, device, block_size, max_model_len)
+    return EngineSetup(cfg, source, mcfg, model_identity(source), device, choice, backend, blocks)
+
+
+class PlanningEngine:
+    """The ``engine.Engine`` door for dry runs: settings, model shape and tokenizer; no weights, no KV pool."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args):
+        from engine.tokenizer import load_tokenizer
+        self.setup = setup_engine(model, dtype, **engine_args)
+        self.config = self.setup.config
+        self.model_config = self.setup.model_config
+        self.info = self.setup.info(cpu_kernels="not loaded (planning only)")
+        self.tokenizer = load_tokenizer(self.setup.source)
+        self.step_stats: list = []
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _refuse(self, *_, **__):
+        raise RuntimeError("PlanningEngine plans only; use engine.LLM to run requests")
+
+    add_request = step = pin_prefix = unpin_prefix = _refuse
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def num_unfinished_requests(self) -> int:
+        return 0
+
+
+__all__ = ["EngineSetup", "setup_engine", "PlanningEngine"]
