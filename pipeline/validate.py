@@ -7,6 +7,8 @@ the key and its YAML line (see ``Job.problem``).
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import os
 from pathlib import Path
 
@@ -109,12 +111,32 @@ def _output_problems(job: Job) -> list[Problem]:
 def _model_problems(job: Job) -> list[Problem]:
     # NOTE: resolving the model name is a file-system check the door does not offer yet; the engine's
     # resolver is the one source of truth for what a model spec may be, so it is used as is.
-    from engine import BatchgenError, resolve_model
+    from engine import BatchgenError, ConfigError, resolve_model
     try:
         resolve_model(job.model)
     except BatchgenError as e:
         return [job.problem("model", str(e))]
+    # The engine settings as the engine would resolve them (dtype, backend, KV pool), without its weights.
+    try:
+        setup = _engine_setup(job.model, json.dumps(job.engine, sort_keys=True, default=str))
+    except ConfigError as e:
+        return [job.problem("engine", str(e))]
+    except BatchgenError as e:
+        return [job.problem("model", str(e))]
+    cfg = setup.config
+    if setup.num_kv_blocks < cfg.max_num_seqs:
+        return [job.problem("engine", f"the KV cache pool would have {setup.num_kv_blocks} blocks of "
+                                      f"{cfg.block_size} tokens, less than one block per sequence for max_num_seqs "
+                                      f"{cfg.max_num_seqs}; raise engine.kv_cache_memory (or num_gpu_blocks_override) "
+                                      "or lower engine.max_num_seqs")]
     return []
+
+
+@functools.lru_cache(maxsize=16)
+def _engine_setup(model: str, engine_json: str):
+    """Jobs on one model with the same engine settings resolve once per process."""
+    from engine.setup import setup_engine
+    return setup_engine(model, **json.loads(engine_json))
 
 
 def validate_files(paths: list[str]) -> tuple[list[Job], list[Problem]]:

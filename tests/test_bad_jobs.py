@@ -57,11 +57,11 @@ CASES = [
     ("bad-cron", lambda t, c: t + 'schedule: "0 25 * * *"\n', ["schedule", "hour"]),
     ("engine-setting", lambda t, c: t + "engine:\n  block_size: 12\n", ["engine.block_size", "power of two"]),
     ("engine-unknown", lambda t, c: t + "engine:\n  max_num_seq: 4\n", ["engine.max_num_seq", "did you mean"]),
-    # These need the model itself: they fail at load, still before any row is computed.
+    # These need the model's config and the machine (no weights): found by validation, with the file and line.
     ("unsupported-architecture", lambda t, c: t + f"model: {c['foo_model']}\n",
-     ["cannot start model", "unsupported architecture 'FooForCausalLM'"]),
+     ["bad.yaml:", ": model:", "unsupported architecture 'FooForCausalLM'"]),
     ("kv-pool-under-one-block", lambda t, c: t + f"model: {c['tiny']}\nengine:\n  kv_cache_memory: 1\n",
-     ["bad.yaml", "smaller than one block"]),
+     ["bad.yaml:", ": engine:", "smaller than one block"]),
     ("kv-pool-under-one-block-per-seq",
      lambda t, c: t + f"model: {c['tiny']}\nengine:\n  num_gpu_blocks_override: 2\n  max_num_seqs: 8\n",
      ["bad.yaml", "less than one block per sequence", "max_num_seqs 8"]),
