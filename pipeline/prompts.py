@@ -17,6 +17,8 @@ import string
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tokenizers import Tokenizer as _RustTokenizer
+
 from pipeline.job import BUILTIN_PLACEHOLDERS, PromptSpec
 
 _SENTINEL = "\x00BATCHGEN_DOCUMENT\x00"
@@ -130,6 +132,11 @@ class PromptRenderer:
         """Tokenize many documents at once (fast tokenizers batch them in native code)."""
         if not documents:
             return []
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if isinstance(backend, _RustTokenizer):
+            # NOTE: straight to the Rust tokenizer (what transformers' fast tokenizer calls underneath): the same
+            # ids without transformers' per-encoding Python conversion, ~half of a large plan's time.
+            return [e.ids for e in backend.encode_batch(documents, add_special_tokens=False)]
         return list(self.tokenizer(documents, add_special_tokens=False)["input_ids"])
 
     def fit(self, head: tuple[int, ...], doc: list[int], tail: tuple[int, ...], max_model_len: int,
