@@ -80,6 +80,7 @@ class RunReport:
     wall_s: float
     engine_info: EngineInfo
     prediction: Prediction | None = None       # predicted engine time of the whole plan (perf.predict)
+    engine_s: float | None = None              # achieved: from model loaded to last step
     summary: str = ""
     trace_dir: Path | None = None
 
@@ -193,7 +194,7 @@ class Runner:
             report.trace_dir = rec.trace_dir
             if plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
-            engine_s = time.monotonic() - t_loaded
+            engine_s = report.engine_s = time.monotonic() - t_loaded
             for jr in runs:
                 assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir,
                          prediction=report.prediction.to_dict() if report.prediction else None)

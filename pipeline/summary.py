@@ -32,7 +32,9 @@ def summarize(report) -> str:
             f"Model {report.engine_info.name}: {computed} documents in {report.wall_s:.1f}s, "
             f"{(prompt - cached + out_toks) / max(report.wall_s, 1e-9):,.0f} computed tokens/s "
             f"({prompt:,} prompt tokens, {cached:,} from cache, {out_toks:,} generated); cache hit rate "
-            f"{_pct(cached, prompt)} achieved vs {_pct(plan.cached_tokens, plan.prompt_tokens)} predicted.")
+            f"{_pct(cached, prompt)} achieved vs {_pct(plan.cached_tokens, plan.prompt_tokens)} predicted"
+            + (f"; engine time {report.engine_s:.1f}s vs {report.prediction.engine_s:.1f}s predicted."
+               if report.prediction is not None and report.engine_s is not None else "."))
     if report.trace_dir is not None:
         lines.append(f"Trace: {report.trace_dir} (batchgen report {report.trace_dir}).")
     return " ".join(lines)

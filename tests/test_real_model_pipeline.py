@@ -4,6 +4,7 @@ by every document after the group's first."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -44,6 +45,7 @@ output:
 """)
     res = CliRunner().invoke(main, ["submit", "-q", str(job)])
     assert res.exit_code == 0, res.output
+    assert re.search(r"engine time \d+\.\ds vs \d+\.\ds predicted", res.output), res.output
     t = pq.read_table(tmp_path / "out/real.parquet")
     assert t.column("id").to_pylist() == src.take(picks).column("id").to_pylist()
     assert t.column("error").null_count == 3
