@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
+
 from engine.models.config import ModelConfig
 
 
@@ -107,14 +109,23 @@ def kv_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int) -> int:
     return 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
 
 
+def window_counts(config: ModelConfig) -> tuple[tuple[int | None, int], ...]:
+    """(attention window or None, number of layers with it): layers grouped by what they attend to."""
+    counts: dict[int | None, int] = {}
+    for i in range(config.num_hidden_layers):
+        counts[config.layer_window(i)] = counts.get(config.layer_window(i), 0) + 1
+    return tuple(counts.items())
+
+
+def keys_read(windows: tuple[tuple[int | None, int], ...], context_len):
+    """Keys one query at context ``context_len`` (itself included) attends to, summed over all layers,
+    window-limited; elementwise for a numpy array of contexts. ``windows``: ``window_counts(config)``."""
+    return sum(k * (context_len if w is None else np.minimum(context_len, w)) for w, k in windows)
+
+
 def kv_read_bytes(config: ModelConfig, context_len: int, dtype_bytes: int) -> int:
     """K/V bytes one query at context ``context_len`` (itself included) reads, all layers, window-limited."""
-    per = kv_bytes_per_token_layer(config, dtype_bytes)
-    total = 0
-    for i in range(config.num_hidden_layers):
-        w = config.layer_window(i)
-        total += per * (context_len if w is None else min(context_len, w))
-    return total
+    return int(kv_bytes_per_token_layer(config, dtype_bytes) * keys_read(window_counts(config), context_len))
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: int, with_lm_head: bool = True) -> int:

@@ -56,9 +56,7 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     prompt_len = np.asarray(prompt_len, dtype=np.int64)
     cached = np.asarray(cached, dtype=np.int64)
     max_tokens = np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), prompt_len.shape)
-    windows: dict[int | None, int] = {}                  # distinct layer windows -> how many layers have each
-    for i in range(config.num_hidden_layers):
-        windows[config.layer_window(i)] = windows.get(config.layer_window(i), 0) + 1
+    windows = F.window_counts(config)                     # layers grouped by window: 2 groups on gemma-3
     per_key = 4 * config.num_attention_heads * config.head_dim          # QK + PV FLOPs per attended key
     kv_tok = F.kv_bytes_per_token_layer(config, dtype_bytes)
     lin_tok = F.linear_flops(config, 1)
@@ -66,11 +64,8 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     w_all = F.weight_bytes(config, dtype_bytes)
     w_layers = F.weight_bytes(config, dtype_bytes, with_lm_head=False)
 
-    def keys(ctx: np.ndarray) -> float:                   # keys a query at each context attends to, all layers
-        return float(sum(k * (ctx.sum() if w is None else np.minimum(ctx, w).sum()) for w, k in windows.items()))
-
-    def kv_read(ctx: int) -> float:                        # K/V bytes one query at context ctx reads, all layers
-        return kv_tok * sum(k * (ctx if w is None else min(ctx, w)) for w, k in windows.items())
+    def keys(ctx: np.ndarray) -> float:                   # keys the queries at these contexts attend to, all layers
+        return float(F.keys_read(windows, ctx).sum())
 
     waiting = deque(range(len(prompt_len)))
     running: list[_Seq] = []
@@ -98,7 +93,7 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
         for r, n in chunks:
             attn += per_key * keys(np.arange(r.pos + 1, r.pos + n + 1))
             flops += lin_tok * n
-            nbytes += kv_read(r.pos) + kv_tok * config.num_hidden_layers * n
+            nbytes += kv_tok * float(F.keys_read(windows, r.pos)) + kv_tok * config.num_hidden_layers * n
             r.pos += n
             if r.pos == r.prompt:                          # the chunk that ends the prompt samples a token
                 r.decoding = True

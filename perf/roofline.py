@@ -123,12 +123,9 @@ def step_work(run: TraceData, config, dtype_bytes: int) -> dict[str, np.ndarray]
     starts = column_array(s["start"])
     order = np.argsort(starts, kind="stable")
     sorted_starts = starts[order]
-    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    windows = F.window_counts(config)
     kv_tok_layer = F.kv_bytes_per_token_layer(config, dtype_bytes)
     attn_per_key = 4 * config.num_attention_heads * config.head_dim
-
-    def keys(ctx: np.ndarray) -> np.ndarray:            # keys one query at context ctx reads, all layers
-        return sum(ctx if w is None else np.minimum(ctx, w) for w in windows)
 
     dec_keys = np.zeros(n)
     pre_attn_total = pre_read_total = 0.0
@@ -139,7 +136,7 @@ def step_work(run: TraceData, config, dtype_bytes: int) -> dict[str, np.ndarray]
             t = np.asarray(tts[1:], float)
             ctx = prompt + np.arange(1, len(tts), dtype=float)
             idx = order[np.clip(np.searchsorted(sorted_starts, t, side="right") - 1, 0, n - 1)]
-            np.add.at(dec_keys, idx, keys(ctx))
+            np.add.at(dec_keys, idx, F.keys_read(windows, ctx))
     total_pre = pre.sum()
     pre_share = pre / total_pre if total_pre else np.zeros(n)
     weights = np.where(sampled > 0, F.weight_bytes(config, dtype_bytes),
