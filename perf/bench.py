@@ -558,7 +558,8 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
     if hf_systems:
         _say(opts, f"transformers: loading {opts.model}")
         t = time.monotonic()
-        hf_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[opts.dtype]
+        from engine.dtype_policy import DTYPES
+        hf_dtype = DTYPES[opts.dtype]
         try:
             hf = load_hf_model(opts.model, hf_dtype)
         except (ImportError, ValueError, OSError) as e:   # e.g. GGUF loading needs `accelerate`

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.cache_root import cache_root
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from engine.dtype_policy import DTYPES
 
 # (M, K, N): prompt-chunk-shaped matmuls of a small model (gemma-3-270m: hidden 640, MLP 2048).
 MATMUL_SHAPES = ((512, 640, 2048), (2048, 640, 2048), (2048, 2048, 640), (2048, 1024, 1024))
@@ -102,9 +101,9 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
     ``quick`` measures one matrix shape and a smaller buffer (well under a second on CPU): for tests.
     """
     dev = torch.device(device)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    tdtype = _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    tdtype = DTYPES[dtype]
     reps = 3 if quick else 7
     by_shape = {}
     for m, k, n in (QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES):

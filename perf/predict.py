@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perf import flops as F
-from perf.roofline import matmul_rate
+from perf.roofline import DTYPE_BYTES, matmul_rate
 
 # Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (measured: a few ms on
 # the CPU dev VM for a decode step; part of every step).
@@ -141,7 +141,7 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
         return None
     from perf.calibrate import get_calibration
     cal = get_calibration(info.device, info.dtype, quick=True)
-    dtype_bytes = {"float32": 4}.get(info.dtype, 2)
+    dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
     return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
                    int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
                    cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops)

@@ -29,7 +29,7 @@ from perf import flops as F
 if TYPE_CHECKING:
     from pipeline.trace import TraceData
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _peak(cal, key: str) -> float | None:
@@ -158,7 +158,7 @@ def roofline(run: TraceData, config=None, calibration: dict | None = None, warmu
     if config is None or not run.num_steps:
         return None
     cal = calibration if calibration is not None else (run.meta.get("calibration") or None)
-    dtype_bytes = _DTYPE_BYTES.get((run.meta.get("model_info") or {}).get("dtype", "bfloat16"), 2)
+    dtype_bytes = DTYPE_BYTES.get((run.meta.get("model_info") or {}).get("dtype", "bfloat16"), 2)
     work = step_work(run, config, dtype_bytes)
     dur = column_array(run.steps["duration_s"])
     pre, dec = column_array(run.steps["num_prefill_tokens"]), column_array(run.steps["num_decode_tokens"])
