@@ -51,7 +51,7 @@ class LLM:
         # NOTE: the tokenizer (a 33 MB tokenizer.json for a 262k vocabulary, ~0.7 s in the Rust parser) loads on
         # a second thread while the weights are mapped and checksummed (zlib and page-ins release the GIL).
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, self.source)
+            tokenizer = pool.submit(load_tokenizer, self.source, self._identity)
             self.model, self.weights_from = load_model(self.source, self.model_config, self.dtype, self.device,
                                                        self._identity)
             marks("weights_s")

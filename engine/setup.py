@@ -87,7 +87,7 @@ class PlanningEngine:
         self.config = self.setup.config
         self.model_config = self.setup.model_config
         self.info = self.setup.info(cpu_kernels="not loaded (planning only)")
-        self.tokenizer = load_tokenizer(self.setup.source)
+        self.tokenizer = load_tokenizer(self.setup.source, self.setup.identity)
         self.step_stats: list = []
 
     def get_tokenizer(self):

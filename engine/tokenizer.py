@@ -42,12 +42,13 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
-def load_tokenizer(source: ModelSource):
-    """The tokenizer of ``source`` (a ``PreTrainedTokenizerFast``-compatible object)."""
+def load_tokenizer(source: ModelSource, identity: str | None = None):
+    """The tokenizer of ``source`` (a ``PreTrainedTokenizerFast``-compatible object). ``identity``: the source's
+    ``model_identity`` when the caller has it already (it keys the GGUF tokenizer cache)."""
     if source.kind == "hf":
         tok = _load_hf_dir(Path(source.path))
     elif source.kind == "gguf":
-        tok = load_gguf_tokenizer(Path(source.path), model_identity(source))
+        tok = load_gguf_tokenizer(Path(source.path), identity or model_identity(source))
     else:
         raise ModelLoadError(f"{source.path}: unknown model source kind {source.kind!r}")
     if not getattr(tok, "chat_template", None) and "<start_of_turn>" in tok.get_vocab():
