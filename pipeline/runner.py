@@ -116,7 +116,7 @@ class Runner:
         self.opts = options or RunOptions()
         self.echo = echo
         self._stop_reason: str | None = None      # set by SIGTERM / Ctrl-C (or stop_after_rows)
-        self._rec = RunRecorder(self.opts.record_history, self.opts.state_dir)   # the current model's trace/history
+        self._rec: RunRecorder | None = None       # the current model's trace and history rows
 
     # ---- entry points -------------------------------------------------------------------------------
     def run(self, dry_run: bool = False) -> list[RunReport]:
@@ -183,6 +183,7 @@ class Runner:
                 jr.predicted_cached = int(plan.cached[mask].sum())
                 jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
             report = RunReport(runs, plan, 0.0, info, prediction=self._predict(llm, runs, plan, pjob))
+            predicted = report.prediction.to_dict() if report.prediction else None
             if dry_run:
                 report.wall_s = time.monotonic() - t0
                 return report
@@ -190,14 +191,13 @@ class Runner:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
             if plan.num_requests:
-                rec.start_trace(llm, states[0], t_loaded, report.prediction.to_dict() if report.prediction else None)
+                rec.start_trace(llm, states[0], t_loaded, predicted)
             report.trace_dir = rec.trace_dir
             if plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             engine_s = report.engine_s = time.monotonic() - t_loaded
             for jr in runs:
-                assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir,
-                         prediction=report.prediction.to_dict() if report.prediction else None)
+                assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir, prediction=predicted)
             rec.flush(llm)
             (states[0].dir / "current_run").unlink(missing_ok=True)
             report.wall_s = time.monotonic() - t0
