@@ -60,12 +60,12 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
     cfg = EngineConfig(model=model, dtype=dtype, **engine_args)
+    source = resolve_model(model)                          # a bad model spec is the first thing to report
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
     choice = resolve_dtype(cfg.dtype, device)              # auto: by device and instruction set
     if device.type == "cpu" and choice.dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
-    source = resolve_model(model)
     mcfg = load_model_config(source)
     backend = get_backend(cfg.attention_backend, device)
     block_size = backend.block_size_for(cfg.block_size)

@@ -53,6 +53,7 @@ from pipeline.prepare import JobRun, Spill, new_job_run, prepare
 from pipeline.recorder import RunRecorder, warn
 from pipeline.state import RunState
 from pipeline.summary import summarize
+from pipeline.validate import kv_pool_problem
 
 
 class Interrupted(RunError):
@@ -359,15 +360,10 @@ class Runner:
                 jr.state.commit(rows)
 
 def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
-    """Impossible engine settings fail before compute: a KV pool with fewer blocks than ``max_num_seqs``
-    (less than one block per sequence) cannot run the batch it is configured for."""
-    blocks, block_size, max_seqs = info.num_kv_blocks, info.block_size, info.max_num_seqs
-    if blocks is not None and blocks < max_seqs:
-        files = ", ".join(sorted({j.file for j in jobs}))
-        raise RunError(f"{files}: engine: impossible settings: the KV cache pool has {blocks} block"
-                       f"{'s' * (blocks != 1)} of {block_size} tokens, less than one block per sequence for "
-                       f"max_num_seqs {max_seqs}; raise engine.kv_cache_memory (or num_gpu_blocks_override) or "
-                       "lower engine.max_num_seqs")
+    """Impossible engine settings fail before compute (validation says the same, file by file)."""
+    problem = kv_pool_problem(info.num_kv_blocks, info.block_size, info.max_num_seqs)
+    if problem:
+        raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: engine: {problem}")
 
 
 def run_jobs(jobs: list[Job], llm_factory=None, options: RunOptions | None = None, dry_run: bool = False,

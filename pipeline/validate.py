@@ -109,14 +109,9 @@ def _output_problems(job: Job) -> list[Problem]:
 
 
 def _model_problems(job: Job) -> list[Problem]:
-    # NOTE: resolving the model name is a file-system check the door does not offer yet; the engine's
-    # resolver is the one source of truth for what a model spec may be, so it is used as is.
-    from engine import BatchgenError, ConfigError, resolve_model
-    try:
-        resolve_model(job.model)
-    except BatchgenError as e:
-        return [job.problem("model", str(e))]
-    # The engine settings as the engine would resolve them (dtype, backend, KV pool), without its weights.
+    """The model spec (the engine's resolver is the one source of truth for what it may be) and the engine
+    settings as the engine would resolve them (dtype, backend, KV pool), without loading weights."""
+    from engine import BatchgenError, ConfigError
     try:
         setup = _engine_setup(job.model, json.dumps(job.engine, sort_keys=True, default=str))
     except ConfigError as e:
@@ -124,12 +119,18 @@ def _model_problems(job: Job) -> list[Problem]:
     except BatchgenError as e:
         return [job.problem("model", str(e))]
     cfg = setup.config
-    if setup.num_kv_blocks < cfg.max_num_seqs:
-        return [job.problem("engine", f"the KV cache pool would have {setup.num_kv_blocks} blocks of "
-                                      f"{cfg.block_size} tokens, less than one block per sequence for max_num_seqs "
-                                      f"{cfg.max_num_seqs}; raise engine.kv_cache_memory (or num_gpu_blocks_override) "
-                                      "or lower engine.max_num_seqs")]
-    return []
+    problem = kv_pool_problem(setup.num_kv_blocks, cfg.block_size, cfg.max_num_seqs)
+    return [job.problem("engine", problem)] if problem else []
+
+
+def kv_pool_problem(num_blocks: int | None, block_size: int, max_num_seqs: int) -> str | None:
+    """A KV pool with fewer blocks than ``max_num_seqs`` (less than one block per sequence) cannot run the batch
+    it is configured for: the message saying so, or None."""
+    if num_blocks is None or num_blocks >= max_num_seqs:
+        return None
+    return (f"impossible settings: the KV cache pool has {num_blocks} block{'s' * (num_blocks != 1)} of "
+            f"{block_size} tokens, less than one block per sequence for max_num_seqs {max_num_seqs}; raise "
+            "engine.kv_cache_memory (or num_gpu_blocks_override) or lower engine.max_num_seqs")
 
 
 @functools.lru_cache(maxsize=16)
