@@ -99,11 +99,9 @@ def choose_dtype(requested: str, device_type: str, features: frozenset[str] | No
     return DtypeChoice(requested, f"{requested} requested")
 
 
-def resolve_dtype(requested: str, device: torch.device) -> DtypeChoice:
-    """``choose_dtype`` for a device, logged once per engine (a warning when the choice will be slow)."""
-    choice = choose_dtype(requested, device.type)
+def log_choice(choice: DtypeChoice) -> None:
+    """Log the choice (a warning when it will be slow); engines call it once, when they start."""
     (log.warning if choice.slow else log.info)("dtype: %s", choice.reason)
-    return choice
 
 
-__all__ = ["DtypeChoice", "DTYPES", "choose_dtype", "resolve_dtype", "cpu_features", "cpu_has_bf16_matmul"]
+__all__ = ["DtypeChoice", "DTYPES", "choose_dtype", "log_choice", "cpu_features", "cpu_has_bf16_matmul"]

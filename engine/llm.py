@@ -22,6 +22,7 @@ from engine import cpu_kernels
 from engine.config import DEFAULT_MODEL
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
+from engine.dtype_policy import log_choice
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
@@ -38,6 +39,7 @@ class LLM:
         t0 = time.monotonic()
         marks = _Marks()
         setup = setup_engine(model, dtype, **engine_args)      # every automatic setting, resolved once
+        log_choice(setup.dtype_choice)                          # once per engine (validation stays quiet)
         # The one resolved config: the scheduler, runner, info and manifest all see this one.
         self.config = cfg = setup.config
         self.device, self.dtype_choice, self.dtype = setup.device, setup.dtype_choice, setup.dtype

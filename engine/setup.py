@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import AttentionBackend, get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.dtype_policy import DtypeChoice, resolve_dtype
+from engine.dtype_policy import DtypeChoice, choose_dtype, log_choice
 from engine.errors import ConfigError
 from engine.interface import EngineInfo
 from engine.loader import ModelSource, load_model_config, resolve_model
@@ -63,7 +63,7 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
     source = resolve_model(model)                          # a bad model spec is the first thing to report
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
-    choice = resolve_dtype(cfg.dtype, device)              # auto: by device and instruction set
+    choice = choose_dtype(cfg.dtype, device.type)          # auto: by device and instruction set
     if device.type == "cpu" and choice.dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
     mcfg = load_model_config(source)
@@ -84,6 +84,7 @@ class PlanningEngine:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args):
         from engine.tokenizer import load_tokenizer
         self.setup = setup_engine(model, dtype, **engine_args)
+        log_choice(self.setup.dtype_choice)
         self.config = self.setup.config
         self.model_config = self.setup.model_config
         self.info = self.setup.info(cpu_kernels="not loaded (planning only)")
