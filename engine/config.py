@@ -11,6 +11,7 @@ DEFAULT_MODEL = "gemma-3-270m"        # google/gemma-3-270m, Q4_K_M GGUF from Py
 # in bf16: 4 GiB holds ~230k tokens, 128 sequences of 1,800).
 DEFAULT_CPU_KV_FRACTION = 0.25
 DEFAULT_CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
+QUANTIZATIONS = ("none", "int8", "auto")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class EngineConfig:
     attention_backend: str = "auto"          # auto | torch | flash_attn
     seed: int = 0
     num_threads: int | None = None           # CPU: torch threads; None -> leave torch's default
+    quantization: str = "none"               # none: weights in `dtype` (GGUF dequantized at load) | int8: int8
+                                             # weights, integer dot products (CPU) | auto (engine.quantization)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -40,6 +43,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "flash_attn"):
             raise ConfigError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -118,8 +118,21 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in _FUNCS.values() else None
         fn.argtypes = args
+    for sfx in _SUFFIX.values():
+        sigs.update({
+            f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
+            f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, P, I32, I32],
+            f"q8_embed_{sfx}": [P, P, I32, P, I32, I32, P, I32],
+        })
+        for name in (f"q8_quant_act_{sfx}", f"q8_gemm_{sfx}", f"q8_embed_{sfx}"):
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = sigs[name]
     lib.batchgen_kernel_isa.restype = ctypes.c_char_p
     lib.batchgen_kernel_isa.argtypes = []
+    lib.batchgen_q8_isa.restype = ctypes.c_char_p
+    lib.batchgen_q8_isa.argtypes = []
+    lib.batchgen_q8_act_bytes.restype = ctypes.c_int
+    lib.batchgen_q8_act_bytes.argtypes = []
     return lib
 
 
@@ -128,10 +141,15 @@ def isa(lib: ctypes.CDLL) -> str:
     return lib.batchgen_kernel_isa().decode()
 
 
+def q8_isa(lib: ctypes.CDLL) -> str:
+    """The integer dot-product path of a build's int8 linear: avx512_vnni | avx2 | portable (csrc/qlinear.c)."""
+    return lib.batchgen_q8_isa().decode()
+
+
 def describe() -> str:
     """One line for logs, manifests and the report: which kernel build runs here, or why none does."""
     lib = load()
-    return f"{isa(lib)} build" if lib is not None else f"unavailable ({_error}); torch path"
+    return f"{isa(lib)} build, int8 {q8_isa(lib)}" if lib is not None else f"unavailable ({_error}); torch path"
 
 
 def load() -> ctypes.CDLL | None:
@@ -259,3 +277,43 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     c, s = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
     _fn("rope_neox", x)(x.data_ptr(), t, h, d, stride, c.data_ptr(), s.data_ptr(), torch.get_num_threads())
     return x
+
+
+# ---- int8 linear (csrc/qlinear.c) ----------------------------------------------------------------------------
+
+def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp32) @ W^T for packed int8 W (``engine.models.int8.pack``) -> [M, n] in x's dtype.
+
+    x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
+    integer dot products. ``lib``: a specific build (tests); default the loaded one."""
+    lib = lib or load()
+    sfx = _SUFFIX[x.dtype]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    np_ = w.numel() // kp                        # padded rows of W (a multiple of 32)
+    g = kp // 32
+    nt = torch.get_num_threads()
+    q = torch.empty(m * kp, dtype=torch.uint8 if lib.batchgen_q8_act_bytes() == 1 else torch.int16)
+    sa = torch.empty(m * g, dtype=torch.float32)
+    mn = torch.empty(m * g, dtype=torch.float32)
+    getattr(lib, f"q8_quant_act_{sfx}")(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(), sa.data_ptr(),
+                                        mn.data_ptr(), nt)
+    y = torch.empty(m, n, dtype=x.dtype)
+    getattr(lib, f"q8_gemm_{sfx}")(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(), sw.data_ptr(),
+                                   cw.data_ptr(), np_, n, y.data_ptr(), n, nt)
+    return y
+
+
+def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype: torch.dtype,
+             lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Rows ``ids`` of a packed int8 matrix, dequantized: [T] int64 -> [T, k] in ``dtype``."""
+    lib = lib or load()
+    ids = ids.to(torch.int64).contiguous()
+    kp = -(-k // 32) * 32
+    y = torch.empty(ids.numel(), k, dtype=dtype)
+    getattr(lib, f"q8_embed_{_SUFFIX[dtype]}")(w.data_ptr(), sw.data_ptr(), kp, ids.data_ptr(), ids.numel(), k,
+                                               y.data_ptr(), torch.get_num_threads())
+    return y

@@ -25,6 +25,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_policy import log_choice
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.models.int8 import weight_bytes
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class LLM:
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, self.source, self._identity)
             self.model, self.weights_from = load_model(self.source, self.model_config, self.dtype, self.device,
-                                                       self._identity)
+                                                       self._identity, cfg.quantization)
             marks("weights_s")
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_ids(self.model_config, self.tokenizer)
@@ -71,10 +72,11 @@ class LLM:
         self.step_stats: list[StepStats] = []
         self.load_time_s = time.monotonic() - t0
         self.info = setup.info(cpu_kernels=cpu_kernels.describe() if self.device.type == "cpu" else "",
-                               load_time_s=round(self.load_time_s, 3),
+                               load_time_s=round(self.load_time_s, 3), weight_bytes=weight_bytes(self.model),
                                load_breakdown={**marks.spans, "weights_from": self.weights_from})
-        log.info("engine loaded in %.2fs (%s)", self.load_time_s,
-                 ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()))
+        log.info("engine loaded in %.2fs (%s); weights %.0f MB, %s", self.load_time_s,
+                 ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()), self.info.weight_bytes / 1e6,
+                 setup.quant_choice.reason)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}

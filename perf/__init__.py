@@ -5,8 +5,9 @@
     roofline.py    per-step MFU/MBU from flops + a calibration: one model for the report, the bench and the plan
     bench.py       batchgen vs transformers on synthetic workloads, side by side (``batchgen bench``)
     bench_plan.py  planner orders (planned / input / shuffled) on real jobs
+    quality.py     teacher-forced agreement of bf16 / int8 with float32 (``batchgen bench --quality``)
 """
 
 # The bench's systems and workload shapes, here so the CLI can list them without importing torch.
-BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "hf-generate", "hf-cb")
+BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "batchgen-int8", "hf-generate", "hf-cb", "llama.cpp")
 BENCH_SHAPES = ("shared-prefix", "long-prompt", "short-prompt")

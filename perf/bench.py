@@ -9,6 +9,11 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
 
     batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix)
     batchgen-nocache  prefix caching off, same order
+    batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8)
+    llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):
+                      documents in group order, one Llama object keeping its KV between prompts (prefix
+                      reuse), swa_full=True (without it Gemma 3's reused prefixes give different tokens),
+                      flash_attn=True, n_batch=512
     hf-generate       transformers ``generate`` on left-padded batches, one row per batch size tried
     hf-cb             transformers continuous batching (``generate_batch``), where it runs
 
@@ -243,15 +248,21 @@ def _say(opts: BenchOptions, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], prefix_caching: bool,
-                 roof) -> tuple[SystemResult, object]:
+BATCHGEN_VARIANTS = {"batchgen": (True, "none"), "batchgen-nocache": (False, "none"),
+                     "batchgen-int8": (True, "int8")}     # name -> (prefix caching, quantization)
+
+
+def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
     """One LLM per setting (a fresh prefix cache), a short warm-up, then the whole workload in one generate."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    name = "batchgen" if prefix_caching else "batchgen-nocache"
+    prefix_caching, quantization = BATCHGEN_VARIANTS[name]
     t = time.monotonic()
-    llm = LLM(opts.model, dtype=opts.dtype, enable_prefix_caching=prefix_caching, **opts.engine_args())
+    # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway
+    dtype = opts.dtype if quantization == "none" or opts.dtype == "float32" else "auto"
+    llm = LLM(opts.model, dtype=dtype, enable_prefix_caching=prefix_caching, quantization=quantization,
+              **opts.engine_args())
     _say(opts, f"{name}: loaded in {time.monotonic() - t:.1f} s; warming up")
     T = opts.workload.output_tokens
     llm.generate(_warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
@@ -282,7 +293,11 @@ def _step_summary(steps) -> dict:
     pre = [s for s in steps if s.num_prefill_tokens]
     dec = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
     dur = lambda ss: sum(s.end_time - s.start_time for s in ss)  # noqa: E731
+    widest = max((s.num_decode_seqs for s in dec), default=0)
+    full = [s for s in dec if s.num_decode_seqs == widest]
     return {"steps": len(steps), "prefill_steps": len(pre), "decode_only_steps": len(dec),
+            "widest_decode_batch": widest,
+            "decode_step_ms_widest": (1e3 * dur(full) / len(full)) if full else None,
             "prefill_step_s": dur(pre), "decode_only_step_s": dur(dec),
             "mean_decode_batch": (sum(s.num_decode_seqs for s in dec) / len(dec)) if dec else None,
             "mean_prefill_tokens_per_step": (sum(s.num_prefill_tokens for s in pre) / len(pre)) if pre else None}
@@ -532,7 +547,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
                                       "memory_bandwidth": cal.memory_bandwidth, "quick": cal.quick}
         return prompts
 
-    for caching, name in ((True, "batchgen"), (False, "batchgen-nocache")):
+    for name in BATCHGEN_VARIANTS:
         if name not in opts.systems:
             continue
         from engine.llm import LLM  # noqa: F401  (import errors surface before any timing)
@@ -545,7 +560,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
                 from engine.tokenizer import load_tokenizer
                 src = resolve_model(opts.model)
                 ensure_prompts(load_tokenizer(src), load_model_config(src))
-            res, llm = run_batchgen(opts, prompts, caching, roof)
+            res, llm = run_batchgen(opts, prompts, name, roof)
             model_info = model_info or llm.info.to_dict()
         finally:
             del llm
@@ -596,9 +611,68 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         del hf
         gc.collect()
 
+    if "llama.cpp" in opts.systems:
+        if prompts is None:
+            from engine.loader import load_model_config, resolve_model
+            from engine.tokenizer import load_tokenizer
+            src = resolve_model(opts.model)
+            ensure_prompts(load_tokenizer(src), load_model_config(src))
+        _say(opts, "llama.cpp: running")
+        res = run_llama_cpp(opts, prompts)
+        if not res.skipped:
+            _say(opts, f"llama.cpp: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+        add(res)
+
     env["loadavg_after"] = _loadavg()
     env["finished"] = time.time()
     return summary()
+
+
+def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResult:
+    """llama.cpp through llama-cpp-python: its best configuration measured on this workload (module docstring)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return SystemResult(system="llama.cpp", label="llama.cpp",
+                            skipped="llama-cpp-python not installed (pip install -e '.[peer]')")
+    from engine.loader import resolve_model
+    src = resolve_model(opts.model)
+    if src.kind != "gguf":
+        return SystemResult(system="llama.cpp", label="llama.cpp", skipped="the model is not a GGUF file")
+    T = opts.workload.output_tokens
+    n_ctx = max(len(p.token_ids) for p in prompts) + T + 16
+    threads = opts.threads or torch.get_num_threads()
+    llm = Llama(model_path=str(src.path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                flash_attn=True, swa_full=True, verbose=False)
+    ordered = sorted(prompts, key=lambda p: (p.group, p.index))
+    outputs: dict[int, list[int]] = {}
+    ttft, tpot = [], []
+
+    def one(p: BenchPrompt, limit: int) -> list[int]:
+        out, t0, t_first = [], time.monotonic(), None
+        # greedy (top_k=1), no penalties; reset=True keeps the longest common prefix of the previous prompt
+        for tok in llm.generate(list(p.token_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            t_first = t_first or time.monotonic()
+            out.append(int(tok))
+            if len(out) >= limit:
+                break
+        if limit == T:
+            ttft.append(t_first - t0)
+            if len(out) > 1:
+                tpot.append((time.monotonic() - t_first) / (len(out) - 1))
+        return out
+
+    one(BenchPrompt(-1, -1, tuple(prompts[0].token_ids[:16])), 2)          # warm-up, like the others
+    t0 = time.monotonic()
+    for p in ordered:
+        outputs[p.index] = one(p, T)
+    wall = time.monotonic() - t0
+    outs = [outputs[p.index] for p in prompts]
+    llm.close()
+    return SystemResult(system="llama.cpp", label="llama.cpp", wall_s=wall, num_requests=len(outs),
+                        prompt_tokens=sum(len(p.token_ids) for p in prompts), cached_tokens=0,
+                        output_tokens=sum(len(o) for o in outs), ttft_s=ttft, tpot_s=tpot, outputs=outs,
+                        extra={"note": "llama-cpp-python, n_batch=512, flash_attn, swa_full, group order"})
 
 
 def _agreement(results: list[SystemResult]) -> None:
@@ -633,6 +707,16 @@ def ratios(results: list[SystemResult]) -> dict:
     for r in hf:
         if on:
             out[f"batchgen_vs_{r.label.replace(' ', '_')}"] = r.wall_s / on.wall_s
+    q8, peer = by.get("batchgen-int8"), next((r for r in ok if r.system == "llama.cpp"), None)
+    if q8 and on:
+        out["batchgen_int8_vs_batchgen"] = on.wall_s / q8.wall_s
+        a, b = q8.extra.get("decode_step_ms_widest"), on.extra.get("decode_step_ms_widest")
+        if a and b:
+            out["int8_vs_float_decode_step"] = b / a
+    if peer:
+        for r in (on, q8):
+            if r:
+                out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
     return out
 
 
@@ -679,6 +763,13 @@ def format_table(result: dict) -> str:
                      f"{r['batchgen_nocache_vs_best_transformers']:.2f}x")
     if "batchgen_vs_batchgen_nocache" in r:
         lines.append(f"batchgen cache on vs cache off: {r['batchgen_vs_batchgen_nocache']:.2f}x")
+    if "batchgen_int8_vs_batchgen" in r:
+        lines.append(f"batchgen int8 vs batchgen {env['dtype']}: {r['batchgen_int8_vs_batchgen']:.2f}x wall"
+                     + (f", {r['int8_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
+                        if "int8_vs_float_decode_step" in r else ""))
+    for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8")):
+        if key in r:
+            lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
     if env.get("calibration"):
         c = env["calibration"]
         lines.append(f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "

@@ -34,12 +34,29 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--kv-cache-memory", type=int, default=None, help="batchgen KV pool in bytes.")
 @click.option("--no-roofline", is_flag=True, help="Skip calibration and MFU/MBU.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt text.")
+@click.option("--quality", is_flag=True, help="Instead of a workload: top-1 agreement and KL of bf16 and int8 against "
+              "float32, teacher-forced on the sample documents (the int8 quality bar).")
+@click.option("--positions", type=int, default=2000, show_default=True, help="--quality: next-token positions.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
-              hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, seed, json_path):
-    """Run a workload through batchgen (prefix cache on/off) and transformers in one run; print the table."""
+              hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, seed, quality,
+              positions, json_path):
+    """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
+    the table. With --quality: how faithful bf16 and int8 are to float32."""
     from perf.bench import format_table, options_from, run_bench, save_json
+
+    if quality:
+        from perf import quality as q
+        if threads:
+            import torch
+            torch.set_num_threads(threads)
+        res = q.measure(model, positions=positions, log=click.echo)
+        verdict = "meets" if q.meets_bar(res) else "FAILS"
+        click.echo(f"int8 (fp32 activations) {verdict} the bar: top-1 >= bf16's and KL <= 2x bf16's")
+        if json_path:
+            click.echo(f"saved {save_json(res, json_path)}")
+        return
 
     chosen = _csv(systems) or []
     bad = sorted(set(chosen) - set(_SYSTEMS))

@@ -391,8 +391,10 @@ def _single_html(run: TraceData, sm: dict) -> str:
         parts.append(f"<p class='small'>engine time: predicted {pred:.1f} s (batchgen plan), achieved "
                      f"{steps_s:.1f} s in steps ({(steps_s / pred - 1) * 100:+.0f} %)</p>")
     if mi.get("dtype_reason"):
-        parts.append(f"<p class='small'>{html.escape(str(mi['dtype_reason']))}"
-                     f"{' · CPU kernels: ' + html.escape(str(mi['cpu_kernels'])) if mi.get('cpu_kernels') else ''}</p>")
+        kernels = f" · CPU kernels: {mi['cpu_kernels']}" if mi.get("cpu_kernels") else ""
+        resident = f", {mi['weight_bytes'] / 1e6:.0f} MB resident" if mi.get("weight_bytes") else ""
+        weights = f" · weights: quantization {mi.get('quantization', 'none')}{resident}"
+        parts.append(f"<p class='small'>{html.escape(str(mi['dtype_reason']) + kernels + weights)}</p>")
     parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
                                                                 for d in sm["diagnosis"]) + "</ul>")
     parts.append("<h2>Totals</h2>" + _table(["", "value"], [

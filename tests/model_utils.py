@@ -10,6 +10,7 @@ from engine.loader.safetensors_loader import load_safetensors_weights
 from engine.model_runner import bind_kv_caches
 from engine.models import build_model
 from engine.models.config import ModelConfig
+from perf import quality
 
 
 def tiny_hf_model(arch: str, **overrides):
@@ -88,38 +89,6 @@ def load_ours(source: ModelSource, dtype=torch.float32):
     return build_model(mcfg, load_safetensors_weights(source.path, dtype), dtype, torch.device("cpu"))
 
 
-def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, native: bool | None = None):
-    cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
-    bind_kv_caches(model, caches, TorchAttentionBackend(native))
-
-
-@torch.inference_mode()
-def run_chunks(model, token_ids: list[int], chunks: list[int], block_size: int = 4,
-               block_ids: list[int] | None = None, native: bool | None = None) -> torch.Tensor:
-    """Feed one sequence in chunks of the given sizes through a fresh paged cache; return logits [T, V].
-
-    block_ids: the physical blocks of the sequence (default: a shuffled table, to exercise indirection).
-    native: False forces the pure-torch decode attention (default: the C kernel where it builds).
-    """
-    n = len(token_ids)
-    assert sum(chunks) == n
-    nblocks = -(-n // block_size)
-    if block_ids is None:
-        g = torch.Generator().manual_seed(1)
-        block_ids = torch.randperm(nblocks + 3, generator=g)[:nblocks].tolist()
-    bind_cache(model, max(block_ids) + 1, block_size, native=native)
-    out = []
-    start = 0
-    for c in chunks:
-        pos = list(range(start, start + c))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in pos]),
-            query_start_loc=[0, c], seq_lens=[start + c],
-            block_tables=torch.tensor([block_ids], dtype=torch.int32),
-            num_decode_seqs=1 if c == 1 else 0, block_size=block_size)
-        h = model(torch.tensor(token_ids[start:start + c]), torch.tensor(pos), meta)
-        out.append(model.compute_logits(h))
-        start += c
-    return torch.cat(out)
+# The teacher-forced helpers live in perf.quality (the quality measurement uses them too).
+bind_cache = quality.bind_cache
+run_chunks = quality.sequence_logits

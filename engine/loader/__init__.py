@@ -26,34 +26,61 @@ def load_weights(source: ModelSource, config: ModelConfig, dtype, device="cpu") 
     return load_safetensors_weights(source.path, dtype, device)
 
 
-def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", identity: str | None = None):
+def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", identity: str | None = None,
+               quantization: str = "none"):
     """The model with its weights, and how it got them: ``(model, "converted" | "cached" | "direct")``.
 
     GGUF files go through the converted-weights cache (``weights_cache``): the first load dequantizes and
     stores the final tensors, later loads map them. Checkpoint directories are already safetensors and load
-    directly.
+    directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.models.int8``); GGUF
+    Q8_0 tensors keep their quants, the others are quantized from their float values; the int8 model is
+    cached like the float one (its own cache entry), for GGUF and checkpoint directories alike.
     """
     from engine.loader import weights_cache
     from engine.loader.resolve import model_identity
     from engine.models import build_model, build_model_from_state
 
-    if source.kind != "gguf" or not weights_cache.enabled():
-        return build_model(config, load_weights(source, config, dtype, device),
-                           dtype, device, source=str(source.path)), "direct"
-    path = weights_cache.cache_path(identity or model_identity(source), dtype)
+    int8 = quantization == "int8"
+    cached = weights_cache.enabled() and (source.kind == "gguf" or int8)
+    if not cached:
+        model = build_model(config, load_weights(source, config, dtype, device), dtype, device,
+                            source=str(source.path))
+        return (_quantize(model, source, config) if int8 else model), "direct"
+    path = weights_cache.cache_path(identity or model_identity(source), dtype, "int8" if int8 else "")
     state = weights_cache.load(path)
     if state is not None:
         try:
-            return build_model_from_state(config, state, device), "cached"
+            return build_model_from_state(config, state, device, int8_dtype=dtype if int8 else None), "cached"
         except (RuntimeError, ValueError) as e:   # names/shapes no longer match: rebuild
             path.unlink(missing_ok=True)
             logging.getLogger("batchgen.engine").warning("weights cache %s does not fit the model (%s); "
                                                          "rebuilding it", path, str(e)[:200])
     model = build_model(config, load_weights(source, config, dtype, "cpu"), dtype, "cpu", source=str(source.path))
+    if int8:
+        model = _quantize(model, source, config)
     weights_cache.store(path, model.state_dict())
     if str(device) != "cpu":
         model = model.to(device)
     return model, "converted"
+
+
+def _quantize(model, source: ModelSource, config: ModelConfig):
+    """int8 in place: Q8_0 tensors of a GGUF file as stored, everything else quantized from its float values."""
+    from engine.models.int8 import quantize_model
+
+    direct = {}
+    if source.kind == "gguf":
+        from engine.loader.gguf_loader import gguf_q8_0_weights
+        direct = gguf_q8_0_weights(source.path, config)
+    q, kv, inter = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim, \
+        config.intermediate_size
+    shards = {}
+    for i in range(config.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        shards[f"{a}.qkv_proj.weight"] = [(f"{a}.q_proj.weight", q), (f"{a}.k_proj.weight", kv),
+                                          (f"{a}.v_proj.weight", kv)]
+        shards[f"{m}.gate_up_proj.weight"] = [(f"{m}.gate_proj.weight", inter), (f"{m}.up_proj.weight", inter)]
+    return quantize_model(model, direct, shards)
 
 
 __all__ = ["ModelSource", "resolve_model", "load_model_config", "load_weights", "load_model"]

@@ -253,6 +253,16 @@ def dequantize(raw: np.ndarray | bytes | torch.Tensor, ggml_type: int, shape: tu
     return out.reshape(shape)
 
 
+def q8_0_blocks(raw: np.ndarray | bytes | torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor as it is stored: (int8 quants [rows, K], float32 scales [rows, K // 32]), no float values.
+    The quants are in [-127, 127] (llama.cpp rounds x / (max|x| / 127)); scales are its fp16 ``d`` widened."""
+    data = _as_uint8(raw)
+    rows, k = prod(shape[:-1]), shape[-1]
+    blocks = data.reshape(rows * (k // 32), 34)
+    q = blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, k)
+    return q, _f16(blocks, 0).reshape(rows, k // 32)
+
+
 def _as_uint8(raw: np.ndarray | bytes | torch.Tensor) -> torch.Tensor:
     if isinstance(raw, torch.Tensor):
         return raw.contiguous().view(torch.uint8).reshape(-1)
@@ -267,4 +277,4 @@ def _as_uint8(raw: np.ndarray | bytes | torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-__all__ = ["GGMLType", "BLOCK_SIZES", "SUPPORTED_TYPES", "dequantize", "type_name"]
+__all__ = ["GGMLType", "BLOCK_SIZES", "SUPPORTED_TYPES", "dequantize", "q8_0_blocks", "type_name"]

@@ -399,5 +399,28 @@ def load_gguf_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype 
     return weights
 
 
-__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "load_gguf_weights", "hf_name",
+def gguf_q8_0_weights(path: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The file's Q8_0 weight matrices as stored, by HF name: (int8 [rows, K], scales [rows, K // 32]).
+
+    ``quantization: int8`` takes these as they are (our int8 format is Q8_0's grouping); llama q/k rows get the
+    same un-permutation as their float values."""
+    from engine.loader.dequant import GGMLType, q8_0_blocks
+
+    g = open_gguf(path)
+    arch = g.get("general.architecture")
+    out = {}
+    for name, info in g.tensors.items():
+        target = hf_name(name, arch)
+        if target is None or info.ggml_type != GGMLType.Q8_0 or len(info.shape) != 2:
+            continue
+        q, s = q8_0_blocks(g.raw(info), info.shape)
+        for suffix, heads in (("q_proj.weight", config.num_attention_heads),
+                              ("k_proj.weight", config.num_key_value_heads)):
+            if arch == "llama" and target.endswith(suffix):
+                q, s = _unpermute(q, heads), _unpermute(s, heads)
+        out[target] = (q.contiguous(), s.contiguous())
+    return out
+
+
+__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "load_gguf_weights", "gguf_q8_0_weights", "hf_name",
            "SUPPORTED_GGUF_ARCHITECTURES"]

@@ -46,10 +46,14 @@ def build_model(config: ModelConfig, weights: dict, dtype, device, source: str =
     return _reset_buffers(model, device)
 
 
-def build_model_from_state(config: ModelConfig, state: dict, device):
+def build_model_from_state(config: ModelConfig, state: dict, device, int8_dtype=None):
     """Build around an existing ``state_dict`` (our names, final layout), using its tensors as they are
-    (memory-mapped ones stay mapped on the CPU)."""
+    (memory-mapped ones stay mapped on the CPU). ``int8_dtype``: the state is an int8 model
+    (``engine.models.int8``) whose activations run in that dtype."""
     model = _on_meta(config)
+    if int8_dtype is not None:
+        from engine.models.int8 import int8_structure
+        model = int8_structure(model, int8_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     if str(device) != "cpu":
         model = model.to(device)

@@ -210,8 +210,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that are sampled: [N, hidden] -> [N, vocab] in the model dtype (the sampler upcasts)."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = hidden @ weight.t()
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if hasattr(head, "qweight"):           # engine.models.int8: integer dot products
+            logits = head.linear(hidden)
+        else:
+            logits = hidden @ head.weight.t()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits.float() / cap) * cap

@@ -1,0 +1,297 @@
+/* Int8 linear layers: y = x @ W^T with W in int8 (per row, per group of 32 along K, one float32 scale:
+ * llama.cpp's Q8_0 grouping) and x quantized on the fly to uint8 per token and group of 32, asymmetric
+ * (a scale and the group minimum: x ~= sa * q + mn). Asymmetric activations matter: GeGLU outputs are
+ * skewed, and symmetric int8 doubled the model's KL divergence against float32 (measured on gemma-3-270m).
+ *
+ * Per output (m, n):  y = sum_g  sw[n,g] * sa[m,g] * dot_g(q[m], W[n])  +  mn[m,g] * cw[n,g]
+ * where dot_g is an exact int32 dot product over the group and cw[n,g] = sw[n,g] * sum_k W[n,k] (precomputed
+ * at packing). The integer dot products run on the best unit the build targets (KERNEL_Q8_ISA):
+ *
+ *   "avx512_vnni"  vpdpbusd: u8 x s8, four products summed into each int32 lane, 16 lanes
+ *   "avx2"         vpmaddwd on int16: activations stored widened to int16 (0..255), weights sign-extended on
+ *                  load; vpmaddubsw is not used because u8 255 x s8 127 pairs overflow its int16 sums
+ *   "portable"     plain C loops over the same packed layout: the reference the others are tested against
+ *
+ * Packed weight layout (Np = N rounded up to 32, Kp = K rounded up to 32, K4 = Kp / 4, G = Kp / 32):
+ *   w [(nb * K4 + k4) * 64 + lane * 4 + j] = W[nb * 16 + lane][k4 * 4 + j]       (int8, zero padding)
+ *   sw[(nb * G + g) * 16 + lane], cw[(nb * G + g) * 16 + lane]                      (float32)
+ * so one 64-byte load gives 16 output columns x 4 consecutive k, the operand shape of vpdpbusd.
+ * Activations: q[m * Kp + k] (uint8, or int16 in the avx2 build: batchgen_q8_act_bytes()), sa/mn[m * G + g].
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KERNEL_Q8_ISA "avx512_vnni"
+typedef uint8_t qact_t;
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define KERNEL_Q8_ISA "avx2"
+typedef int16_t qact_t;
+#else
+#define KERNEL_Q8_ISA "portable"
+typedef uint8_t qact_t;
+#endif
+
+#define QK 32          /* group size along K */
+/* rows per micro-tile: VNNI 6 (12 int32 + 12 float accumulators + operands = 27 of 32 zmm); AVX2 2 (8 int32
+ * accumulators + 4 weight vectors + 1 activation = 13 of 16 ymm) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MR 6
+#elif defined(__AVX2__)
+#define MR 2
+#else
+#define MR 4
+#endif
+#define MC (MR * 10)   /* rows per work item (they stay in L1/L2 while the weight blocks stream past) */
+
+const char *batchgen_q8_isa(void) { return KERNEL_Q8_ISA; }
+int batchgen_q8_act_bytes(void) { return (int)sizeof(qact_t); }
+
+/* ---- activation quantization: one row, asymmetric, per group of 32 --------------------------------- */
+
+static inline float load_x(const void *x, int is_bf16, size_t i) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qact_t *q, float *sa, float *mn) {
+    for (int g = 0; g * QK < Kp; g++) {
+        const int k0 = g * QK, k1 = k0 + QK < K ? k0 + QK : K;
+        float lo = 0.0f, hi = 0.0f;
+        if (k0 < K) {
+            lo = hi = load_x(x, is_bf16, off + k0);
+            for (int k = k0 + 1; k < k1; k++) {
+                const float v = load_x(x, is_bf16, off + k);
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+        }
+        const float s = (hi - lo) / 255.0f;
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        sa[g] = s;
+        mn[g] = lo;
+        for (int k = k0; k < k0 + QK; k++) {
+            int v = 0;
+            if (k < K) {
+                v = (int)lrintf((load_x(x, is_bf16, off + k) - lo) * inv);
+                v = v < 0 ? 0 : (v > 255 ? 255 : v);
+            }
+            q[k] = (qact_t)v;
+        }
+    }
+}
+
+static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn,
+                      int nt) {
+    const int G = Kp / QK;
+#pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
+    for (int m = 0; m < M; m++)
+        quant_row(x, is_bf16, (size_t)m * ldx, K, Kp, q + (size_t)m * Kp, sa + (size_t)m * G, mn + (size_t)m * G);
+}
+
+void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
+    quant_act(x, 0, M, K, ldx, Kp, q, sa, mn, nt);
+}
+void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
+    quant_act(x, 1, M, K, ldx, Kp, q, sa, mn, nt);
+}
+
+/* ---- store one tile row of 32 float results (fewer at the right edge) --------------------------------- */
+
+static inline void store_row(const float *acc, void *out, int is_bf16, size_t off, int ncols) {
+    if (is_bf16) {
+        uint16_t *o = (uint16_t *)out + off;
+        for (int j = 0; j < ncols; j++) o[j] = f32_to_bf16(acc[j]);
+    } else {
+        float *o = (float *)out + off;
+        for (int j = 0; j < ncols; j++) o[j] = acc[j];
+    }
+}
+
+/* ---- micro-kernels: R (<= MR) rows x 32 columns (two 16-column weight blocks), all of K ------------------ */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+static inline __attribute__((always_inline)) void tile(const int R, const qact_t *q, int Kp, const float *sa,
+                                                       const float *mn, const int8_t *w, const float *sw,
+                                                       const float *cw, float acc[MR][32]) {
+    const int K4 = Kp / 4, G = Kp / QK;
+    __m512 f[MR][2];
+    for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512i ia[MR][2];
+        for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
+        for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
+            const __m512i b0 = _mm512_loadu_si512(w + (size_t)k4 * 64);
+            const __m512i b1 = _mm512_loadu_si512(w + ((size_t)K4 + k4) * 64);
+            for (int r = 0; r < R; r++) {
+                int32_t a4;
+                memcpy(&a4, q + (size_t)r * Kp + k4 * 4, 4);
+                const __m512i a = _mm512_set1_epi32(a4);
+                ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], a, b0);
+                ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], a, b1);
+            }
+        }
+        const __m512 s0 = _mm512_loadu_ps(sw + (size_t)g * 16), s1 = _mm512_loadu_ps(sw + ((size_t)G + g) * 16);
+        const __m512 c0 = _mm512_loadu_ps(cw + (size_t)g * 16), c1 = _mm512_loadu_ps(cw + ((size_t)G + g) * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(sa[(size_t)r * G + g]), m = _mm512_set1_ps(mn[(size_t)r * G + g]);
+            f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0]), _mm512_mul_ps(s0, a), f[r][0]);
+            f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][1]), _mm512_mul_ps(s1, a), f[r][1]);
+            f[r][0] = _mm512_fmadd_ps(c0, m, f[r][0]);
+            f[r][1] = _mm512_fmadd_ps(c1, m, f[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(acc[r], f[r][0]);
+        _mm512_storeu_ps(acc[r] + 16, f[r][1]);
+    }
+}
+
+#elif defined(__AVX2__)
+
+/* Per 16-column block and k4 step: 64 weight bytes = 4 chunks of (4 columns x 4 k); each chunk is
+ * sign-extended to 16 int16 and multiplied with the row's 4 activations (int16, broadcast to every 64 bits) by
+ * vpmaddwd, giving two partial sums per column; vphaddd + vpermq fold them at the end of each group. */
+static inline __attribute__((always_inline)) void block16(const int R, const qact_t *q, int Kp, const float *sa,
+                                                          const float *mn, const int8_t *w, const float *sw,
+                                                          const float *cw, float acc[MR][32], int col) {
+    const int G = Kp / QK;
+    __m256 f[MR][2];
+    for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m256i ia[MR][4];
+        for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = ia[r][2] = ia[r][3] = _mm256_setzero_si256();
+        for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
+            const int8_t *wk = w + (size_t)k4 * 64;
+            __m256i b[4];
+            for (int c = 0; c < 4; c++) b[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * c)));
+            for (int r = 0; r < R; r++) {
+                int64_t a4;
+                memcpy(&a4, q + (size_t)r * Kp + k4 * 4, 8);
+                const __m256i a = _mm256_set1_epi64x(a4);
+                for (int c = 0; c < 4; c++) ia[r][c] = _mm256_add_epi32(ia[r][c], _mm256_madd_epi16(a, b[c]));
+            }
+        }
+        const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
+        const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[r][0], ia[r][1]), 0xD8);
+            const __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[r][2], ia[r][3]), 0xD8);
+            const __m256 a = _mm256_set1_ps(sa[(size_t)r * G + g]), m = _mm256_set1_ps(mn[(size_t)r * G + g]);
+            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, a), f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, a), f[r][1]);
+            f[r][0] = _mm256_fmadd_ps(c0, m, f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(c1, m, f[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc[r] + col, f[r][0]);
+        _mm256_storeu_ps(acc[r] + col + 8, f[r][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile(const int R, const qact_t *q, int Kp, const float *sa,
+                                                       const float *mn, const int8_t *w, const float *sw,
+                                                       const float *cw, float acc[MR][32]) {
+    const int K4 = Kp / 4, G = Kp / QK;
+    block16(R, q, Kp, sa, mn, w, sw, cw, acc, 0);
+    block16(R, q, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, cw + (size_t)G * 16, acc, 16);
+}
+
+#else
+
+static void tile(const int R, const qact_t *q, int Kp, const float *sa, const float *mn, const int8_t *w,
+                 const float *sw, const float *cw, float acc[MR][32]) {
+    const int K4 = Kp / 4, G = Kp / QK;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 32; j++) {
+            const int blk = j / 16, lane = j % 16;
+            const int8_t *wb = w + (size_t)blk * K4 * 64 + lane * 4;
+            const float *s = sw + (size_t)blk * G * 16 + lane, *c = cw + (size_t)blk * G * 16 + lane;
+            float y = 0.0f;
+            for (int g = 0; g < G; g++) {
+                int32_t dot = 0;
+                for (int k = g * QK; k < (g + 1) * QK; k++)
+                    dot += (int32_t)q[(size_t)r * Kp + k] * wb[(size_t)(k / 4) * 64 + k % 4];
+                y = fmaf((float)dot, s[(size_t)g * 16] * sa[(size_t)r * G + g], y);
+                y = fmaf(c[(size_t)g * 16], mn[(size_t)r * G + g], y);
+            }
+            acc[r][j] = y;
+        }
+}
+
+#endif
+
+/* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (64-row chunk, 32-column pair of
+ * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every 4-row tile
+ * of its chunk while it sits in L1/L2. */
+static void gemm(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                 const float *sw, const float *cw, int Np, int N, void *y, int ldy, int is_bf16, int nt) {
+    const int G = Kp / QK, K4 = Kp / 4;
+    const int nmc = (M + MC - 1) / MC, npair = Np / 32;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int mc = 0; mc < nmc; mc++)
+        for (int np = 0; np < npair; np++) {
+            const int8_t *wp = w + (size_t)np * 2 * K4 * 64;
+            const float *swp = sw + (size_t)np * 2 * G * 16, *cwp = cw + (size_t)np * 2 * G * 16;
+            const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
+            const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
+            float acc[MR][32];
+            for (int m = mc * MC; m < m_end; m += MR) {
+                const int R = m_end - m < MR ? m_end - m : MR;
+                const qact_t *qm = q + (size_t)m * Kp;
+                const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
+                switch (R) {       /* constant R: the compiler unrolls each case's row loops */
+#if MR >= 6
+                case 6: tile(6, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                case 5: tile(5, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+#endif
+#if MR >= 4
+                case 4: tile(4, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                case 3: tile(3, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+#endif
+                case 2: tile(2, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                default: tile(1, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                }
+                for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
+            }
+        }
+}
+
+void q8_gemm_f32(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                 const float *sw, const float *cw, int Np, int N, float *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, y, ldy, 0, nt);
+}
+void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                  const float *sw, const float *cw, int Np, int N, uint16_t *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, y, ldy, 1, nt);
+}
+
+/* Embedding lookup from the packed int8 weights: y[t, :K] = sw[row, g] * W[row, k] for row = ids[t]. Only the
+ * rows read are dequantized (a tied LM head / embedding is stored once, in int8). */
+static void embed(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, void *y, int is_bf16,
+                  int nt) {
+    const int K4 = Kp / 4, G = Kp / QK;
+#pragma omp parallel for schedule(static) num_threads(nt) if (T > 16)
+    for (int t = 0; t < T; t++) {
+        const int64_t row = ids[t];
+        const int8_t *wb = w + (size_t)(row / 16) * K4 * 64 + (row % 16) * 4;
+        const float *s = sw + (size_t)(row / 16) * G * 16 + row % 16;
+        for (int k = 0; k < K; k++) {
+            const float v = (float)wb[(size_t)(k / 4) * 64 + k % 4] * s[(size_t)(k / QK) * 16];
+            if (is_bf16) ((uint16_t *)y)[(size_t)t * K + k] = f32_to_bf16(v);
+            else ((float *)y)[(size_t)t * K + k] = v;
+        }
+    }
+}
+
+void q8_embed_f32(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt) {
+    embed(w, sw, Kp, ids, T, K, y, 0, nt);
+}
+void q8_embed_bf16(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt) {
+    embed(w, sw, Kp, ids, T, K, y, 1, nt);
+}

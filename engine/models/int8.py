@@ -1,0 +1,183 @@
+"""Int8 weights, executed with integer dot products (``quantization: int8``).
+
+Format (the kernel's, ``engine/csrc/qlinear.c``): each weight row is split into groups of 32 along K with one
+float32 scale per group (llama.cpp's Q8_0 grouping; ``scale = max|w| / 127``, values in [-127, 127]).
+Activations are quantized per token and group of 32 on the fly, asymmetric uint8 (scale and minimum).
+
+- ``quantize_rows``: float [N, K] -> (int8 [N, Kp], scales [N, Kp/32]), K zero-padded to a multiple of 32.
+- ``pack``: that pair -> the kernel's packed layout (16-column blocks, N padded to a multiple of 32) plus the
+  per-group correction ``cw = scale * sum(w)`` the asymmetric activations need.
+- ``Int8Linear`` replaces ``nn.Linear``; ``Int8Embedding`` replaces a (tied) embedding: lookups dequantize
+  only the rows they read, and as the LM head it multiplies in int8.
+- ``quantize_model`` converts a float model in place; ``direct`` supplies (int8, scales) for tensors that are
+  already Q8_0 in a GGUF file, which map without a float round trip (the result is the same either way:
+  requantizing Q8_0's dequantized values gives back its quants and scales).
+- ``int8_structure`` gives the same modules empty (on the meta device) for loading a cached quantized state.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import cpu_kernels
+
+QK = 32
+
+
+def padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row and group of 32: (q int8 [N, Kp], scale float32 [N, Kp // 32])."""
+    n, k = w.shape
+    kp = padded(k, QK)
+    w = w.float()
+    if kp != k:
+        w = torch.nn.functional.pad(w, (0, kp - k))
+    g = w.view(n, kp // QK, QK)
+    scale = g.abs().amax(-1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).view(n, kp)
+    return q, scale
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, Kp] int8, scale [N, G]) -> packed (w int8 [Np * Kp], sw float32 [Np * G], cw float32 [Np * G])."""
+    n, kp = q.shape
+    g = kp // QK
+    np_ = padded(n, 2 * 16)
+    if np_ != n:
+        q = torch.nn.functional.pad(q, (0, 0, 0, np_ - n))
+        scale = torch.nn.functional.pad(scale, (0, 0, 0, np_ - n))
+    wsum = q.view(np_, g, QK).sum(-1, dtype=torch.int32).float()
+    w = q.view(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+    sw = scale.float().view(np_ // 16, 16, g).permute(0, 2, 1).contiguous().view(-1)
+    cw = (scale.float() * wsum).view(np_ // 16, 16, g).permute(0, 2, 1).contiguous().view(-1)
+    return w, sw, cw
+
+
+def unpack(w: torch.Tensor, sw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The float weights the packed int8 stands for, [n, k] float32 (tests, reference math)."""
+    kp = padded(k, QK)
+    np_ = w.numel() // kp
+    g = kp // QK
+    q = w.view(np_ // 16, kp // 4, 16, 4).permute(0, 2, 1, 3).reshape(np_, kp).float()
+    s = sw.view(np_ // 16, g, 16).permute(0, 2, 1).reshape(np_, g)
+    return (q.view(np_, g, QK) * s[..., None]).view(np_, kp)[:n, :k]
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W packed int8; x bf16 or float32 [T, K] -> y [T, N] in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        kp, np_ = padded(in_features, QK), padded(out_features, 32)
+        self.register_buffer("qweight", torch.empty(np_ * kp, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(np_ * kp // QK, dtype=torch.float32, device=device))
+        self.register_buffer("corrections", torch.empty(np_ * kp // QK, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, k: int, bias: torch.Tensor | None = None):
+        mod = cls(k, q.shape[0], bias is not None, device="meta")
+        mod.set_packed(*pack(q, scale))
+        if bias is not None:
+            mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return mod
+
+    def set_packed(self, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor) -> None:
+        self.qweight, self.scales, self.corrections = w, sw, cw
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_kernels.q8_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
+                                  self.out_features)
+        if self.bias is not None:
+            y += self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    forward = linear
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.corrections))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 (groups of {QK})"
+
+
+class Int8Embedding(Int8Linear):
+    """An embedding table in int8: ``forward(ids)`` dequantizes the rows it reads; ``linear`` is the tied LM head."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__(embedding_dim, num_embeddings, bias=False, device=device)
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.q8_embed(ids.reshape(-1), self.qweight, self.scales, self.embedding_dim,
+                                    self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def _linears(model: nn.Module):
+    """(parent, attribute name, module) of every nn.Linear inside the decoder and the untied LM head."""
+    for name, mod in list(model.named_modules()):
+        for attr, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear):
+                yield f"{name}.{attr}" if name else attr, mod, attr, child
+
+
+def int8_structure(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Swap in empty int8 modules (meta device) of the right shapes: the skeleton a cached state loads into."""
+    for _, parent, attr, lin in _linears(model):
+        setattr(parent, attr, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta"))
+    emb = model.model.embed_tokens
+    model.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, dtype, device="meta")
+    return model
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   shards: dict[str, list[tuple[str, int]]] | None = None) -> nn.Module:
+    """Replace the float linears and the embedding with int8 ones, in place; returns the model.
+
+    direct: already-int8 weights by HF tensor name (GGUF Q8_0), as (int8 [rows, Kp], scales [rows, G]).
+    shards: for fused weights (our name -> [(HF name, rows), ...] in row order) so that a fused tensor can take
+    some shards from ``direct`` and quantize the rest; quantization is per row, so the result is identical to
+    quantizing the fused float tensor.
+    """
+    direct, shards = direct or {}, shards or {}
+
+    def rows_q(our: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = shards.get(our, [(our, w.shape[0])])
+        qs, ss, start = [], [], 0
+        for hf, n in parts:
+            if hf in direct and direct[hf][0].shape[0] == n:
+                q, s = direct[hf]
+            else:
+                q, s = quantize_rows(w[start:start + n])
+            qs.append(q)
+            ss.append(s)
+            start += n
+        return torch.cat(qs), torch.cat(ss)
+
+    for name, parent, attr, lin in _linears(model):
+        q, s = rows_q(f"{name}.weight", lin.weight)
+        setattr(parent, attr, Int8Linear.from_quantized(q, s, lin.in_features, lin.bias))
+    emb = model.model.embed_tokens
+    q, s = rows_q("model.embed_tokens.weight", emb.weight)
+    qemb = Int8Embedding(emb.num_embeddings, emb.embedding_dim, emb.weight.dtype, device="meta")
+    qemb.set_packed(*pack(q, s))
+    model.model.embed_tokens = qemb
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's parameters and buffers (int8 packs included)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta" or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

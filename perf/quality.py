@@ -1,0 +1,110 @@
+"""How faithful bf16 and int8 are to float32, measured teacher-forced on real text (the quantization bar).
+
+    batchgen bench --quality [--model M] [--positions 2000]
+
+Each variant (float32 / bfloat16 / int8 weights with float32 activations / int8 with bf16 activations) runs
+the same token sequences (the sample documents under their system prompt and reference) through the model in
+one prefill per sequence; at every position we compare its next-token distribution with float32's: top-1
+agreement and mean KL(fp32 || variant). The bar int8 must meet: top-1 agreement >= bf16's and mean KL <= 2x
+bf16's.
+"""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.model_runner import bind_kv_caches
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "documents.parquet"
+VARIANTS = (("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
+            ("int8 (fp32 act.)", "float32", "int8"), ("int8 (bf16 act.)", "bfloat16", "int8"))
+
+
+def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, native: bool | None = None):
+    """A fresh zeroed paged KV cache for ``model`` (tests and teacher-forced measurements)."""
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
+    bind_kv_caches(model, caches, TorchAttentionBackend(native))
+
+
+@torch.inference_mode()
+def sequence_logits(model, token_ids: list[int], chunks: list[int], block_size: int = 4,
+                    block_ids: list[int] | None = None, native: bool | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Feed one sequence in chunks of the given sizes through a fresh paged cache; return logits [T, V].
+
+    block_ids: the physical blocks of the sequence (default: a shuffled table, to exercise indirection).
+    native: False forces the pure-torch decode attention (default: the C kernel where it builds).
+    """
+    n = len(token_ids)
+    assert sum(chunks) == n
+    nblocks = -(-n // block_size)
+    if block_ids is None:
+        g = torch.Generator().manual_seed(1)
+        block_ids = torch.randperm(nblocks + 3, generator=g)[:nblocks].tolist()
+    bind_cache(model, max(block_ids) + 1, block_size, dtype=dtype, native=native)
+    out = []
+    start = 0
+    for c in chunks:
+        pos = list(range(start, start + c))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in pos]),
+            query_start_loc=[0, c], seq_lens=[start + c],
+            block_tables=torch.tensor([block_ids], dtype=torch.int32),
+            num_decode_seqs=1 if c == 1 else 0, block_size=block_size)
+        h = model(torch.tensor(token_ids[start:start + c]), torch.tensor(pos), meta)
+        out.append(model.compute_logits(h))
+        start += c
+    return torch.cat(out)
+
+
+def sample_sequences(tokenizer, positions: int, max_len: int = 700) -> list[list[int]]:
+    """Sample documents under their system prompt and reference, each cut at max_len tokens, >= positions."""
+    import pyarrow.parquet as pq
+    seqs, total = [], 0
+    for r in pq.read_table(SAMPLE).to_pylist():
+        text = f"{r['system']}\n\nReference:\n{r['reference']}\n\nDocument:\n{r['document']}\n\nSummary:"
+        seqs.append(tokenizer.encode(text)[:max_len])
+        total += len(seqs[-1])
+        if total >= positions:
+            break
+    return seqs
+
+
+def measure(model: str = "gemma-3-270m", positions: int = 2000, variants=VARIANTS, log=print) -> dict:
+    """{variant: {"top1": ..., "kl": ..., "positions": ...}}; float32 is the reference."""
+    from engine import LLM
+    ref_lp: list[torch.Tensor] = []
+    results, seqs = {}, None
+    for name, dtype, quant in variants:
+        llm = LLM(model, dtype=dtype, quantization=quant, kv_cache_memory=64 << 20)
+        seqs = seqs or sample_sequences(llm.get_tokenizer(), positions)
+        agree = kl = n = 0.0
+        for i, s in enumerate(seqs):
+            lp = F.log_softmax(sequence_logits(llm.model, s, [len(s)], 16, dtype=llm.dtype).float(), -1)
+            if name == variants[0][0]:              # the reference
+                ref_lp.append(lp)
+                continue
+            r = ref_lp[i]
+            agree += (r.argmax(-1) == lp.argmax(-1)).sum().item()
+            kl += (r.exp() * (r - lp)).sum(-1).sum().item()
+            n += r.shape[0]
+        if n:
+            results[name] = {"top1": agree / n, "kl": kl / n, "positions": int(n),
+                             "weight_mb": round(llm.info.weight_bytes / 1e6, 1)}
+            log(f"{name:18s} top-1 agreement {agree / n:.4f}  mean KL {kl / n:.6f}  weights "
+                f"{llm.info.weight_bytes / 1e6:.0f} MB")
+        del llm
+        gc.collect()
+    return results
+
+
+def meets_bar(results: dict, int8: str = "int8 (fp32 act.)") -> bool:
+    b, q = results["bfloat16"], results[int8]
+    return q["top1"] >= b["top1"] and q["kl"] <= 2 * b["kl"]

@@ -1,0 +1,200 @@
+"""Int8 weights (``quantization: int8``): the kernel in every build against an exact reference, the packing,
+GGUF Q8_0 tensors kept as stored, and whole tiny models against float32 (the quality bar)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams, cpu_kernels
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.models import int8
+from engine.quantization import choose_quantization
+from tests.model_utils import VOCAB, run_chunks, save_tiny, tiny_hf_model
+from tests.test_cpu_kernels import BUILDS, _lib, _x86_with
+
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+
+# The int8 path of each build: VNNI needs AVX512-VNNI; an AVX-512 build without it uses the AVX2 code.
+Q8_BUILDS = {
+    "native": (None, None, True),
+    "avx2": (BUILDS["avx2"][0], "avx2", BUILDS["avx2"][2]),
+    "avx512-no-vnni": (["-O3", "-march=native", "-mno-avx512vnni", "-fopenmp"], "avx2",
+                       _x86_with("avx512f") and _x86_with("avx512bw")),
+    "portable": (["-O2"], "portable", True),
+}
+
+
+@pytest.fixture(scope="module")
+def libs():
+    native = cpu_kernels.load()
+    assert native is not None, cpu_kernels.unavailable_reason()
+    out = {"native": native}
+    for name, (flags, want, runnable) in Q8_BUILDS.items():
+        if flags is None or not runnable:
+            continue
+        lib = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(flags,)))
+        assert cpu_kernels.q8_isa(lib) == want, (name, cpu_kernels.q8_isa(lib))
+        out[name] = lib
+    return out
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int):
+    """The kernel's math in float64 from the same quantized operands: (y, bound on float32 summation error)."""
+    m, k = x.shape
+    kp = int8.padded(k, 32)
+    g = kp // 32
+    xf = F.pad(x.float(), (0, kp - k)).view(m, g, 32)
+    valid = (torch.arange(kp) < k).view(g, 32)
+    lo = torch.where(valid, xf, torch.inf).amin(-1)
+    hi = torch.where(valid, xf, -torch.inf).amax(-1)
+    lo, hi = torch.where(valid.any(-1), lo, 0.0), torch.where(valid.any(-1), hi, 0.0)
+    sa = (hi - lo) / 255.0
+    inv = torch.where(sa > 0, 1.0 / sa, torch.zeros_like(sa))
+    q = torch.round((xf - lo[..., None]) * inv[..., None]).clamp(0, 255) * valid
+    wq = int8.unpack(w, torch.ones_like(sw), n, kp).double().view(n, g, 32)      # the int8 values
+    scale = sw.view(-1, g, 16).permute(0, 2, 1).reshape(-1, g)[:n].double()
+    corr = cw.view(-1, g, 16).permute(0, 2, 1).reshape(-1, g)[:n].double()
+    dots = torch.einsum("mgk,ngk->mng", q.double(), wq)                          # exact integers
+    terms = dots * scale[None] * sa.double()[:, None, :] + lo.double()[:, None, :] * corr[None]
+    return terms.sum(-1), terms.abs().sum(-1)
+
+
+SHAPES = [(1, 64, 48), (3, 100, 70), (4, 640, 32), (7, 96, 33), (48, 640, 1536), (130, 2048, 64)]
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_int8_linear_every_build(libs, build, dtype, m, k, n):
+    """Error bound per shape: |y - exact| <= 1e-5 * sum|terms| (float32 accumulation), plus output rounding
+    (bf16: 2^-8 relative). Against the float product the only difference is the quantization itself."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x = (torch.randn(m, k, generator=g) + 0.3).to(dtype)          # skewed, like GeGLU outputs
+    w = torch.randn(n, k, generator=g) * 0.05
+    pw, sw, cw = int8.pack(*int8.quantize_rows(w))
+    y = cpu_kernels.q8_linear(x, pw, sw, cw, n, lib=lib)
+    assert y.shape == (m, n) and y.dtype == dtype
+    ref, mag = _reference(x, pw, sw, cw, n)
+    out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
+    err = (y.double() - ref).abs()
+    assert (err <= 1e-5 * mag + out_round * ref.abs() + 1e-7).all(), err.max().item()
+    full = x.float() @ w.t()
+    assert (y.float() - full).abs().max() <= 0.02 * full.abs().max()
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+def test_int8_builds_agree_with_portable(libs, build):
+    lib, ref = _lib(libs, build), libs["portable"]
+    x = torch.randn(37, 640)
+    pw, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(96, 640)))
+    a, b = cpu_kernels.q8_linear(x, pw, sw, cw, 96, lib=lib), cpu_kernels.q8_linear(x, pw, sw, cw, 96, lib=ref)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_dequantized(libs, dtype):
+    w = torch.randn(100, 72)
+    pw, sw, _ = int8.pack(*int8.quantize_rows(w))
+    ids = torch.tensor([0, 99, 17, 17, 50])
+    rows = cpu_kernels.q8_embed(ids, pw, sw, 72, dtype)
+    assert torch.equal(rows, int8.unpack(pw, sw, 100, 72)[ids].to(dtype))
+
+
+def test_quantize_pack_roundtrip():
+    w = torch.randn(70, 100)
+    w[3, 32:64] = 0.0                                             # an all-zero group: scale 0, values 0
+    q, s = int8.quantize_rows(w)
+    assert q.shape == (70, 128) and s.shape == (70, 4) and q.abs().max() <= 127
+    assert (q[:, 100:] == 0).all() and s[3, 1] == 0
+    back = int8.unpack(*int8.pack(q, s)[:2], 70, 100)
+    step = s.repeat_interleave(32, dim=1)[:, :100]
+    assert ((back - w).abs() <= step / 2 + 1e-7).all()            # round to nearest: at most half a step
+
+
+def test_gguf_q8_0_tensors_kept_as_stored():
+    """The default GGUF's Q8_0 tensors (token_embd, some attn_v) load without a float round trip, and equal
+    what requantizing their dequantized values gives."""
+    from engine.loader import load_model_config, resolve_model
+    from engine.loader.gguf_loader import gguf_q8_0_weights, open_gguf
+
+    src = resolve_model("gemma-3-270m")
+    direct = gguf_q8_0_weights(src.path, load_model_config(src))
+    assert "model.embed_tokens.weight" in direct and "model.layers.0.self_attn.v_proj.weight" in direct
+    q, s = direct["model.layers.0.self_attn.v_proj.weight"]
+    assert q.dtype == torch.int8 and q.shape == (256, 640) and s.shape == (256, 20)
+    q2, s2 = int8.quantize_rows(open_gguf(src.path).tensor("blk.0.attn_v.weight"))
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+
+
+def test_choose_quantization():
+    assert choose_quantization("none", "cpu", "avx512_vnni").name == "none"
+    assert choose_quantization("int8", "cpu", "avx2").name == "int8"
+    for isa in ("avx512_vnni", "avx2", "portable", None):    # not measured faster anywhere yet
+        assert choose_quantization("auto", "cpu", isa).name == "none"
+    assert choose_quantization("auto", "cuda", None).name == "none"
+    with pytest.raises(ConfigError, match="CPU only"):
+        choose_quantization("int8", "cuda", None)
+    with pytest.raises(ConfigError, match="kernels"):
+        choose_quantization("int8", "cpu", None)
+    with pytest.raises(ConfigError, match="quantization must be"):
+        EngineConfig(quantization="int4")
+
+
+# ---- whole tiny models ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["gemma3", "llama"])
+def tiny_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    save_tiny(tiny_hf_model(request.param), path)
+    return path
+
+
+def _agreement(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    lr, lo = F.log_softmax(ref.float(), -1), F.log_softmax(other.float(), -1)
+    top1 = (lr.argmax(-1) == lo.argmax(-1)).float().mean().item()
+    return top1, (lr.exp() * (lr - lo)).sum(-1).mean().item()
+
+
+def test_tiny_model_close_to_float32(tiny_dir, monkeypatch, tmp_path):
+    """Whole tiny models (every linear, the embedding and the LM head in int8), teacher-forced over 2,000+
+    positions, against float32. Random weights give near-uniform next-token distributions (KL ~1e-6 for bf16)
+    and Gaussian weights are int8's worst case, so this checks the wiring with absolute bounds; the quality bar
+    (relative to bf16) is held on the real model: test_default_model_quality_bar."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, VOCAB, (520,), generator=g).tolist() for _ in range(4)]
+    fp32 = LLM(str(tiny_dir), dtype="float32", kv_cache_memory=8 << 20)
+    q8 = LLM(str(tiny_dir), quantization="int8", kv_cache_memory=8 << 20)
+    assert q8.info.quantization == "int8" and q8.info.dtype == "float32"      # auto dtype under int8
+    assert q8.info.weight_bytes < 0.5 * fp32.info.weight_bytes
+    ref = torch.cat([run_chunks(fp32.model, s, [300, 220], block_size=16) for s in seqs])
+    out = torch.cat([run_chunks(q8.model, s, [300, 220], block_size=16) for s in seqs])
+    top1, kl = _agreement(ref, out)
+    assert ref.shape[0] >= 2000 and top1 >= 0.95 and kl <= 1e-4, (top1, kl)
+
+
+@pytest.mark.slow
+def test_default_model_quality_bar():
+    """The bar on gemma-3-270m over 2,000+ positions of the sample documents: int8's top-1 agreement with float32
+    >= bf16's and its mean KL(fp32 || int8) <= 2x bf16's (perf.quality; printed by ``batchgen bench --quality``)."""
+    from perf import quality
+    res = quality.measure("gemma-3-270m", positions=2000, variants=quality.VARIANTS[:3], log=print)
+    assert all(r["positions"] >= 2000 for r in res.values())
+    assert quality.meets_bar(res), res
+
+
+def test_tiny_model_generates_and_caches(tiny_dir, monkeypatch, tmp_path):
+    """int8 runs through the whole engine; the second load maps the cached int8 weights and gives the same
+    tokens; greedy tokens are identical batched and alone."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 40, 41, 42, 7], [1, 3, 3, 3, 100, 200], [1, 250, 251, 252, 9, 9, 9, 9, 9]]
+    first = LLM(str(tiny_dir), dtype="float32", quantization="int8", block_size=4, kv_cache_memory=8 << 20)
+    assert first.weights_from == "converted"
+    batched = [o.token_ids for o in first.generate(prompts, sp)]
+    alone = [first.generate([p], sp)[0].token_ids for p in prompts]
+    assert batched == alone and all(len(t) == 12 for t in batched)
+    second = LLM(str(tiny_dir), dtype="float32", quantization="int8", block_size=4, kv_cache_memory=8 << 20)
+    assert second.weights_from == "cached"
+    assert [o.token_ids for o in second.generate(prompts, sp)] == batched
