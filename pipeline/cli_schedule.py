@@ -66,10 +66,11 @@ def cron_group():
 @_dry_run_option
 @_user_option
 def cron_install(job_files, workdir, log_dir, dry_run, user):
-    """Add or update one crontab entry per scheduled job in JOB_FILES.
+    """Add or update the crontab entries of the scheduled jobs in JOB_FILES: one entry per schedule, submitting
+    every job on it together (one process: one model load, one shared prefix cache).
 
-    Re-running replaces batchgen's own entries; other crontab lines are never touched. A job without a
-    schedule is skipped (and its old entry, if any, removed).
+    Re-running replaces batchgen's own entries (a job whose schedule changed moves to its new group); other
+    crontab lines are never touched. A job without a schedule is skipped (and its old entry, if any, removed).
     """
     with _user_errors():
         jobs = _load_jobs(list(job_files))
@@ -77,13 +78,16 @@ def cron_install(job_files, workdir, log_dir, dry_run, user):
     if dry_run:
         for e in entries:
             click.echo(e.line)
-    by_name = {e.name: e for e in entries}
+    by_name = {n: e for e in entries for n in e.names}
     for job in jobs:
         if job.name not in by_name:
             click.echo(f"{job.name}: no schedule in {job.file}; " + ("skipped" if dry_run else "not scheduled"),
                        err=True)
         elif not dry_run:
-            click.echo(f"{job.name}: installed '{by_name[job.name].schedule}' (next run {_next(by_name[job.name])})")
+            e = by_name[job.name]
+            together = [n for n in e.names if n != job.name]
+            click.echo(f"{job.name}: installed '{e.schedule}' (next run {_next(e)})"
+                       + (f", submitted together with {', '.join(together)}" if together else ""))
     if dry_run:
         click.echo("(dry run: crontab not changed)", err=True)
 
@@ -98,7 +102,8 @@ def cron_list(verbose, user):
     if not entries:
         click.echo("no batchgen entries in the crontab")
         return
-    click.echo(_table(["JOB", "SCHEDULE", "NEXT RUN"], [[e.name, e.schedule, _next(e)] for e in entries]))
+    click.echo(_table(["JOBS", "SCHEDULE", "NEXT RUN"],
+                      [[", ".join(e.names), e.schedule, _next(e)] for e in entries]))
     if verbose:
         for e in entries:
             click.echo(e.line)

@@ -1,19 +1,24 @@
 """batchgen's entries in the user's crontab: validate schedules, install / list / remove, via the real ``crontab``.
 
-batchgen owns one marked block; every entry in it ends with a ``# batchgen:<job>`` tag (a shell comment, so
-cron ignores it). Writes rebuild that block and leave every other line of the crontab as it was::
+batchgen owns one marked block; every entry in it ends with a ``# batchgen:<job>[,<job>...]`` tag (a shell
+comment, so cron ignores it). Writes rebuild that block and leave every other line of the crontab as it was::
 
     MAILTO=me@example.com                                       <- the user's lines: never touched
     # BEGIN batchgen (managed by `batchgen cron`; edits here are overwritten)
-    0 2 * * * cd /work && mkdir -p /logs && PATH=... /venv/bin/batchgen submit /work/jobs/a.yaml --quiet \
-        >> /logs/a.log 2>&1 # batchgen:a          (one line in the crontab)
+    0 2 * * * cd /work && mkdir -p /logs && PATH=... /venv/bin/batchgen submit /work/jobs/a.yaml \
+        /work/jobs/b.yaml --quiet >> /logs/a+b.log 2>&1 # batchgen:a,b          (one line in the crontab)
     # END batchgen
+
+Jobs with the same schedule (and working directory) share **one** entry that submits them together, so jobs
+firing at the same minute run in one process: one model load, one prefix cache across the jobs (their shared
+system prompts and references are prefilled once), and no two processes fighting over the cores. Installing
+a job whose schedule changed moves it to its new group; a group's line goes when its last job does.
 
 An entry is self-contained, since cron runs it with ``PATH=/usr/bin:/bin`` and ``HOME`` from passwd, in
 ``$HOME``: it changes to the working directory (job paths are relative to it), sets ``PATH`` (the batchgen
 executable's directory first) and ``BATCHGEN_STATE_DIR`` (so the run's history lands where ``batchgen status``
 looks), runs the batchgen executable by absolute path on the absolute job file, and appends stdout and stderr
-to ``<log dir>/<job>.log``.
+to ``<log dir>/<job>.log`` (``<job>+<job>.log`` for a group).
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ from pipeline.history import resolve_state_dir
 BEGIN = "# BEGIN batchgen (managed by `batchgen cron`; edits here are overwritten)"
 END = "# END batchgen"
 TAG = "# batchgen:"
-_TAG_RE = re.compile(r"\s# batchgen:([A-Za-z0-9][A-Za-z0-9_.-]*)\s*$")
+_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+_TAG_RE = re.compile(rf"\s# batchgen:({_NAME}(?:,{_NAME})*)\s*$")
 MACROS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 MAX_COMMAND = 998          # Debian cron rejects a longer command ("command too long")
 BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -58,10 +64,39 @@ class ScheduledJob(Protocol):
 
 @dataclass(frozen=True)
 class CronEntry:
-    name: str          # the job name (from the tag)
-    schedule: str      # the 5 fields, or an @macro
-    command: str       # what cron runs
-    line: str          # the crontab line as written
+    names: tuple[str, ...]   # the jobs it submits together (from the tag), in submit order
+    schedule: str            # the 5 fields, or an @macro
+    command: str             # what cron runs
+    line: str                # the crontab line as written
+
+    @property
+    def name(self) -> str:
+        return ",".join(self.names)
+
+
+@dataclass(frozen=True)
+class _Command:
+    """What one of our entry commands holds (parsed back, so a group can be rebuilt without its job files)."""
+    workdir: str
+    log_dir: str
+    state_dir: str
+    executable: tuple[str, ...]
+    files: tuple[str, ...]
+
+
+def _parse_command(command: str) -> _Command | None:
+    """Our own command format (``entry_line``) back into its parts; None for a line edited out of shape."""
+    try:
+        toks = shlex.split(command.replace("\\%", "%"))
+        if toks[:1] != ["cd"] or toks[2:5] != ["&&", "mkdir", "-p"] or toks[6] != "&&":
+            return None
+        at = next(i for i, t in enumerate(toks) if t.startswith("BATCHGEN_STATE_DIR="))
+        submit = toks.index("submit", at)
+        quiet = toks.index("--quiet", submit)
+    except (ValueError, IndexError, StopIteration):
+        return None
+    return _Command(workdir=toks[1], log_dir=toks[5], state_dir=toks[at].split("=", 1)[1],
+                    executable=tuple(toks[at + 1:submit]), files=tuple(toks[submit + 1:quiet]))
 
 
 def validate_schedule(expr: str) -> str:
@@ -111,16 +146,19 @@ def batchgen_executable() -> list[str]:
     return [os.path.abspath(sys.executable), "-c", "from pipeline.cli import main; main()"]
 
 
-def entry_line(name: str, schedule: str, job_file: str | Path, *, workdir: str | Path, log_dir: str | Path,
-               state_dir: str | Path, executable: Sequence[str]) -> str:
-    """One crontab line for a job (see the module docstring)."""
+def entry_line(names: str | Sequence[str], schedule: str, job_files: str | Path | Sequence[str | Path], *,
+               workdir: str | Path, log_dir: str | Path, state_dir: str | Path, executable: Sequence[str]) -> str:
+    """One crontab line submitting a job, or a group of jobs together (see the module docstring)."""
+    names = [names] if isinstance(names, str) else list(names)
+    files = [job_files] if isinstance(job_files, (str, Path)) else list(job_files)
+    name = ",".join(names)
     q = shlex.quote
     exe_dir = os.path.dirname(executable[0])
     path = ":".join(dict.fromkeys([exe_dir, *BASE_PATH.split(":")]))
-    log = Path(log_dir) / f"{name}.log"
+    log = Path(log_dir) / f"{'+'.join(names)}.log"
     command = (f"cd {q(str(workdir))} && mkdir -p {q(str(log_dir))} && "
                f"PATH={q(path)} BATCHGEN_STATE_DIR={q(str(state_dir))} "
-               f"{' '.join(q(str(a)) for a in executable)} submit {q(str(job_file))} --quiet "
+               f"{' '.join(q(str(a)) for a in executable)} submit {' '.join(q(str(f)) for f in files)} --quiet "
                f">> {q(str(log))} 2>&1 {TAG}{name}")
     if "\n" in command:
         raise CronError(f"job {name!r}: a path contains a newline, which a crontab line cannot hold")
@@ -179,7 +217,8 @@ def _entry(name: str, line: str) -> CronEntry:
     body = line[: _TAG_RE.search(line).start()].strip()
     n = 1 if body.startswith("@") else 5
     parts = body.split(None, n)
-    return CronEntry(name=name, schedule=" ".join(parts[:n]), command=" ".join(parts[n:]), line=line)
+    return CronEntry(names=tuple(name.split(",")), schedule=" ".join(parts[:n]), command=" ".join(parts[n:]),
+                     line=line)
 
 
 def render(others: list[str], at: int, entries: list[CronEntry]) -> str:
@@ -219,27 +258,54 @@ def install(jobs: Sequence[ScheduledJob], job_files: Sequence[str | Path] | None
     state = resolve_state_dir(state_dir, home=home)
     logs = Path(log_dir).absolute() if log_dir else state / "logs"
     exe = list(executable or batchgen_executable())
-    new = {}
+    new: dict[str, tuple[str, str, str]] = {}                   # job -> (schedule, workdir, absolute file)
     for job, file in zip(jobs, files):
         if job.schedule:
             try:
                 schedule = validate_schedule(job.schedule)
             except CronError as e:
                 raise CronError(f"{job.file}: schedule: {e}") from None
-            line = entry_line(job.name, schedule, Path(file).absolute(), workdir=workdir, log_dir=logs,
-                              state_dir=state, executable=exe)
-            new[job.name] = _entry(job.name, line)
+            new[job.name] = (schedule, str(workdir), str(Path(file).absolute()))
     others, at, old = parse(read_crontab(user))
     given = {j.name for j in jobs}
-    # NOTE: replaced entries keep their place, new ones go last, so a reinstall leaves the crontab unchanged.
-    merged = [new.get(e.name, e) for e in old if e.name not in given or e.name in new]
-    merged += [e for e in new.values() if e.name not in {o.name for o in old}]
-    unique: dict[str, CronEntry] = {}
-    for e in merged:                           # one entry per job, even if a line was copied by hand
-        unique.setdefault(e.name, e)
+    new_keys = {(s, w) for s, w, _ in new.values()}
+    # Every group is placed where its earliest member's old entry was (new groups last), so a reinstall
+    # leaves the crontab unchanged and a job whose schedule changed keeps its place.
+    kept: list[tuple[float, CronEntry]] = []
+    groups: dict[tuple[str, str], list[tuple[float, str, str]]] = {}   # (schedule, workdir) -> (pos, name, file)
+    seen: set[str] = set()
+    first_pos: dict[str, int] = {}
+    for pos, e in enumerate(old):
+        names = [n for n in e.names if n not in seen]           # a line copied by hand: first one wins
+        seen.update(e.names)
+        for n in names:
+            first_pos.setdefault(n, pos)
+        if not names:
+            continue
+        cmd = _parse_command(e.command)
+        key = (e.schedule, cmd.workdir) if cmd else None
+        if not (set(names) & given) and key not in new_keys and len(names) == len(e.names):
+            kept.append((pos, e))                               # untouched: stays as written
+            continue
+        if cmd is None or len(cmd.files) != len(e.names):
+            if set(names) & given:                              # edited out of shape: replaced, as one job
+                continue
+            kept.append((pos, e))
+            continue
+        for n, f in zip(e.names, cmd.files):
+            if n in names and n not in given:
+                groups.setdefault(key, []).append((pos, n, f))
+    for n, (schedule, wd, f) in new.items():
+        groups.setdefault((schedule, wd), []).append((first_pos.get(n, float("inf")), n, f))
+    built: list[tuple[float, CronEntry]] = []
+    for (schedule, wd), members in groups.items():
+        names, files_ = [m[1] for m in members], [m[2] for m in members]
+        line = entry_line(names, schedule, files_, workdir=wd, log_dir=logs, state_dir=state, executable=exe)
+        built.append((min(m[0] for m in members), _entry(",".join(names), line)))
+    order = sorted(kept + built, key=lambda pe: pe[0])          # stable: new groups keep install order
     if not dry_run:
-        write_crontab(render(others, at, list(unique.values())), user)
-    return list(new.values())
+        write_crontab(render(others, at, [e for _, e in order]), user)
+    return [e for _, e in built if set(e.names) & set(new)]
 
 
 def list_entries(user: str | None = None) -> list[CronEntry]:
@@ -248,9 +314,25 @@ def list_entries(user: str | None = None) -> list[CronEntry]:
 
 
 def remove(names: Sequence[str] | None = None, dry_run: bool = False, *, user: str | None = None) -> list[CronEntry]:
-    """Remove batchgen's entries for ``names`` (all of them when None); returns the entries removed."""
+    """Remove ``names`` (every batchgen entry when None) from their entries: a group keeps its other jobs and
+    its line goes with its last one. Returns one entry per job removed (its schedule and old line)."""
     others, at, entries = parse(read_crontab(user))
-    gone = [e for e in entries if names is None or e.name in names]
+    gone: list[CronEntry] = []
+    remaining: list[CronEntry] = []
+    for e in entries:
+        drop = [n for n in e.names if names is None or n in names]
+        gone += [CronEntry((n,), e.schedule, e.command, e.line) for n in drop]
+        keep = [n for n in e.names if n not in drop]
+        if not drop:
+            remaining.append(e)
+        elif keep:
+            cmd = _parse_command(e.command)
+            if cmd is None or len(cmd.files) != len(e.names):
+                raise CronError(f"the crontab entry of {e.name} was edited by hand; remove it with `crontab -e`")
+            files = [f for n, f in zip(e.names, cmd.files) if n in keep]
+            line = entry_line(keep, e.schedule, files, workdir=cmd.workdir, log_dir=cmd.log_dir,
+                              state_dir=cmd.state_dir, executable=cmd.executable)
+            remaining.append(_entry(",".join(keep), line))
     if gone and not dry_run:
-        write_crontab(render(others, at, [e for e in entries if e not in gone]), user)
+        write_crontab(render(others, at, remaining), user)
     return gone

@@ -72,7 +72,7 @@ def test_cron_install_list_remove(run, crontab, tmp_path):
 
     r = run("cron", "list", *_as(crontab))
     lines = r.output.splitlines()
-    assert lines[0].split() == ["JOB", "SCHEDULE", "NEXT", "RUN"]
+    assert lines[0].split() == ["JOBS", "SCHEDULE", "NEXT", "RUN"]
     assert lines[1].startswith("digest") and "0 2 * * *" in lines[1] and lines[2].startswith("faq")
 
     r = run("cron", "remove", a, "ghost", *_as(crontab))        # a job file or a name

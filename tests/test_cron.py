@@ -182,3 +182,58 @@ def test_default_executable_is_absolute():
     exe = cron.batchgen_executable()
     assert Path(exe[0]).is_absolute() and Path(exe[0]).exists()
     assert exe[1:] in ([], ["-c", "from pipeline.cli import main; main()"])
+
+
+def test_same_schedule_jobs_share_one_entry(crontab, tmp_path, monkeypatch):
+    """Jobs firing at the same time are submitted together (one process, one prefix cache); a schedule change
+    moves a job between groups; a group's line goes only with its last job."""
+    monkeypatch.chdir(tmp_path)
+    a, b, c = (FakeJob("a", "a.yaml", "0 2 * * *"), FakeJob("b", "b.yaml", "0 2 * * *"),
+               FakeJob("c", "c.yaml", "@hourly"))
+    entries = _install([a, b, c], crontab, tmp_path)
+    assert [(e.names, e.schedule) for e in entries] == [(("a", "b"), "0 2 * * *"), (("c",), "@hourly")]
+    listed = cron.list_entries(crontab)
+    assert [e.names for e in listed] == [("a", "b"), ("c",)]
+    line = listed[0].line
+    assert f"submit {tmp_path}/a.yaml {tmp_path}/b.yaml --quiet" in line
+    assert f">> {tmp_path}/logs/a+b.log 2>&1" in line and line.endswith("# batchgen:a,b")
+    text = cron.read_crontab(crontab)
+    _install([a, b, c], crontab, tmp_path)
+    assert cron.read_crontab(crontab) == text                              # reinstall: unchanged
+
+    # installing one job of a group alone keeps the group whole; a new job on that schedule joins it
+    _install([b], crontab, tmp_path)
+    assert cron.read_crontab(crontab) == text
+    _install([FakeJob("d", "d.yaml", "0 2 * * *")], crontab, tmp_path)
+    assert [e.names for e in cron.list_entries(crontab)] == [("a", "b", "d"), ("c",)]
+
+    # b's schedule changes: it leaves the 02:00 group and joins the hourly one
+    _install([FakeJob("b", "b.yaml", "@hourly")], crontab, tmp_path)
+    got = [(e.names, e.schedule) for e in cron.list_entries(crontab)]
+    assert got == [(("a", "d"), "0 2 * * *"), (("c", "b"), "@hourly")]
+    assert f"submit {tmp_path}/c.yaml {tmp_path}/b.yaml --quiet" in cron.list_entries(crontab)[1].line
+
+    # removal: the group line stays while it has a job
+    assert [e.name for e in cron.remove(["a"], user=crontab)] == ["a"]
+    assert [e.names for e in cron.list_entries(crontab)] == [("d",), ("c", "b")]
+    assert f">> {tmp_path}/logs/d.log" in cron.list_entries(crontab)[0].line
+    assert [e.name for e in cron.remove(["d"], user=crontab)] == ["d"]
+    assert [e.names for e in cron.list_entries(crontab)] == [("c", "b")]
+    assert cron.read_crontab(crontab).startswith(FOREIGN)
+    assert sorted(e.name for e in cron.remove(user=crontab)) == ["b", "c"]
+    assert cron.read_crontab(crontab) == FOREIGN
+
+
+def test_group_entry_runs_both_jobs(tmp_path):
+    fake = tmp_path / "bin" / "batchgen"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "args=$*"\n')
+    fake.chmod(0o755)
+    (tmp_path / "work").mkdir()
+    line = cron.entry_line(["a", "b"], "0 2 * * *", [tmp_path / "x 1.yaml", tmp_path / "b.yaml"],
+                           workdir=tmp_path / "work", log_dir=tmp_path / "logs", state_dir=tmp_path / "state",
+                           executable=[str(fake)])
+    subprocess.run(["/bin/sh", "-c", line.split(None, 5)[5]], env={"PATH": "/usr/bin:/bin"}, cwd="/", check=True)
+    assert (tmp_path / "logs" / "a+b.log").read_text() == f"args=submit {tmp_path}/x 1.yaml {tmp_path}/b.yaml --quiet\n"
+    parsed = cron._parse_command(line.split(None, 5)[5].rsplit(" # batchgen:", 1)[0])
+    assert parsed.files == (f"{tmp_path}/x 1.yaml", f"{tmp_path}/b.yaml") and parsed.workdir == f"{tmp_path}/work"
