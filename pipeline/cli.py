@@ -109,13 +109,19 @@ def plan(job_files):
 @click.option("--order", type=click.Choice(["planned", "input", "shuffled"]), default="planned",
               show_default=True, help="Request order: the prefix-aware plan, or (to measure the planner) rows as "
                                       "given / shuffled, without grouping or pinning.")
+@click.option("--no-wait", is_flag=True, help="Fail at once if another batchgen run is computing on this machine "
+              "(default: queue behind it, first come first served).")
 @_user_errors
-def submit(job_files, quiet, fail_fast, commit_every, order):
-    """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume."""
+def submit(job_files, quiet, fail_fast, commit_every, order, no_wait):
+    """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume.
+
+    One run computes on a machine at a time: a run started while another computes waits for it (see
+    `batchgen status`), since two at once slow each other down and share no prefix cache."""
     from pipeline.runner import RunOptions, run_jobs
     from pipeline.validate import load_valid_jobs_recorded
     jobs = load_valid_jobs_recorded(list(job_files))
-    opts = RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every, order=order)
+    opts = RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every, order=order,
+                      wait_for_machine=not no_wait)
     for report in run_jobs(jobs, options=opts):
         click.echo(report.summary)
 

@@ -144,19 +144,30 @@ def _next(entry: cron.CronEntry) -> str:
 @click.option("-n", "--limit", type=click.IntRange(min=1), default=20, show_default=True,
               help="How many runs to show.")
 def status_cmd(job, limit):
-    """Show recent runs (newest first), of JOB or of every job."""
+    """Show this machine's computing and queued runs, then recent runs (newest first), of JOB or of every job."""
+    from pipeline import admission
     with _user_errors():
         runs = history.recent_runs(job, limit)
+        busy, waiting = admission.holder(), admission.queue()
+    if busy is not None:
+        click.echo(f"machine: computing {busy.describe()}")
+    for i, w in enumerate(waiting, 1):
+        click.echo(f"machine: queued #{i} {w.describe()}")
     if not runs:
         click.echo(f"no runs{f' of {job}' if job else ''} recorded in {history.db_path()}")
         return
-    rows = [[str(r.id), r.job, _when(r.started_at), _duration(r.duration_s), r.status,
+    rows = [[str(r.id), r.job, _when(r.started_at), _duration(r.duration_s), _status(r), _duration(r.queued_s),
              _num(r.rows_done), _num(r.rows_skipped), _num(r.rows_failed),
              "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
              "-" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.0%}",
              _first_line(r.error)] for r in runs]
-    click.echo(_table(["ID", "JOB", "START", "DURATION", "STATUS", "DONE", "SKIPPED", "FAILED", "TOK/S", "HIT",
-                       "ERROR"], rows))
+    click.echo(_table(["ID", "JOB", "START", "DURATION", "STATUS", "QUEUED", "DONE", "SKIPPED", "FAILED", "TOK/S",
+                       "HIT", "ERROR"], rows))
+
+
+def _status(r: history.HistoryRun) -> str:
+    """'running' shows its phase: queued (waiting for the machine) or computing."""
+    return r.phase if r.status == "running" and r.phase else r.status
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:

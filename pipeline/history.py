@@ -48,6 +48,11 @@ _MIGRATIONS = [
     );
     CREATE INDEX runs_by_job ON runs (job, started_at);
     """,
+    """
+    ALTER TABLE runs ADD COLUMN phase TEXT;        -- while running: 'queued' (waiting for the machine) | 'computing'
+    ALTER TABLE runs ADD COLUMN queued_s REAL;     -- seconds waited for the machine (pipeline.admission)
+    ALTER TABLE runs ADD COLUMN engine_s REAL;     -- seconds from engine loaded to last step
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -76,6 +81,9 @@ class HistoryRun:
     trace_path: str | None
     report_path: str | None
     error: str | None
+    phase: str | None = None
+    queued_s: float | None = None
+    engine_s: float | None = None
 
     @property
     def duration_s(self) -> float | None:
@@ -171,10 +179,19 @@ def start_run(job: str, config_summary: dict | str | None = None, *,
         return int(cur.lastrowid)
 
 
+def set_phase(run_id: int, phase: str, queued_s: float | None = None, *,
+              state_dir: str | Path | None = None) -> None:
+    """A running run's phase: 'queued' (waiting for the machine) or 'computing' (with the seconds it waited)."""
+    with _connect(state_dir) as conn:
+        _write(conn, "UPDATE runs SET phase = ?, queued_s = COALESCE(?, queued_s) WHERE id = ?",
+               (phase, queued_s, run_id))
+
+
 def finish_run(run_id: int, status: str, *, rows_done: int = 0, rows_skipped: int = 0, rows_failed: int = 0,
                tokens_per_s: float | None = None, cache_hit_rate: float | None = None,
                trace_path: str | Path | None = None, report_path: str | Path | None = None,
-               error: str | None = None, state_dir: str | Path | None = None) -> None:
+               error: str | None = None, state_dir: str | Path | None = None,
+               queued_s: float | None = None, engine_s: float | None = None) -> None:
     """Close run ``run_id`` with its outcome.
 
     Args:
@@ -189,10 +206,10 @@ def finish_run(run_id: int, status: str, *, rows_done: int = 0, rows_skipped: in
     with _connect(state_dir) as conn:
         cur = _write(conn, "UPDATE runs SET finished_at = ?, status = ?, rows_done = ?, rows_skipped = ?, "
                            "rows_failed = ?, tokens_per_s = ?, cache_hit_rate = ?, trace_path = ?, report_path = ?, "
-                           "error = ? WHERE id = ?",
+                           "error = ?, phase = NULL, queued_s = COALESCE(?, queued_s), engine_s = ? WHERE id = ?",
                      (time.time(), status, rows_done, rows_skipped, rows_failed, tokens_per_s, cache_hit_rate,
                       None if trace_path is None else str(trace_path),
-                      None if report_path is None else str(report_path), error, run_id))
+                      None if report_path is None else str(report_path), error, queued_s, engine_s, run_id))
         if cur.rowcount != 1:
             raise HistoryError(f"no run with id {run_id} in {db_path(state_dir)}")
 
@@ -222,10 +239,14 @@ def _to_run(row: sqlite3.Row) -> HistoryRun:
         d["config"] = json.loads(d["config"]) if d["config"] else {}
     except json.JSONDecodeError:
         d["config"] = {"summary": d["config"]}
+    d = {k: v for k, v in d.items() if k in _FIELDS}
     if d["status"] == "running" and d["host"] == socket.gethostname() and d["pid"] and not _alive(d["pid"]):
         d["status"] = "died"
         d["error"] = d["error"] or f"process {d['pid']} ended without recording the run's end (killed?)"
     return HistoryRun(**d)
+
+
+_FIELDS = set(HistoryRun.__dataclass_fields__)
 
 
 def _alive(pid: int) -> bool:

@@ -28,6 +28,8 @@ class RunRecorder:
         self.state_dir = state_dir                 # history's per-user state dir (None: its default)
         self.trace: RunTrace | None = None
         self._history_ids: dict[str, int] = {}     # job name -> history row id
+        self.queued_s: float | None = None         # waited for the machine (pipeline.admission)
+        self.engine_s: float | None = None         # engine loaded -> last step
 
     @property
     def trace_dir(self) -> Path | None:
@@ -86,6 +88,17 @@ class RunRecorder:
                 warn(f"run history not recorded: {e}")
                 return
 
+    def set_phase(self, phase: str, queued_s: float | None = None) -> None:
+        """'queued' while waiting for the machine, then 'computing' (``batchgen status`` shows it)."""
+        if queued_s is not None:
+            self.queued_s = queued_s
+        for run_id in self._history_ids.values():
+            try:
+                history.set_phase(run_id, phase, queued_s, state_dir=self.state_dir)
+            except history.HistoryError as e:
+                warn(f"run history not recorded: {e}")
+                return
+
     def finish_history(self, runs: list[JobRun], status: str, error: str | None = None) -> None:
         by_name = {jr.job.name: jr for jr in runs}
         for name, run_id in self._history_ids.items():
@@ -98,7 +111,7 @@ class RunRecorder:
                     cache_hit_rate=hit_rate(jr.cached_tokens, jr.prompt_tokens) if jr else None,
                     trace_path=self.trace_dir,
                     report_path=manifest_path_for(jr.job.output.path) if jr and jr.manifest else None,
-                    error=error, state_dir=self.state_dir)
+                    error=error, state_dir=self.state_dir, queued_s=self.queued_s, engine_s=self.engine_s)
             except history.HistoryError as e:
                 warn(f"run history not recorded: {e}")
                 return

@@ -43,6 +43,7 @@ import numpy as np
 
 from engine import BatchgenError, Engine, EngineInfo
 from perf.predict import Prediction, predict_plan
+from pipeline.admission import MachineLock
 from pipeline.assemble import assemble
 from pipeline.errors import RunError
 from pipeline.feeder import Feeder
@@ -72,6 +73,7 @@ class RunOptions:
     record_history: bool = True        # one row per job per run in pipeline.history (``batchgen status``)
     state_dir: str | None = None       # history's state dir (None: $BATCHGEN_STATE_DIR or ~/.local/state/batchgen)
     order: str = "planned"             # planned | input | shuffled (the last two: baselines for benchmarks)
+    wait_for_machine: bool = True      # another run computing on this machine: queue behind it (False: fail)
 
 
 @dataclass
@@ -138,7 +140,7 @@ class Runner:
         runs: list[JobRun] = []
         locked: list[RunState] = []
         old_handlers = {}
-        llm = None
+        llm = machine = None
         try:
             if not dry_run:
                 # NOTE: the lock comes before the model load, so an overlapping run (cron firing while the
@@ -147,6 +149,7 @@ class Runner:
                     st.lock()
                     locked.append(st)
                 old_handlers = self._install_signal_handlers()
+                machine = self._admit(jobs, rec)
             engine_args = merge_engine_args(jobs)
             try:
                 factory = self.llm_factory or (planning_llm_factory if dry_run else default_llm_factory)
@@ -196,7 +199,7 @@ class Runner:
             report.trace_dir = rec.trace_dir
             if plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
-            engine_s = report.engine_s = time.monotonic() - t_loaded
+            engine_s = report.engine_s = rec.engine_s = time.monotonic() - t_loaded
             for jr in runs:
                 assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir, prediction=predicted)
             rec.flush(llm)
@@ -237,8 +240,24 @@ class Runner:
         finally:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
+            if machine is not None:
+                machine.release()
             for st in locked:
                 st.unlock()
+
+    def _admit(self, jobs: list[Job], rec: RunRecorder) -> MachineLock:
+        """Wait for the machine (``pipeline.admission``): one run computes at a time, the others queue."""
+        machine = MachineLock([j.name for j in jobs], self.opts.state_dir, wait=self.opts.wait_for_machine)
+
+        def waiting(holder, ahead: int) -> None:
+            rec.set_phase("queued")
+            who = holder.describe() if holder else "another run"
+            self.echo(f"waiting for the machine: batchgen run {who} is computing"
+                      f"{f', {ahead} more queued ahead' if ahead else ''} (--no-wait fails instead)")
+
+        queued = machine.acquire(on_wait=waiting)
+        rec.set_phase("computing", round(queued, 3))
+        return machine
 
     def _predict(self, llm: Engine, runs: list[JobRun], plan: Plan, pjob: np.ndarray) -> Prediction | None:
         """Predicted engine time of the plan; per job too (as if it ran alone), in ``jr.predicted_engine_s``."""

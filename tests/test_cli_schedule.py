@@ -95,24 +95,26 @@ def test_status_lists_runs_with_counts_and_errors(run, tmp_path):
     assert "no runs recorded" in run("status").output
     ok = history.start_run("digest", {"model": "gemma-3-270m"})
     history.finish_run(ok, "ok", rows_done=200, rows_skipped=0, rows_failed=3, tokens_per_s=845.25,
-                       cache_hit_rate=0.724)
+                       cache_hit_rate=0.724, queued_s=12.5, engine_s=40.0)
     failed = history.start_run("digest", {"model": "gemma-3-270m"})
     history.finish_run(failed, "failed", rows_done=12, rows_skipped=200, rows_failed=0, tokens_per_s=90.0,
                        cache_hit_rate=0.5, error="disk full while writing out/digest.parquet/part-00003\nmore")
     other = history.start_run("faq")
+    history.set_phase(other, "queued")
 
     r = run("status")
     assert r.exit_code == 0, r.output
     header, *rows = r.output.splitlines()
-    assert header.split() == ["ID", "JOB", "START", "DURATION", "STATUS", "DONE", "SKIPPED", "FAILED", "TOK/S",
-                              "HIT", "ERROR"]
+    assert header.split() == ["ID", "JOB", "START", "DURATION", "STATUS", "QUEUED", "DONE", "SKIPPED", "FAILED",
+                              "TOK/S", "HIT", "ERROR"]
     assert [row.split()[0] for row in rows] == [str(other), str(failed), str(ok)]        # newest first
     cells = {int(row.split()[0]): row.split() for row in rows}
-    # id job date time duration status done skipped failed tok/s hit error...
-    assert cells[ok][5:11] == ["ok", "200", "0", "3", "845.2", "72%"] and len(cells[ok]) == 11
-    assert cells[failed][5:11] == ["failed", "12", "200", "0", "90.0", "50%"]
+    # id job date time duration status queued done skipped failed tok/s hit error...
+    assert cells[ok][5:12] == ["ok", "12.5s", "200", "0", "3", "845.2", "72%"] and len(cells[ok]) == 12
+    assert cells[failed][5:12] == ["failed", "-", "12", "200", "0", "90.0", "50%"]
     assert rows[1].endswith("disk full while writing out/digest.parquet/part-00003")
-    assert cells[other][5:11] == ["running", "-", "-", "-", "-", "-"]
+    assert cells[other][5:12] == ["queued", "-", "-", "-", "-", "-", "-"]          # waiting for the machine
+    assert history.get_run(ok).engine_s == 40.0
 
     r = run("status", "digest", "-n", "1")
     assert len(r.output.splitlines()) == 2 and str(failed) == r.output.splitlines()[1].split()[0]

@@ -42,7 +42,7 @@ def test_submit_writes_consistent_trace_and_report_renders(tmp_path, make_docs_d
     res = CliRunner().invoke(main, ["status", "traced"])
     assert res.exit_code == 0, res.output
     row = res.output.splitlines()[1].split()
-    assert row[1] == "traced" and row[5] == "ok" and row[6:9] == ["10", "0", "0"], res.output
+    assert row[1] == "traced" and row[5] == "ok" and row[7:10] == ["10", "0", "0"], res.output
 
 
 def test_interrupted_run_resumes_into_the_same_trace(tmp_path, make_docs_dataset, fake_llm_factory):
