@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 from pipeline.errors import RunError
 from pipeline.history import resolve_state_dir
+from pipeline.state import pid_alive as _alive
 
 
 class MachineBusy(RunError):
@@ -47,16 +48,6 @@ class Occupant:
 
 def machine_dir(state_dir: str | Path | None = None) -> Path:
     return resolve_state_dir(state_dir) / "machine" / socket.gethostname()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read(path: Path) -> Occupant | None:

@@ -56,7 +56,8 @@ def manifest_path_for(output_path: str | Path) -> Path:
     return out.parent / f"{out.name}.manifest.json"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists on this host (also when it belongs to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -93,7 +94,7 @@ class RunState:
                 except (OSError, ValueError):
                     other = {}
                 pid = other.get("pid")
-                if (other.get("host") == me["host"] and isinstance(pid, int) and not _pid_alive(pid)) or not other:
+                if (other.get("host") == me["host"] and isinstance(pid, int) and not pid_alive(pid)) or not other:
                     path.unlink(missing_ok=True)        # stale: its process is gone
                     continue
                 raise RunError(f"job {self.job_name!r} is already running (pid {pid} on {other.get('host')}, "

@@ -52,18 +52,23 @@ BUILDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def libs():
+def build_libs(builds: dict, isa=cpu_kernels.isa) -> dict:
+    """name -> library for every build this CPU can run; each build's ``isa(lib)`` is checked."""
     native = cpu_kernels.load()
     assert native is not None, cpu_kernels.unavailable_reason()
     out = {"native": native}
-    for name, (flags, want, runnable) in BUILDS.items():
+    for name, (flags, want, runnable) in builds.items():
         if flags is None or not runnable:
             continue
         lib = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(flags,)))
-        assert cpu_kernels.isa(lib) == want, (name, cpu_kernels.isa(lib))
+        assert isa(lib) == want, (name, isa(lib))
         out[name] = lib
     return out
+
+
+@pytest.fixture(scope="module")
+def libs():
+    return build_libs(BUILDS)
 
 
 def _lib(libs, build):

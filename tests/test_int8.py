@@ -10,7 +10,7 @@ from engine.errors import ConfigError
 from engine.models import int8
 from engine.quantization import choose_quantization
 from tests.model_utils import VOCAB, run_chunks, save_tiny, tiny_hf_model
-from tests.test_cpu_kernels import BUILDS, _lib, _x86_with
+from tests.test_cpu_kernels import BUILDS, _lib, _x86_with, build_libs
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
 
@@ -26,16 +26,7 @@ Q8_BUILDS = {
 
 @pytest.fixture(scope="module")
 def libs():
-    native = cpu_kernels.load()
-    assert native is not None, cpu_kernels.unavailable_reason()
-    out = {"native": native}
-    for name, (flags, want, runnable) in Q8_BUILDS.items():
-        if flags is None or not runnable:
-            continue
-        lib = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(flags,)))
-        assert cpu_kernels.q8_isa(lib) == want, (name, cpu_kernels.q8_isa(lib))
-        out[name] = lib
-    return out
+    return build_libs(Q8_BUILDS, isa=cpu_kernels.q8_isa)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int):
