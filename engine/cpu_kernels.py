@@ -127,6 +127,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         for name in (f"q8_quant_act_{sfx}", f"q8_gemm_{sfx}", f"q8_embed_{sfx}"):
             getattr(lib, name).restype = None
             getattr(lib, name).argtypes = sigs[name]
+    lib.ngram_propose_batch.restype = None
+    lib.ngram_propose_batch.argtypes = [P, P, I32, I32, I32, I32, P, P]
     lib.batchgen_kernel_isa.restype = ctypes.c_char_p
     lib.batchgen_kernel_isa.argtypes = []
     lib.batchgen_q8_isa.restype = ctypes.c_char_p
