@@ -15,6 +15,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -101,14 +102,18 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
     ``quick`` measures one matrix shape and a smaller buffer (well under a second on CPU): for tests.
     """
     dev = torch.device(device)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    tdtype = DTYPES[dtype]
+    if dtype not in (*DTYPES, "int8"):
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or int8, got {dtype!r}")
+    if dtype == "int8" and dev.type != "cpu":
+        raise ValueError("int8 (engine.models.int8) runs on the CPU only")
+    # int8: our integer-dot-product linear (csrc/qlinear.c) with float32 activations, as quantization: int8 runs
+    measure = _int8_flops if dtype == "int8" else partial(_matmul_flops, dtype=DTYPES[dtype])
     reps = 3 if quick else 7
     by_shape = {}
     for m, k, n in (QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES):
-        by_shape[f"{m}x{k}x{n}"] = _matmul_flops(dev, tdtype, m, k, n, reps)
-    small_m = _matmul_flops(dev, tdtype, *SMALL_M_SHAPE, reps=reps * 4)
+        by_shape[f"{m}x{k}x{n}"] = measure(dev, m=m, k=k, n=n, reps=reps)
+    m, k, n = SMALL_M_SHAPE
+    small_m = measure(dev, m=m, k=k, n=n, reps=reps * 4)
     # NOTE: well beyond the last-level cache (MACHINE.md: < ~64 MB stays in cache at ~2x the DRAM speed).
     buf_bytes = (192 << 20) if quick else ((2 << 30) if dev.type == "cuda" else (1 << 30))
     read_bw, copy_bw = _bandwidth(dev, buf_bytes, reps)
@@ -150,6 +155,16 @@ def _timed(dev: torch.device, fn, reps: int) -> float:
         _sync(dev)
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+@torch.inference_mode()
+def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
+    from engine import cpu_kernels
+    from engine.models import int8
+    w, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(n, k)))
+    x = torch.randn(m, k)
+    secs = _timed(dev, lambda: cpu_kernels.q8_linear(x, w, sw, cw, n), reps)
+    return 2.0 * m * k * n / secs
 
 
 @torch.inference_mode()

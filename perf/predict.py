@@ -140,7 +140,10 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     if model_config is None or not plan.num_requests:
         return None
     from perf.calibrate import get_calibration
-    cal = get_calibration(info.device, info.dtype, quick=True)
+    # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration); KV and attention
+    # stay in the activation dtype, whose bytes are kept (weights then count over, a conservative decode).
+    int8 = getattr(info, "quantization", "none") == "int8" and str(info.device).startswith("cpu")
+    cal = get_calibration(info.device, "int8" if int8 else info.dtype, quick=True)
     dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
     return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
                    int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,

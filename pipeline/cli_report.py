@@ -38,8 +38,9 @@ def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
 
 @click.command("calibrate")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
-              show_default=True, help="The engine dtype to measure matmuls at (auto: what the engine would choose).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16", "int8"]), default="auto",
+              show_default=True, help="The engine dtype to measure matmuls at (auto: what the engine would choose; "
+              "int8: our int8 linear, as quantization: int8 runs).")
 @click.option("--quick", is_flag=True, help="One matrix shape and a smaller buffer (seconds, less accurate).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where calibrations are cached (default: $BATCHGEN_CACHE_DIR or ~/.cache/batchgen).")

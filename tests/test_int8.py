@@ -189,3 +189,12 @@ def test_tiny_model_generates_and_caches(tiny_dir, monkeypatch, tmp_path):
     second = LLM(str(tiny_dir), dtype="float32", quantization="int8", block_size=4, kv_cache_memory=8 << 20)
     assert second.weights_from == "cached"
     assert [o.token_ids for o in second.generate(prompts, sp)] == batched
+
+
+def test_int8_calibration_for_predictions():
+    """`batchgen calibrate --dtype int8` measures our int8 linear; int8 engines' predictions use it."""
+    from perf.calibrate import calibrate
+    cal = calibrate("cpu", "int8", quick=True, save=False)
+    assert cal.dtype == "int8" and cal.matmul_flops > 0 and cal.small_m_flops > 0
+    with pytest.raises(ValueError, match="int8"):
+        calibrate("cpu", "int4", quick=True, save=False)
