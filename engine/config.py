@@ -31,6 +31,8 @@ class EngineConfig:
     attention_backend: str = "auto"          # auto | torch | flash_attn
     seed: int = 0
     num_threads: int | None = None           # CPU: torch threads; None -> leave torch's default
+    speculative_config: dict | str | None = None   # n-gram speculation (engine.spec_decode.speculator): None /
+                                             # "off", "auto", or {method: ngram, num_speculative_tokens, ...}
     quantization: str = "none"               # none: weights in `dtype` (GGUF dequantized at load) | int8: int8
                                              # weights, integer dot products (CPU) | auto (engine.quantization)
 
@@ -43,6 +45,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        from engine.spec_decode.speculator import SpecConfig
+        SpecConfig.parse(self.speculative_config)      # raises ConfigError naming what is wrong
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "flash_attn"):

@@ -67,7 +67,7 @@ class LLM:
         num_blocks = setup.num_kv_blocks
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, self.device, self.backend,
                                   cfg.seed)
-        self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len)
+        self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len, speculator=_speculator(cfg, self.model_config))
         marks("kv_cache_s")
         self.step_stats: list[StepStats] = []
         self.load_time_s = time.monotonic() - t0
@@ -121,17 +121,36 @@ class LLM:
         """Schedule and run one step; return the requests that finished in it."""
         t0 = time.monotonic()
         out = self.scheduler.schedule()
-        new_tokens = self.runner.execute(out, self._requests)      # request id -> the token it sampled
+        new_tokens = self.runner.execute(out, self._requests)      # request id -> the token(s) it sampled
+        before = {rid: self._requests[rid].num_output_tokens for rid in new_tokens}
         finished = self.scheduler.update_from_output(out, new_tokens)
         done = {r.request_id for r in finished}
-        for rid, tok in new_tokens.items():
+        accepted = 0
+        for rid, toks in new_tokens.items():
             req = self._requests[rid]
-            if self._detok[rid].append(tok) and rid not in done:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason)
-                finished.append(req)
+            if isinstance(toks, list):
+                accepted += len(toks) - 1
+            appended = req.output_token_ids[before[rid]:]           # a stop may have cut a verified run short
+            for j, tok in enumerate(appended):
+                if not self._detok[rid].append(tok):
+                    continue
+                extra = len(appended) - j - 1                       # tokens after a stop string: never emitted
+                if extra:
+                    del req.output_token_ids[-extra:], req.all_token_ids[-extra:], req.token_times[-extra:]
+                if rid in done:                                     # also ended by EOS / length in the same run
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason
+                else:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason)
+                    finished.append(req)
+                break
         # NOTE: the scheduler already counted everything StepStats holds when it scheduled this step.
-        self.step_stats.append(StepStats(step=len(self.step_stats), start_time=t0, end_time=time.monotonic(),
-                                         **self.scheduler.last_step_stats()))
+        end = time.monotonic()
+        stats = self.scheduler.last_step_stats()
+        self.step_stats.append(StepStats(step=len(self.step_stats), start_time=t0, end_time=end,
+                                         num_accepted_tokens=accepted, **stats))
+        spec = self.scheduler.speculator
+        if spec is not None and not stats["num_prefill_tokens"] and stats["num_decode_tokens"]:
+            spec.cost.observe(stats["num_decode_tokens"], end - t0)          # decode-only: the gating's cost model
         results = [self._make_output(r) for r in finished]
         for r in finished:
             self._forget(r.request_id)
@@ -143,7 +162,8 @@ class LLM:
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
             prefill_start_time=req.prefill_start_time, prefill_end_time=req.prefill_end_time,
             first_token_time=req.first_token_time, token_times=list(req.token_times),
-            finish_time=req.finish_time or time.monotonic(), num_preemptions=req.num_preemptions)
+            finish_time=req.finish_time or time.monotonic(), num_preemptions=req.num_preemptions,
+            num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
         return RequestOutput(
             request_id=req.request_id, prompt=self._prompts.get(req.request_id),
             prompt_token_ids=req.prompt_token_ids, text=detok.flush() if req.status.finished else detok.text,
@@ -201,6 +221,21 @@ class _Marks:
         now = time.monotonic()
         self.spans[name] = round(now - self._last, 3)
         self._last = now
+
+
+def _speculator(cfg, model_config):
+    """engine.spec_decode.speculator.Speculator for ``cfg.speculative_config``, or None. Its step-cost prior:
+    a decode step reads every weight once (fixed) and costs ~2 FLOPs per parameter per row (per row)."""
+    from engine.spec_decode.gating import StepCost
+    from engine.spec_decode.speculator import SpecConfig, Speculator
+    spec = SpecConfig.parse(cfg.speculative_config)
+    if spec is None:
+        return None
+    c = model_config
+    params = c.vocab_size * c.hidden_size + c.num_hidden_layers * (
+        c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    return Speculator(spec, cfg.max_model_len, StepCost(fixed_s=params * 2 / 30e9, per_row_s=2 * params / 300e9))
 
 
 def _eos_ids(mcfg, tokenizer) -> tuple[int, ...]:

@@ -14,8 +14,9 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.request import Request
-from engine.sampler import Sampler, SamplingMetadata, make_generator
+from engine.sampler import Sampler, SamplingMetadata, greedy, make_generator
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_decode.rejection import rejection_sample, verify_greedy
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -63,7 +64,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, int]:
-        """Run one step. Returns {request_id: sampled token} for the sequences that sample."""
+        """Run one step. Returns {request_id: sampled token} for the sequences that sample; a request that
+        speculated gets the list of its verified tokens (accepted drafts, then one more)."""
         if not out.scheduled:
             return {}
         # Decode sequences (one token) first: the torch backend batches them as one block of rows.
@@ -76,8 +78,11 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        row_seq: list[int] = []                  # per sampled row: its sequence (index into seqs) ...
+        row_len: list[int] = []                  # ... and the sequence length its query sees
+        drafts: dict[str, list[int]] = {}        # speculating requests: their draft tokens
         num_decode = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n == 1 and num_decode == len(seq_lens):
                 num_decode += 1
@@ -89,8 +94,14 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(s.start_pos + n)
             if s.sample:
-                sample_rows.append(qsl[-1] - 1)
+                nd = len(s.draft_token_ids)      # logits at the last known token and at every draft
+                for j in range(nd + 1):
+                    sample_rows.append(qsl[-1] - 1 - nd + j)
+                    row_seq.append(i)
+                    row_len.append(s.start_pos + n - nd + j)
                 sample_reqs.append(requests[s.request_id])
+                if nd:
+                    drafts[s.request_id] = list(s.draft_token_ids)
         max_blocks = max(len(s.block_ids) for s in seqs)
         tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
         for i, s in enumerate(seqs):
@@ -101,28 +112,60 @@ class ModelRunner:
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables.to(dev),
             num_decode_seqs=num_decode, block_size=bs)
         # The sampled rows again, as one-query sequences: the last layer computes only these.
-        sampled_seqs = [i for i, s in enumerate(seqs) if s.sample]
         rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         meta.sample_rows = rows_t
         meta.sample_meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sampled_seqs) + 1)),
-            seq_lens=[seq_lens[i] for i in sampled_seqs], block_tables=meta.block_tables[sampled_seqs],
-            num_decode_seqs=len(sampled_seqs), block_size=bs)
+            slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sample_rows) + 1)),
+            seq_lens=row_len, block_tables=meta.block_tables[row_seq],
+            num_decode_seqs=len(sample_rows), block_size=bs)
         for m in (meta, meta.sample_meta):
             self.backend.prepare(m)
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         if not sample_rows:
             return {}
         logits = self.model.compute_logits(hidden)                  # [N, vocab], sampled rows only
-        md = SamplingMetadata.build(
-            params=[r.sampling_params for r in sample_reqs],
-            output_token_ids=[r.output_token_ids for r in sample_reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in sample_reqs],
-            generators=[self._generator(r) for r in sample_reqs],
-            banned_token_ids=[_banned(r) for r in sample_reqs],
-            device=dev, default_generator=self.default_generator)
-        tokens = self.sampler(logits, md).tolist()
+        if drafts:
+            return self._verify(logits, sample_reqs, drafts)
+        tokens = self._sample(logits, sample_reqs)
         return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        md = SamplingMetadata.build(
+            params=[r.sampling_params for r in reqs], output_token_ids=[r.output_token_ids for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs], generators=[self._generator(r) for r in reqs],
+            banned_token_ids=[_banned(r) for r in reqs], device=self.device,
+            default_generator=self.default_generator)
+        return self.sampler(logits, md).tolist()
+
+    def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: dict[str, list[int]]) -> dict:
+        """A step with speculating requests: plain rows sample as usual; a speculating request's k + 1 rows
+        verify its drafts (engine.spec_decode.rejection) and give it a list of tokens."""
+        out: dict[str, int | list[int]] = {}
+        plain_rows, plain_reqs, row = [], [], 0
+        spans = []
+        for r in reqs:
+            nd = len(drafts.get(r.request_id, ()))
+            if nd:
+                spans.append((r, row, nd))
+            else:
+                plain_rows.append(row)
+                plain_reqs.append(r)
+            row += nd + 1
+        if plain_reqs:
+            toks = self._sample(logits[plain_rows], plain_reqs)
+            out.update({r.request_id: t for r, t in zip(plain_reqs, toks)})
+        for r, start, nd in spans:
+            rows, d = logits[start:start + nd + 1], drafts[r.request_id]
+            p = r.sampling_params
+            if p.greedy:
+                out[r.request_id] = verify_greedy(d, greedy(rows).tolist())
+                continue
+            md = SamplingMetadata.build(params=[p] * (nd + 1), output_token_ids=[r.output_token_ids] * (nd + 1),
+                                        prompt_token_ids=[r.prompt_token_ids] * (nd + 1),
+                                        generators=[None] * (nd + 1), device=self.device)
+            gen = self._generator(r) or self.default_generator
+            out[r.request_id] = rejection_sample(d, Sampler.probs(rows, md), gen)
+        return out
 
 
 def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> None:

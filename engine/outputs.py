@@ -15,6 +15,8 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0          # speculation: draft tokens proposed / accepted for this request
+    num_accepted_tokens: int = 0
 
     @property
     def queue_s(self) -> float | None:
@@ -83,3 +85,5 @@ class StepStats:
     prefix_cache_hits: int             # of those, tokens found
     num_preemptions: int
     num_sampled: int                   # logits rows computed (LM head work)
+    num_draft_tokens: int = 0          # speculation: draft tokens verified this step ...
+    num_accepted_tokens: int = 0       # ... and accepted

@@ -46,6 +46,8 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     stop_reason: int | str | None = None
+    num_draft_tokens: int = 0          # speculation: draft tokens proposed for this request ...
+    num_accepted_tokens: int = 0       # ... and accepted
     # Block hashes of the request's full blocks, filled incrementally by the KV cache manager.
     block_hashes: list = field(default_factory=list)
 

@@ -300,10 +300,17 @@ class Sampler:
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature -> top-k / top-p -> min-p -> one draw per row (greedy rows are computed and discarded)."""
+        return exponential_race(Sampler.probs(logits, md), md)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distributions a draw is made from: temperature -> top-k / top-p -> min-p -> softmax (float32;
+        penalties and banned ids already applied). Speculation's rejection sampler verifies against these."""
+        logits = logits.float()
         if md.temperature is not None:
             logits = logits / md.temperature.unsqueeze(1)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        return exponential_race(logits.softmax(dim=-1), md)
+        return logits.softmax(dim=-1)

@@ -38,7 +38,8 @@ class Scheduler:
         * a waiting request holds no blocks (a preempted one has num_computed_tokens = 0, outputs kept).
     """
 
-    def __init__(self, engine_config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, engine_config: EngineConfig, num_blocks: int, max_model_len: int,
+                 speculator=None) -> None:
         self.config = engine_config
         self.block_size = engine_config.block_size
         self.max_num_seqs = engine_config.max_num_seqs
@@ -55,6 +56,7 @@ class Scheduler:
         self._new_errors: list[Request] = []    # finished with error, not yet listed in a SchedulerOutput
         self._step_errors: list[Request] = []   # listed in the last output, returned by update_from_output
         self._stats: dict[str, int] = {}
+        self.speculator = speculator            # engine.spec_decode.speculator.Speculator, or None
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -167,12 +169,15 @@ class Scheduler:
         # 1) Running requests: one-token decodes first, then prefill chunks.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        # Speculation: a decoding request may also compute draft tokens (never during a chunked prefill).
+        drafts = self.speculator.drafts(decodes, budget) if self.speculator is not None and decodes else {}
         for req in decodes + chunks:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue                    # preempted earlier in this step
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = drafts.get(req.request_id, [])[:max(budget - 1, 0)]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget) + len(draft)
             while kv.allocate_slots(req, num_new) is None:
                 if len(self.running) == 1:
                     # NOTE: nothing left to preempt; only pinned blocks can be in the way. Never spin.
@@ -191,7 +196,7 @@ class Scheduler:
                 if req.status == RequestStatus.PREEMPTED:
                     break                   # lowest priority itself: stop scheduling running ones
                 continue
-            granted[req.request_id] = self._grant(req, num_new, now)
+            granted[req.request_id] = self._grant(req, num_new, now, draft)
             budget -= num_new
 
         # 2) Waiting requests join (not after a preemption: the pool is full).
@@ -228,18 +233,22 @@ class Scheduler:
         self._record_stats(out)
         return out
 
-    def _grant(self, req: Request, num_new: int, now: float) -> ScheduledRequest:
+    def _grant(self, req: Request, num_new: int, now: float, draft: list[int] = ()) -> ScheduledRequest:
+        """``num_new`` includes the drafts (their KV slots are allocated like any token's; after verification
+        ``num_computed_tokens`` steps back over the rejected ones, whose slots are overwritten later)."""
         start = req.num_computed_tokens
         if req.prefill_start_time is None:
             req.prefill_start_time = now
         req.num_computed_tokens = start + num_new
+        real = num_new - len(draft)
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + num_new],
+            token_ids=req.all_token_ids[start:start + real] + list(draft),
             start_pos=start,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
-            sample=start + num_new == req.num_tokens,
-            is_prefill=start < req.num_prompt_tokens or num_new > 1,
+            sample=start + real == req.num_tokens,
+            is_prefill=start < req.num_prompt_tokens or real > 1,
+            draft_token_ids=list(draft),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -268,12 +277,16 @@ class Scheduler:
         self._new_errors.append(req)
 
     # ---- update -------------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput, new_tokens: dict[str, int]) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           new_tokens: dict[str, int | list[int]]) -> list[Request]:
         """Append the sampled tokens and finish requests that stop.
 
         Args:
             scheduler_output: the output of the last schedule().
-            new_tokens: request id -> token id, for every scheduled request with ``sample=True``.
+            new_tokens: request id -> token id (or, for a request that speculated, the verified tokens: the
+                accepted drafts and one more), for every scheduled request with ``sample=True``. Tokens are
+                appended one by one; EOS, stop ids and max_tokens are checked after each, so nothing after a
+                stop is appended.
         Returns:
             the requests finished by this step (including the errors listed in ``finished_errors``).
         """
@@ -290,8 +303,24 @@ class Scheduler:
                 continue
             if sr.request_id not in new_tokens:
                 raise KeyError(f"no sampled token for request {sr.request_id!r} (sample=True)")
-            req.append_output_token(int(new_tokens[sr.request_id]), now)
-            status = self._check_stop(req)
+            toks = new_tokens[sr.request_id]
+            toks = [toks] if isinstance(toks, int) else list(toks)
+            if sr.draft_token_ids:
+                accepted = len(toks) - 1
+                req.num_draft_tokens += len(sr.draft_token_ids)
+                req.num_accepted_tokens += accepted
+                if self.speculator is not None:
+                    self.speculator.record(len(sr.draft_token_ids), accepted)
+                # KV is valid for the last known token and the accepted drafts; rejected slots get rewritten
+                req.num_computed_tokens = sr.start_pos + 1 + accepted
+            elif self.speculator is not None:
+                self.speculator.observe(sr.request_id, toks[0])
+            status = None
+            for t in toks:
+                req.append_output_token(int(t), now)
+                status = self._check_stop(req)
+                if status is not None:
+                    break
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
@@ -328,7 +357,8 @@ class Scheduler:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
             "num_preemptions": len(out.preempted),
-            "num_sampled": sum(1 for s in out.scheduled if s.sample),
+            "num_sampled": sum(1 + len(s.draft_token_ids) for s in out.scheduled if s.sample),
+            "num_draft_tokens": sum(len(s.draft_token_ids) for s in out.scheduled),
         }
 
     def last_step_stats(self) -> dict[str, int]:

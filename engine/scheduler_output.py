@@ -18,6 +18,7 @@ class ScheduledRequest:
     block_ids: list[int]        # the request's whole block table, covering start_pos + len(token_ids) tokens
     sample: bool                # the chunk reaches the request's last known token: sample one token for it
     is_prefill: bool            # not a plain one-token decode (prompt chunk, or a recompute after preemption)
+    draft_token_ids: list[int] = field(default_factory=list)   # speculated tokens: token_ids = [last] + drafts
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,105 @@
+"""The engine's speculation policy: which decoding requests get n-gram drafts this step, and how many.
+
+``SpecConfig`` is ``EngineConfig.speculative_config`` parsed (vLLM's names)::
+
+    speculative_config: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 5,
+                         gating: auto}          # auto: only when it pays (gating.py); always: every step
+
+A request speculates when it decodes (one token left to compute), samples without penalties and is past
+``min_tokens`` (those need per-position logit processing the verifier does not do), and has room: drafts never
+go past ``max_tokens`` or ``max_model_len``. Drafts count against the step's token budget like any token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import ConfigError
+from engine.spec_decode import gating, ngram
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    gating: str = "auto"                      # auto | always
+
+    @classmethod
+    def parse(cls, value) -> "SpecConfig | None":
+        """None / "off" -> None; "auto" -> the defaults; a dict of vLLM's names."""
+        if value is None or value == "off":
+            return None
+        if value == "auto":
+            return cls()
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be off, auto or a mapping, got {value!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        cfg = cls(**value)
+        if cfg.method != "ngram":
+            raise ConfigError(f"speculative_config.method: only ngram is supported, got {cfg.method!r}")
+        if not 1 <= cfg.num_speculative_tokens <= 16:
+            raise ConfigError("speculative_config.num_speculative_tokens must be in 1..16")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ConfigError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if cfg.gating not in ("auto", "always"):
+            raise ConfigError(f"speculative_config.gating must be auto or always, got {cfg.gating!r}")
+        return cfg
+
+
+def eligible(req, max_model_len: int) -> bool:
+    p = req.sampling_params
+    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and req.num_output_tokens >= p.min_tokens and p.max_tokens - req.num_output_tokens > 1
+            and req.num_tokens + 1 < max_model_len)
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig, max_model_len: int, cost: gating.StepCost):
+        self.config, self.max_model_len, self.cost = config, max_model_len, cost
+        self.acceptance = gating.AcceptanceTracker(prior=0.5)
+        self.last_k = 0
+        # NOTE: while speculation is off, one-token "shadow" proposals (microseconds in C) are checked against
+        # the tokens the model then samples, so the acceptance estimate stays current without spending compute.
+        self._shadow: dict[str, int] = {}
+
+    def drafts(self, decodes: list, budget: int) -> dict[str, list[int]]:
+        """request id -> draft tokens for this step's decoding requests (most get none when it does not pay)."""
+        cands = [r for r in decodes if eligible(r, self.max_model_len)]
+        if not cands:
+            self.last_k = 0
+            return {}
+        k_max = self.config.num_speculative_tokens
+        k = k_max if self.config.gating == "always" else gating.choose_k(len(decodes), self.acceptance.rate,
+                                                                         self.cost, k_max)
+        # NOTE: drafts share the budget with the one token every decode needs.
+        k = min(k, max(budget - len(decodes), 0) // len(cands))
+        self.last_k = k
+        if k <= 0:
+            props = ngram.propose_batch([r.all_token_ids for r in cands], 1, self.config.prompt_lookup_min,
+                                        self.config.prompt_lookup_max)
+            self._shadow = {r.request_id: d[0] for r, d in zip(cands, props) if d}
+            return {}
+        self._shadow = {}
+        props = ngram.propose_batch([r.all_token_ids for r in cands], k, self.config.prompt_lookup_min,
+                                    self.config.prompt_lookup_max)
+        out = {}
+        for r, d in zip(cands, props):
+            room = min(r.sampling_params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            d = d[:max(room, 0)]
+            if d:
+                out[r.request_id] = d
+        return out
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.acceptance.update(proposed, accepted)
+
+    def observe(self, request_id: str, token: int) -> None:
+        """The token a request sampled without speculating: was its shadow proposal right?"""
+        guess = self._shadow.pop(request_id, None)
+        if guess is not None:
+            self.acceptance.update(1, int(guess == token))
