@@ -68,44 +68,53 @@ class ModelRunner:
         speculated gets the list of its verified tokens (accepted drafts, then one more)."""
         if not out.scheduled:
             return {}
-        # Decode sequences (one token) first: the torch backend batches them as one block of rows.
-        seqs = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
+        # Decode-like sequences first: the attention backend batches one-query sequences as one block of rows.
+        # A speculating request's last token and drafts are such queries too, one per position (each sees the
+        # keys up to its own position: every K/V of the step is written before attention), so verification
+        # reads the paged cache in place like any decode instead of taking the per-sequence prefill path.
+        seqs = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1 and not s.draft_token_ids)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
+        entry_tables: list[list[int]] = []       # per attention entry (a sequence, or one query of a spec run)
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
-        row_seq: list[int] = []                  # per sampled row: its sequence (index into seqs) ...
-        row_len: list[int] = []                  # ... and the sequence length its query sees
+        row_entry: list[int] = []                # per sampled row: its attention entry
         drafts: dict[str, list[int]] = {}        # speculating requests: their draft tokens
         num_decode = 0
-        for i, s in enumerate(seqs):
+        for s in seqs:
             n = len(s.token_ids)
-            if n == 1 and num_decode == len(seq_lens):
-                num_decode += 1
             input_ids.extend(s.token_ids)
             pos = range(s.start_pos, s.start_pos + n)
             positions.extend(pos)
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(s.start_pos + n)
+            split = bool(s.draft_token_ids)
+            if (n == 1 or split) and num_decode == len(seq_lens):
+                for j in range(n if split else 1):
+                    qsl.append(qsl[-1] + 1)
+                    seq_lens.append(s.start_pos + j + 1)
+                    entry_tables.append(table)
+                num_decode = len(seq_lens)
+            else:
+                qsl.append(qsl[-1] + n)
+                seq_lens.append(s.start_pos + n)
+                entry_tables.append(table)
             if s.sample:
                 nd = len(s.draft_token_ids)      # logits at the last known token and at every draft
                 for j in range(nd + 1):
                     sample_rows.append(qsl[-1] - 1 - nd + j)
-                    row_seq.append(i)
-                    row_len.append(s.start_pos + n - nd + j)
+                    row_entry.append(len(seq_lens) - 1 - nd + j if split else len(seq_lens) - 1)
                 sample_reqs.append(requests[s.request_id])
                 if nd:
                     drafts[s.request_id] = list(s.draft_token_ids)
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        max_blocks = max(len(t) for t in entry_tables)
+        tables = torch.zeros((len(entry_tables), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(entry_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -116,7 +125,7 @@ class ModelRunner:
         meta.sample_rows = rows_t
         meta.sample_meta = AttentionMetadata(
             slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sample_rows) + 1)),
-            seq_lens=row_len, block_tables=meta.block_tables[row_seq],
+            seq_lens=[seq_lens[e] for e in row_entry], block_tables=meta.block_tables[row_entry],
             num_decode_seqs=len(sample_rows), block_size=bs)
         for m in (meta, meta.sample_meta):
             self.backend.prepare(m)

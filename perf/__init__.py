@@ -9,5 +9,6 @@
 """
 
 # The bench's systems and workload shapes, here so the CLI can list them without importing torch.
-BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "batchgen-int8", "hf-generate", "hf-cb", "llama.cpp")
-BENCH_SHAPES = ("shared-prefix", "long-prompt", "short-prompt")
+BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "batchgen-int8", "batchgen-spec", "hf-generate", "hf-cb",
+                 "llama.cpp")
+BENCH_SHAPES = ("shared-prefix", "long-prompt", "short-prompt", "long-output")

@@ -10,6 +10,7 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
     batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix)
     batchgen-nocache  prefix caching off, same order
     batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8)
+    batchgen-spec     prefix caching on, ``speculative_config: auto`` (n-gram drafts where gating says they pay)
     llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):
                       documents in group order, one Llama object keeping its KV between prompts (prefix
                       reuse), swa_full=True (without it Gemma 3's reused prefixes give different tokens),
@@ -83,13 +84,19 @@ SHAPES = {
     "long-prompt": dict(n=32, groups=32, prefix_tokens=0, doc_tokens=2000, output_tokens=16),
     # Short prompt, long output, nothing shared: decode-bound.
     "short-prompt": dict(n=32, groups=32, prefix_tokens=0, doc_tokens=64, output_tokens=256),
+    # Few documents, long outputs that copy them ("rewrite the document"): memory-bound decode, where
+    # speculation pays.
+    "long-output": dict(n=4, groups=4, prefix_tokens=0, doc_tokens=300, output_tokens=256),
 }
 assert tuple(SHAPES) == BENCH_SHAPES, "perf.BENCH_SHAPES lists the shapes for the CLI"
 QUICK = {
     "shared-prefix": dict(n=8, groups=2, prefix_tokens=96, doc_tokens=24, output_tokens=6),
     "long-prompt": dict(n=4, groups=4, prefix_tokens=0, doc_tokens=160, output_tokens=4),
     "short-prompt": dict(n=4, groups=4, prefix_tokens=0, doc_tokens=16, output_tokens=24),
+    "long-output": dict(n=2, groups=2, prefix_tokens=0, doc_tokens=40, output_tokens=24),
 }
+# After the document, for shapes whose output should copy it.
+INSTRUCTION = {"long-output": "\n\nRewrite the document above word for word, keeping every sentence:\n"}
 DEFAULT_HF_BATCH_SIZES = (4, 8, 16)
 QUICK_HF_BATCH_SIZES = (4,)
 
@@ -162,10 +169,11 @@ def build_prompts(tokenizer, w: Workload, seed: int = 0) -> list[BenchPrompt]:
                   f"sentences, citing the reference where it applies.\nReference {g}:\n")
         prefixes.append(lead + text_tokens(tokenizer, w.prefix_tokens - len(lead), seed * 7919 + g, header))
     prompts = []
+    tail = tokenizer.encode(INSTRUCTION[w.shape], add_special_tokens=False) if w.shape in INSTRUCTION else []
     for i in range(w.n):
         g = i % w.groups
         doc = text_tokens(tokenizer, w.doc_tokens, seed * 7919 + 100_003 + i, f"\nDocument {i}:\n")
-        prompts.append(BenchPrompt(i, g, tuple(prefixes[g] + doc)))
+        prompts.append(BenchPrompt(i, g, tuple(prefixes[g] + doc + tail)))
     return sorted(prompts, key=lambda p: (p.group, p.index))
 
 
@@ -248,8 +256,9 @@ def _say(opts: BenchOptions, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-BATCHGEN_VARIANTS = {"batchgen": (True, "none"), "batchgen-nocache": (False, "none"),
-                     "batchgen-int8": (True, "int8")}     # name -> (prefix caching, quantization)
+BATCHGEN_VARIANTS = {"batchgen": (True, "none", None), "batchgen-nocache": (False, "none", None),
+                     "batchgen-int8": (True, "int8", None),
+                     "batchgen-spec": (True, "none", "auto")}   # name -> (prefix caching, quantization, speculation)
 
 
 def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
@@ -257,12 +266,12 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    prefix_caching, quantization = BATCHGEN_VARIANTS[name]
+    prefix_caching, quantization, spec = BATCHGEN_VARIANTS[name]
     t = time.monotonic()
     # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway
     dtype = opts.dtype if quantization == "none" or opts.dtype == "float32" else "auto"
     llm = LLM(opts.model, dtype=dtype, enable_prefix_caching=prefix_caching, quantization=quantization,
-              **opts.engine_args())
+              speculative_config=spec, **opts.engine_args())
     _say(opts, f"{name}: loaded in {time.monotonic() - t:.1f} s; warming up")
     T = opts.workload.output_tokens
     llm.generate(_warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
@@ -284,6 +293,14 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
         res.extra["errors"] = errors[:3]
     res.extra.update(_step_summary(steps))
     res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
+    drafts = sum(o.metrics.num_draft_tokens for o in outs)
+    if drafts:
+        acc = sum(o.metrics.num_accepted_tokens for o in outs)
+        spec_steps = sum(1 for s in steps if s.num_draft_tokens)
+        res.extra.update(draft_tokens=drafts, accepted_tokens=acc, acceptance_rate=acc / drafts,
+                         speculating_steps=spec_steps,
+                         mean_accepted_per_spec_step_seq=acc / max(sum(s.num_decode_seqs for s in steps
+                                                                       if s.num_draft_tokens), 1))
     if roof is not None:
         _batchgen_roofline(res, outs, steps, roof)
     return res, llm
@@ -294,10 +311,13 @@ def _step_summary(steps) -> dict:
     dec = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
     dur = lambda ss: sum(s.end_time - s.start_time for s in ss)  # noqa: E731
     widest = max((s.num_decode_seqs for s in dec), default=0)
+    decode_tokens = sum(s.num_decode_seqs + s.num_accepted_tokens for s in dec)      # tokens emitted
     full = [s for s in dec if s.num_decode_seqs == widest]
     return {"steps": len(steps), "prefill_steps": len(pre), "decode_only_steps": len(dec),
             "widest_decode_batch": widest,
             "decode_step_ms_widest": (1e3 * dur(full) / len(full)) if full else None,
+            # decode time / decode tokens (not per step): speculation emits several tokens a step
+            "decode_tokens_per_s": decode_tokens / dur(dec) if dec and dur(dec) > 0 else None,
             "prefill_step_s": dur(pre), "decode_only_step_s": dur(dec),
             "mean_decode_batch": (sum(s.num_decode_seqs for s in dec) / len(dec)) if dec else None,
             "mean_prefill_tokens_per_step": (sum(s.num_prefill_tokens for s in pre) / len(pre)) if pre else None}
@@ -707,6 +727,12 @@ def ratios(results: list[SystemResult]) -> dict:
     for r in hf:
         if on:
             out[f"batchgen_vs_{r.label.replace(' ', '_')}"] = r.wall_s / on.wall_s
+    sp = by.get("batchgen-spec")
+    if sp and on:
+        out["batchgen_spec_vs_batchgen"] = on.wall_s / sp.wall_s
+        a, b = sp.extra.get("decode_tokens_per_s"), on.extra.get("decode_tokens_per_s")
+        if a and b:
+            out["spec_vs_nospec_decode_tokens_per_s"] = a / b
     q8, peer = by.get("batchgen-int8"), next((r for r in ok if r.system == "llama.cpp"), None)
     if q8 and on:
         out["batchgen_int8_vs_batchgen"] = on.wall_s / q8.wall_s
@@ -767,6 +793,14 @@ def format_table(result: dict) -> str:
         lines.append(f"batchgen int8 vs batchgen {env['dtype']}: {r['batchgen_int8_vs_batchgen']:.2f}x wall"
                      + (f", {r['int8_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
                         if "int8_vs_float_decode_step" in r else ""))
+    if "batchgen_spec_vs_batchgen" in r:
+        sp = next((x for x in result["systems"] if x["system"] == "batchgen-spec"), {})
+        rate = sp.get("extra", {}).get("acceptance_rate")
+        lines.append(f"batchgen speculation (auto) vs off: {r['batchgen_spec_vs_batchgen']:.2f}x wall"
+                     + (f", {r['spec_vs_nospec_decode_tokens_per_s']:.2f}x decode tokens/s"
+                        if "spec_vs_nospec_decode_tokens_per_s" in r else "")
+                     + (f"; acceptance {rate:.0%} of {sp['extra']['draft_tokens']} drafts" if rate is not None
+                        else "; gating kept it off"))
     for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8")):
         if key in r:
             lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
