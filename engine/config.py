@@ -31,7 +31,7 @@ class EngineConfig:
     attention_backend: str = "auto"          # auto | torch | flash_attn
     seed: int = 0
     num_threads: int | None = None           # CPU: torch threads; None -> leave torch's default
-    speculative_config: dict | str | None = None   # n-gram speculation (engine.spec_decode.speculator): None /
+    speculative_config: dict | str | None = "auto"  # n-gram speculation (engine.spec_decode.speculator): None /
                                              # "off", "auto", or {method: ngram, num_speculative_tokens, ...}
     quantization: str = "none"               # none: weights in `dtype` (GGUF dequantized at load) | int8: int8
                                              # weights, integer dot products (CPU) | auto (engine.quantization)

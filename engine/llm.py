@@ -125,11 +125,8 @@ class LLM:
         before = {rid: self._requests[rid].num_output_tokens for rid in new_tokens}
         finished = self.scheduler.update_from_output(out, new_tokens)
         done = {r.request_id for r in finished}
-        accepted = 0
         for rid, toks in new_tokens.items():
             req = self._requests[rid]
-            if isinstance(toks, list):
-                accepted += len(toks) - 1
             appended = req.output_token_ids[before[rid]:]           # a stop may have cut a verified run short
             for j, tok in enumerate(appended):
                 if not self._detok[rid].append(tok):
@@ -143,11 +140,14 @@ class LLM:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason)
                     finished.append(req)
                 break
-        # NOTE: the scheduler already counted everything StepStats holds when it scheduled this step.
+        kept = {rid: self._requests[rid].num_output_tokens - before[rid] for rid in new_tokens}
+        accepted = sum(min(kept[rid], len(t) - 1) for rid, t in new_tokens.items() if isinstance(t, list))
+        # NOTE: the scheduler already counted the rest of StepStats when it scheduled this step.
         end = time.monotonic()
         stats = self.scheduler.last_step_stats()
         self.step_stats.append(StepStats(step=len(self.step_stats), start_time=t0, end_time=end,
-                                         num_accepted_tokens=accepted, **stats))
+                                         num_accepted_tokens=accepted, num_emitted_tokens=sum(kept.values()),
+                                         **stats))
         spec = self.scheduler.speculator
         if spec is not None and not stats["num_prefill_tokens"] and stats["num_decode_tokens"]:
             spec.cost.observe(stats["num_decode_tokens"], end - t0)          # decode-only: the gating's cost model
@@ -163,7 +163,8 @@ class LLM:
             prefill_start_time=req.prefill_start_time, prefill_end_time=req.prefill_end_time,
             first_token_time=req.first_token_time, token_times=list(req.token_times),
             finish_time=req.finish_time or time.monotonic(), num_preemptions=req.num_preemptions,
-            num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
+            num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+            num_spec_steps=req.num_spec_steps)
         return RequestOutput(
             request_id=req.request_id, prompt=self._prompts.get(req.request_id),
             prompt_token_ids=req.prompt_token_ids, text=detok.flush() if req.status.finished else detok.text,

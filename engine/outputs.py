@@ -17,6 +17,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_draft_tokens: int = 0          # speculation: draft tokens proposed / accepted for this request
     num_accepted_tokens: int = 0
+    num_spec_steps: int = 0            # steps that verified drafts for this request
 
     @property
     def queue_s(self) -> float | None:
@@ -86,4 +87,5 @@ class StepStats:
     num_preemptions: int
     num_sampled: int                   # logits rows computed (LM head work)
     num_draft_tokens: int = 0          # speculation: draft tokens verified this step ...
-    num_accepted_tokens: int = 0       # ... and accepted
+    num_accepted_tokens: int = 0       # ... accepted and emitted (a stop can cut an accepted run short)
+    num_emitted_tokens: int = 0        # output tokens this step added (= num_sampled without speculation)

@@ -48,6 +48,7 @@ class Request:
     stop_reason: int | str | None = None
     num_draft_tokens: int = 0          # speculation: draft tokens proposed for this request ...
     num_accepted_tokens: int = 0       # ... and accepted
+    num_spec_steps: int = 0            # steps that verified drafts for it (mean accepted length = accepted / this)
     # Block hashes of the request's full blocks, filled incrementally by the KV cache manager.
     block_hashes: list = field(default_factory=list)
 

@@ -309,6 +309,7 @@ class Scheduler:
                 accepted = len(toks) - 1
                 req.num_draft_tokens += len(sr.draft_token_ids)
                 req.num_accepted_tokens += accepted
+                req.num_spec_steps += 1
                 if self.speculator is not None:
                     self.speculator.record(len(sr.draft_token_ids), accepted)
                 # KV is valid for the last known token and the accepted drafts; rejected slots get rewritten

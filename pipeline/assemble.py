@@ -113,7 +113,12 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
                      "predicted_job_engine_s": (round(jr.predicted_engine_s, 2)
                                                 if jr.predicted_engine_s is not None else None),
                      "load_s": info.load_time_s, "load_breakdown_s": dict(info.load_breakdown),
-                     "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None},
+                     "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None,
+                     "speculation": {"draft_tokens": jr.draft_tokens, "accepted_tokens": jr.accepted_tokens,
+                                     "acceptance_rate": (round(jr.accepted_tokens / jr.draft_tokens, 4)
+                                                         if jr.draft_tokens else None),
+                                     "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
+                                                              if jr.spec_steps else None)}},
         "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                    "hit_rate": hit_rate(all_cached, all_prompt)},
         "keys_digest": jr.keys_digest, "layout": layout,

@@ -58,6 +58,9 @@ class JobRun:
     deleted_dropped: int = 0                   # ... dropped from the output
     tails: dict = field(default_factory=dict)  # rendered prompt tail (token ids) -> its id in the spill file
     predicted_engine_s: float | None = None    # perf.predict, this job's requests as if run alone
+    draft_tokens: int = 0                      # speculation: drafts proposed for this job's requests ...
+    accepted_tokens: int = 0                   # ... and accepted
+    spec_steps: int = 0                        # request-steps that verified drafts (mean accepted length)
 
     def add_result(self, key: str, out) -> dict:
         """Count a finished engine output (``RequestOutput``) and queue its result row for the next commit."""
@@ -68,6 +71,9 @@ class JobRun:
         self.prompt_tokens += res["prompt_tokens"]
         self.cached_tokens += res["cached_tokens"]
         self.output_tokens += res["output_tokens"]
+        self.draft_tokens += out.metrics.num_draft_tokens
+        self.accepted_tokens += out.metrics.num_accepted_tokens
+        self.spec_steps += out.metrics.num_spec_steps
         return res
 
 

@@ -317,7 +317,9 @@ def _timeline_plot(run: TraceData) -> str:
 
     ax = axes[0]
     ax.plot(mid, rate("num_prefill_tokens"), label="prompt tokens/s (computed)")
-    ax.plot(mid, rate("num_sampled"), label="output tokens/s")
+    emitted = s.get("num_emitted_tokens")
+    out_col = "num_emitted_tokens" if emitted is not None and any(v for v in emitted if v) else "num_sampled"
+    ax.plot(mid, rate(out_col), label="output tokens/s")
     ax.set_ylabel("tokens/s")
     ax.set_title("throughput")
     ax.legend(fontsize=8)

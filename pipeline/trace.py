@@ -227,21 +227,29 @@ def read_run(run_dir: str | Path) -> TraceData:
 def check_trace(run: TraceData) -> list[str]:
     """Consistency problems between the request and step traces (empty when consistent).
 
-    - every output token was sampled by some step: sum(output_tokens) == sum(num_sampled);
-    - without preemptions, every decode input is an earlier output: sum(num_decode_tokens) == sum(output - 1);
+    - every output token was emitted by some step: sum(output_tokens) == sum(num_emitted_tokens) (traces from
+      before speculation: num_sampled);
+    - without preemptions, every decode input is an earlier output or a draft: sum(num_decode_tokens) - rejected
+      drafts == sum(output - 1), exact without speculation, within one token per request with it (a stop on an
+      accepted draft feeds back the request's last token);
     - cached + computed == prompt tokens; TTFT >= queue wait; token times are ordered.
     """
     r, s = run.requests, run.steps
     problems = []
-    outputs, sampled = sum(r["output_tokens"]), sum(s["num_sampled"])
+    emitted = s.get("num_emitted_tokens")
+    old_trace = emitted is None or not any(emitted) and any(s["num_sampled"])
+    outputs, sampled = sum(r["output_tokens"]), sum(s["num_sampled"] if old_trace else emitted)
     # Requests still unfinished when the trace was written have sampled tokens but no request row yet.
     if outputs != sampled:
         problems.append(f"output tokens in requests ({outputs}) != tokens sampled by steps ({sampled}); "
                         "requests unfinished or aborted when the trace was written have no row yet")
     if not any(r["num_preemptions"]) and not any(s["num_preemptions"]):
         want = sum(max(o - 1, 0) for o in r["output_tokens"])
-        got = sum(s["num_decode_tokens"])
-        if got != want:
+        drafts = s.get("num_draft_tokens") or []
+        rejected = sum(d or 0 for d in drafts) - sum(a or 0 for a in (s.get("num_accepted_tokens") or []))
+        got = sum(s["num_decode_tokens"]) - rejected
+        slack = len(r["output_tokens"]) if any(drafts) else 0
+        if not want <= got <= want + slack:
             problems.append(f"decode tokens in steps ({got}) != sum of (output tokens - 1) over requests ({want})")
     for i, rid in enumerate(r["request_id"]):
         if r["cached_tokens"][i] + r["computed_tokens"][i] != r["prompt_tokens"][i]:
