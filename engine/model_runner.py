@@ -166,14 +166,19 @@ class ModelRunner:
         for r, start, nd in spans:
             rows, d = logits[start:start + nd + 1], drafts[r.request_id]
             p = r.sampling_params
-            if p.greedy:
-                out[r.request_id] = verify_greedy(d, greedy(rows).tolist())
-                continue
-            md = SamplingMetadata.build(params=[p] * (nd + 1), output_token_ids=[r.output_token_ids] * (nd + 1),
+            # Position j sees the outputs so far plus the first j drafts: penalties and min_tokens bans as if
+            # those drafts had been sampled one step at a time.
+            md = SamplingMetadata.build(params=[p] * (nd + 1),
+                                        output_token_ids=[r.output_token_ids + d[:j] for j in range(nd + 1)],
                                         prompt_token_ids=[r.prompt_token_ids] * (nd + 1),
-                                        generators=[None] * (nd + 1), device=self.device)
+                                        generators=[None] * (nd + 1), device=self.device,
+                                        banned_token_ids=[_banned(r, j) for j in range(nd + 1)])
+            processed = Sampler.processed_logits(rows, md)
+            if p.greedy:
+                out[r.request_id] = verify_greedy(d, greedy(processed).tolist())
+                continue
             gen = self._generator(r) or self.default_generator
-            out[r.request_id] = rejection_sample(d, Sampler.probs(rows, md), gen)
+            out[r.request_id] = rejection_sample(d, Sampler.probs(processed, md), gen)
         return out
 
 
@@ -184,9 +189,9 @@ def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, t
         layer.self_attn.backend = backend
 
 
-def _banned(req: Request) -> list[int] | None:
-    """Before min_tokens, EOS and stop token ids may not be sampled."""
+def _banned(req: Request, ahead: int = 0) -> list[int] | None:
+    """Before min_tokens, EOS and stop token ids may not be sampled (``ahead``: tokens drafted before this one)."""
     p = req.sampling_params
-    if req.num_output_tokens >= p.min_tokens:
+    if req.num_output_tokens + ahead >= p.min_tokens:
         return None
     return list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))

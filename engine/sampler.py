@@ -283,12 +283,7 @@ class Sampler:
         if md.all_greedy and md.banned_rows is None and md.no_penalties:
             # NOTE: the max of the model-dtype logits is the max of their float32 copy: skip the copy.
             return greedy(logits)
-        logits = logits.float()
-        if md.banned_rows is not None:
-            logits = mask_tokens(logits.clone(), md.banned_rows, md.banned_token_ids)
-        if not md.no_penalties:
-            logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
-                                     md.repetition_penalty, md.presence_penalty, md.frequency_penalty)
+        logits = self.processed_logits(logits, md)
         if md.all_greedy:
             return greedy(logits)
 
@@ -298,6 +293,17 @@ class Sampler:
         return torch.where(md.greedy_rows, greedy(logits), sampled)
 
     @staticmethod
+    def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """float32 logits with banned ids masked and penalties applied (what greedy and sampling both see)."""
+        logits = logits.float()
+        if md.banned_rows is not None:
+            logits = mask_tokens(logits.clone(), md.banned_rows, md.banned_token_ids)
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
+                                     md.repetition_penalty, md.presence_penalty, md.frequency_penalty)
+        return logits
+
+    @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature -> top-k / top-p -> min-p -> one draw per row (greedy rows are computed and discarded)."""
         return exponential_race(Sampler.probs(logits, md), md)
@@ -305,7 +311,7 @@ class Sampler:
     @staticmethod
     def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """The distributions a draw is made from: temperature -> top-k / top-p -> min-p -> softmax (float32;
-        penalties and banned ids already applied). Speculation's rejection sampler verifies against these."""
+        ``processed_logits`` already applied). Speculation's rejection sampler verifies against these."""
         logits = logits.float()
         if md.temperature is not None:
             logits = logits / md.temperature.unsqueeze(1)

@@ -133,3 +133,19 @@ def test_config_and_gating_off_by_default(model_dir):
             LLM(model_dir, dtype="float32", speculative_config=bad)
     llm, outs = _run(model_dir, _prompts(), GREEDY, None)
     assert llm.scheduler.speculator is None and all(o.metrics.num_draft_tokens == 0 for o in outs)
+
+
+def test_penalties_and_min_tokens_apply_at_every_draft_position(model_dir):
+    """Repetition / presence / frequency penalties and min_tokens bans see the earlier drafts as outputs:
+    greedy tokens are identical with speculation on and off."""
+    prompts = _prompts(4)
+    eos_like = _run(model_dir, prompts[:1], GREEDY, None)[1][0].token_ids[2]
+    params = SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.02, presence_penalty=0.01,
+                            frequency_penalty=0.005, min_tokens=6, stop_token_ids=[eos_like])
+    _, off = _run(model_dir, prompts, params, None)
+    _, on = _run(model_dir, prompts, params, ALWAYS)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert sum(o.metrics.num_draft_tokens for o in on) > 0
+    plain = _run(model_dir, prompts, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[eos_like]),
+                 None)[1]
+    assert [o.token_ids for o in plain] != [o.token_ids for o in off]     # the penalties / bans do change tokens

@@ -5,9 +5,10 @@
     speculative_config: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 5,
                          gating: auto}          # auto: only when it pays (gating.py); always: every step
 
-A request speculates when it decodes (one token left to compute), samples without penalties and is past
-``min_tokens`` (those need per-position logit processing the verifier does not do), and has room: drafts never
-go past ``max_tokens`` or ``max_model_len``. Drafts count against the step's token budget like any token.
+A request speculates when it decodes (one token left to compute) and has room: drafts never go past
+``max_tokens`` or ``max_model_len``. Penalties and min_tokens bans apply at every draft position as if the
+earlier drafts had been sampled (engine.model_runner). Drafts count against the step's token budget like any
+token.
 """
 from __future__ import annotations
 
@@ -52,10 +53,8 @@ class SpecConfig:
 
 
 def eligible(req, max_model_len: int) -> bool:
-    p = req.sampling_params
-    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and req.num_output_tokens >= p.min_tokens and p.max_tokens - req.num_output_tokens > 1
-            and req.num_tokens + 1 < max_model_len)
+    """Room for at least one draft before max_tokens and max_model_len."""
+    return req.sampling_params.max_tokens - req.num_output_tokens > 1 and req.num_tokens + 1 < max_model_len
 
 
 class Speculator:
