@@ -397,6 +397,12 @@ def _single_html(run: TraceData, sm: dict) -> str:
         resident = f", {mi['weight_bytes'] / 1e6:.0f} MB resident" if mi.get("weight_bytes") else ""
         weights = f" · weights: quantization {mi.get('quantization', 'none')}{resident}"
         parts.append(f"<p class='small'>{html.escape(str(mi['dtype_reason']) + kernels + weights)}</p>")
+    drafts = sum(v or 0 for v in run.steps.get("num_draft_tokens") or [])
+    if drafts:
+        acc = sum(v or 0 for v in run.steps.get("num_accepted_tokens") or [])
+        spec_steps = sum(1 for v in run.steps["num_draft_tokens"] if v)
+        parts.append(f"<p class='small'>speculative decoding: {drafts} draft tokens verified in {spec_steps} steps, "
+                     f"{acc} accepted ({acc / drafts:.0%})</p>")
     parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
                                                                 for d in sm["diagnosis"]) + "</ul>")
     parts.append("<h2>Totals</h2>" + _table(["", "value"], [
