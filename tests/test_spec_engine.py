@@ -62,8 +62,8 @@ def test_greedy_identical_with_speculation(model_dir, setting):
     assert proposed > 0 and 0 < accepted <= proposed            # it really speculated, and some were right
     assert sum(s.num_draft_tokens for s in llm.step_stats) == proposed
     assert sum(s.num_accepted_tokens for s in llm.step_stats) == accepted
-    if "num_gpu_blocks_override" in setting:
-        assert sum(o.metrics.num_preemptions for o in on) > 0
+    if "num_gpu_blocks_override" in setting:                 # drafts are dropped, never preempt anyone
+        assert 0 < sum(o.metrics.num_preemptions for o in on) <= sum(o.metrics.num_preemptions for o in off)
 
 
 def test_stops_never_overshoot(model_dir):
