@@ -127,6 +127,9 @@ def open_library(path: Path) -> ctypes.CDLL:
         for name in (f"q8_quant_act_{sfx}", f"q8_gemm_{sfx}", f"q8_embed_{sfx}"):
             getattr(lib, name).restype = None
             getattr(lib, name).argtypes = sigs[name]
+    for sfx in _SUFFIX.values():
+        fn = getattr(lib, f"small_m_linear_{sfx}")
+        fn.restype, fn.argtypes = None, [P, I32, I32, P, I64, P, I32]
     lib.ngram_propose_batch.restype = None
     lib.ngram_propose_batch.argtypes = [P, P, I32, I32, I32, I32, P, P]
     lib.batchgen_kernel_isa.restype = ctypes.c_char_p
@@ -318,4 +321,28 @@ def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype
     y = torch.empty(ids.numel(), k, dtype=dtype)
     getattr(lib, f"q8_embed_{_SUFFIX[dtype]}")(w.data_ptr(), sw.data_ptr(), kp, ids.data_ptr(), ids.numel(), k,
                                                y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+# ---- few-row matmul (csrc/small_m.c): the decode-time LM head -------------------------------------------------
+
+# Rows up to which the kernel beats torch on the 262k x 640 head (Zen 4, 2 threads; noisy: bf16 2-2.8x at M=1,
+# 1.5-1.7x at 4, 1.2-1.5x at 8, 0.9-1.1x at 13; float32 2.4-2.8x / 3.7-4.2x / 1.9-2.2x / 1.2-1.7x at 1 / 4 / 8 / 16).
+SMALL_M_MAX = {torch.bfloat16: 12, torch.float32: 16}
+
+
+def small_m_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when ``small_m_linear`` serves x [M, K] @ w[N, K]^T (CPU, bf16 or float32, few rows)."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and w.dtype == x.dtype and x.dim() == 2
+            and 1 <= x.shape[0] <= SMALL_M_MAX[x.dtype] and w.is_contiguous() and load() is not None)
+
+
+def small_m_linear(x: torch.Tensor, w: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, streaming w once (memory-bound at small M)."""
+    lib = lib or load()
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, w.shape[0], dtype=x.dtype)
+    getattr(lib, f"small_m_linear_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr(),
+                                                      torch.get_num_threads())
     return y

@@ -244,3 +244,19 @@ def test_model_with_kernels_matches_the_torch_path(arch, dtype, tmp_path, monkey
         return
     assert (with_kernels - torch_only).abs().max().item() <= 0.05 * torch_only.abs().max().item()
     assert (with_kernels.argmax(-1) == torch_only.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(1, 640, 300), (4, 64, 33), (7, 100, 50), (16, 640, 97), (3, 20, 5)])
+def test_small_m_linear_every_build(libs, build, dtype, m, k, n):
+    """The few-row matmul (the decode-time LM head) against float64: float32 accumulation error, plus one
+    bf16 rounding of the output."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(m * 31 + k + n)
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    y = cpu_kernels.small_m_linear(x, w, lib=lib)
+    ref = x.double() @ w.double().t()
+    mag = x.double().abs() @ w.double().abs().t()
+    bound = 1e-6 * mag + (2.0 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)
+    assert y.dtype == dtype and ((y.double() - ref).abs() <= bound + 1e-6).all()

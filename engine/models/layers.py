@@ -213,6 +213,8 @@ class CausalLM(nn.Module):
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         if hasattr(head, "qweight"):           # engine.models.int8: integer dot products
             logits = head.linear(hidden)
+        elif cpu_kernels.small_m_ok(hidden, head.weight):   # decode: a few rows, memory-bound C kernel
+            logits = cpu_kernels.small_m_linear(hidden, head.weight)
         else:
             logits = hidden @ head.weight.t()
         cap = self.config.final_logit_softcapping
