@@ -111,3 +111,17 @@ def test_two_jobs_same_output_and_name(good):
     res = CliRunner().invoke(main, ["validate", str(a), str(b)])
     assert res.exit_code == 2
     assert "also used by" in res.output and "also the output of" in res.output
+
+
+def test_engine_switch_or_mapping_settings(good):
+    """speculative_config takes off / auto (YAML's bare off is false) or a mapping; a bad one names the key."""
+    from pipeline.job import JobError
+    tmp_path, text = good
+    for value, want in (("off", "off"), ("auto", "auto"), ("{num_speculative_tokens: 6, gating: always}",
+                                                         {"num_speculative_tokens": 6, "gating": "always"})):
+        job = load_job(write(tmp_path, text + f"engine:\n  speculative_config: {value}\n"))
+        assert job.engine["speculative_config"] == want
+    with pytest.raises(JobError, match=r"engine.speculative_config: .*num_speculative_tokens must be in 1..16"):
+        load_job(write(tmp_path, text + "engine:\n  speculative_config: {num_speculative_tokens: 40}\n"))
+    with pytest.raises(JobError, match=r"engine.speculative_config: expected off, auto or a mapping"):
+        load_job(write(tmp_path, text + "engine:\n  speculative_config: 3\n"))
