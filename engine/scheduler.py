@@ -178,10 +178,11 @@ class Scheduler:
                 continue                    # preempted earlier in this step
             draft = drafts.get(req.request_id, [])[:max(budget - 1, 0)]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget) + len(draft)
-            if draft and kv.allocate_slots(req, num_new) is None:
+            allocated = bool(draft) and kv.allocate_slots(req, num_new) is not None
+            if draft and not allocated:
                 num_new -= len(draft)           # drafts never cost a preemption: drop them when the pool is full
                 draft = []
-            while kv.allocate_slots(req, num_new) is None:
+            while not allocated and kv.allocate_slots(req, num_new) is None:
                 if len(self.running) == 1:
                     # NOTE: nothing left to preempt; only pinned blocks can be in the way. Never spin.
                     self._finish_stuck(req)

@@ -37,7 +37,7 @@ def propose_batch(contexts: Sequence[Sequence[int]], k: int, n_min: int = 2, n_m
     lens = np.fromiter((len(c) for c in contexts), dtype=np.int64, count=len(contexts))
     offsets = np.zeros(len(contexts) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    flat = np.fromiter((t for c in contexts for t in c), dtype=np.int32, count=int(offsets[-1]))
+    flat = np.concatenate([np.asarray(c, dtype=np.int32) for c in contexts]) if contexts else np.zeros(0, np.int32)
     out = np.zeros((len(contexts), k), dtype=np.int32)
     counts = np.zeros(len(contexts), dtype=np.int32)
     lib.ngram_propose_batch(flat.ctypes.data, offsets.ctypes.data, len(contexts), n_min, n_max, k,
