@@ -25,7 +25,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_policy import log_choice
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.models.int8 import weight_bytes
+from engine.models import weight_bytes
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ def model_class(config: ModelConfig):
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["ModelConfig", "model_class", "build_model", "build_model_from_state"]
+__all__ = ["ModelConfig", "model_class", "build_model", "build_model_from_state", "weight_bytes"]
 
 
 def _on_meta(config: ModelConfig):
@@ -58,3 +58,14 @@ def build_model_from_state(config: ModelConfig, state: dict, device, int8_dtype=
     if str(device) != "cpu":
         model = model.to(device)
     return _reset_buffers(model, device)
+
+
+def weight_bytes(model) -> int:
+    """Resident bytes of the model's parameters and buffers (int8 packs included)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta" or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

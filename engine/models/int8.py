@@ -99,10 +99,6 @@ class Int8Linear(nn.Module):
 
     forward = linear
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.corrections))
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 (groups of {QK})"
 
@@ -170,14 +166,3 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
     qemb.set_packed(*pack(q, s))
     model.model.embed_tokens = qemb
     return model
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Resident bytes of the model's parameters and buffers (int8 packs included)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.device.type == "meta" or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total

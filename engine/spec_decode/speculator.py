@@ -61,7 +61,6 @@ class Speculator:
     def __init__(self, config: SpecConfig, max_model_len: int, cost: gating.StepCost):
         self.config, self.max_model_len, self.cost = config, max_model_len, cost
         self.acceptance = gating.AcceptanceTracker(prior=0.5)
-        self.last_k = 0
         # NOTE: while speculation is off, one-token "shadow" proposals (microseconds in C) are checked against
         # the tokens the model then samples, so the acceptance estimate stays current without spending compute.
         self._shadow: dict[str, int] = {}
@@ -70,14 +69,12 @@ class Speculator:
         """request id -> draft tokens for this step's decoding requests (most get none when it does not pay)."""
         cands = [r for r in decodes if eligible(r, self.max_model_len)]
         if not cands:
-            self.last_k = 0
             return {}
         k_max = self.config.num_speculative_tokens
         k = k_max if self.config.gating == "always" else gating.choose_k(len(decodes), self.acceptance.rate,
                                                                          self.cost, k_max)
         # NOTE: drafts share the budget with the one token every decode needs.
         k = min(k, max(budget - len(decodes), 0) // len(cands))
-        self.last_k = k
         if k <= 0:
             props = ngram.propose_batch([r.all_token_ids for r in cands], 1, self.config.prompt_lookup_min,
                                         self.config.prompt_lookup_max)
