@@ -67,7 +67,7 @@ class LLM:
         num_blocks = setup.num_kv_blocks
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, self.device, self.backend,
                                   cfg.seed)
-        self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len, speculator=_speculator(cfg, self.model_config))
+        self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len, speculator=_speculator(cfg, self.model))
         marks("kv_cache_s")
         self.step_stats: list[StepStats] = []
         self.load_time_s = time.monotonic() - t0
@@ -224,18 +224,16 @@ class _Marks:
         self._last = now
 
 
-def _speculator(cfg, model_config):
+def _speculator(cfg, model):
     """engine.spec_decode.speculator.Speculator for ``cfg.speculative_config``, or None. Its step-cost prior:
-    a decode step reads every weight once (fixed) and costs ~2 FLOPs per parameter per row (per row)."""
+    a decode step reads every weight once (fixed) and costs ~2 FLOPs per parameter per row (per row), counted
+    from the loaded model's tensors; the engine then learns the real costs from its decode steps."""
     from engine.spec_decode.gating import StepCost
     from engine.spec_decode.speculator import SpecConfig, Speculator
     spec = SpecConfig.parse(cfg.speculative_config)
     if spec is None:
         return None
-    c = model_config
-    params = c.vocab_size * c.hidden_size + c.num_hidden_layers * (
-        c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    params = sum(t.numel() for t in model.state_dict().values())
     return Speculator(spec, cfg.max_model_len, StepCost(fixed_s=params * 2 / 30e9, per_row_s=2 * params / 300e9))
 
 

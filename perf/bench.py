@@ -554,10 +554,15 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         if on_progress is not None:
             on_progress(summary())
 
-    def ensure_prompts(tok, mcfg):
+    def ensure_prompts():
+        """The prompts (and roofline), built once from the model's tokenizer and config, before any system."""
         nonlocal prompts, tokenizer, roof
         if prompts is None:
-            tokenizer = tok
+            from engine.loader import load_model_config, resolve_model
+            from engine.tokenizer import load_tokenizer
+            src = resolve_model(opts.model)
+            tok = tokenizer = load_tokenizer(src)
+            mcfg = load_model_config(src)
             prompts = build_prompts(tok, w, opts.seed)
             if opts.roofline:
                 cal = _calibration(opts, "cpu" if not torch.cuda.is_available() else "cuda")
@@ -574,12 +579,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         _say(opts, f"{name}: loading {opts.model}")
         llm = None
         try:
-            # The first LLM gives the tokenizer and model config the prompts and roofline are built from.
-            if prompts is None:
-                from engine.loader import load_model_config, resolve_model
-                from engine.tokenizer import load_tokenizer
-                src = resolve_model(opts.model)
-                ensure_prompts(load_tokenizer(src), load_model_config(src))
+            ensure_prompts()
             res, llm = run_batchgen(opts, prompts, name, roof)
             model_info = model_info or llm.info.to_dict()
         finally:
@@ -603,11 +603,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
             hf_systems = []
         env["hf_load_s"] = time.monotonic() - t
     if hf_systems:
-        if prompts is None:
-            from engine.loader import load_model_config, resolve_model
-            from engine.tokenizer import load_tokenizer
-            src = resolve_model(opts.model)
-            ensure_prompts(load_tokenizer(src), load_model_config(src))
+        ensure_prompts()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         if "hf-generate" in hf_systems:
             for bs in opts.hf_batch_sizes:
@@ -632,11 +628,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         gc.collect()
 
     if "llama.cpp" in opts.systems:
-        if prompts is None:
-            from engine.loader import load_model_config, resolve_model
-            from engine.tokenizer import load_tokenizer
-            src = resolve_model(opts.model)
-            ensure_prompts(load_tokenizer(src), load_model_config(src))
+        ensure_prompts()
         _say(opts, "llama.cpp: running")
         res = run_llama_cpp(opts, prompts)
         if not res.skipped:

@@ -67,19 +67,22 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
 def _quantize(model, source: ModelSource, config: ModelConfig):
     """int8 in place: Q8_0 tensors of a GGUF file as stored, everything else quantized from its float values."""
     from engine.models.int8 import quantize_model
+    from engine.models.layers import STACKED_PARAMS
 
     direct = {}
     if source.kind == "gguf":
         from engine.loader.gguf_loader import gguf_q8_0_weights
         direct = gguf_q8_0_weights(source.path, config)
-    q, kv, inter = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim, \
-        config.intermediate_size
-    shards = {}
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size}
+    # The fusion the model does at load (layers.STACKED_PARAMS), shard by shard in index order.
+    block = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+    shards: dict[str, list[tuple[str, int]]] = {}
     for i in range(config.num_hidden_layers):
-        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        shards[f"{a}.qkv_proj.weight"] = [(f"{a}.q_proj.weight", q), (f"{a}.k_proj.weight", kv),
-                                          (f"{a}.v_proj.weight", kv)]
-        shards[f"{m}.gate_up_proj.weight"] = [(f"{m}.gate_proj.weight", inter), (f"{m}.up_proj.weight", inter)]
+        for fused, hf, _ in sorted(STACKED_PARAMS, key=lambda t: t[2]):
+            prefix = f"model.layers.{i}.{block[fused]}"
+            shards.setdefault(f"{prefix}.{fused}.weight", []).append((f"{prefix}.{hf}.weight", rows[hf]))
     return quantize_model(model, direct, shards)
 
 
