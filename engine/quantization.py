@@ -43,8 +43,8 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None) ->
             raise ConfigError("quantization: int8 needs the native CPU kernels, which are unavailable "
                               "(no C compiler, or BATCHGEN_CPU_KERNELS=0)")
         return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products)")
-    return QuantChoice("none", f"auto: int8 ({q8_isa or 'no kernels'}) not measured faster end to end than "
-                               "float weights on any CPU yet (engine.quantization)")
+    return QuantChoice("none", "auto: int8 not measured faster end to end than float weights on any CPU yet "
+                               "(engine.quantization)")
 
 
 def kernel_q8_isa() -> str | None:
