@@ -76,8 +76,19 @@ def _tickets(qdir: Path) -> list[tuple[Path, Occupant]]:
 
 def holder(state_dir: str | Path | None = None) -> Occupant | None:
     """The run computing now, or None."""
-    occ = _read(machine_dir(state_dir) / "holder.json")
+    return _holder(machine_dir(state_dir))
+
+
+def _holder(mdir: Path) -> Occupant | None:
+    occ = _read(mdir / "holder.json")
     return occ if occ is not None and _alive(occ.pid) else None
+
+
+def _write_atomic(path: Path, record: dict) -> None:
+    """Readers never see a half-written file: write a temporary one, then rename it into place."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
 
 
 class MachineLock:
@@ -94,9 +105,7 @@ class MachineLock:
         qdir.mkdir(parents=True, exist_ok=True)
         me = {"pid": os.getpid(), "jobs": list(self.jobs), "since": time.time()}
         ticket = qdir / f"{time.time_ns():020d}-{os.getpid()}.json"
-        tmp = ticket.with_suffix(".tmp")
-        tmp.write_text(json.dumps(me))
-        os.replace(tmp, ticket)                    # atomic: readers never see a half-written ticket
+        _write_atomic(ticket, me)
         fd = os.open(self.dir / "lock", os.O_CREAT | os.O_RDWR, 0o644)
         t0, told = time.monotonic(), False
         try:
@@ -108,8 +117,7 @@ class MachineLock:
                         break
                     except BlockingIOError:
                         pass
-                busy = _read(self.dir / "holder.json")
-                busy = busy if busy is not None and _alive(busy.pid) else None
+                busy = _holder(self.dir)
                 if not self.wait:
                     who = busy.describe() if busy else (ahead[0].describe() if ahead else "another run")
                     raise MachineBusy(f"this machine is busy: batchgen run {who} is computing"
@@ -125,10 +133,7 @@ class MachineLock:
         finally:
             ticket.unlink(missing_ok=True)
         self._fd = fd
-        hold = self.dir / "holder.json"
-        tmp = hold.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**me, "since": time.time()}))
-        os.replace(tmp, hold)
+        _write_atomic(self.dir / "holder.json", {**me, "since": time.time()})
         return time.monotonic() - t0
 
     def release(self) -> None:
