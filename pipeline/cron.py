@@ -84,6 +84,12 @@ class _Command:
     files: tuple[str, ...]
 
 
+def _group_command(e: "CronEntry") -> _Command | None:
+    """An entry's command parsed back, or None when it was edited out of our shape (one file per job)."""
+    cmd = _parse_command(e.command)
+    return cmd if cmd is not None and len(cmd.files) == len(e.names) else None
+
+
 def _parse_command(command: str) -> _Command | None:
     """Our own command format (``entry_line``) back into its parts; None for a line edited out of shape."""
     try:
@@ -278,16 +284,15 @@ def install(jobs: Sequence[ScheduledJob], job_files: Sequence[str | Path] | None
     for pos, e in enumerate(old):
         names = [n for n in e.names if n not in seen]           # a line copied by hand: first one wins
         seen.update(e.names)
-        for n in names:
-            first_pos.setdefault(n, pos)
+        first_pos.update((n, pos) for n in names)
         if not names:
             continue
-        cmd = _parse_command(e.command)
+        cmd = _group_command(e)
         key = (e.schedule, cmd.workdir) if cmd else None
         if not (set(names) & given) and key not in new_keys and len(names) == len(e.names):
             kept.append((pos, e))                               # untouched: stays as written
             continue
-        if cmd is None or len(cmd.files) != len(e.names):
+        if cmd is None:
             if set(names) & given:                              # edited out of shape: replaced, as one job
                 continue
             kept.append((pos, e))
@@ -326,8 +331,8 @@ def remove(names: Sequence[str] | None = None, dry_run: bool = False, *, user: s
         if not drop:
             remaining.append(e)
         elif keep:
-            cmd = _parse_command(e.command)
-            if cmd is None or len(cmd.files) != len(e.names):
+            cmd = _group_command(e)
+            if cmd is None:
                 raise CronError(f"the crontab entry of {e.name} was edited by hand; remove it with `crontab -e`")
             files = [f for n, f in zip(e.names, cmd.files) if n in keep]
             line = entry_line(keep, e.schedule, files, workdir=cmd.workdir, log_dir=cmd.log_dir,
