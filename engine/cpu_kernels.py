@@ -113,29 +113,18 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"rms_norm_rope_{sfx}": [P, I64, I64, I64, I64, P, F32, P, P, P, I32],
             f"rope_neox_{sfx}": [P, I64, I64, I64, I64, P, P, I32],
             f"masked_softmax_{sfx}": [P] + [I64] * 7 + [I32],
+            f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
+            f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, P, I32, I32],
+            f"q8_embed_{sfx}": [P, P, I32, P, I32, I32, P, I32],
+            f"small_m_linear_{sfx}": [P, I32, I32, P, I64, P, I32],
         })
+    sigs["ngram_propose_batch"] = [P, P, I32, I32, I32, I32, P, P]
     for name, args in sigs.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in _FUNCS.values() else None
         fn.argtypes = args
-    for sfx in _SUFFIX.values():
-        sigs.update({
-            f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
-            f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, P, I32, I32],
-            f"q8_embed_{sfx}": [P, P, I32, P, I32, I32, P, I32],
-        })
-        for name in (f"q8_quant_act_{sfx}", f"q8_gemm_{sfx}", f"q8_embed_{sfx}"):
-            getattr(lib, name).restype = None
-            getattr(lib, name).argtypes = sigs[name]
-    for sfx in _SUFFIX.values():
-        fn = getattr(lib, f"small_m_linear_{sfx}")
-        fn.restype, fn.argtypes = None, [P, I32, I32, P, I64, P, I32]
-    lib.ngram_propose_batch.restype = None
-    lib.ngram_propose_batch.argtypes = [P, P, I32, I32, I32, I32, P, P]
-    lib.batchgen_kernel_isa.restype = ctypes.c_char_p
-    lib.batchgen_kernel_isa.argtypes = []
-    lib.batchgen_q8_isa.restype = ctypes.c_char_p
-    lib.batchgen_q8_isa.argtypes = []
+    for name in ("batchgen_kernel_isa", "batchgen_q8_isa"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_char_p, []
     lib.batchgen_q8_act_bytes.restype = ctypes.c_int
     lib.batchgen_q8_act_bytes.argtypes = []
     return lib
