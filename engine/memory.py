@@ -1,6 +1,8 @@
 """How big the KV pool is: the memory probe and the sizing rule, in one place.
 
-CPU: a quarter of the memory available at start (``/proc/meminfo`` MemAvailable), at most 4 GiB, unless
+CPU: a quarter of the memory available at start (``/proc/meminfo`` MemAvailable), rounded down to a multiple of
+``BUDGET_STEP`` (so MemAvailable's moment-to-moment drift does not change the pool between validate, plan and
+submit), at most 4 GiB, unless
 ``kv_cache_memory`` names bytes (refused when above 90 % of what is available). CUDA: ``gpu_memory_utilization``
 of the free device memory. Never more blocks than ``max_num_seqs`` full-length sequences need.
 """
@@ -10,6 +12,8 @@ import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
+
+BUDGET_STEP = 256 << 20
 
 
 def available_memory_bytes() -> int | None:
@@ -49,7 +53,8 @@ def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: t
         budget = int(free * cfg.gpu_memory_utilization)
     else:
         avail = available_memory_bytes() or 4 * DEFAULT_CPU_KV_CACHE_MAX_BYTES
-        budget = min(DEFAULT_CPU_KV_CACHE_MAX_BYTES, int(avail * DEFAULT_CPU_KV_FRACTION))
+        share = int(avail * DEFAULT_CPU_KV_FRACTION)
+        budget = min(DEFAULT_CPU_KV_CACHE_MAX_BYTES, max(share // BUDGET_STEP * BUDGET_STEP, min(share, BUDGET_STEP)))
     cap = cfg.max_num_seqs * -(-max_model_len // block_size) + 1   # no point in more than max_num_seqs full seqs
     blocks = min(budget // per_block, cap)
     if blocks < 1:

@@ -78,3 +78,24 @@ def test_config_is_resolved_once_and_shared(tmp_path):
 def test_fake_engine_satisfies_the_door(fake_llm_factory):
     from engine.interface import Engine
     assert isinstance(fake_llm_factory("m", {}), Engine)
+
+
+def test_cpu_kv_pool_stable_under_memavailable_drift(monkeypatch):
+    """The default CPU pool is a quarter of MemAvailable rounded down to 256 MiB: a few MB of drift between
+    validate, plan and submit gives the same pool; a machine with under 1 GiB free still gets its quarter."""
+    import types
+
+    import torch
+
+    from engine import memory
+    mcfg = types.SimpleNamespace(num_hidden_layers=18, num_key_value_heads=1, head_dim=256)
+    cfg = EngineConfig(max_num_seqs=128)
+    sizes = []
+    for avail in (15_700 << 20, (15_700 << 20) + (4 << 20), (15_700 << 20) - (4 << 20)):
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda a=avail: a)
+        sizes.append(memory.num_kv_blocks(cfg, mcfg, torch.bfloat16, torch.device("cpu"), 16, 32768))
+    per_block = memory.kv_block_bytes(mcfg, 16, torch.bfloat16)
+    budget = (15_700 << 20) // 4 // memory.BUDGET_STEP * memory.BUDGET_STEP
+    assert sizes[0] == sizes[1] == sizes[2] == budget // per_block
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 600 << 20)
+    assert memory.num_kv_blocks(cfg, mcfg, torch.bfloat16, torch.device("cpu"), 16, 32768) == (150 << 20) // per_block
