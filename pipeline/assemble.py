@@ -23,7 +23,7 @@ from pipeline.state import RESULT_COLUMNS, manifest_path_for
 
 
 def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None,
-             prediction: dict | None = None) -> None:
+             prediction: dict | None = None, distributed: dict | None = None) -> None:
     """Write the job's output (one row per current input row, input order) and its manifest, atomically.
 
     Skipped when nothing changed since the last run (same keys digest and layout): ``jr.up_to_date``."""
@@ -118,7 +118,8 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
                                      "acceptance_rate": (round(jr.accepted_tokens / jr.draft_tokens, 4)
                                                          if jr.draft_tokens else None),
                                      "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
-                                                              if jr.spec_steps else None)}},
+                                                              if jr.spec_steps else None)},
+                     "distributed": distributed},     # a Ray run (pipeline.ray_exec): replicas, prefills
         "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                    "hit_rate": hit_rate(all_cached, all_prompt)},
         "keys_digest": jr.keys_digest, "layout": layout,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from pathlib import Path
 
 import click
 
@@ -101,7 +102,7 @@ def plan(job_files):
 
 
 @main.command()
-@job_files
+@click.argument("job_files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first bad row (rows done so far are kept).")
 @click.option("--commit-every", type=float, default=2.0, show_default=True, metavar="SECONDS",
@@ -111,17 +112,42 @@ def plan(job_files):
                                       "given / shuffled, without grouping or pinning.")
 @click.option("--no-wait", is_flag=True, help="Fail at once if another batchgen run is computing on this machine "
               "(default: queue behind it, first come first served).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Compute on Ray engine replicas: ADDRESS (or $RAY_ADDRESS) of a cluster, else a local Ray "
+                   "instance. Needs the ray extra.")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="With --ray: engine replicas (default: 1 locally, one per alive node on a cluster).")
+@click.option("--replica-cpus", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --ray: CPUs reserved per replica (default: all CPUs / replicas locally, 1 on a cluster).")
+@click.option("--replica-gpus", type=click.FloatRange(min=0), default=0.0, help="With --ray: GPUs per replica.")
+@click.option("--replica-threads", type=click.IntRange(min=1), default=None,
+              help="With --ray: torch threads per replica (default: its CPUs).")
 @_user_errors
-def submit(job_files, quiet, fail_fast, commit_every, order, no_wait):
+def submit(job_files, quiet, fail_fast, commit_every, order, no_wait, ray_address, replicas, replica_cpus,
+           replica_gpus, replica_threads):
     """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume.
 
     One run computes on a machine at a time: a run started while another computes waits for it (see
     `batchgen status`), since two at once slow each other down and share no prefix cache."""
+    from pipeline.ray_exec import RayOptions, import_ray
     from pipeline.runner import RunOptions, run_jobs
     from pipeline.validate import load_valid_jobs_recorded
-    jobs = load_valid_jobs_recorded(list(job_files))
+    job_files = list(job_files)
+    if ray_address and (ray_address.endswith((".yaml", ".yml")) or Path(ray_address).is_file()):
+        job_files.insert(0, ray_address)        # `--ray jobs/a.yaml`: the flag without an address
+        ray_address = ""
+    if not job_files:
+        raise click.UsageError("Missing argument 'JOB_FILES...'.")
+    ray_opts = None
+    if ray_address is not None:
+        import_ray()                            # without Ray: how to get it, exit 2, before any work
+        ray_opts = RayOptions(address=ray_address or None, replicas=replicas, num_cpus=replica_cpus,
+                              num_gpus=replica_gpus, threads=replica_threads)
+    elif replicas or replica_cpus or replica_gpus or replica_threads:
+        raise click.UsageError("--replicas / --replica-cpus / --replica-gpus / --replica-threads need --ray")
+    jobs = load_valid_jobs_recorded(job_files)
     opts = RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every, order=order,
-                      wait_for_machine=not no_wait)
+                      wait_for_machine=not no_wait, ray=ray_opts)
     for report in run_jobs(jobs, options=opts):
         click.echo(report.summary)
 

@@ -67,6 +67,11 @@ class RunRecorder:
             warn(f"cannot write the trace to {trace.run_dir} ({e}); the run goes on without it")
             self.trace = None
 
+    def add_steps(self, steps: list, source: int) -> None:
+        """Steps of one of several engines (Ray replicas); ``source`` tells them apart."""
+        if self.trace is not None:
+            self.trace.add_steps(steps, source=source)
+
     def prune(self, state: RunState, jobs: list[Job]) -> None:
         """Keep the newest ``output.keep_runs`` traces (the smallest over the jobs sharing this job dir)."""
         if self.trace_dir is None:

@@ -51,6 +51,7 @@ from pipeline.io import InputError
 from pipeline.job import Job
 from pipeline.planner import Plan, make_plan, unplanned
 from pipeline.prepare import JobRun, Spill, new_job_run, prepare
+from pipeline.ray_exec import RayExecution, RayOptions
 from pipeline.recorder import RunRecorder, warn
 from pipeline.state import RunState
 from pipeline.summary import summarize
@@ -74,6 +75,7 @@ class RunOptions:
     state_dir: str | None = None       # history's state dir (None: $BATCHGEN_STATE_DIR or ~/.local/state/batchgen)
     order: str = "planned"             # planned | input | shuffled (the last two: baselines for benchmarks)
     wait_for_machine: bool = True      # another run computing on this machine: queue behind it (False: fail)
+    ray: "RayOptions | None" = None     # compute on Ray engine replicas (pipeline.ray_exec) instead of in-process
 
 
 @dataclass
@@ -152,7 +154,9 @@ class Runner:
                 machine = self._admit(jobs, rec)
             engine_args = merge_engine_args(jobs)
             try:
-                factory = self.llm_factory or (planning_llm_factory if dry_run else default_llm_factory)
+                # NOTE: on Ray the replicas load the model; this process only plans and commits.
+                planning = dry_run or self.opts.ray is not None
+                factory = self.llm_factory or (planning_llm_factory if planning else default_llm_factory)
                 llm = factory(model, engine_args)
                 if not isinstance(llm, Engine):
                     raise TypeError(f"llm_factory returned {type(llm).__name__}, which lacks the engine.Engine door")
@@ -197,11 +201,24 @@ class Runner:
             if plan.num_requests:
                 rec.start_trace(llm, states[0], t_loaded, predicted)
             report.trace_dir = rec.trace_dir
-            if plan.num_requests:
+            distributed = None
+            if plan.num_requests and self.opts.ray is not None:
+                dist = RayExecution(self.opts.ray, model, engine_args, info, self.echo)
+                try:
+                    dist.start()
+                    self._execute(llm, runs, plan, req_job_a, req_local_a, heads, dist)
+                finally:
+                    dist.shutdown()
+                    distributed = dist.summary()
+                    if rec.trace is not None:
+                        rec.trace.distributed = distributed
+                info = report.engine_info = dist.first_info or info
+            elif plan.num_requests:
                 self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             engine_s = report.engine_s = rec.engine_s = time.monotonic() - t_loaded
             for jr in runs:
-                assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir, prediction=predicted)
+                assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir, prediction=predicted,
+                         distributed=distributed)
             rec.flush(llm)
             (states[0].dir / "current_run").unlink(missing_ok=True)
             report.wall_s = time.monotonic() - t0
@@ -292,8 +309,9 @@ class Runner:
         return old
 
     def _execute(self, llm: Engine, runs: list[JobRun], plan: Plan, req_job: np.ndarray, req_local: np.ndarray,
-                 heads: list) -> None:
-        """Step 3: feed the plan through the engine (``Feeder``), commit finished rows every couple of seconds."""
+                 heads: list, dist: RayExecution | None = None) -> None:
+        """Step 3: feed the plan through the engine (``Feeder``) or the Ray replicas (``dist``); commit finished
+        rows every couple of seconds."""
         from tqdm import tqdm
 
         spills = [Spill(jr.state.scratch("spill.arrow")) if jr.spill_rows else None for jr in runs]
@@ -307,50 +325,61 @@ class Runner:
             _, gid, doc_ids, tail = spills[j].row(local)
             return list(heads[gid]) + doc_ids + list(tails[j][tail]), runs[j].params
 
-        feeder = Feeder(plan, heads, prompt_of, window=max(1, self.opts.window_factor * llm.info.max_num_seqs),
-                        max_open_groups=self.opts.max_open_groups)
         n = plan.num_requests
         stream = sys.stderr
         bar = tqdm(total=n, file=stream, unit="doc", dynamic_ncols=True,
                    disable=self.opts.quiet or not stream.isatty())
         t_start = last_commit = time.monotonic()
-        toks = cached = prompt = 0
+        toks = cached = prompt = finished = 0
+
+        def take(p: int, out) -> None:                  # a finished request: count it, queue its row
+            nonlocal toks, cached, prompt, finished
+            j, local = where(p)
+            jr = runs[j]
+            key = spills[j].row(local)[0]
+            if self._rec.trace is not None:
+                self._rec.trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
+            res = jr.add_result(key, out)
+            finished += 1
+            if res["error"] and self.opts.fail_fast:
+                raise RunError(f"job {jr.job.name!r}, row {key.rpartition('#')[0]}: {res['error']}. "
+                               "Stopped because of --fail-fast; rows done so far are kept.")
+            prompt += res["prompt_tokens"]
+            cached += res["cached_tokens"]
+            toks += res["prompt_tokens"] - res["cached_tokens"] + res["output_tokens"]
+            bar.update(1)
+            elapsed = max(time.monotonic() - t_start, 1e-9)
+            bar.set_postfix_str(f"{toks / elapsed:,.0f} tok/s, hit {cached / max(prompt, 1):.0%}", refresh=False)
+
+        def between_steps() -> bool:                    # commit when due; True: stop now
+            nonlocal last_commit
+            now = time.monotonic()
+            if now - last_commit >= self.opts.commit_interval_s or \
+                    any(len(jr.pending) >= self.opts.commit_rows for jr in runs):
+                self._commit_all(runs)
+                self._rec.flush(llm)
+                last_commit = now
+            if self._stop_reason is None and self.opts.stop_after_rows is not None \
+                    and finished >= self.opts.stop_after_rows:
+                self._stop_reason = "stop_after_rows"
+            return self._stop_reason is not None         # in-flight rows are dropped; they rerun on resume
+
         clean_exit = False
         try:
-            while True:
-                if self._stop_reason is None and self.opts.stop_after_rows is not None \
-                        and feeder.finished >= self.opts.stop_after_rows:
-                    self._stop_reason = "stop_after_rows"
-                if self._stop_reason is not None:
-                    break                                # in-flight rows are dropped; they rerun on resume
-                feeder.admit(llm)
-                if not feeder.in_flight:
-                    break
-                for out in llm.step():
-                    p = int(out.request_id)
-                    feeder.on_finished(llm, p)
-                    j, local = where(p)
-                    jr = runs[j]
-                    key = spills[j].row(local)[0]
-                    if self._rec.trace is not None:
-                        self._rec.trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
-                    res = jr.add_result(key, out)
-                    if res["error"] and self.opts.fail_fast:
-                        raise RunError(f"job {jr.job.name!r}, row {key.rpartition('#')[0]}: {res['error']}. "
-                                       "Stopped because of --fail-fast; rows done so far are kept.")
-                    prompt += res["prompt_tokens"]
-                    cached += res["cached_tokens"]
-                    toks += res["prompt_tokens"] - res["cached_tokens"] + res["output_tokens"]
-                    bar.update(1)
-                    elapsed = max(time.monotonic() - t_start, 1e-9)
-                    bar.set_postfix_str(f"{toks / elapsed:,.0f} tok/s, hit {cached / max(prompt, 1):.0%}",
-                                        refresh=False)
-                now = time.monotonic()
-                if now - last_commit >= self.opts.commit_interval_s or \
-                        any(len(jr.pending) >= self.opts.commit_rows for jr in runs):
-                    self._commit_all(runs)
-                    self._rec.flush(llm)
-                    last_commit = now
+            if dist is not None:
+                max_tokens = np.asarray([jr.params.max_tokens for jr in runs], dtype=np.int64)[req_job[plan.order]]
+                dist.run(plan, heads, prompt_of, max_tokens, take, self._rec.add_steps, between_steps)
+            else:
+                feeder = Feeder(plan, heads, prompt_of, window=max(1, self.opts.window_factor * llm.info.max_num_seqs),
+                                max_open_groups=self.opts.max_open_groups)
+                while not between_steps():
+                    feeder.admit(llm)
+                    if not feeder.in_flight:
+                        break
+                    for out in llm.step():
+                        p = int(out.request_id)
+                        feeder.on_finished(llm, p)
+                        take(p, out)
             clean_exit = True
         finally:
             bar.close()
@@ -364,8 +393,8 @@ class Runner:
             for s in spills:
                 if s is not None:
                     s.close()
-        if self._stop_reason is None and not feeder.done:
-            raise RunError(f"internal error: {n - feeder.finished} documents were never scheduled; run again to "
+        if self._stop_reason is None and finished < n:
+            raise RunError(f"internal error: {n - finished} documents were never scheduled; run again to "
                            "resume")
         if self._stop_reason is not None:
             done = sum(jr.computed for jr in runs)

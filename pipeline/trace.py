@@ -81,7 +81,8 @@ class RunTrace:
         self.offset = sum(s.get("wall_s", 0.0) for s in self._prev_sessions)
         self._requests: list[dict] = []
         self._steps: list[dict] = []
-        self._last_step_start = float("-inf")
+        self._last_step_start: dict[int, float] = {}      # per source
+        self.distributed: dict | None = None     # a Ray run: replicas, prefix prefills (pipeline.ray_exec)
         self._num_requests = self._num_steps = 0
         self._first_step: tuple[float, float] | None = None   # (start, end) monotonic
         self._warmup_end: float | None = None
@@ -109,17 +110,18 @@ class RunTrace:
         })
         self._num_requests += 1
 
-    def add_steps(self, step_stats: Iterable[StepStats]) -> None:
-        """Record engine steps; steps already recorded (by start time) are skipped, so pass the whole list."""
+    def add_steps(self, step_stats: Iterable[StepStats], source: int = 0) -> None:
+        """Record engine steps; steps already recorded (by start time) are skipped, so pass the whole list.
+        ``source``: which engine, when several (Ray replicas) feed one trace."""
         for s in step_stats:
-            if s.start_time <= self._last_step_start:
+            if s.start_time <= self._last_step_start.get(source, float("-inf")):
                 continue
-            self._last_step_start = s.start_time
+            self._last_step_start[source] = s.start_time
             if self._first_step is None:
                 self._first_step = (s.start_time, s.end_time)
             if self._num_steps < WARMUP_STEPS:
                 self._warmup_end = s.end_time
-            self._last_step_end = s.end_time
+            self._last_step_end = max(self._last_step_end or s.end_time, s.end_time)
             row = {n: getattr(s, n) for n in _STEP_INT_FIELDS}
             row.update(session=self.session, start=self._rel(s.start_time), end=self._rel(s.end_time),
                        duration_s=s.end_time - s.start_time)
@@ -156,6 +158,8 @@ class RunTrace:
                "phases": totals, "sessions": sessions,
                "num_requests": sum(s["num_requests"] for s in sessions),
                "num_steps": sum(s["num_steps"] for s in sessions), "written_at_unix": time.time()}
+        if self.distributed is not None:
+            doc["distributed"] = self.distributed
         _write_atomic(self.run_dir / RUN_FILE, json.dumps(doc, indent=2, default=str))
         return self.run_dir
 

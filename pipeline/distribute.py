@@ -1,0 +1,192 @@
+"""Which replica computes which planned requests (``batchgen submit --ray``); no Ray in here.
+
+The plan (``pipeline.planner``) puts each prefix group's requests next to each other. For several engine
+replicas the driver cuts every group into *units* of at most ``chunk_rows`` consecutive plan positions and
+hands them out so that a prefix is prefilled once per replica that serves it:
+
+* **whole groups per replica**: groups go to replicas longest-first onto the least-loaded one (LPT), weighed by
+  predicted compute tokens (prompt tokens not predicted cached, plus ``max_tokens``); each replica's queue
+  keeps plan order, so groups that share a system prompt stay together;
+* **stealing**: a replica whose queue is empty takes about half the queued work of the replica with the most:
+  whole groups that one has not started, from the back of its queue, while they fit in that half; when none
+  does, the back half of the chunks of its last group (that group's prefix is then prefilled on both: a
+  *split* group, which the manifest counts);
+* **faults**: when a replica dies, the unfinished requests of its in-flight units go back to the front of the
+  queue with one more try. A unit that has failed before runs *alone* on an idle replica, so a request that
+  kills its engine takes no innocent units down with it again; after ``max_tries`` it is given up (the caller
+  writes an error row for each of its requests).
+
+Positions are plan positions (``plan.order`` indices): the request ids the engine sees.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.planner import Plan
+
+
+@dataclass(eq=False)
+class Unit:
+    uid: int
+    group: int
+    positions: list[int]                 # plan positions, ascending
+    cost: int                            # predicted compute tokens
+    tries: int = 0                       # times a replica died while it was in flight
+    left: set[int] = field(default_factory=set)   # positions not finished yet (filled when dispatched)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+def make_units(plan: Plan, max_tokens: np.ndarray, chunk_rows: int) -> list[Unit]:
+    """Every group's plan positions, in plan order, cut into units of at most ``chunk_rows``."""
+    n = plan.num_requests
+    if n == 0:
+        return []
+    cost = (plan.prompt_len - plan.cached + np.asarray(max_tokens)).astype(np.int64)
+    g = plan.group
+    starts = np.concatenate([[0], np.nonzero(g[1:] != g[:-1])[0] + 1, [n]])
+    units: list[Unit] = []
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        for s in range(a, b, max(1, chunk_rows)):
+            e = min(s + chunk_rows, b)
+            units.append(Unit(len(units), int(g[a]), list(range(s, e)), int(cost[s:e].sum())))
+    return units
+
+
+class Assigner:
+    """Per-replica queues of units; ``take`` what a replica should run next, ``lost`` what a dead one had."""
+
+    def __init__(self, units: list[Unit], num_replicas: int, max_tries: int = 3):
+        self.max_tries = max_tries
+        self.queues: list[deque[Unit]] = [deque() for _ in range(num_replicas)]
+        self.orphans: deque[Unit] = deque()          # requeued after a replica died
+        self.in_flight: list[dict[int, Unit]] = [{} for _ in range(num_replicas)]
+        self.retired: set[int] = set()
+        self.served: dict[int, set[tuple[int, int]]] = {}   # group -> {(replica, incarnation)} that ran it
+        self.incarnation = [0] * num_replicas
+        self.stolen = 0                               # units moved to another replica's queue
+        self.split: set[int] = set()                  # groups whose chunks were spread over replicas
+        by_group: dict[int, list[Unit]] = {}
+        for u in units:
+            by_group.setdefault(u.group, []).append(u)
+        load = [0] * num_replicas
+        owner: dict[int, int] = {}
+        for gid in sorted(by_group, key=lambda k: (-sum(u.cost for u in by_group[k]), by_group[k][0].uid)):
+            r = min(range(num_replicas), key=lambda i: (load[i], i))
+            owner[gid] = r
+            load[r] += sum(u.cost for u in by_group[gid])
+        for u in units:                               # units are in plan order: each queue keeps it
+            self.queues[owner[u.group]].append(u)
+
+    # ---- queries ----
+    def rows_in_flight(self, r: int) -> int:
+        return sum(len(u.left) for u in self.in_flight[r].values())
+
+    @property
+    def queued(self) -> int:
+        return len(self.orphans) + sum(len(q) for q in self.queues)
+
+    @property
+    def done(self) -> bool:
+        return self.queued == 0 and not any(self.in_flight)
+
+    def prefills(self) -> dict[int, int]:
+        """Group -> how many replicas (counting a restarted one anew) computed some of it."""
+        return {g: len(s) for g, s in sorted(self.served.items())}
+
+    # ---- handing out ----
+    def take(self, r: int, room: int) -> list[Unit]:
+        """Units for replica ``r`` that fit in ``room`` rows (at least one when it has nothing in flight)."""
+        idle = not self.in_flight[r]
+        if any(u.tries for u in self.in_flight[r].values()):
+            return []                               # a suspect runs alone
+        suspect = next((u for u in self.orphans if u.tries), None) if idle else None
+        if suspect is not None:                     # a unit that was in flight when a replica died: alone
+            self.orphans.remove(suspect)
+            return self._dispatch(r, [suspect])
+        out: list[Unit] = []
+        while True:
+            u = next((o for o in self.orphans if not o.tries), None)
+            src = self.orphans
+            if u is None:
+                src = self.queues[r]
+                u = src[0] if src else (None if out else self._steal(r))   # steal for an empty batch only
+            if u is None or (len(u) > room and (out or not idle)):
+                break
+            src.remove(u)
+            out.append(u)
+            room -= len(u)
+        return self._dispatch(r, out)
+
+    def _dispatch(self, r: int, units: list[Unit]) -> list[Unit]:
+        for u in units:
+            u.left = set(u.positions)
+            self.in_flight[r][u.uid] = u
+            self.served.setdefault(u.group, set()).add((r, self.incarnation[r]))
+        return units
+
+    def _steal(self, r: int) -> Unit | None:
+        """Move about half the queued work of the replica with the most into ``r``'s queue (whole groups it has
+        not started, from the back, while they fit in that half; else the back half of its last group's chunks);
+        returns ``r``'s next unit, or None when no replica has queued work."""
+        victims = [v for v in range(len(self.queues)) if v != r and self.queues[v]]
+        if not victims:
+            return None
+        v = max(victims, key=lambda i: (sum(u.cost for u in self.queues[i]), -i))
+        q = list(self.queues[v])
+        half = sum(u.cost for u in q) / 2
+        started = {g for g, s in self.served.items() if any(rr == v for rr, _ in s)}
+        moved: list[Unit] = []
+        while q:
+            gid = q[-1].group
+            group = [u for u in q if u.group == gid]
+            if gid in started or sum(u.cost for u in moved + group) > half:
+                break
+            moved = group + moved
+            q = [u for u in q if u.group != gid]
+        if not moved:                                   # split the last group: its back half of chunks
+            gid = q[-1].group
+            tail = [u for u in q if u.group == gid]
+            take = max(1, len(tail) // 2)
+            moved = tail[len(tail) - take:]
+            q = q[:len(q) - take]
+            if take < len(tail) or gid in started:
+                self.split.add(gid)
+        self.queues[v] = deque(q)
+        self.queues[r].extend(moved)
+        self.stolen += len(moved)
+        return self.queues[r][0]
+
+    # ---- results and faults ----
+    def finished(self, r: int, position: int) -> None:
+        for uid, u in list(self.in_flight[r].items()):
+            if position in u.left:
+                u.left.discard(position)
+                if not u.left:
+                    del self.in_flight[r][uid]
+                return
+
+    def lost(self, r: int, retire: bool) -> list[Unit]:
+        """Replica ``r`` died: its unfinished units go back first (a try more); returns those given up.
+        ``retire``: no replacement comes, so its queue goes to the others too."""
+        given_up = []
+        back = []
+        for u in sorted(self.in_flight[r].values(), key=lambda u: u.positions[0]):
+            u.tries += 1
+            u.positions = sorted(u.left)
+            (given_up if u.tries >= self.max_tries else back).append(u)
+        self.in_flight[r] = {}
+        self.orphans.extendleft(reversed(back))
+        self.incarnation[r] += 1
+        if retire:
+            self.retired.add(r)
+            self.orphans.extend(self.queues[r])
+            self.queues[r] = deque()
+        return given_up
+
+
+__all__ = ["Unit", "make_units", "Assigner"]

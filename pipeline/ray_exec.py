@@ -1,0 +1,310 @@
+"""Step 3 on Ray (``batchgen submit --ray``): engine replicas as Ray actors, fed whole prefix groups by this driver.
+
+    driver (this process)                          actors (pipeline/ray_replica.py, one engine.LLM each)
+      prepare + plan, as a local run                  work(units, max_s) -> finished outputs + steps
+      pipeline.distribute: units -> replicas  ──►     ...
+      results -> RunSink (commit, trace, bar)  ◄──
+
+Only the driver commits (the same part-file protocol as a local run), so a dead actor costs at most its
+unfinished requests: they go back to the queue (``Assigner.lost``) and a replacement actor is started, up to
+``max_restarts`` in all; a unit that was in flight at ``max_tries`` deaths is given up and its rows get an
+error. The driver dying is a crash like any other: the next run resumes from the committed parts.
+
+Why not Ray Data's LLM processor: it routes batches by locality and load, not content, so rows that share a
+prefix scatter over replicas and every replica recomputes it; and its checkpointing does not cover this
+exactly-once protocol.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from engine import EngineInfo
+from engine.outputs import RequestMetrics, RequestOutput
+from pipeline.distribute import Assigner, make_units
+from pipeline.errors import RunError
+from pipeline.planner import Plan
+
+RAY_HINT = "pip install -e '.[ray]'  (Ray 2.60, an optional extra)"
+
+
+class RayMissing(RunError):
+    """``--ray`` without Ray installed (the CLI exits 2)."""
+
+
+@dataclass
+class RayOptions:
+    address: str | None = None        # None: $RAY_ADDRESS, else a local instance; "local": always local
+    replicas: int | None = None       # None: local -> 1; a cluster -> one per alive node
+    num_cpus: float | None = None     # per replica; None: local -> the machine's CPUs / replicas; cluster -> 1
+    num_gpus: float = 0.0             # per replica
+    threads: int | None = None        # torch threads per replica; None: its CPU share (at least 1)
+    max_restarts: int | None = None   # replacement actors started in all; None: 2 x replicas
+    max_tries: int = 3                # a unit in flight at this many replica deaths is given up
+    object_store_mb: int = 256        # local instance only: results are small, the store need not be big
+    call_s: float = 0.5               # a replica returns finished rows at least this often
+    runtime_env: dict | None = None   # passed to ray.init (a cluster: e.g. {"working_dir": "."})
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RayMissing(f"--ray needs Ray, which is not installed: {RAY_HINT}") from None
+    return ray
+
+
+@dataclass
+class ReplicaStats:
+    replica: int
+    incarnation: int
+    host: str = ""
+    pid: int = 0
+    load_s: float | None = None
+    threads: int = 0
+    dtype: str = ""
+    cpu_kernels: str = ""
+    rows: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    groups: set = field(default_factory=set)
+    died: str | None = None
+
+    def to_dict(self) -> dict:
+        computed = self.prompt_tokens - self.cached_tokens
+        return {"replica": self.replica, "incarnation": self.incarnation, "host": self.host, "pid": self.pid,
+                "load_s": None if self.load_s is None else round(self.load_s, 3), "threads": self.threads,
+                "dtype": self.dtype, "cpu_kernels": self.cpu_kernels, "rows": self.rows,
+                "groups": len(self.groups), "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
+                "hit_rate": round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None,
+                "steps": self.steps, "step_s": round(self.step_s, 3),
+                "tokens_per_s": round((computed + self.output_tokens) / self.step_s, 1) if self.step_s else None,
+                "died": self.died}
+
+
+@dataclass
+class _Slot:
+    index: int
+    incarnation: int
+    actor: object
+    stats: ReplicaStats
+    ready: bool = False
+    busy: object = None               # the ObjectRef of the call in flight
+
+
+class RayExecution:
+    """Start the replicas, feed them the plan's units, hand every finished output to ``take``."""
+
+    def __init__(self, opts: RayOptions, model: str, engine_args: dict, info: EngineInfo,
+                 echo: Callable[[str], None] = print):
+        self.opts, self.model, self.engine_args, self.info, self.echo = opts, model, engine_args, info, echo
+        self.ray = import_ray()
+        self.started_ray = False
+        self.replicas = self.num_cpus = self.threads = 0
+        self.history: list[ReplicaStats] = []
+        self.assigner: Assigner | None = None
+        self.restarts = 0
+        self.address = ""
+        self.loaded = self.failed_loads = 0
+        self.first_info: EngineInfo | None = None      # the first replica's (the manifest's model section)
+        self.slots: list[_Slot] = []
+
+    # ---- Ray itself ----
+    def start(self) -> None:
+        ray, o = self.ray, self.opts
+        address = o.address if o.address is not None else os.environ.get("RAY_ADDRESS") or "local"
+        if ray.is_initialized():
+            self.address = "already initialized"
+        elif address == "local":
+            cpus = os.cpu_count() or 1
+            self.replicas = o.replicas or 1
+            self.num_cpus = o.num_cpus or max(1, cpus // self.replicas)
+            ray.init(address="local", num_cpus=max(cpus, int(np.ceil(self.num_cpus * self.replicas))),
+                     num_gpus=int(np.ceil(o.num_gpus * self.replicas)) if o.num_gpus else None,
+                     include_dashboard=False, object_store_memory=o.object_store_mb * 2**20,
+                     runtime_env=o.runtime_env, logging_level="WARNING")
+            self.started_ray, self.address = True, "local"
+        else:
+            ray.init(address=address, runtime_env=o.runtime_env, logging_level="WARNING")
+            self.address = address
+        if not self.replicas:
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            self.replicas = o.replicas or max(1, len(alive))
+            self.num_cpus = o.num_cpus or 1
+        self.threads = o.threads or max(1, int(self.num_cpus))
+        self.max_restarts = o.max_restarts if o.max_restarts is not None else 2 * self.replicas
+
+    def shutdown(self) -> None:
+        """Stop the actors (and the local Ray instance this started); safe to call twice."""
+        slots, self.slots = self.slots, []
+        for s in slots:
+            try:
+                self.ray.kill(s.actor)
+            except Exception:       # NOTE: already dead, or Ray is going down: nothing to stop
+                pass
+        if self.started_ray:
+            self.started_ray = False
+            self.ray.shutdown()
+
+    def _start_actor(self, index: int, incarnation: int) -> _Slot:
+        from pipeline.ray_replica import Replica
+        cls = self.ray.remote(Replica)
+        # NOTE: named (this driver's pid, replica, incarnation) so an operator or a test can find one to kill.
+        actor = cls.options(num_cpus=self.num_cpus, num_gpus=self.opts.num_gpus or 0, max_restarts=0,
+                            max_task_retries=0, name=replica_name(index, incarnation))
+        actor = actor.remote(index, incarnation, self.model, self.engine_args, self.threads,
+                             os.environ.get("BATCHGEN_RAY_FAULT", ""))
+        slot = _Slot(index, incarnation, actor, ReplicaStats(index, incarnation))
+        slot.busy = actor.hello.remote()
+        self.history.append(slot.stats)
+        return slot
+
+    # ---- the loop ----
+    def run(self, plan: Plan, heads: list, prompt_of: Callable, max_tokens: np.ndarray,
+            take: Callable[[int, RequestOutput], None], add_steps: Callable[[list, int], None],
+            every_loop: Callable[[], bool]) -> None:
+        """Until every plan position has an output (``take``) or ``every_loop()`` says stop."""
+        ray = self.ray
+        window = max(1, 3 * self.info.max_num_seqs)
+        asg = self.assigner = Assigner(make_units(plan, max_tokens, self.info.max_num_seqs), self.replicas,
+                                       self.opts.max_tries)
+        slots = self.slots = [self._start_actor(r, 0) for r in range(self.replicas)]
+        try:
+            while not asg.done:
+                if every_loop():
+                    return
+                for s in slots:
+                    if s.ready and s.busy is None and s.index not in asg.retired:
+                        units = asg.take(s.index, window - asg.rows_in_flight(s.index))
+                        if units or asg.in_flight[s.index]:
+                            payload = [(u.uid, list(heads[u.group]), [(p, *prompt_of(p)) for p in u.positions])
+                                       for u in units]
+                            for u in units:
+                                s.stats.groups.add(u.group)
+                            s.busy = s.actor.work.remote(payload, self.opts.call_s)
+                calls = {s.busy: s for s in slots if s.busy is not None}
+                if not calls:
+                    if asg.done:
+                        break
+                    raise RunError("internal error: work is left but no replica has any; run again to resume")
+                done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
+                for ref in done:
+                    s = calls[ref]
+                    s.busy = None
+                    try:
+                        res = ray.get(ref)
+                    except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                            ray.exceptions.ObjectLostError) as e:
+                        slots[slots.index(s)] = self._lost(s, e, take)
+                        continue
+                    if not s.ready:
+                        self._hello(s, res)
+                        continue
+                    # this clock minus the replica's: monotonic clocks are per machine
+                    delta = 0.0 if s.stats.host == socket.gethostname() else time.monotonic() - res["now"]
+                    for out in res["outputs"]:
+                        out = _shifted(out, delta)
+                        p = int(out.request_id)
+                        asg.finished(s.index, p)
+                        st = s.stats
+                        st.rows += 1
+                        st.prompt_tokens += len(out.prompt_token_ids)
+                        st.cached_tokens += int(out.num_cached_tokens or 0)
+                        st.output_tokens += len(out.token_ids)
+                        take(p, out)
+                    steps = [dataclasses.replace(x, start_time=x.start_time + delta, end_time=x.end_time + delta)
+                             for x in res["steps"]]
+                    s.stats.steps += len(steps)
+                    s.stats.step_s += sum(x.end_time - x.start_time for x in steps)
+                    add_steps(steps, s.index * 1000 + s.incarnation)
+        finally:
+            self.shutdown()
+
+    def _hello(self, s: _Slot, res: dict) -> None:
+        s.ready = True
+        info: EngineInfo = res["info"]
+        self.loaded += 1
+        self.first_info = self.first_info or info
+        st = s.stats
+        st.host, st.pid, st.load_s, st.threads = res["host"], res["pid"], res["load_s"], res["threads"]
+        st.dtype, st.cpu_kernels = info.dtype, info.cpu_kernels
+        self.echo(f"replica {s.index}{f'.{s.incarnation}' if s.incarnation else ''}: {st.host} pid {st.pid}, "
+                  f"{st.threads} thread(s), {info.dtype}, loaded in {st.load_s:.1f}s")
+
+    def _lost(self, s: _Slot, err: Exception, take: Callable) -> _Slot:
+        """A replica died: requeue its unfinished units (or give them up) and start a replacement if allowed."""
+        asg = self.assigner
+        why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        s.stats.died = why
+        if not s.ready:
+            self.failed_loads += 1
+            # NOTE: when no replica has ever loaded, one that cannot (bad model, too little memory) would fail
+            # the same way on every restart: say why at once instead of restarting.
+            if not self.loaded and self.failed_loads >= self.replicas:
+                raise RunError(f"no Ray replica could start the engine: {err}")
+        retire = self.restarts >= self.max_restarts
+        rows = asg.rows_in_flight(s.index)
+        for u in asg.lost(s.index, retire):
+            msg = (f"gave up after its Ray replica died {u.tries} times while computing it (prefix group "
+                   f"{u.group}); last: {why}")
+            for p in u.positions:
+                take(p, error_output(p, msg))
+        tail = "no replacement (restart limit reached)" if retire else \
+            f"starting a replacement ({self.restarts + 1} of at most {self.max_restarts})"
+        self.echo(f"replica {s.index} died ({why}); {rows} unfinished rows go back to the queue; {tail}")
+        if retire:
+            if len(asg.retired) == self.replicas and not asg.done:
+                raise RunError(f"every Ray replica died and the restart limit ({self.max_restarts}) is reached; "
+                               f"last: {why}. Committed rows are kept; run again to resume.")
+            return s
+        self.restarts += 1
+        return self._start_actor(s.index, s.incarnation + 1)
+
+    def summary(self) -> dict:
+        """The manifest's ``this_run.distributed``."""
+        asg = self.assigner
+        prefills = asg.prefills() if asg else {}
+        return {"address": self.address, "replicas": self.replicas, "num_cpus_per_replica": self.num_cpus,
+                "threads_per_replica": self.threads, "restarts": self.restarts,
+                "stolen_units": asg.stolen if asg else 0,
+                "split_groups": sorted(asg.split) if asg else [],
+                "prefix_prefills": {str(g): n for g, n in prefills.items()},
+                "groups_on_more_than_one_replica": sum(1 for n in prefills.values() if n > 1),
+                "per_replica": [h.to_dict() for h in self.history]}
+
+
+def replica_name(index: int, incarnation: int) -> str:
+    return f"batchgen-{os.getpid()}-replica-{index}.{incarnation}"
+
+
+def error_output(position: int, message: str) -> RequestOutput:
+    return RequestOutput(str(position), None, [], "", [], "error", 0, RequestMetrics(arrival_time=time.monotonic()),
+                         error=message)
+
+
+def _shifted(out: RequestOutput, delta: float) -> RequestOutput:
+    """The output with its replica-clock timestamps moved onto this process's clock."""
+    if not delta:
+        return out
+    m = out.metrics
+
+    def sh(t):
+        return None if t is None else t + delta
+    m2 = dataclasses.replace(m, arrival_time=m.arrival_time + delta, first_scheduled_time=sh(m.first_scheduled_time),
+                             prefill_start_time=sh(m.prefill_start_time), prefill_end_time=sh(m.prefill_end_time),
+                             first_token_time=sh(m.first_token_time), finish_time=sh(m.finish_time),
+                             token_times=[t + delta for t in m.token_times])
+    return dataclasses.replace(out, metrics=m2)
+
+
+__all__ = ["RayOptions", "RayExecution", "RayMissing", "import_ray", "error_output", "replica_name"]
