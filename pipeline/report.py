@@ -382,6 +382,21 @@ def _roofline_plot(roof: dict) -> str:
     return _img(fig)
 
 
+def _replicas_html(dist: dict) -> str:
+    """A Ray run (pipeline.ray_exec): one row per replica actor (a replacement is a row of its own)."""
+    pre = dist.get("prefix_prefills") or {}
+    head = (f"<h2>Ray replicas</h2><p class='small'>{dist.get('replicas')} replicas at "
+            f"{html.escape(str(dist.get('address')))}, {dist.get('threads_per_replica')} thread(s) each; "
+            f"{len(pre)} prefix groups, {sum(pre.values())} prefills ({dist.get('groups_on_more_than_one_replica', 0)}"
+            f" groups on more than one replica); {dist.get('restarts', 0)} replacement actors</p>")
+    rows = [[f"{r['replica']}.{r['incarnation']}", html.escape(f"{r['host']} pid {r['pid']}"), r["dtype"],
+             _fmt(r["load_s"], "s"), _fmt(r["rows"]), _fmt(r["groups"]),
+             _fmt(r["hit_rate"], "%"), _fmt(r["step_s"], "s"),
+             _fmt(r["tokens_per_s"]), html.escape(r["died"] or "")] for r in dist.get("per_replica", [])]
+    return head + _table(["replica", "where", "dtype", "load", "rows", "groups", "hit rate", "in steps",
+                          "tokens/s", "died"], rows)
+
+
 def _single_html(run: TraceData, sm: dict) -> str:
     t, mi, ph = sm["totals"], sm["model_info"], sm["phases"]
     parts = [f"<p class='small'>run: {html.escape(sm['run'])} · model: {html.escape(str(mi.get('name')))} "
@@ -405,6 +420,9 @@ def _single_html(run: TraceData, sm: dict) -> str:
                      f"{acc} accepted ({acc / drafts:.0%})</p>")
     parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
                                                                 for d in sm["diagnosis"]) + "</ul>")
+    dist = run.meta.get("distributed")
+    if dist:
+        parts.append(_replicas_html(dist))
     parts.append("<h2>Totals</h2>" + _table(["", "value"], [
         ["documents", _fmt(t["documents"])], ["errors", _fmt(t["errors"])],
         ["prompt tokens", _fmt(t["prompt_tokens"])],

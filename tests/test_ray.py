@@ -81,11 +81,16 @@ def test_two_replicas_equal_a_local_run_and_keep_groups_whole(ray_local, tmp_pat
     per = {r["replica"]: r for r in dist["per_replica"]}
     assert sorted(per) == [0, 1] and all(r["rows"] > 0 and r["load_s"] > 0 for r in per.values())
     assert sum(r["rows"] for r in per.values()) == out.num_rows
-    assert sum(r["groups"] for r in per.values()) == len(dist["prefix_prefills"])
+    assert sum(r["groups"] for r in per.values()) == sum(dist["prefix_prefills"].values())
     assert manifest["this_run"]["computed"] == out.num_rows and manifest["model"]["cpu_kernels"] != \
         "not loaded (planning only)"
     trace = json.loads((report.trace_dir / "run.json").read_text())
     assert trace["distributed"]["replicas"] == 2
+    from pipeline.report import render_report
+    from pipeline.trace import check_trace, read_run
+    assert check_trace(read_run(report.trace_dir)) == []      # steps of both replicas, requests of both
+    page = render_report([report.trace_dir]).read_text()
+    assert "Ray replicas" in page and page.count(f"pid {per[1]['pid']}") == 1
 
 
 def _kill_when_committed(tmp_path, name, rows, what):
