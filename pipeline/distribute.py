@@ -4,9 +4,10 @@ The plan (``pipeline.planner``) puts each prefix group's requests next to each o
 replicas the driver cuts every group into *units* of at most ``chunk_rows`` consecutive plan positions and
 hands them out so that a prefix is prefilled once per replica that serves it:
 
-* **whole groups per replica**: groups go to replicas longest-first onto the least-loaded one (LPT), weighed by
-  predicted compute tokens (prompt tokens not predicted cached, plus ``max_tokens``); each replica's queue
-  keeps plan order, so groups that share a system prompt stay together;
+* **whole groups per replica, following the prefix tree**: the groups, in plan order (depth-first over the
+  prefix tree, so groups sharing a system prompt are neighbours), are cut into one contiguous run per replica,
+  balanced by predicted compute tokens (prompt tokens not predicted cached, plus ``max_tokens``), each cut
+  placed where the two groups beside it share the fewest prefix tokens (those are prefilled again);
 * **stealing**: a replica whose queue is empty takes about half the queued work of the replica with the most:
   whole groups that one has not started, from the back of its queue, while they fit in that half; when none
   does, the back half of the chunks of its last group (that group's prefix is then prefilled on both: a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -60,7 +62,8 @@ def make_units(plan: Plan, max_tokens: np.ndarray, chunk_rows: int) -> list[Unit
 class Assigner:
     """Per-replica queues of units; ``take`` what a replica should run next, ``lost`` what a dead one had."""
 
-    def __init__(self, units: list[Unit], num_replicas: int, max_tries: int = 3):
+    def __init__(self, units: list[Unit], num_replicas: int, max_tries: int = 3,
+                 shared: Callable[[int, int], int] | None = None):
         self.max_tries = max_tries
         self.queues: list[deque[Unit]] = [deque() for _ in range(num_replicas)]
         self.orphans: deque[Unit] = deque()          # requeued after a replica died
@@ -70,15 +73,7 @@ class Assigner:
         self.incarnation = [0] * num_replicas
         self.stolen = 0                               # units moved to another replica's queue
         self.split: set[int] = set()                  # groups whose chunks were spread over replicas
-        by_group: dict[int, list[Unit]] = {}
-        for u in units:
-            by_group.setdefault(u.group, []).append(u)
-        load = [0] * num_replicas
-        owner: dict[int, int] = {}
-        for gid in sorted(by_group, key=lambda k: (-sum(u.cost for u in by_group[k]), by_group[k][0].uid)):
-            r = min(range(num_replicas), key=lambda i: (load[i], i))
-            owner[gid] = r
-            load[r] += sum(u.cost for u in by_group[gid])
+        owner = _segments(units, num_replicas, shared or (lambda a, b: 0))
         for u in units:                               # units are in plan order: each queue keeps it
             self.queues[owner[u.group]].append(u)
 
@@ -187,6 +182,37 @@ class Assigner:
             self.orphans.extend(self.queues[r])
             self.queues[r] = deque()
         return given_up
+
+
+def _segments(units: list[Unit], k: int, shared: Callable[[int, int], int]) -> dict[int, int]:
+    """Group -> replica: the groups in plan order cut into ``k`` contiguous runs. Cut ``j`` goes where
+    |cost before the cut - j/k of the total| + the prefix tokens the two groups at the cut share (which the
+    second replica must prefill again) is least: the plan's depth-first order keeps groups that share a system
+    prompt next to each other, so runs follow the prefix tree."""
+    groups: list[int] = []
+    cost: dict[int, int] = {}
+    for u in units:
+        if not groups or groups[-1] != u.group:
+            groups.append(u.group)
+        cost[u.group] = cost.get(u.group, 0) + u.cost
+    m = len(groups)
+    cum = np.concatenate([[0], np.cumsum([cost[g] for g in groups])]) if m else np.zeros(1)
+    lcp = np.asarray([shared(groups[i], groups[i + 1]) for i in range(m - 1)] + [0], dtype=np.float64)
+    total = float(cum[-1])
+    cuts, prev = [], 0
+    for j in range(1, k):
+        if prev + 1 >= m:
+            break
+        p = np.arange(prev + 1, m)
+        score = np.abs(cum[p] - j * total / k) + lcp[p - 1]
+        prev = int(p[int(np.argmin(score))])
+        cuts.append(prev)
+    owner, r = {}, 0
+    for i, g in enumerate(groups):
+        while r < len(cuts) and i >= cuts[r]:
+            r += 1
+        owner[g] = r
+    return owner
 
 
 __all__ = ["Unit", "make_units", "Assigner"]

@@ -65,6 +65,7 @@ class ReplicaStats:
     replica: int
     incarnation: int
     host: str = ""
+    node: str = ""                    # Ray node id
     pid: int = 0
     load_s: float | None = None
     threads: int = 0
@@ -81,7 +82,8 @@ class ReplicaStats:
 
     def to_dict(self) -> dict:
         computed = self.prompt_tokens - self.cached_tokens
-        return {"replica": self.replica, "incarnation": self.incarnation, "host": self.host, "pid": self.pid,
+        return {"replica": self.replica, "incarnation": self.incarnation, "host": self.host, "node": self.node,
+                "pid": self.pid,
                 "load_s": None if self.load_s is None else round(self.load_s, 3), "threads": self.threads,
                 "dtype": self.dtype, "cpu_kernels": self.cpu_kernels, "rows": self.rows,
                 "groups": len(self.groups), "prompt_tokens": self.prompt_tokens,
@@ -176,8 +178,15 @@ class RayExecution:
         """Until every plan position has an output (``take``) or ``every_loop()`` says stop."""
         ray = self.ray
         window = max(1, 3 * self.info.max_num_seqs)
+        bs = plan.block_size
+
+        def shared(a: int, b: int) -> int:             # prefix tokens two groups' heads share, in full blocks
+            ha, hb = heads[a], heads[b]
+            n = min(len(ha), len(hb))
+            i = next((i for i in range(n) if ha[i] != hb[i]), n)
+            return i // bs * bs
         asg = self.assigner = Assigner(make_units(plan, max_tokens, self.info.max_num_seqs), self.replicas,
-                                       self.opts.max_tries)
+                                       self.opts.max_tries, shared=shared)
         slots = self.slots = [self._start_actor(r, 0) for r in range(self.replicas)]
         try:
             while not asg.done:
@@ -236,7 +245,8 @@ class RayExecution:
         self.loaded += 1
         self.first_info = self.first_info or info
         st = s.stats
-        st.host, st.pid, st.load_s, st.threads = res["host"], res["pid"], res["load_s"], res["threads"]
+        st.host, st.node, st.pid = res["host"], res["node"], res["pid"]
+        st.load_s, st.threads = res["load_s"], res["threads"]
         st.dtype, st.cpu_kernels = info.dtype, info.cpu_kernels
         self.echo(f"replica {s.index}{f'.{s.incarnation}' if s.incarnation else ''}: {st.host} pid {st.pid}, "
                   f"{st.threads} thread(s), {info.dtype}, loaded in {st.load_s:.1f}s")

@@ -38,8 +38,9 @@ class Replica:
         self._unit_of: dict[str, int] = {}            # request id -> unit id
 
     def hello(self) -> dict:
-        return {"info": self.llm.info, "model_config": self.llm.model_config, "pid": os.getpid(),
-                "host": socket.gethostname(), "load_s": self.load_s, "threads": self.threads,
+        import ray
+        return {"info": self.llm.info, "pid": os.getpid(), "host": socket.gethostname(),
+                "node": ray.get_runtime_context().get_node_id(), "load_s": self.load_s, "threads": self.threads,
                 "now": time.monotonic()}
 
     def work(self, units: list[tuple[int, list[int], list[tuple[int, list[int], object]]]], max_s: float) -> dict:

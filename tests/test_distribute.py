@@ -23,13 +23,22 @@ def test_units_cut_groups_in_plan_order_and_cost_compute_tokens():
     assert [u.cost for u in units] == [100 + 10 + 20 + 10, 2 * 30, 30, 110 + 30]
 
 
-def test_groups_balance_longest_first_and_stay_whole():
-    units = make_units(plan_of([8, 4, 3, 1]), np.zeros(16, dtype=int), chunk_rows=4)
+def test_groups_are_cut_into_balanced_contiguous_runs():
+    units = make_units(plan_of([8, 4, 3, 1, 6]), np.zeros(22, dtype=int), chunk_rows=4)
     a = Assigner(units, 2)
-    owned = [{u.group for u in q} for q in a.queues]
-    # costs 240, 160, 140, 100 (head 100 + 20 per follower): LPT gives 340 / 300, each group on one replica
-    assert owned == [{0, 3}, {1, 2}]
-    assert [u.positions[0] for u in a.queues[0]] == [0, 4, 15]     # a replica's queue keeps plan order
+    # costs 240, 160, 140, 100, 200 (head 100 + 20 per follower); half of 840 is 420: cut after group 1 (400)
+    assert [[u.group for u in q] for q in a.queues] == [[0, 0, 1], [2, 3, 4, 4]]
+
+
+def test_cuts_fall_where_neighbouring_groups_share_the_least_prefix():
+    units = make_units(plan_of([1, 1, 1, 1]), np.zeros(4, dtype=int), chunk_rows=4)    # 100 each
+    shared = {(0, 1): 300, (1, 2): 0, (2, 3): 300}
+    a = Assigner(units, 2, shared=lambda x, y: shared[(x, y)])
+    assert [[u.group for u in q] for q in a.queues] == [[0, 1], [2, 3]]
+    shared = {(0, 1): 0, (1, 2): 300, (2, 3): 300}          # uneven (100 / 300) beats prefilling 300 again
+    a = Assigner(units, 2, shared=lambda x, y: shared[(x, y)])
+    assert [[u.group for u in q] for q in a.queues] == [[0], [1, 2, 3]]
+    assert [[u.group for u in q] for q in Assigner(units, 3).queues] == [[0], [1, 2], [3]]
 
 
 def test_take_fills_the_room_and_sticks_to_own_queue():
