@@ -1,7 +1,8 @@
 """Datasets in, Parquet out.
 
 Input: a Parquet file, a directory of Parquet files, a glob, or a ``datasets`` ``save_to_disk`` directory,
-always read in record batches (memory stays bounded). Output: Parquet written atomically (temp file +
+or a URI that ``pyarrow.fs`` understands (``file://``, ``s3://``, ``gs://``, ``hdfs://``: a file or a prefix of
+Parquet files), always read in record batches (memory stays bounded). Output: Parquet written atomically (temp file +
 ``os.replace``), either one file or a directory of shards.
 """
 from __future__ import annotations
@@ -23,8 +24,35 @@ class InputError(Exception):
     """An input that cannot be read; the message names the path. Turned into a job Problem by the caller."""
 
 
-def input_files(path: str) -> list[Path]:
-    """The Parquet files a path names, sorted (so row order is stable)."""
+def is_uri(path: str) -> bool:
+    return "://" in str(path)
+
+
+def _uri_files(uri: str) -> list[str]:
+    """The Parquet files under a ``pyarrow.fs`` URI (a file, or every .parquet below a prefix), sorted."""
+    import pyarrow.fs as pafs
+    scheme = uri.split("://", 1)[0]
+    try:
+        fs, base = pafs.FileSystem.from_uri(uri)
+        info = fs.get_file_info(base)
+        if info.type == pafs.FileType.File:
+            return [uri]
+        if info.type != pafs.FileType.Directory:
+            raise InputError(f"{uri}: no such file or prefix")
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise InputError(f"{uri}: cannot list ({e})") from None
+    files = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")
+                   and not i.base_name.startswith((".", "_")))
+    if not files:
+        raise InputError(f"{uri}: contains no .parquet files")
+    return [f"{scheme}://{f}" for f in files]
+
+
+def input_files(path: str) -> list[Path] | list[str]:
+    """The Parquet files a path names, sorted (so row order is stable); URIs stay URIs."""
+    if is_uri(path):
+        return _uri_files(path)
     if any(c in path for c in "*?["):
         files = sorted(Path(p) for p in globlib.glob(path, recursive=True) if Path(p).is_file())
         if not files:
@@ -102,7 +130,7 @@ def iter_batches(path: str, fmt: str, columns: list[str], batch_size: int = 1024
                 yield batch
 
 
-def _parquet_batches(f: Path, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+def _parquet_batches(f: Path | str, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
     try:
         yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=columns)
     except (pa.ArrowException, OSError) as e:

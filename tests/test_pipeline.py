@@ -161,3 +161,26 @@ def test_id_column_is_always_the_first_output_column(tmp_path, make_docs_dataset
     assert ("category" in t.column_names) == ("category" in include)
     if "category" in include:
         assert t.column_names[1] == "category"
+
+
+def test_input_as_a_pyarrow_fs_uri(tmp_path, make_docs_dataset, fake_llm_factory):
+    """``input.path`` may be a URI that pyarrow.fs understands (file:// here; s3:// and gs:// the same way): a
+    file, or a prefix of Parquet files read in name order; a URI with nothing there is a clear problem."""
+    import pyarrow.parquet as pq
+
+    from pipeline.errors import JobError
+    from pipeline.validate import load_valid_jobs
+    data = make_docs_dataset(n=12)
+    run([write_job(tmp_path, "plain", data)], fake_llm_factory)
+    ref = pq.read_table(tmp_path / "out/plain.parquet").column("summary").to_pylist()
+    [report] = run([write_job(tmp_path, "uri", f"file://{data}")], fake_llm_factory)
+    assert pq.read_table(tmp_path / "out/uri.parquet").column("summary").to_pylist() == ref
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    table = pq.read_table(data)
+    pq.write_table(table.slice(0, 5), shards / "a.parquet")
+    pq.write_table(table.slice(5), shards / "b.parquet")
+    run([write_job(tmp_path, "dir", f"file://{shards}")], fake_llm_factory)
+    assert pq.read_table(tmp_path / "out/dir.parquet").column("summary").to_pylist() == ref
+    with pytest.raises(JobError, match="no such file or prefix"):
+        load_valid_jobs([str(write_job(tmp_path, "gone", f"file://{tmp_path}/nothing/here"))])
