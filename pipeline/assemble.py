@@ -41,7 +41,8 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
             jr.up_to_date = True
             jr.manifest = old
             return
-    kept = _deleted_rows(jr, out_path)
+    openai = job.output.format == "openai_batch"
+    kept = None if openai else _deleted_rows(jr, out_path)
     results = jr.state.load_done()
     keys = pa.ipc.open_file(pa.memory_map(str(jr.state.scratch("keys.arrow")))).read_all()
     joined = keys.join(results, "row_key", join_type="left outer").sort_by("row_idx")
@@ -84,7 +85,10 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     if missing > 0 and jr.num_rows:
         raise RunError(f"job {job.name!r}: {missing} rows have no result; run again to resume")
     directory = not str(out_path).endswith(".parquet")
-    if jr.num_rows == 0:
+    if openai:
+        from pipeline.openai_batch import write_output as write_jsonl
+        write_jsonl(tables(), out_path, job.input.id_column or "", info.name)
+    elif jr.num_rows == 0:
         empty = results_cols.slice(0, 0)
         write_output(iter([kept if kept is not None and kept.num_rows else empty]), out_path, directory)
     else:

@@ -69,6 +69,19 @@ def input_files(path: str) -> list[Path] | list[str]:
     raise InputError(f"{path}: no such file or directory")
 
 
+def _jsonl_file(path: str) -> str:
+    """An OpenAI Batch input: one JSONL file."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{path}: no such file (input.format openai_batch reads one .jsonl file)")
+    try:
+        with open(p, "rb") as fh:
+            fh.read(1)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    return str(p)
+
+
 def _open_dataset(path: str, split: str | None):
     import datasets  # NOTE: imported lazily; it is slow to import and most jobs read Parquet.
     try:
@@ -90,6 +103,10 @@ def input_schema(path: str, fmt: str, split: str | None = None) -> pa.Schema:
     """The input's schema (read from file metadata only)."""
     if fmt == "datasets":
         return _open_dataset(path, split).data.schema
+    if fmt == "openai_batch":
+        _jsonl_file(path)
+        from pipeline.openai_batch import READ_SCHEMA
+        return READ_SCHEMA
     files = input_files(path)
     try:
         return pq.read_schema(files[0])
@@ -100,6 +117,9 @@ def input_schema(path: str, fmt: str, split: str | None = None) -> pa.Schema:
 def count_rows(path: str, fmt: str, split: str | None = None, limit: int | None = None) -> int:
     if fmt == "datasets":
         n = _open_dataset(path, split).num_rows
+    elif fmt == "openai_batch":
+        from pipeline.openai_batch import count_requests
+        n = count_requests(_jsonl_file(path))
     else:
         n = 0
         for f in input_files(path):
@@ -117,6 +137,9 @@ def iter_batches(path: str, fmt: str, columns: list[str], batch_size: int = 1024
     if fmt == "datasets":
         table = _open_dataset(path, split).data.table.select(columns)   # memory-mapped Arrow, not loaded
         sources = [table.to_batches(max_chunksize=batch_size)]
+    elif fmt == "openai_batch":
+        from pipeline.openai_batch import iter_request_batches
+        sources = [(b.select(columns) for b in iter_request_batches(_jsonl_file(path), batch_size))]
     else:
         sources = (_parquet_batches(f, columns, batch_size) for f in input_files(path))
     for source in sources:

@@ -33,7 +33,7 @@ class _Enum(tuple):
 # Schema: key -> (type, required). Types: str, int, float, bool, list (of str), _Enum(...), or a nested dict.
 _INPUT = {
     "path": (str, True),
-    "format": (_Enum(("parquet", "datasets")), False),
+    "format": (_Enum(("parquet", "datasets", "openai_batch")), False),
     "id_column": (str, False),
     "split": (str, False),
     "limit": (int, False),
@@ -52,6 +52,7 @@ _PROMPT = {
 }
 _OUTPUT = {
     "path": (str, True),
+    "format": (_Enum(("parquet", "openai_batch")), False),
     "include_columns": (list, False),
     "rows_per_shard": (int, False),
     "keep_deleted_rows": (bool, False),
@@ -73,7 +74,7 @@ _TOP = {
     "description": (str, False),
     "model": (str, False),
     "input": (_INPUT, True),
-    "prompt": (_PROMPT, True),
+    "prompt": (_PROMPT, False),         # required unless input.format is openai_batch
     "generation": (_GENERATION, False),
     "output": (_OUTPUT, True),
     "engine": (_ENGINE, False),
@@ -84,7 +85,7 @@ _TOP = {
 @dataclass(frozen=True)
 class InputSpec:
     path: str
-    format: str                     # "parquet" | "datasets"
+    format: str                     # "parquet" | "datasets" | "openai_batch" (pipeline.openai_batch)
     id_column: str | None = None    # None -> the row number is the id
     split: str | None = None        # for a saved DatasetDict
     limit: int | None = None        # only the first N rows
@@ -102,6 +103,7 @@ class PromptSpec:
     template: str = DEFAULT_TEMPLATE
     chat_template: bool = False
     on_too_long: str = "error"
+    kind: str = "template"          # "openai_batch": the prompt is each request's messages (pipeline.openai_batch)
 
     @property
     def placeholders(self) -> list[str]:
@@ -111,6 +113,7 @@ class PromptSpec:
 @dataclass(frozen=True)
 class OutputSpec:
     path: str
+    format: str = "parquet"         # or "openai_batch": an OpenAI Batch output JSONL (pipeline.openai_batch)
     include_columns: tuple[str, ...] = ()
     rows_per_shard: int = 100_000   # a directory output is split into shards of this many rows
     keep_deleted_rows: bool = False  # rows that left the input: dropped (default) or kept at the output's end
@@ -242,12 +245,29 @@ def load_job(path: str | Path) -> Job:
     if problems:
         raise JobError(problems)
 
-    inp, pr, out = d["input"], d["prompt"], d["output"]
+    inp, pr, out = d["input"], d.get("prompt"), d["output"]
     name = d["name"]
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
         problems.append(Problem(file, "name", f"must be letters, digits, '-', '_' or '.'; got {name!r}",
                                 lines.get("name")))
     fmt = inp.get("format") or ("datasets" if _looks_like_saved_dataset(inp["path"]) else "parquet")
+    if fmt == "openai_batch":
+        # NOTE: each request's messages are its prompt, through the model's chat template; only on_too_long
+        # may be set (pipeline.openai_batch).
+        for k in pr or {}:
+            if k != "on_too_long":
+                problems.append(Problem(file, f"prompt.{k}", "not used with input.format openai_batch: each "
+                                        "request's messages are its prompt (only prompt.on_too_long applies)",
+                                        lines.get(f"prompt.{k}")))
+        pr = {**(pr or {}), "kind": "openai_batch", "chat_template": True, "document_column": "body",
+              "template": "{document}"}
+        inp = {"id_column": "custom_id", **inp}
+    elif pr is None:
+        problems.append(Problem(file, "prompt", "missing required key"))
+        pr = {}
+    if out.get("format") == "openai_batch" and out.get("keep_deleted_rows"):
+        problems.append(Problem(file, "output.keep_deleted_rows", "not supported with output.format openai_batch",
+                                lines.get("output.keep_deleted_rows")))
     for a, b in (("system", "system_column"), ("reference", "reference_column")):
         if a in pr and b in pr:
             problems.append(Problem(file, f"prompt.{b}", f"give either prompt.{a} or prompt.{b}, not both",
@@ -288,7 +308,7 @@ def load_job(path: str | Path) -> Job:
                         split=inp.get("split"), limit=inp.get("limit"), batch_size=inp.get("batch_size") or 1024,
                         allow_duplicate_ids=inp.get("allow_duplicate_ids", False)),
         prompt=prompt,
-        output=OutputSpec(path=out["path"],
+        output=OutputSpec(path=out["path"], format=out.get("format") or "parquet",
                           include_columns=tuple(out.get("include_columns") or ()),
                           rows_per_shard=out.get("rows_per_shard") or 100_000,
                           keep_deleted_rows=out.get("keep_deleted_rows", False),

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from engine import EngineInfo
+from engine import BatchgenError, EngineInfo
 from pipeline.errors import RunError
 from pipeline.io import iter_batches
 from pipeline.job import Job
@@ -26,7 +26,7 @@ from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_colum
 from pipeline.state import RunState
 
 SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
-                          ("tail", pa.int64())])
+                          ("tail", pa.int64()), ("params", pa.int32())])
 KEYS_SCHEMA = pa.schema([("row_idx", pa.int64()), ("row_key", pa.string())])
 
 
@@ -61,6 +61,24 @@ class JobRun:
     draft_tokens: int = 0                      # speculation: drafts proposed for this job's requests ...
     accepted_tokens: int = 0                   # ... and accepted
     spec_steps: int = 0                        # request-steps that verified drafts (mean accepted length)
+    param_sets: list = field(default_factory=list)   # spill "params" -> SamplingParams (0: the job's own)
+    _param_index: dict = field(default_factory=dict)
+
+    def params_index(self, overrides: tuple) -> int:
+        """The SamplingParams of a row whose request overrides the job's generation (OpenAI batch bodies)."""
+        if not self.param_sets:
+            self.param_sets.append(self.params)
+            self._param_index[()] = 0
+        i = self._param_index.get(overrides)
+        if i is None:
+            from engine import SamplingParams
+            try:
+                p = SamplingParams(**{**self.job.generation, **dict(overrides)})
+            except (BatchgenError, TypeError, ValueError) as e:
+                raise RowError(f"body: {e}") from None
+            i = self._param_index[overrides] = len(self.param_sets)
+            self.param_sets.append(p)
+        return i
 
     def add_result(self, key: str, out) -> dict:
         """Count a finished engine output (``RequestOutput``) and queue its result row for the next commit."""
@@ -122,7 +140,7 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
         for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
                                   job.input.split, job.input.limit):
             rows = batch.to_pylist()
-            keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": []}
+            keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": [], "params": []}
             rendered: list = []
             for i, row in enumerate(rows):
                 rid = str(row[id_col]) if id_col else str(row_idx + i)
@@ -133,17 +151,20 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
                                    f"once (again at row {row_idx + i}); ids must be unique, or set "
                                    "input.allow_duplicate_ids: true")
                 seen_ids.add(rid)
+                pidx = 0
                 try:
                     rr = r.render(row)
-                    key = row_key(rid, rr.text, jr.fingerprint)
+                    if rr.params:
+                        pidx = jr.params_index(rr.params)
+                    key = row_key(rid, rr.text + (f"\0{rr.params!r}" if rr.params else ""), jr.fingerprint)
                 except RowError as e:
                     rr, key = e, row_key(rid, "error:" + str(e) + repr(sorted(row.items(), key=str)),
                                          jr.fingerprint)
-                rendered.append((rid, rr, key))
-            todo = [k for k, (_, rr, key) in enumerate(rendered)
+                rendered.append((rid, rr, key, pidx))
+            todo = [k for k, (_, rr, key, _) in enumerate(rendered)
                     if not isinstance(rr, RowError) and key not in done_keys and key not in seen_keys]
             doc_ids = dict(zip(todo, r.document_ids([rendered[k][1].document for k in todo])))
-            for k, (rid, rr, key) in enumerate(rendered):
+            for k, (rid, rr, key, pidx) in enumerate(rendered):
                 keys.append(key)
                 digest.update(key.encode() + b"\n")
                 if key in done_keys or key in seen_keys:
@@ -155,7 +176,8 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
                 if not isinstance(rr, RowError):
                     head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
                     try:
-                        ids = r.fit(head, doc_ids[k], tail, max_len, max_tokens)
+                        ids = r.fit(head, doc_ids[k], tail, max_len,
+                                    jr.param_sets[pidx].max_tokens if pidx else max_tokens)
                     except RowError as e:
                         rr = e
                 if isinstance(rr, RowError):
@@ -170,6 +192,7 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
                 spill["group"].append(gid)
                 spill["doc_ids"].append(ids)
                 spill["tail"].append(jr.tails.setdefault(tail, len(jr.tails)))
+                spill["params"].append(pidx)
             if keys_w is not None:
                 keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
                                                     pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
@@ -222,15 +245,16 @@ class Spill:
         self._starts = np.cumsum([0] + sizes)
         self._cache: tuple[int, list] | None = None
 
-    def row(self, i: int) -> tuple[str, int, list[int], int]:
+    def row(self, i: int) -> tuple[str, int, list[int], int, int]:
+        """(row_key, group, document ids, tail id, params id) of spill row ``i``."""
         b = int(np.searchsorted(self._starts, i, side="right") - 1)
         if self._cache is None or self._cache[0] != b:
             batch = self._reader.get_batch(b)
-            self._cache = (b, [batch.column(k) for k in range(4)])
+            self._cache = (b, [batch.column(k) for k in range(5)])
         cols = self._cache[1]
         off = i - int(self._starts[b])
         return (cols[0][off].as_py(), cols[1][off].as_py(), cols[2][off].values.to_numpy().tolist(),
-                cols[3][off].as_py())
+                cols[3][off].as_py(), cols[4][off].as_py())
 
     def close(self) -> None:
         self._reader = None

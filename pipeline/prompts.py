@@ -33,6 +33,7 @@ class RenderedRow:
     head: str
     document: str
     tail: str
+    params: tuple = ()          # per-row SamplingParams overrides, sorted (key, value) pairs (OpenAI batch bodies)
 
     @property
     def text(self) -> str:
@@ -45,6 +46,9 @@ def template_columns(spec: PromptSpec) -> list[str]:
 
 
 def needed_columns(spec: PromptSpec) -> list[str]:
+    if spec.kind == "openai_batch":
+        from pipeline.openai_batch import COLUMNS
+        return list(COLUMNS)
     cols = [spec.document_column]
     cols += [c for c in (spec.system_column, spec.reference_column) if c]
     cols += template_columns(spec)
@@ -83,6 +87,8 @@ class PromptRenderer:
     def render(self, row: dict) -> RenderedRow:
         """Render one row (a dict of column -> value). Raises ``RowError`` for a bad cell."""
         spec = self.spec
+        if spec.kind == "openai_batch":
+            return self._render_request(row)
         document = _cell_text(row.get(spec.document_column), spec.document_column, required=True)
         system = (_cell_text(row.get(spec.system_column), spec.system_column, required=True)
                   if spec.system_column else spec.system or "")
@@ -115,6 +121,25 @@ class PromptRenderer:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         head, _, tail = text.partition(_SENTINEL)
         return RenderedRow(head, document, tail.replace(_SENTINEL, document))
+
+    def _render_request(self, row: dict) -> RenderedRow:
+        """An OpenAI Batch request: its messages through the chat template, split at the last user message."""
+        from pipeline.openai_batch import RequestError, parse_body
+        tok = self.tokenizer
+        try:
+            messages, overrides = parse_body(row.get("body"), row.get("problem"))
+        except RequestError as e:
+            raise RowError(str(e)) from None
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise RowError("the model's tokenizer has no chat template, which OpenAI batch requests need")
+        document = messages[-1]["content"]
+        messages[-1] = {"role": "user", "content": _SENTINEL}
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:           # NOTE: templates raise on role orders they do not support
+            raise RowError(f"body.messages: the model's chat template refuses them ({e})") from None
+        head, _, tail = text.partition(_SENTINEL)
+        return RenderedRow(head, document, tail, tuple(sorted(overrides.items())))
 
     # ---- tokens -----------------------------------------------------------------------------------------
     def _encode_part(self, text: str, is_head: bool) -> tuple[int, ...]:

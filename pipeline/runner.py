@@ -322,8 +322,9 @@ class Runner:
 
         def prompt_of(p: int):
             j, local = where(p)
-            _, gid, doc_ids, tail = spills[j].row(local)
-            return list(heads[gid]) + doc_ids + list(tails[j][tail]), runs[j].params
+            _, gid, doc_ids, tail, pidx = spills[j].row(local)
+            return list(heads[gid]) + doc_ids + list(tails[j][tail]), \
+                runs[j].param_sets[pidx] if pidx else runs[j].params
 
         n = plan.num_requests
         stream = sys.stderr

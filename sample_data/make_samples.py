@@ -453,6 +453,21 @@ def make_rows(n: int, seed: int, domains: list[str], start: int = 0) -> list[dic
     return rows
 
 
+def write_requests(path: Path) -> int:
+    """An OpenAI Batch input (jobs/openai-batch.yaml): 8 chat requests under two system prompts (instructions +
+    reference material in the system message, the document as the user message)."""
+    import json
+    lines = []
+    for r in make_rows(8, seed=13, domains=["it", "insurance"], start=2000):
+        system = f"{r['system']}\n\nReference:\n{r['reference']}"
+        body = {"model": "gemma-3-270m", "max_tokens": 32, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": r["document"]}]}
+        lines.append(json.dumps({"custom_id": r["id"], "method": "POST", "url": "/v1/chat/completions",
+                                 "body": body}))
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
 def main(argv: list[str]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -463,7 +478,9 @@ def main(argv: list[str]) -> None:
     import datasets
     out = HERE / "support_extra"
     datasets.Dataset.from_list(extra).save_to_disk(str(out))
-    print(f"wrote {HERE / 'documents.parquet'} ({len(rows)} rows) and {out} ({len(extra)} rows)")
+    n = write_requests(HERE / "requests.jsonl")
+    print(f"wrote {HERE / 'documents.parquet'} ({len(rows)} rows), {out} ({len(extra)} rows) and "
+          f"{HERE / 'requests.jsonl'} ({n} requests)")
     if "--check" in argv:
         from transformers import AutoTokenizer
 

@@ -1,0 +1,205 @@
+"""OpenAI Batch files in and out (``input.format: openai_batch``, ``output.format: openai_batch``).
+
+Input: JSONL, one request per line, as OpenAI's Batch API and vLLM's ``run-batch`` read it:
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [{"role": "system", "content": "..."}, {"role": "user", ...}],
+              "max_tokens": 64, "temperature": 0}}
+
+Each line becomes a row (``custom_id``, ``body`` as JSON text, ``line``, ``problem``); the messages go through
+the model's chat template, split at the last user message's content (the "document") so that requests with
+the same system and earlier messages share a head: the planner groups them and their prefix is prefilled
+once. ``body`` sampling fields override the job's ``generation`` per request. A malformed line, an unsupported
+endpoint or field becomes that row's error (named by line and field); the batch goes on.
+
+Output: JSONL in the Batch output shape, one line per input line in input order:
+
+    {"id": "batch_req_...", "custom_id": "r1",
+     "response": {"status_code": 200, "request_id": "...", "body": {"object": "chat.completion", "choices":
+                  [{"index": 0, "message": {"role": "assistant", "content": "..."}, "finish_reason": "stop"}],
+                  "usage": {"prompt_tokens", "completion_tokens", "total_tokens",
+                            "prompt_tokens_details": {"cached_tokens"}}, ...}},
+     "error": null}
+
+and for a failed row ``"response": null, "error": {"code": "invalid_request" | "batchgen_error", "message"}``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+
+READ_SCHEMA = pa.schema([("custom_id", pa.string()), ("body", pa.string()), ("line", pa.int64()),
+                         ("problem", pa.string())])
+COLUMNS = ("body", "problem", "line")
+URLS = ("/v1/chat/completions",)
+ROLES = ("system", "developer", "user", "assistant")
+
+# body field -> SamplingParams field (None: accepted and ignored)
+_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+           "top_p": "top_p", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty",
+           # vLLM's extensions, same names
+           "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+           "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
+           "model": None, "user": None, "messages": None, "metadata": None, "store": None}
+# accepted only at the value that means "as batchgen does anyway"
+_ONLY = {"n": 1, "stream": False, "logprobs": False, "parallel_tool_calls": None}
+
+
+class RequestError(ValueError):
+    """One request cannot run as written; the message becomes its row's error."""
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+def _parse_line(text: str, lineno: int) -> dict:
+    row = {"custom_id": None, "body": None, "line": lineno, "problem": None}
+    try:
+        req = json.loads(text)
+    except ValueError as e:
+        row["problem"] = f"line {lineno}: not valid JSON ({e})"
+        return row
+    if not isinstance(req, dict):
+        row["problem"] = f"line {lineno}: expected a JSON object, got {type(req).__name__}"
+        return row
+    cid = req.get("custom_id")
+    row["custom_id"] = str(cid) if cid is not None else None
+    problems = []
+    if cid is None:
+        problems.append("missing custom_id")
+    if req.get("method", "POST") != "POST":
+        problems.append(f"method {req.get('method')!r} is not supported (only POST)")
+    if req.get("url") not in URLS:
+        problems.append(f"url {req.get('url')!r} is not supported (only {', '.join(URLS)})")
+    body = req.get("body")
+    if not isinstance(body, dict):
+        problems.append("body must be a JSON object")
+    else:
+        row["body"] = json.dumps(body, sort_keys=True, ensure_ascii=False)
+    if problems:
+        row["problem"] = f"line {lineno}: " + "; ".join(problems)
+    return row
+
+
+def iter_request_batches(path: str, batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
+    """The file's requests (blank lines skipped) as record batches of ``READ_SCHEMA``."""
+    rows = []
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+        for lineno, text in enumerate(fh, 1):
+            if not text.strip():
+                continue
+            rows.append(_parse_line(text, lineno))
+            if len(rows) >= batch_size:
+                yield pa.RecordBatch.from_pylist(rows, schema=READ_SCHEMA)
+                rows = []
+    if rows:
+        yield pa.RecordBatch.from_pylist(rows, schema=READ_SCHEMA)
+
+
+def count_requests(path: str) -> int:
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+# ---- one request -> prompt + sampling overrides ----------------------------------------------------------
+def _content(msg: dict, i: int) -> str:
+    c = msg.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) for p in c):
+        kinds = {p.get("type") for p in c}
+        if kinds <= {"text"}:
+            return "".join(str(p.get("text", "")) for p in c)
+        raise RequestError(f"body.messages[{i}].content: only text parts are supported, got "
+                           f"{', '.join(sorted(str(k) for k in kinds - {'text'}))}")
+    raise RequestError(f"body.messages[{i}].content must be a string or a list of text parts")
+
+
+def parse_body(body_json: str, problem: str | None) -> tuple[list[dict], dict]:
+    """(messages with text content, SamplingParams overrides); ``RequestError`` naming the field."""
+    if problem:
+        raise RequestError(problem)
+    body = json.loads(body_json)
+    unknown = [k for k in body if k not in _PARAMS and k not in _ONLY]
+    if unknown:
+        raise RequestError(f"body.{unknown[0]} is not supported by batchgen (supported: "
+                           f"{', '.join(sorted(set(_PARAMS) | set(_ONLY)))})")
+    for k, allowed in _ONLY.items():
+        if k in body and body[k] not in (allowed, None):
+            raise RequestError(f"body.{k} = {body[k]!r} is not supported (only {allowed!r})")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("body.messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"body.messages[{i}].role must be one of {', '.join(ROLES)}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content(m, i)})
+    if out[-1]["role"] != "user":
+        raise RequestError("body.messages: the last message must be the user's")
+    overrides = {_PARAMS[k]: v for k, v in body.items() if _PARAMS.get(k) and v is not None}
+    if "stop" in overrides and isinstance(overrides["stop"], str):
+        overrides["stop"] = [overrides["stop"]]
+    if "stop" in overrides:
+        overrides["stop"] = tuple(overrides["stop"])
+    return out, overrides
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+def response_line(custom_id: str | None, row: dict, model: str, created: int) -> dict:
+    """One output line from a committed result row (``state.RESULT_COLUMNS``)."""
+    key = row.get("row_key") or ""
+    if custom_id is None:
+        custom_id = key.rpartition("#")[0]
+    rid = hashlib.sha256(key.encode()).hexdigest()[:24]
+    if row.get("error"):
+        code = "invalid_request" if row.get("finish_reason") == "error" and not row.get("prompt_tokens") \
+            else "batchgen_error"
+        return {"id": f"batch_req_{rid}", "custom_id": custom_id, "response": None,
+                "error": {"code": code, "message": row["error"]}}
+    prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
+    finish = row.get("finish_reason")
+    body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": row.get("summary") or ""},
+                         "logprobs": None, "finish_reason": finish if finish in ("stop", "length") else "stop"}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)}}}
+    return {"id": f"batch_req_{rid}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": key, "body": body}, "error": None}
+
+
+def write_output(tables: Iterator[pa.Table], path: str | Path, id_column: str, model: str) -> int:
+    """Write the output JSONL atomically (temp file, fsync, rename); returns the number of lines."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    created = int(time.time())
+    n = 0
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for t in tables:
+                for row in t.to_pylist():
+                    fh.write(json.dumps(response_line(row.get(id_column), row, model, created), ensure_ascii=False))
+                    fh.write("\n")
+                    n += 1
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
+
+
+def read_output(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+__all__ = ["READ_SCHEMA", "COLUMNS", "RequestError", "iter_request_batches", "count_requests", "parse_body",
+           "response_line", "write_output", "read_output"]
