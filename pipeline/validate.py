@@ -89,7 +89,7 @@ def check_job(job: Job) -> list[Problem]:
 
 def _output_problems(job: Job) -> list[Problem]:
     out = Path(job.output.path)
-    is_file = str(out).endswith(".parquet")
+    is_file = str(out).endswith(".parquet") or job.output.format == "openai_batch"     # the latter: one JSONL
     if out.exists() and is_file and out.is_dir():
         return [job.problem("output.path", f"{out} is a directory; name a .parquet file or a directory path "
                                            "without the .parquet suffix")]

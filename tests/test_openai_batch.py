@@ -122,7 +122,9 @@ def test_rerun_is_up_to_date_and_a_changed_body_recomputes_only_its_row(tmp_path
     job, out = write_job(tmp_path, chat_model)
     run_jobs([load_job(job)], options=RunOptions(quiet=True, record_history=False))
     first = read_output(out)
-    [report] = run_jobs([load_job(job)], options=RunOptions(quiet=True, record_history=False))
+    from pipeline.validate import load_valid_jobs
+    [again_job] = load_valid_jobs([str(job)])          # the JSONL output file exists now: still a valid job
+    [report] = run_jobs([again_job], options=RunOptions(quiet=True, record_history=False))
     assert report.jobs[0].up_to_date
     changed = LINES.copy()
     changed[0] = req("r1", sys_user("My charger stopped working after a week."), max_tokens=3)
