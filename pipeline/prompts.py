@@ -161,7 +161,9 @@ class PromptRenderer:
         if isinstance(backend, _RustTokenizer):
             # NOTE: straight to the Rust tokenizer (what transformers' fast tokenizer calls underneath): the same
             # ids without transformers' per-encoding Python conversion, ~half of a large plan's time.
-            return [e.ids for e in backend.encode_batch(documents, add_special_tokens=False)]
+            # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read: ~25% faster.
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return [e.ids for e in encode(documents, add_special_tokens=False)]
         return list(self.tokenizer(documents, add_special_tokens=False)["input_ids"])
 
     def fit(self, head: tuple[int, ...], doc: list[int], tail: tuple[int, ...], max_model_len: int,
