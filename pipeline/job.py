@@ -22,6 +22,7 @@ from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams
 from pipeline.errors import JobError, Problem
 
 DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
+DEFAULT_REDUCE_TEMPLATE = "Summaries of the consecutive parts of one long document:\n\n{summaries}"
 DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSummarize the document."
 BUILTIN_PLACEHOLDERS = ("system", "reference", "document")
 
@@ -48,7 +49,8 @@ _PROMPT = {
     "document_column": (str, False),
     "template": (str, False),
     "chat_template": (bool, False),
-    "on_too_long": (_Enum(("error", "truncate_document")), False),
+    "on_too_long": (_Enum(("error", "truncate_document", "map_reduce")), False),
+    "reduce_template": (str, False),
 }
 _OUTPUT = {
     "path": (str, True),
@@ -102,7 +104,8 @@ class PromptSpec:
     document_column: str = "document"
     template: str = DEFAULT_TEMPLATE
     chat_template: bool = False
-    on_too_long: str = "error"
+    on_too_long: str = "error"      # or truncate_document, or map_reduce (pipeline.map_reduce)
+    reduce_template: str = DEFAULT_REDUCE_TEMPLATE   # map_reduce: the document of a reduce request
     kind: str = "template"          # "openai_batch": the prompt is each request's messages (pipeline.openai_batch)
 
     @property
@@ -255,7 +258,7 @@ def load_job(path: str | Path) -> Job:
         # NOTE: each request's messages are its prompt, through the model's chat template; only on_too_long
         # may be set (pipeline.openai_batch).
         for k in pr or {}:
-            if k != "on_too_long":
+            if k not in ("on_too_long", "reduce_template"):
                 problems.append(Problem(file, f"prompt.{k}", "not used with input.format openai_batch: each "
                                         "request's messages are its prompt (only prompt.on_too_long applies)",
                                         lines.get(f"prompt.{k}")))
@@ -278,6 +281,9 @@ def load_job(path: str | Path) -> Job:
     if "document" not in prompt.placeholders:
         problems.append(Problem(file, "prompt.template", "must contain the {document} placeholder",
                                 lines.get("prompt.template")))
+    if "{summaries}" not in prompt.reduce_template:
+        problems.append(Problem(file, "prompt.reduce_template", "must contain the {summaries} placeholder",
+                                lines.get("prompt.reduce_template")))
     try:
         list(string.Formatter().parse(prompt.template))
     except ValueError as e:

@@ -22,6 +22,7 @@ from engine import BatchgenError, EngineInfo
 from pipeline.errors import RunError
 from pipeline.io import iter_batches
 from pipeline.job import Job
+from pipeline.map_reduce import LongRow, chunk_key, pack, split_text
 from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_columns, row_key
 from pipeline.state import RunState
 
@@ -62,6 +63,8 @@ class JobRun:
     accepted_tokens: int = 0                   # ... and accepted
     spec_steps: int = 0                        # request-steps that verified drafts (mean accepted length)
     param_sets: list = field(default_factory=list)   # spill "params" -> SamplingParams (0: the job's own)
+    long_rows: dict = field(default_factory=dict)    # row key -> map_reduce.LongRow (on_too_long: map_reduce)
+    max_model_len: int = 0
     _param_index: dict = field(default_factory=dict)
 
     def params_index(self, overrides: tuple) -> int:
@@ -80,21 +83,116 @@ class JobRun:
             self.param_sets.append(p)
         return i
 
-    def add_result(self, key: str, out) -> dict:
-        """Count a finished engine output (``RequestOutput``) and queue its result row for the next commit."""
-        res = result_row(key, out)
-        self.pending.append(res)
-        self.row_errors += res["error"] is not None
+    def take(self, key: str, out) -> dict:
+        """A finished request: a row's result, a part of a long row's (map_reduce), or a long row's last."""
+        lr = self.long_rows.get(key)
+        if lr is not None:                                # the final reduce: the row's result, totals summed
+            del self.long_rows[key]
+            res = self.add_result(key, out)
+            res["prompt_tokens"] += lr.prompt_tokens
+            res["cached_tokens"] += lr.cached_tokens
+            res["output_tokens"] += lr.output_tokens
+            res["num_chunks"] = lr.num_chunks
+            return res
+        base, sep, _ = key.partition("~")
+        if sep and base in self.long_rows:                # a chunk or an intermediate reduce: committed, not a row
+            res = result_row(key, out)
+            self.pending.append(res)
+            self._count(res, out)
+            return res
+        return self.add_result(key, out)
+
+    def next_reduce_requests(self, tails: dict) -> list[tuple[str, int, list[int], int, int]]:
+        """The next level's requests of every long row whose current level is done: (key, group, doc ids, tail id,
+        params id); rows whose level had an error get their error row here."""
+        from pipeline.map_reduce import parts_text, reduce_key
+        if not self.long_rows:
+            return []
+        done = {r["row_key"]: r for r in self.state.load_done().to_pylist() if "~" in r["row_key"]
+                or r["row_key"] in self.long_rows}
+        out = []
+        template, r = self.job.prompt.reduce_template, self.renderer
+        for lr in list(self.long_rows.values()):
+            while True:
+                got = [done.get(k) for k in lr.keys]
+                if any(g is None for g in got):
+                    missing = [k for k, g in zip(lr.keys, got) if g is None]
+                    if lr.level == 0:
+                        raise RunError(f"internal error: {len(missing)} parts of row {lr.key} have no result; "
+                                       "run again to resume")
+                    out += [(k, lr.group, *lr.requests[k], lr.tail, lr.params) for k in missing]
+                    break
+                for g in got:
+                    lr.prompt_tokens += g["prompt_tokens"] or 0
+                    lr.cached_tokens += g["cached_tokens"] or 0
+                    lr.output_tokens += g["output_tokens"] or 0
+                bad = next((i for i, g in enumerate(got) if g["error"]), None)
+                if bad is not None:
+                    what = "part" if lr.level == 0 else f"reduce level {lr.level}, group"
+                    self._long_row_error(lr, f"{what} {bad + 1} of {len(got)}: {got[bad]['error']}")
+                    break
+                summaries = [g["summary"] or "" for g in got]
+                room = self.max_model_len - self.param_sets[lr.params].max_tokens - lr.head_len - lr.tail_len \
+                    if lr.params else self.max_model_len - self.params.max_tokens - lr.head_len - lr.tail_len
+                whole = r.document_ids([template.format(summaries=parts_text(summaries))])[0]
+                lr.level += 1
+                if len(whole) <= room or len(summaries) == 1:
+                    lr.keys, lr.requests = [lr.key], {lr.key: (whole[:room],)}
+                    continue
+                groups = _group_summaries(r, template, summaries, room)
+                lr.keys, lr.requests, first = [], {}, 1
+                for i, grp in enumerate(groups):
+                    k = reduce_key(lr.key, lr.level, i, len(groups))
+                    ids = r.document_ids([template.format(summaries=parts_text(grp, first))])[0]
+                    lr.keys.append(k)
+                    lr.requests[k] = (ids[:room],)
+                    first += len(grp)
+        return out
+
+    def _long_row_error(self, lr, message: str) -> None:
+        del self.long_rows[lr.key]
+        self.pending.append({"row_key": lr.key, "error": message, "finish_reason": "error",
+                             "prompt_tokens": lr.prompt_tokens, "cached_tokens": lr.cached_tokens,
+                             "output_tokens": lr.output_tokens, "num_chunks": lr.num_chunks})
         self.computed += 1
+        self.row_errors += 1
+
+    def _count(self, res: dict, out) -> None:
         self.prompt_tokens += res["prompt_tokens"]
         self.cached_tokens += res["cached_tokens"]
         self.output_tokens += res["output_tokens"]
         self.draft_tokens += out.metrics.num_draft_tokens
         self.accepted_tokens += out.metrics.num_accepted_tokens
         self.spec_steps += out.metrics.num_spec_steps
+
+    def add_result(self, key: str, out) -> dict:
+        """Count a finished engine output (``RequestOutput``) and queue its result row for the next commit."""
+        res = result_row(key, out)
+        self.pending.append(res)
+        self.row_errors += res["error"] is not None
+        self.computed += 1
+        self._count(res, out)
         return res
 
 
+
+
+def _group_summaries(r: PromptRenderer, template: str, summaries: list[str], room: int) -> list[list[str]]:
+    """Consecutive summaries in groups whose reduce prompt fits ``room`` tokens (at least two per group, so each
+    level shrinks; a group that still does not fit is cut to ``room`` by the caller)."""
+    overhead = len(r.document_ids([template.format(summaries="")])[0])
+    sizes = [len(ids) + 4 for ids in r.document_ids([f"Part 00: {s}\n\n" for s in summaries])]
+    groups: list[list[str]] = [[]]
+    used = overhead
+    for s, n in zip(summaries, sizes):
+        if groups[-1] and used + n > room and len(groups[-1]) >= 2:
+            groups.append([])
+            used = overhead
+        groups[-1].append(s)
+        used += n
+    if len(groups) > 1 and len(groups[-1]) == 1:       # no group of one: it would not shrink
+        groups[-2] += groups.pop()
+    return groups
 
 
 @dataclass(frozen=True)
@@ -122,7 +220,7 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
     done = jr.state.load_done() if jr.state.dir.exists() else None
     done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
     done_ids = {k.rpartition("#")[0] for k in done_keys}
-    max_len = info.max_model_len
+    max_len = jr.max_model_len = info.max_model_len
     max_tokens = jr.params.max_tokens
     seen_ids: set[str] = set()
     seen_keys: set[str] = set()
@@ -173,26 +271,40 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
                 seen_keys.add(key)
                 if rid in done_ids:
                     jr.changed += 1
+                chunks = None
                 if not isinstance(rr, RowError):
                     head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
+                    row_max = jr.param_sets[pidx].max_tokens if pidx else max_tokens
                     try:
-                        ids = r.fit(head, doc_ids[k], tail, max_len,
-                                    jr.param_sets[pidx].max_tokens if pidx else max_tokens)
+                        ids = r.fit(head, doc_ids[k], tail, max_len, row_max)
                     except RowError as e:
-                        rr = e
+                        room = max_len - row_max - len(head) - len(tail)
+                        if job.prompt.on_too_long == "map_reduce" and room > 0:
+                            chunks = pack(r.document_ids(split_text(rr.document)), room)
+                        else:
+                            rr = e
                 if isinstance(rr, RowError):
                     _row_error(jr, key, str(rr), row_idx + k, fail_fast)
                     continue
                 gid = head_index.setdefault("\0".join((rr.head, str(job.prompt.chat_template))), len(heads))
                 if gid == len(heads):
                     heads.append(head)
-                groups.append(gid)
-                lens.append(len(head) + len(ids) + len(tail))
-                spill["row_key"].append(key)
-                spill["group"].append(gid)
-                spill["doc_ids"].append(ids)
-                spill["tail"].append(jr.tails.setdefault(tail, len(jr.tails)))
-                spill["params"].append(pidx)
+                tail_id = jr.tails.setdefault(tail, len(jr.tails))
+                if chunks is not None:          # on_too_long: map_reduce (pipeline.map_reduce)
+                    ckeys = [chunk_key(key, c, len(chunks)) for c in range(len(chunks))]
+                    jr.long_rows[key] = LongRow(key, gid, tail_id, pidx, len(chunks), keys=ckeys,
+                                                head_len=len(head), tail_len=len(tail))
+                    todo_chunks = [(ck, c) for ck, c in zip(ckeys, chunks) if ck not in done_keys]
+                else:
+                    todo_chunks = [(key, ids)]
+                for ck, c in todo_chunks:
+                    groups.append(gid)
+                    lens.append(len(head) + len(c) + len(tail))
+                    spill["row_key"].append(ck)
+                    spill["group"].append(gid)
+                    spill["doc_ids"].append(c)
+                    spill["tail"].append(tail_id)
+                    spill["params"].append(pidx)
             if keys_w is not None:
                 keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
                                                     pa.array(keys, pa.string())], schema=KEYS_SCHEMA))

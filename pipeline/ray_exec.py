@@ -120,6 +120,8 @@ class RayExecution:
         self.loaded = self.failed_loads = 0
         self.first_info: EngineInfo | None = None      # the first replica's (the manifest's model section)
         self.slots: list[_Slot] = []
+        self.first_assigner: Assigner | None = None    # the main plan's (the manifest's prefix prefills)
+        self.plans = 0                                 # plans run (1 + reduce levels with map_reduce)
 
     # ---- Ray itself ----
     def start(self) -> None:
@@ -175,7 +177,8 @@ class RayExecution:
     def run(self, plan: Plan, heads: list, prompt_of: Callable, max_tokens: np.ndarray,
             take: Callable[[int, RequestOutput], None], add_steps: Callable[[list, int], None],
             every_loop: Callable[[], bool]) -> None:
-        """Until every plan position has an output (``take``) or ``every_loop()`` says stop."""
+        """Until every plan position has an output (``take``) or ``every_loop()`` says stop. The replicas stay up
+        for the next plan; ``shutdown`` stops them."""
         ray = self.ray
         window = max(1, 3 * self.info.max_num_seqs)
         bs = plan.block_size
@@ -187,7 +190,12 @@ class RayExecution:
             return i // bs * bs
         asg = self.assigner = Assigner(make_units(plan, max_tokens, self.info.max_num_seqs), self.replicas,
                                        self.opts.max_tries, shared=shared)
-        slots = self.slots = [self._start_actor(r, 0) for r in range(self.replicas)]
+        self.first_assigner = self.first_assigner or asg
+        # NOTE: the replicas outlive one plan (map_reduce runs a plan per reduce level): loaded once, caches kept.
+        if not self.slots:
+            self.slots = [self._start_actor(r, 0) for r in range(self.replicas)]
+        slots = self.slots
+        self.plans += 1
         try:
             while not asg.done:
                 if every_loop():
@@ -236,8 +244,9 @@ class RayExecution:
                     s.stats.steps += len(steps)
                     s.stats.step_s += sum(x.end_time - x.start_time for x in steps)
                     add_steps(steps, s.index * 1000 + s.incarnation)
-        finally:
+        except BaseException:
             self.shutdown()
+            raise
 
     def _hello(self, s: _Slot, res: dict) -> None:
         s.ready = True
@@ -281,11 +290,11 @@ class RayExecution:
         return self._start_actor(s.index, s.incarnation + 1)
 
     def summary(self) -> dict:
-        """The manifest's ``this_run.distributed``."""
-        asg = self.assigner
+        """The manifest's ``this_run.distributed`` (prefix prefills: of the main plan, not the reduce levels)."""
+        asg = self.first_assigner
         prefills = asg.prefills() if asg else {}
         return {"address": self.address, "replicas": self.replicas, "num_cpus_per_replica": self.num_cpus,
-                "threads_per_replica": self.threads, "restarts": self.restarts,
+                "threads_per_replica": self.threads, "restarts": self.restarts, "plans": self.plans,
                 "stolen_units": asg.stolen if asg else 0,
                 "split_groups": sorted(asg.split) if asg else [],
                 "prefix_prefills": {str(g): n for g, n in prefills.items()},

@@ -198,23 +198,27 @@ class Runner:
             if self._stop_reason is not None:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
-            if plan.num_requests:
+            if plan.num_requests or any(jr.long_rows for jr in runs):
                 rec.start_trace(llm, states[0], t_loaded, predicted)
             report.trace_dir = rec.trace_dir
             distributed = None
-            if plan.num_requests and self.opts.ray is not None:
+            dist = None
+            if self.opts.ray is not None and (plan.num_requests or any(jr.long_rows for jr in runs)):
                 dist = RayExecution(self.opts.ray, model, engine_args, info, self.echo)
-                try:
+            try:
+                if dist is not None:
                     dist.start()
-                    self._execute(llm, runs, plan, req_job_a, req_local_a, heads, dist)
-                finally:
+                if plan.num_requests:
+                    self._execute_spills(llm, runs, plan, req_job_a, req_local_a, heads, dist)
+                self._reduce_long_rows(llm, runs, heads, block_size, dist)
+            finally:
+                if dist is not None:
                     dist.shutdown()
                     distributed = dist.summary()
                     if rec.trace is not None:
                         rec.trace.distributed = distributed
+            if dist is not None:
                 info = report.engine_info = dist.first_info or info
-            elif plan.num_requests:
-                self._execute(llm, runs, plan, req_job_a, req_local_a, heads)
             engine_s = report.engine_s = rec.engine_s = time.monotonic() - t_loaded
             for jr in runs:
                 assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir, prediction=predicted,
@@ -308,23 +312,60 @@ class Runner:
                 pass
         return old
 
-    def _execute(self, llm: Engine, runs: list[JobRun], plan: Plan, req_job: np.ndarray, req_local: np.ndarray,
-                 heads: list, dist: RayExecution | None = None) -> None:
-        """Step 3: feed the plan through the engine (``Feeder``) or the Ray replicas (``dist``); commit finished
-        rows every couple of seconds."""
-        from tqdm import tqdm
-
+    def _execute_spills(self, llm: Engine, runs: list[JobRun], plan: Plan, req_job: np.ndarray,
+                        req_local: np.ndarray, heads: list, dist: RayExecution | None = None) -> None:
+        """The planned rows, read back from each job's spill file by plan position."""
         spills = [Spill(jr.state.scratch("spill.arrow")) if jr.spill_rows else None for jr in runs]
         tails = [{v: k for k, v in jr.tails.items()} for jr in runs]
 
-        def where(p: int) -> tuple[int, int]:           # plan position -> (job index, row in its spill)
-            return int(req_job[plan.order[p]]), int(req_local[plan.order[p]])
+        def item_of(p: int) -> tuple[int, str]:         # plan position -> (job index, row key)
+            j, local = int(req_job[plan.order[p]]), int(req_local[plan.order[p]])
+            return j, spills[j].row(local)[0]
 
         def prompt_of(p: int):
-            j, local = where(p)
+            j, local = int(req_job[plan.order[p]]), int(req_local[plan.order[p]])
             _, gid, doc_ids, tail, pidx = spills[j].row(local)
             return list(heads[gid]) + doc_ids + list(tails[j][tail]), \
                 runs[j].param_sets[pidx] if pidx else runs[j].params
+        try:
+            self._execute(llm, runs, plan, item_of, prompt_of, heads, req_job[plan.order], dist)
+        finally:
+            for s in spills:
+                if s is not None:
+                    s.close()
+
+    def _reduce_long_rows(self, llm: Engine, runs: list[JobRun], heads: list, block_size: int,
+                          dist: RayExecution | None) -> None:
+        """``on_too_long: map_reduce``: reduce levels (pipeline.map_reduce), each one planned batch, until every
+        long row has its final result."""
+        tails = [{v: k for k, v in jr.tails.items()} for jr in runs]
+        while True:
+            stage = []                                   # (job index, key, group, doc ids, tail id, params id)
+            for j, jr in enumerate(runs):
+                if jr.long_rows:
+                    stage += [(j, *req) for req in jr.next_reduce_requests(tails)]
+            if not stage:
+                return
+            groups = np.asarray([g for _, _, g, _, _, _ in stage], dtype=np.int64)
+            lens = np.asarray([len(heads[g]) + len(d) + len(tails[j][t]) for j, _, g, d, t, _ in stage],
+                              dtype=np.int64)
+            plan = make_plan(heads, groups, lens, block_size)
+
+            def item_of(p: int, plan=plan, stage=stage) -> tuple[int, str]:
+                it = stage[int(plan.order[p])]
+                return it[0], it[1]
+
+            def prompt_of(p: int, plan=plan, stage=stage):
+                j, _, g, doc, t, pidx = stage[int(plan.order[p])]
+                return list(heads[g]) + doc + list(tails[j][t]), runs[j].param_sets[pidx] if pidx else runs[j].params
+            job_of = np.asarray([stage[int(i)][0] for i in plan.order], dtype=np.int64)
+            self._execute(llm, runs, plan, item_of, prompt_of, heads, job_of, dist)
+
+    def _execute(self, llm: Engine, runs: list[JobRun], plan: Plan, item_of: Callable, prompt_of: Callable,
+                 heads: list, job_of: np.ndarray, dist: RayExecution | None = None) -> None:
+        """Step 3: feed one plan through the engine (``Feeder``) or the Ray replicas (``dist``); commit finished
+        rows every couple of seconds. ``item_of(p)``: (job index, key); ``prompt_of(p)``: (ids, params)."""
+        from tqdm import tqdm
 
         n = plan.num_requests
         stream = sys.stderr
@@ -335,12 +376,11 @@ class Runner:
 
         def take(p: int, out) -> None:                  # a finished request: count it, queue its row
             nonlocal toks, cached, prompt, finished
-            j, local = where(p)
+            j, key = item_of(p)
             jr = runs[j]
-            key = spills[j].row(local)[0]
             if self._rec.trace is not None:
-                self._rec.trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
-            res = jr.add_result(key, out)
+                self._rec.trace.add_request(out, job=jr.job.name, row_id=key.partition("~")[0].rpartition("#")[0])
+            res = jr.take(key, out)
             finished += 1
             if res["error"] and self.opts.fail_fast:
                 raise RunError(f"job {jr.job.name!r}, row {key.rpartition('#')[0]}: {res['error']}. "
@@ -368,7 +408,7 @@ class Runner:
         clean_exit = False
         try:
             if dist is not None:
-                max_tokens = np.asarray([jr.params.max_tokens for jr in runs], dtype=np.int64)[req_job[plan.order]]
+                max_tokens = np.asarray([jr.params.max_tokens for jr in runs], dtype=np.int64)[job_of]
                 dist.run(plan, heads, prompt_of, max_tokens, take, self._rec.add_steps, between_steps)
             else:
                 feeder = Feeder(plan, heads, prompt_of, window=max(1, self.opts.window_factor * llm.info.max_num_seqs),
@@ -391,9 +431,6 @@ class Runner:
                 if clean_exit:
                     raise
                 warn(str(e))      # keep the error that stopped the run; this one is its echo
-            for s in spills:
-                if s is not None:
-                    s.close()
         if self._stop_reason is None and finished < n:
             raise RunError(f"internal error: {n - finished} documents were never scheduled; run again to "
                            "resume")

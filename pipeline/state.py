@@ -42,6 +42,7 @@ RESULT_SCHEMA = pa.schema([
     ("tpot_s", pa.float64()),
     ("e2e_s", pa.float64()),
     ("error", pa.string()),
+    ("num_chunks", pa.int64()),        # on_too_long: map_reduce: the parts a long document was summarized in
 ])
 RESULT_COLUMNS = [f.name for f in RESULT_SCHEMA]
 

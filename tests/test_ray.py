@@ -190,3 +190,30 @@ def test_ray_flag_without_ray_says_how_to_get_it(tmp_path, make_docs_dataset, mo
     r = CliRunner().invoke(main, ["submit", "--ray", str(job)])
     assert r.exit_code == 2 and "pip install -e '.[ray]'" in r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_map_reduce_on_ray_equals_local_and_keeps_replicas_between_levels(ray_local, tmp_path, tiny_llama_dir):
+    """on_too_long: map_reduce runs a plan per reduce level; on Ray the same replicas serve them all (loaded once,
+    caches kept), and the rows equal a local run's."""
+    import pyarrow as pa
+
+    from tests.test_map_reduce import LONG
+    data = tmp_path / "long.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "document": [LONG, "A short one."]}), data)
+
+    def job(name):
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(f"name: {name}\nmodel: {tiny_llama_dir}\ninput: {{path: {data}, id_column: id}}\n"
+                     "prompt: {system: Summarize., reference: Policy., document_column: document, "
+                     "on_too_long: map_reduce}\ngeneration: {max_tokens: 8}\n"
+                     f"output: {{path: {tmp_path}/out/{name}.parquet}}\n"
+                     "engine: {max_model_len: 256, dtype: float32, max_num_seqs: 4}\n")
+        return load_job(p)
+    run_jobs([job("loc")], options=RunOptions(quiet=True, record_history=False))
+    opts = RunOptions(quiet=True, record_history=False, ray=RayOptions(replicas=2, num_cpus=1, threads=1))
+    run_jobs([job("dist")], options=opts, echo=lambda *_: None)
+    cols = ["id", "summary", "num_chunks", "prompt_tokens", "output_tokens", "error"]
+    a, b = pq.read_table(tmp_path / "out/loc.parquet"), pq.read_table(tmp_path / "out/dist.parquet")
+    assert a.select(cols).to_pylist() == b.select(cols).to_pylist() and a.column("num_chunks")[0].as_py() > 1
+    dist = json.loads((tmp_path / "out/dist.parquet.manifest.json").read_text())["this_run"]["distributed"]
+    assert dist["plans"] == 2 and len(dist["per_replica"]) == 2 and dist["restarts"] == 0
