@@ -17,7 +17,14 @@ import pyarrow.compute as pc
 
 from engine import EngineInfo
 from pipeline.errors import RunError
-from pipeline.io import iter_batches, iter_output_batches, write_bytes_atomic, write_output
+from pipeline.io import (
+    iter_batches,
+    iter_output_batches,
+    publish_output,
+    remote_exists,
+    write_bytes_atomic,
+    write_output,
+)
 from pipeline.prepare import JobRun
 from pipeline.state import RESULT_COLUMNS, manifest_path_for
 
@@ -28,8 +35,9 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
 
     Skipped when nothing changed since the last run (same keys digest and layout): ``jr.up_to_date``."""
     job = jr.job
-    out_path = Path(job.output.path)
+    out_path = Path(job.output.local_path)
     mpath = manifest_path_for(out_path)
+    uri = job.output.path if "://" in job.output.path else None
     layout = {"include_columns": list(job.passthrough_columns), "rows_per_shard": job.output.rows_per_shard,
               "keep_deleted_rows": job.output.keep_deleted_rows}
     if jr.computed == 0 and jr.row_errors == 0 and out_path.exists() and mpath.exists():
@@ -40,6 +48,8 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         if old.get("keys_digest") == jr.keys_digest and old.get("layout", layout) == layout:
             jr.up_to_date = True
             jr.manifest = old
+            if uri and not remote_exists(uri):          # assembled before, but the copy is gone (or failed)
+                publish_output(out_path, uri, mpath)
             return
     openai = job.output.format == "openai_batch"
     kept = None if openai else _deleted_rows(jr, out_path)
@@ -100,7 +110,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     all_cached = pc.sum(joined.column("cached_tokens")).as_py() or 0
     all_errors = joined.column("error").is_valid().to_pylist().count(True)
     manifest = {
-        "job": job.name, "job_file": job.file, "output": str(out_path),
+        "job": job.name, "job_file": job.file, "output": uri or str(out_path),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
         "generation": dataclasses.asdict(jr.params), "versions": _versions(),
@@ -131,6 +141,8 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     }
     write_bytes_atomic(json.dumps(manifest, indent=2, default=str).encode(), manifest_path_for(out_path))
     jr.manifest = manifest
+    if uri:
+        publish_output(out_path, uri, mpath)
 
 
 def _deleted_rows(jr: JobRun, out_path: Path) -> pa.Table | None:

@@ -243,6 +243,54 @@ def write_output(batches: Iterator[pa.Table], path: str | Path, directory: bool)
     return rows
 
 
+def local_output_path(uri: str) -> Path:
+    """Where an output named by a URI is assembled (and its run state kept) on this machine: the state dir
+    (``pipeline.history.resolve_state_dir``), ``outputs/<name>-<hash of the URI>/<name>``."""
+    import hashlib
+
+    from pipeline.history import resolve_state_dir
+    name = uri.rstrip("/").rpartition("/")[2] or "output"
+    return resolve_state_dir() / "outputs" / f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}" / name
+
+
+def output_filesystem(uri: str):
+    """(pyarrow filesystem, path in it) for an output URI; ``RunError`` naming it when pyarrow cannot open it."""
+    import pyarrow.fs as pafs
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise RunError(f"output {uri}: not a URI pyarrow.fs can write ({e})") from None
+
+
+def remote_exists(uri: str) -> bool:
+    import pyarrow.fs as pafs
+    fs, path = output_filesystem(uri)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def publish_output(local: Path, uri: str, manifest: Path) -> None:
+    """Copy an assembled output (a file, or a directory of shards: its old shards are removed first) and then
+    its manifest (which marks it complete) to ``uri``. Object stores write each object whole; a directory is
+    not swapped atomically, so a reader may see it half-copied until the manifest is there."""
+    import pyarrow.fs as pafs
+    fs, path = output_filesystem(uri)
+    try:
+        if local.is_dir():
+            if fs.get_file_info(path).type == pafs.FileType.Directory:
+                fs.delete_dir_contents(path)
+            else:
+                fs.create_dir(path)
+            pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        else:
+            fs.create_dir(path.rpartition("/")[0] or path, recursive=True)
+            pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        pafs.copy_files(str(manifest), path.rstrip("/") + ".manifest.json",
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    except (pa.ArrowException, OSError) as e:
+        raise RunError(f"cannot copy the output to {uri} ({e}); it is complete in {local}, and the same command "
+                       "again copies it") from None
+
+
 def read_output(path: str | Path) -> pa.Table:
     """Read an output written by ``write_output`` (file or shard directory)."""
     path = Path(path)

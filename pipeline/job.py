@@ -122,6 +122,15 @@ class OutputSpec:
     keep_deleted_rows: bool = False  # rows that left the input: dropped (default) or kept at the output's end
     keep_runs: int = 20             # run traces kept under the job dir; older ones are deleted after a run
 
+    @property
+    def local_path(self) -> str:
+        """Where the output is assembled and its run state kept: the path itself, or for a URI (``s3://...``) a
+        directory under the state dir, published to the URI after each run (``pipeline.io.publish_output``)."""
+        if "://" not in self.path:
+            return self.path
+        from pipeline.io import local_output_path
+        return str(local_output_path(self.path))
+
 
 @dataclass(frozen=True)
 class Job:
@@ -357,7 +366,7 @@ def cross_job_problems(jobs: list[Job]) -> list[Problem]:
             problems.append(job.problem("name", f"job name {job.name!r} is also used by {names[job.name]}; "
                                                 "names must be unique among jobs submitted together"))
         names.setdefault(job.name, job.file)
-        out = str(Path(job.output.path).resolve())
+        out = job.output.path if "://" in job.output.path else str(Path(job.output.path).resolve())
         if out in outputs:
             problems.append(job.problem("output.path", f"{job.output.path} is also the output of "
                                                        f"{outputs[out]}; each job needs its own output path"))

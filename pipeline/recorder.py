@@ -115,7 +115,7 @@ class RunRecorder:
                     rows_failed=jr.row_errors if jr else 0, tokens_per_s=this.get("tokens_per_s"),
                     cache_hit_rate=hit_rate(jr.cached_tokens, jr.prompt_tokens) if jr else None,
                     trace_path=self.trace_dir,
-                    report_path=manifest_path_for(jr.job.output.path) if jr and jr.manifest else None,
+                    report_path=manifest_path_for(jr.job.output.local_path) if jr and jr.manifest else None,
                     error=error, state_dir=self.state_dir, queued_s=self.queued_s, engine_s=self.engine_s)
             except history.HistoryError as e:
                 warn(f"run history not recorded: {e}")

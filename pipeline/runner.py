@@ -135,7 +135,7 @@ class Runner:
 
     def _run_model(self, model: str, jobs: list[Job], dry_run: bool) -> RunReport:
         t0 = time.monotonic()
-        states = [RunState(job.output.path, job.name) for job in jobs]
+        states = [RunState(job.output.local_path, job.name) for job in jobs]
         rec = self._rec = RunRecorder(self.opts.record_history, self.opts.state_dir)
         if not dry_run:
             rec.start_history(model, jobs)

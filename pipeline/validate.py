@@ -88,6 +88,14 @@ def check_job(job: Job) -> list[Problem]:
 
 
 def _output_problems(job: Job) -> list[Problem]:
+    if "://" in job.output.path:
+        from pipeline.errors import RunError
+        from pipeline.io import output_filesystem
+        try:
+            output_filesystem(job.output.path)
+        except RunError as e:
+            return [job.problem("output.path", str(e))]
+        return []
     out = Path(job.output.path)
     is_file = str(out).endswith(".parquet") or job.output.format == "openai_batch"     # the latter: one JSONL
     if out.exists() and is_file and out.is_dir():

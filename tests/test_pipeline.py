@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -184,3 +185,24 @@ def test_input_as_a_pyarrow_fs_uri(tmp_path, make_docs_dataset, fake_llm_factory
     assert pq.read_table(tmp_path / "out/dir.parquet").column("summary").to_pylist() == ref
     with pytest.raises(JobError, match="no such file or prefix"):
         load_valid_jobs([str(write_job(tmp_path, "gone", f"file://{tmp_path}/nothing/here"))])
+
+
+def test_output_as_a_pyarrow_fs_uri(tmp_path, make_docs_dataset, fake_llm_factory, monkeypatch):
+    """An output URI (file:// here; s3://, gs:// the same way) is assembled under the state dir, where its run
+    state lives, then copied with its manifest to the URI; a rerun is up to date; a lost copy is copied again."""
+    import pyarrow.parquet as pq
+    data = make_docs_dataset(n=12)
+    run([write_job(tmp_path, "plain", data)], fake_llm_factory)
+    ref = pq.read_table(tmp_path / "out/plain.parquet").column("summary").to_pylist()
+    remote = tmp_path / "bucket"
+    for name, target in (("file", remote / "digest.parquet"), ("dir", remote / "shards")):
+        job = write_job(tmp_path, name, data, out=f"file://{target}", extra="")
+        [report] = run([job], fake_llm_factory)
+        assert pq.read_table(target).column("summary").to_pylist() == ref
+        assert json.loads(Path(f"{target}.manifest.json").read_text())["output"] == f"file://{target}"
+        assert not (tmp_path / "out" / f"{name}.parquet").exists()
+        [report] = run([job], fake_llm_factory)
+        assert report.jobs[0].up_to_date
+    (remote / "digest.parquet").unlink()
+    [report] = run([write_job(tmp_path, "file", data, out=f"file://{remote / 'digest.parquet'}")], fake_llm_factory)
+    assert report.jobs[0].up_to_date and pq.read_table(remote / "digest.parquet").num_rows == 12
