@@ -194,7 +194,7 @@ def test_ray_flag_without_ray_says_how_to_get_it(tmp_path, make_docs_dataset, mo
 
 def test_map_reduce_on_ray_equals_local_and_keeps_replicas_between_levels(ray_local, tmp_path, tiny_llama_dir):
     """on_too_long: map_reduce runs a plan per reduce level; on Ray the same replicas serve them all (loaded once,
-    caches kept), and the rows equal a local run's."""
+    caches kept), with the local run's chunks and rows."""
     import pyarrow as pa
 
     from tests.test_map_reduce import LONG
@@ -212,8 +212,11 @@ def test_map_reduce_on_ray_equals_local_and_keeps_replicas_between_levels(ray_lo
     run_jobs([job("loc")], options=RunOptions(quiet=True, record_history=False))
     opts = RunOptions(quiet=True, record_history=False, ray=RayOptions(replicas=2, num_cpus=1, threads=1))
     run_jobs([job("dist")], options=opts, echo=lambda *_: None)
-    cols = ["id", "summary", "num_chunks", "prompt_tokens", "output_tokens", "error"]
+    # NOTE: not the summaries: a chunk of ~200 tokens on the random tiny model has greedy near-ties that a
+    # different batch composition (other rows beside it on a replica) can flip; the structure must be the same.
+    cols = ["id", "num_chunks", "error"]
     a, b = pq.read_table(tmp_path / "out/loc.parquet"), pq.read_table(tmp_path / "out/dist.parquet")
     assert a.select(cols).to_pylist() == b.select(cols).to_pylist() and a.column("num_chunks")[0].as_py() > 1
+    assert all(b.column("summary").to_pylist())
     dist = json.loads((tmp_path / "out/dist.parquet.manifest.json").read_text())["this_run"]["distributed"]
     assert dist["plans"] == 2 and len(dist["per_replica"]) == 2 and dist["restarts"] == 0
