@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -122,9 +123,12 @@ def plan(job_files):
 @click.option("--replica-gpus", type=click.FloatRange(min=0), default=0.0, help="With --ray: GPUs per replica.")
 @click.option("--replica-threads", type=click.IntRange(min=1), default=None,
               help="With --ray: torch threads per replica (default: its CPUs).")
+@click.option("--ray-runtime-env", default=None, metavar="JSON",
+              help='With --ray: a Ray runtime_env for the replicas, e.g. \'{"pip": ["batchgen==0.1"]}\' or '
+                   '\'{"working_dir": ".", "env_vars": {"OMP_NUM_THREADS": "16"}}\'.')
 @_user_errors
 def submit(job_files, quiet, fail_fast, commit_every, order, no_wait, ray_address, replicas, replica_cpus,
-           replica_gpus, replica_threads):
+           replica_gpus, replica_threads, ray_runtime_env):
     """Run jobs (all jobs on one model share one engine and its prefix cache). Reruns resume.
 
     One run computes on a machine at a time: a run started while another computes waits for it (see
@@ -141,10 +145,17 @@ def submit(job_files, quiet, fail_fast, commit_every, order, no_wait, ray_addres
     ray_opts = None
     if ray_address is not None:
         import_ray()                            # without Ray: how to get it, exit 2, before any work
+        try:
+            env = json.loads(ray_runtime_env) if ray_runtime_env else None
+        except ValueError as e:
+            raise click.BadParameter(f"not JSON ({e})", param_hint="--ray-runtime-env") from None
+        if env is not None and not isinstance(env, dict):
+            raise click.BadParameter("must be a JSON object", param_hint="--ray-runtime-env")
         ray_opts = RayOptions(address=ray_address or None, replicas=replicas, num_cpus=replica_cpus,
-                              num_gpus=replica_gpus, threads=replica_threads)
-    elif replicas or replica_cpus or replica_gpus or replica_threads:
-        raise click.UsageError("--replicas / --replica-cpus / --replica-gpus / --replica-threads need --ray")
+                              num_gpus=replica_gpus, threads=replica_threads, runtime_env=env)
+    elif replicas or replica_cpus or replica_gpus or replica_threads or ray_runtime_env:
+        raise click.UsageError("--replicas / --replica-cpus / --replica-gpus / --replica-threads / "
+                               "--ray-runtime-env need --ray")
     jobs = load_valid_jobs_recorded(job_files)
     opts = RunOptions(quiet=quiet, fail_fast=fail_fast, commit_interval_s=commit_every, order=order,
                       wait_for_machine=not no_wait, ray=ray_opts)

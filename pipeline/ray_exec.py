@@ -49,7 +49,7 @@ class RayOptions:
     max_tries: int = 3                # a unit in flight at this many replica deaths is given up
     object_store_mb: int = 256        # local instance only: results are small, the store need not be big
     call_s: float = 0.5               # a replica returns finished rows at least this often
-    runtime_env: dict | None = None   # passed to ray.init (a cluster: e.g. {"working_dir": "."})
+    runtime_env: dict | None = None   # the replicas' Ray runtime_env (e.g. {"env_vars": {...}}, {"pip": [...]})
 
 
 def import_ray():
@@ -136,10 +136,10 @@ class RayExecution:
             ray.init(address="local", num_cpus=max(cpus, int(np.ceil(self.num_cpus * self.replicas))),
                      num_gpus=int(np.ceil(o.num_gpus * self.replicas)) if o.num_gpus else None,
                      include_dashboard=False, object_store_memory=o.object_store_mb * 2**20,
-                     runtime_env=o.runtime_env, logging_level="WARNING")
+                     logging_level="WARNING")
             self.started_ray, self.address = True, "local"
         else:
-            ray.init(address=address, runtime_env=o.runtime_env, logging_level="WARNING")
+            ray.init(address=address, logging_level="WARNING")
             self.address = address
         if not self.replicas:
             alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -164,8 +164,10 @@ class RayExecution:
         from pipeline.ray_replica import Replica
         cls = self.ray.remote(Replica)
         # NOTE: named (this driver's pid, replica, incarnation) so an operator or a test can find one to kill.
+        # NOTE: the runtime_env goes on the actors, so it applies on a Ray instance someone else started too.
+        extra = {"runtime_env": self.opts.runtime_env} if self.opts.runtime_env else {}
         actor = cls.options(num_cpus=self.num_cpus, num_gpus=self.opts.num_gpus or 0, max_restarts=0,
-                            max_task_retries=0, name=replica_name(index, incarnation))
+                            max_task_retries=0, name=replica_name(index, incarnation), **extra)
         actor = actor.remote(index, incarnation, self.model, self.engine_args, self.threads,
                              os.environ.get("BATCHGEN_RAY_FAULT", ""))
         slot = _Slot(index, incarnation, actor, ReplicaStats(index, incarnation))
