@@ -14,8 +14,9 @@ hands them out so that a prefix is prefilled once per replica that serves it:
   *split* group, which the manifest counts);
 * **faults**: when a replica dies, the unfinished requests of its in-flight units go back to the front of the
   queue with one more try. A unit that has failed before runs *alone* on an idle replica, so a request that
-  kills its engine takes no innocent units down with it again; after ``max_tries`` it is given up (the caller
-  writes an error row for each of its requests).
+  kills its engine takes no innocent units down with it again; a suspect of several rows that kills its
+  replica again is halved, until the killer is alone; a single request at ``max_tries`` deaths is given up
+  (the caller writes its error row).
 
 Positions are plan positions (``plan.order`` indices): the request ids the engine sees.
 """
@@ -73,6 +74,7 @@ class Assigner:
         self.incarnation = [0] * num_replicas
         self.stolen = 0                               # units moved to another replica's queue
         self.split: set[int] = set()                  # groups whose chunks were spread over replicas
+        self._next_uid = max((u.uid for u in units), default=0)
         owner = _segments(units, num_replicas, shared or (lambda a, b: 0))
         for u in units:                               # units are in plan order: each queue keeps it
             self.queues[owner[u.group]].append(u)
@@ -156,6 +158,14 @@ class Assigner:
         self.stolen += len(moved)
         return self.queues[r][0]
 
+    def _halves(self, u: Unit) -> list[Unit]:
+        mid = len(u.positions) // 2
+        out = []
+        for part in (u.positions[:mid], u.positions[mid:]):
+            self._next_uid += 1
+            out.append(Unit(self._next_uid, u.group, part, u.cost * len(part) // len(u.positions), tries=u.tries))
+        return out
+
     # ---- results and faults ----
     def finished(self, r: int, position: int) -> None:
         for uid, u in list(self.in_flight[r].items()):
@@ -171,8 +181,13 @@ class Assigner:
         given_up = []
         back = []
         for u in sorted(self.in_flight[r].values(), key=lambda u: u.positions[0]):
-            u.tries += 1
             u.positions = sorted(u.left)
+            if u.tries and len(u.positions) > 1:
+                # NOTE: it ran alone and killed its replica again: halve it (both halves still run alone), so the
+                # request that kills engines ends up alone and only its own row is given up.
+                back += self._halves(u)
+                continue
+            u.tries += 1
             (given_up if u.tries >= self.max_tries else back).append(u)
         self.in_flight[r] = {}
         self.orphans.extendleft(reversed(back))

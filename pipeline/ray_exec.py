@@ -45,7 +45,7 @@ class RayOptions:
     num_cpus: float | None = None     # per replica; None: local -> the machine's CPUs / replicas; cluster -> 1
     num_gpus: float = 0.0             # per replica
     threads: int | None = None        # torch threads per replica; None: its CPU share (at least 1)
-    max_restarts: int | None = None   # replacement actors started in all; None: 2 x replicas
+    max_restarts: int | None = None   # replacement actors in all; None: 2 x replicas + what isolating a killer takes
     max_tries: int = 3                # a unit in flight at this many replica deaths is given up
     object_store_mb: int = 256        # local instance only: results are small, the store need not be big
     call_s: float = 0.5               # a replica returns finished rows at least this often
@@ -146,7 +146,9 @@ class RayExecution:
             self.replicas = o.replicas or max(1, len(alive))
             self.num_cpus = o.num_cpus or 1
         self.threads = o.threads or max(1, int(self.num_cpus))
-        self.max_restarts = o.max_restarts if o.max_restarts is not None else 2 * self.replicas
+        # enough for every replica to die twice, plus isolating one killer request (halving, then its tries)
+        self.max_restarts = o.max_restarts if o.max_restarts is not None else \
+            2 * self.replicas + self.info.max_num_seqs.bit_length() + o.max_tries
 
     def shutdown(self) -> None:
         """Stop the actors (and the local Ray instance this started); safe to call twice."""

@@ -100,13 +100,19 @@ def test_dead_replica_requeues_unfinished_rows_which_then_run_alone():
     assert a.incarnation == [1, 0]
 
 
-def test_a_unit_that_keeps_killing_replicas_is_given_up_after_max_tries():
+def test_a_request_that_keeps_killing_replicas_is_isolated_then_given_up_alone():
     a = Assigner(make_units(plan_of([2, 2]), np.zeros(4, dtype=int), chunk_rows=2), 2, max_tries=2)
-    a.take(0, room=2)
+    a.take(0, room=2)                                  # [0, 1]; position 1 kills every engine it meets
+    assert a.lost(0, retire=False) == []               # a suspect now
+    [u] = a.take(0, room=2)
+    assert u.positions == [0, 1]                       # alone on the replacement; dies again: halved
     assert a.lost(0, retire=False) == []
-    a.take(0, room=2)                                  # the suspect again, alone on the replacement
-    [gone] = a.lost(0, retire=False)
-    assert gone.positions == [0, 1] and gone.tries == 2
+    assert [(o.positions, o.tries) for o in a.orphans] == [([0], 1), ([1], 1)]
+    [u] = a.take(0, room=2)
+    a.finished(0, 0)                                   # the innocent half succeeds
+    [u] = a.take(0, room=2)
+    [gone] = a.lost(0, retire=False)                   # the killer, alone, at its second death
+    assert gone.positions == [1] and gone.tries == 2
     assert not a.orphans and not a.in_flight[0]
 
 
