@@ -2,6 +2,8 @@
 the row's cached head, then the chunk summaries are reduced (in levels when they do not fit at once); resumable."""
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -130,3 +132,21 @@ def test_kill_mid_row_then_resume_redoes_no_finished_chunk(tmp_path):
     clean = pq.read_table(tmp_path / "out/clean.parquet").to_pylist()
     stable = ("id", "summary", "num_chunks", "prompt_tokens", "output_tokens", "error")
     assert [{k: r[k] for k in stable} for r in rows] == [{k: r[k] for k in stable} for r in clean]
+
+
+def test_on_the_tiny_model_chunks_fit_and_reuse_the_head(tmp_path, tiny_llama_dir):
+    """The real engine (tiny Llama, max_model_len 256): every request of the long row fits the context, every
+    chunk after the first hits the row's head in the prefix cache, and the row's metrics are the sums."""
+    data = _data(tmp_path, [LONG, "A short document."])
+    job = _job(tmp_path, "real", data, max_model_len=256)
+    job = dataclasses.replace(job, model=tiny_llama_dir, engine={**job.engine, "dtype": "float32", "block_size": 16})
+    [report] = run_jobs([job], options=RunOptions(quiet=True, record_history=False))
+    long, short = pq.read_table(tmp_path / "out/real.parquet").to_pylist()
+    assert long["num_chunks"] > 1 and long["error"] is None and short["num_chunks"] is None
+    idx, r = _requests(report, "d0")
+    assert len(idx) >= long["num_chunks"] + 1
+    assert all(r["prompt_tokens"][i] + 8 <= 256 for i in idx)
+    head_blocks = min(r["cached_tokens"][i] for i in idx[1:])
+    assert head_blocks >= 16
+    for col in ("prompt_tokens", "cached_tokens", "output_tokens"):
+        assert long[col] == sum(r[col][i] for i in idx)
