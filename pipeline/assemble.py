@@ -37,7 +37,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     job = jr.job
     out_path = Path(job.output.local_path)
     mpath = manifest_path_for(out_path)
-    uri = job.output.path if "://" in job.output.path else None
+    uri = job.output.path if job.output.is_uri else None
     layout = {"include_columns": list(job.passthrough_columns), "rows_per_shard": job.output.rows_per_shard,
               "keep_deleted_rows": job.output.keep_deleted_rows}
     if jr.computed == 0 and jr.row_errors == 0 and out_path.exists() and mpath.exists():

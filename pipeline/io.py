@@ -18,14 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import RunError
+from pipeline.job import is_uri
 
 
 class InputError(Exception):
     """An input that cannot be read; the message names the path. Turned into a job Problem by the caller."""
-
-
-def is_uri(path: str) -> bool:
-    return "://" in str(path)
 
 
 def _uri_files(uri: str) -> list[str]:
@@ -274,18 +271,14 @@ def publish_output(local: Path, uri: str, manifest: Path) -> None:
     not swapped atomically, so a reader may see it half-copied until the manifest is there."""
     import pyarrow.fs as pafs
     fs, path = output_filesystem(uri)
+    local_fs = pafs.LocalFileSystem()
     try:
-        if local.is_dir():
-            if fs.get_file_info(path).type == pafs.FileType.Directory:
-                fs.delete_dir_contents(path)
-            else:
-                fs.create_dir(path)
-            pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        if local.is_dir() and fs.get_file_info(path).type == pafs.FileType.Directory:
+            fs.delete_dir_contents(path)
         else:
-            fs.create_dir(path.rpartition("/")[0] or path, recursive=True)
-            pafs.copy_files(str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-        pafs.copy_files(str(manifest), path.rstrip("/") + ".manifest.json",
-                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+            fs.create_dir(path if local.is_dir() else (path.rpartition("/")[0] or path), recursive=True)
+        for src, dst in ((local, path), (manifest, path.rstrip("/") + ".manifest.json")):
+            pafs.copy_files(str(src), dst, source_filesystem=local_fs, destination_filesystem=fs)
     except (pa.ArrowException, OSError) as e:
         raise RunError(f"cannot copy the output to {uri} ({e}); it is complete in {local}, and the same command "
                        "again copies it") from None

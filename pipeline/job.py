@@ -27,6 +27,11 @@ DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSum
 BUILTIN_PLACEHOLDERS = ("system", "reference", "document")
 
 
+def is_uri(path: str) -> bool:
+    """An input or output path that names a ``pyarrow.fs`` URI (``s3://...``, ``file://...``), not a local path."""
+    return "://" in str(path)
+
+
 class _Enum(tuple):
     """Allowed string values of a key."""
 
@@ -123,10 +128,14 @@ class OutputSpec:
     keep_runs: int = 20             # run traces kept under the job dir; older ones are deleted after a run
 
     @property
+    def is_uri(self) -> bool:
+        return is_uri(self.path)
+
+    @property
     def local_path(self) -> str:
         """Where the output is assembled and its run state kept: the path itself, or for a URI (``s3://...``) a
         directory under the state dir, published to the URI after each run (``pipeline.io.publish_output``)."""
-        if "://" not in self.path:
+        if not self.is_uri:
             return self.path
         from pipeline.io import local_output_path
         return str(local_output_path(self.path))
@@ -366,7 +375,7 @@ def cross_job_problems(jobs: list[Job]) -> list[Problem]:
             problems.append(job.problem("name", f"job name {job.name!r} is also used by {names[job.name]}; "
                                                 "names must be unique among jobs submitted together"))
         names.setdefault(job.name, job.file)
-        out = job.output.path if "://" in job.output.path else str(Path(job.output.path).resolve())
+        out = job.output.path if job.output.is_uri else str(Path(job.output.path).resolve())
         if out in outputs:
             problems.append(job.problem("output.path", f"{job.output.path} is also the output of "
                                                        f"{outputs[out]}; each job needs its own output path"))

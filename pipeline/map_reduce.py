@@ -76,7 +76,7 @@ class LongRow:
     params: int                   # the row's params id (JobRun.param_sets)
     num_chunks: int
     keys: list[str] = field(default_factory=list)       # the current level's request keys, in order
-    requests: dict = field(default_factory=dict)       # key -> (doc ids,) of this level's reduce requests
+    requests: dict = field(default_factory=dict)       # key -> doc ids of this level's reduce requests
     head_len: int = 0
     tail_len: int = 0
     level: int = 0                # 0: chunks; 1, 2, ...: reduce levels

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from engine import BatchgenError, EngineInfo
 from pipeline.errors import RunError
 from pipeline.io import iter_batches
 from pipeline.job import Job
-from pipeline.map_reduce import LongRow, chunk_key, pack, split_text
+from pipeline.map_reduce import LongRow, chunk_key, pack, parts_text, reduce_key, split_text
 from pipeline.prompts import PromptRenderer, RowError, fingerprint, needed_columns, row_key
 from pipeline.state import RunState
 
@@ -67,11 +68,12 @@ class JobRun:
     max_model_len: int = 0
     _param_index: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.param_sets = [self.params]
+        self._param_index = {(): 0}
+
     def params_index(self, overrides: tuple) -> int:
         """The SamplingParams of a row whose request overrides the job's generation (OpenAI batch bodies)."""
-        if not self.param_sets:
-            self.param_sets.append(self.params)
-            self._param_index[()] = 0
         i = self._param_index.get(overrides)
         if i is None:
             from engine import SamplingParams
@@ -105,11 +107,13 @@ class JobRun:
     def next_reduce_requests(self, tails: dict) -> list[tuple[str, int, list[int], int, int]]:
         """The next level's requests of every long row whose current level is done: (key, group, doc ids, tail id,
         params id); rows whose level had an error get their error row here."""
-        from pipeline.map_reduce import parts_text, reduce_key
         if not self.long_rows:
             return []
-        done = {r["row_key"]: r for r in self.state.load_done().to_pylist() if "~" in r["row_key"]
-                or r["row_key"] in self.long_rows}
+        # NOTE: only this job's map_reduce results become Python objects, not every committed row.
+        done_t = self.state.load_done()
+        keys = done_t.column("row_key")
+        mine = pc.or_(pc.match_substring(keys, "~"), pc.is_in(keys, value_set=pa.array(list(self.long_rows))))
+        done = {r["row_key"]: r for r in done_t.filter(mine).to_pylist()}
         out = []
         template, r = self.job.prompt.reduce_template, self.renderer
         for lr in list(self.long_rows.values()):
@@ -120,7 +124,7 @@ class JobRun:
                     if lr.level == 0:
                         raise RunError(f"internal error: {len(missing)} parts of row {lr.key} have no result; "
                                        "run again to resume")
-                    out += [(k, lr.group, *lr.requests[k], lr.tail, lr.params) for k in missing]
+                    out += [(k, lr.group, lr.requests[k], lr.tail, lr.params) for k in missing]
                     break
                 for g in got:
                     lr.prompt_tokens += g["prompt_tokens"] or 0
@@ -132,12 +136,11 @@ class JobRun:
                     self._long_row_error(lr, f"{what} {bad + 1} of {len(got)}: {got[bad]['error']}")
                     break
                 summaries = [g["summary"] or "" for g in got]
-                room = self.max_model_len - self.param_sets[lr.params].max_tokens - lr.head_len - lr.tail_len \
-                    if lr.params else self.max_model_len - self.params.max_tokens - lr.head_len - lr.tail_len
+                room = self.max_model_len - self.param_sets[lr.params].max_tokens - lr.head_len - lr.tail_len
                 whole = r.document_ids([template.format(summaries=parts_text(summaries))])[0]
                 lr.level += 1
                 if len(whole) <= room or len(summaries) == 1:
-                    lr.keys, lr.requests = [lr.key], {lr.key: (whole[:room],)}
+                    lr.keys, lr.requests = [lr.key], {lr.key: whole[:room]}
                     continue
                 groups = _group_summaries(r, template, summaries, room)
                 lr.keys, lr.requests, first = [], {}, 1
@@ -145,7 +148,7 @@ class JobRun:
                     k = reduce_key(lr.key, lr.level, i, len(groups))
                     ids = r.document_ids([template.format(summaries=parts_text(grp, first))])[0]
                     lr.keys.append(k)
-                    lr.requests[k] = (ids[:room],)
+                    lr.requests[k] = ids[:room]
                     first += len(grp)
         return out
 
@@ -221,7 +224,6 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
     done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
     done_ids = {k.rpartition("#")[0] for k in done_keys}
     max_len = jr.max_model_len = info.max_model_len
-    max_tokens = jr.params.max_tokens
     seen_ids: set[str] = set()
     seen_keys: set[str] = set()
     digest = hashlib.sha256()
@@ -274,7 +276,7 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
                 chunks = None
                 if not isinstance(rr, RowError):
                     head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
-                    row_max = jr.param_sets[pidx].max_tokens if pidx else max_tokens
+                    row_max = jr.param_sets[pidx].max_tokens
                     try:
                         ids = r.fit(head, doc_ids[k], tail, max_len, row_max)
                     except RowError as e:

@@ -111,34 +111,36 @@ class PromptRenderer:
             (tail if seen_doc else head).append(format(value, fmt) if fmt else value)
         return RenderedRow("".join(head), document, "".join(tail))
 
-    def _render_chat(self, values: dict, document: str) -> RenderedRow:
+    def _chat_split(self, messages: list[dict], what: str) -> tuple[str, str]:
+        """The chat template applied to ``messages`` (the document given as ``_SENTINEL``), split around it;
+        ``what`` names the messages' source in the errors."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise RowError("prompt.chat_template is true but the model's tokenizer has no chat template")
+            raise RowError(f"{what} needs a chat template, and the model's tokenizer has none")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:           # NOTE: templates raise on role orders they do not support
+            raise RowError(f"{what}: the model's chat template refuses these messages ({e})") from None
+        head, _, tail = text.partition(_SENTINEL)
+        return head, tail
+
+    def _render_chat(self, values: dict, document: str) -> RenderedRow:
         user = self.spec.template.format_map({**values, "document": _SENTINEL})
         messages = ([{"role": "system", "content": values["system"]}] if values["system"] else [])
         messages.append({"role": "user", "content": user})
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        head, _, tail = text.partition(_SENTINEL)
+        head, tail = self._chat_split(messages, "prompt.chat_template: true")
         return RenderedRow(head, document, tail.replace(_SENTINEL, document))
 
     def _render_request(self, row: dict) -> RenderedRow:
         """An OpenAI Batch request: its messages through the chat template, split at the last user message."""
         from pipeline.openai_batch import RequestError, parse_body
-        tok = self.tokenizer
         try:
             messages, overrides = parse_body(row.get("body"), row.get("problem"))
         except RequestError as e:
             raise RowError(str(e)) from None
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise RowError("the model's tokenizer has no chat template, which OpenAI batch requests need")
         document = messages[-1]["content"]
         messages[-1] = {"role": "user", "content": _SENTINEL}
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:           # NOTE: templates raise on role orders they do not support
-            raise RowError(f"body.messages: the model's chat template refuses them ({e})") from None
-        head, _, tail = text.partition(_SENTINEL)
+        head, tail = self._chat_split(messages, "body.messages")
         return RenderedRow(head, document, tail, tuple(sorted(overrides.items())))
 
     # ---- tokens -----------------------------------------------------------------------------------------

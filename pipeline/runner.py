@@ -198,12 +198,13 @@ class Runner:
             if self._stop_reason is not None:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
-            if plan.num_requests or any(jr.long_rows for jr in runs):
+            work = plan.num_requests or any(jr.long_rows for jr in runs)   # long rows: maybe only reduces left
+            if work:
                 rec.start_trace(llm, states[0], t_loaded, predicted)
             report.trace_dir = rec.trace_dir
             distributed = None
             dist = None
-            if self.opts.ray is not None and (plan.num_requests or any(jr.long_rows for jr in runs)):
+            if self.opts.ray is not None and work:
                 dist = RayExecution(self.opts.ray, model, engine_args, info, self.echo)
             try:
                 if dist is not None:
@@ -325,8 +326,7 @@ class Runner:
         def prompt_of(p: int):
             j, local = int(req_job[plan.order[p]]), int(req_local[plan.order[p]])
             _, gid, doc_ids, tail, pidx = spills[j].row(local)
-            return list(heads[gid]) + doc_ids + list(tails[j][tail]), \
-                runs[j].param_sets[pidx] if pidx else runs[j].params
+            return _prompt(runs[j], heads, tails[j], gid, doc_ids, tail, pidx)
         try:
             self._execute(llm, runs, plan, item_of, prompt_of, heads, req_job[plan.order], dist)
         finally:
@@ -357,7 +357,7 @@ class Runner:
 
             def prompt_of(p: int, plan=plan, stage=stage):
                 j, _, g, doc, t, pidx = stage[int(plan.order[p])]
-                return list(heads[g]) + doc + list(tails[j][t]), runs[j].param_sets[pidx] if pidx else runs[j].params
+                return _prompt(runs[j], heads, tails[j], g, doc, t, pidx)
             job_of = np.asarray([stage[int(i)][0] for i in plan.order], dtype=np.int64)
             self._execute(llm, runs, plan, item_of, prompt_of, heads, job_of, dist)
 
@@ -444,6 +444,11 @@ class Runner:
             if jr.pending:
                 rows, jr.pending = jr.pending, []
                 jr.state.commit(rows)
+
+def _prompt(jr: JobRun, heads: list, tails: dict, group: int, doc_ids: list[int], tail: int, params: int):
+    """(token ids, SamplingParams) of one request: its group's head, its document ids, its tail."""
+    return list(heads[group]) + doc_ids + list(tails[tail]), jr.param_sets[params]
+
 
 def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
     """Impossible engine settings fail before compute (validation says the same, file by file)."""

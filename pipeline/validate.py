@@ -88,7 +88,7 @@ def check_job(job: Job) -> list[Problem]:
 
 
 def _output_problems(job: Job) -> list[Problem]:
-    if "://" in job.output.path:
+    if job.output.is_uri:
         from pipeline.errors import RunError
         from pipeline.io import output_filesystem
         try:
