@@ -96,7 +96,7 @@ class JobRun:
             res["output_tokens"] += lr.output_tokens
             res["num_chunks"] = lr.num_chunks
             return res
-        base, sep, _ = key.partition("~")
+        base, sep, _ = key.rpartition("~")               # a row key ends in "#<hash>": its id may hold a "~"
         if sep and base in self.long_rows:                # a chunk or an intermediate reduce: committed, not a row
             res = result_row(key, out)
             self.pending.append(res)

@@ -379,7 +379,7 @@ class Runner:
             j, key = item_of(p)
             jr = runs[j]
             if self._rec.trace is not None:
-                self._rec.trace.add_request(out, job=jr.job.name, row_id=key.partition("~")[0].rpartition("#")[0])
+                self._rec.trace.add_request(out, job=jr.job.name, row_id=key.rpartition("#")[0])
             res = jr.take(key, out)
             finished += 1
             if res["error"] and self.opts.fail_fast:

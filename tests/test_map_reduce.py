@@ -92,6 +92,18 @@ def test_long_row_is_chunked_under_the_cached_head_then_reduced_once(tmp_path):
     assert report.jobs[0].computed == 3 and report.jobs[0].row_errors == 0
 
 
+def test_row_ids_may_contain_the_part_key_separator(tmp_path):
+    path = tmp_path / "tilde.parquet"
+    pq.write_table(pa.table({"id": ["a~1", "b~2"], "document": [LONG, "Short."]}), path)
+    [report] = run_jobs([_job(tmp_path, "tilde", path, max_model_len=256)], llm_factory=_factory([]),
+                        options=RunOptions(quiet=True, record_history=False))
+    long, short = pq.read_table(tmp_path / "out/tilde.parquet").to_pylist()
+    assert long["id"] == "a~1" and long["num_chunks"] > 1 and long["error"] is None
+    assert short["num_chunks"] is None and report.jobs[0].computed == 2
+    idx, _ = _requests(report, "a~1")
+    assert len(idx) == long["num_chunks"] + 1
+
+
 def test_summaries_that_do_not_fit_are_reduced_in_levels(tmp_path):
     data = _data(tmp_path, [LONG * 3])
     [report] = run_jobs([_job(tmp_path, "deep", data, max_model_len=112,
