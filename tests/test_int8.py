@@ -83,6 +83,34 @@ def test_int8_builds_agree_with_portable(libs, build):
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _quant_act(lib, x: torch.Tensor):
+    """The activation quantizer alone: (quants widened to int32 [M, Kp], scales [M, G], minima [M, G])."""
+    m, k = x.shape
+    kp = int8.padded(k, 32)
+    q = torch.empty(m * kp, dtype=torch.uint8 if lib.batchgen_q8_act_bytes() == 1 else torch.int16)
+    sa, mn = torch.empty(m * kp // 32), torch.empty(m * kp // 32)
+    fn = lib.q8_quant_act_bf16 if x.dtype == torch.bfloat16 else lib.q8_quant_act_f32
+    fn(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(), sa.data_ptr(), mn.data_ptr(), 2)
+    return q.int().view(m, kp), sa.view(m, -1), mn.view(m, -1)
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quants_identical_in_every_build(libs, build, dtype):
+    """The vector quantizers (whole groups of 32) give exactly the portable loop's quants, scales and minima,
+    including a partial last group (K = 100), constant groups (scale 0) and exact .5 roundings."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 100, generator=g) * 3 + 0.5
+    x[1, :32] = 1.25                                        # a constant group
+    x[2, :32] = torch.arange(32) * (1 / 255) * 255 / 31     # values landing on .5 steps
+    x[3, 32:64] = torch.tensor([0.0, 255.0] * 16)           # the full range, integer quants
+    x = x.to(dtype)
+    got, ref = _quant_act(_lib(libs, build), x), _quant_act(libs["portable"], x)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert int(got[0].max()) == 255 and int(got[0].min()) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_dequantized(libs, dtype):
     w = torch.randn(100, 72)

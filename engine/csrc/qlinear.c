@@ -57,9 +57,82 @@ static inline float load_x(const void *x, int is_bf16, size_t i) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
+/* One whole group of 32 (k0 + 32 <= K) in vector registers: the same values as the scalar loop below (min and
+ * max are exact, (x - lo) * inv is the same float arithmetic, and vcvtps2dq rounds to nearest even like lrintf
+ * under the default rounding mode); tests compare every build's quants with the portable build's. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline __m512 load16(const void *x, int is_bf16, size_t i) {
+    if (is_bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)x + i);
+}
+static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn) {
+    const __m512 a = load16(x, is_bf16, i), b = load16(x, is_bf16, i + 16);
+    const float lo = _mm512_reduce_min_ps(_mm512_min_ps(a, b)), hi = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+    const float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    *sa = s;
+    *mn = lo;
+    const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv);
+    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, vlo), vinv));
+    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(b, vlo), vinv));
+    qa = _mm512_min_epi32(_mm512_max_epi32(qa, zero), top);
+    qb = _mm512_min_epi32(_mm512_max_epi32(qb, zero), top);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+}
+#define HAVE_QUANT_GROUP 1
+#elif defined(__AVX2__)
+static inline __m256 load8(const void *x, int is_bf16, size_t i) {
+    if (is_bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)x + i);
+}
+static inline float hmin8(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_min_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn) {
+    __m256 v[4];
+    for (int j = 0; j < 4; j++) v[j] = load8(x, is_bf16, i + 8 * j);
+    const float lo = hmin8(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
+    const float hi = hmax8(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
+    const float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    *sa = s;
+    *mn = lo;
+    const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv);
+    const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(255);
+    for (int j = 0; j < 4; j += 2) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v[j], vlo), vinv));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v[j + 1], vlo), vinv));
+        a = _mm256_min_epi32(_mm256_max_epi32(a, zero), top);
+        b = _mm256_min_epi32(_mm256_max_epi32(b, zero), top);
+        /* int32 -> int16 (values 0..255, no saturation), packs works per 128-bit lane: fix the order */
+        _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
+}
+#define HAVE_QUANT_GROUP 1
+#endif
+
 static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qact_t *q, float *sa, float *mn) {
     for (int g = 0; g * QK < Kp; g++) {
         const int k0 = g * QK, k1 = k0 + QK < K ? k0 + QK : K;
+#ifdef HAVE_QUANT_GROUP
+        if (k1 - k0 == QK) {
+            quant_group(x, is_bf16, off + k0, q + k0, sa + g, mn + g);
+            continue;
+        }
+#endif
         float lo = 0.0f, hi = 0.0f;
         if (k0 < K) {
             lo = hi = load_x(x, is_bf16, off + k0);

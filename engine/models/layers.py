@@ -219,7 +219,8 @@ class CausalLM(nn.Module):
             logits = hidden @ head.weight.t()
         cap = self.config.final_logit_softcapping
         if cap:
-            logits = torch.tanh(logits.float() / cap) * cap
+            # in place on the fresh logits (float() copies bf16 ones): no extra [N, vocab] temporaries
+            logits = logits.float().div_(cap).tanh_().mul_(cap)
         return logits
 
 
