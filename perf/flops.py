@@ -123,6 +123,18 @@ def keys_read(windows: tuple[tuple[int | None, int], ...], context_len):
     return sum(k * (context_len if w is None else np.minimum(context_len, w)) for w, k in windows)
 
 
+def keys_read_range(windows: tuple[tuple[int | None, int], ...], lo: int, hi: int) -> int:
+    """``sum(keys_read(windows, c) for c in range(lo, hi + 1))`` in closed form (a prefill chunk's queries)."""
+    if hi < lo:
+        return 0
+
+    def upto(n: int, w: int | None) -> int:         # sum of min(c, w) for c = 1..n
+        if w is None or n <= w:
+            return n * (n + 1) // 2
+        return w * (w + 1) // 2 + w * (n - w)
+    return sum(k * (upto(hi, w) - upto(lo - 1, w)) for w, k in windows)
+
+
 def kv_read_bytes(config: ModelConfig, context_len: int, dtype_bytes: int) -> int:
     """K/V bytes one query at context ``context_len`` (itself included) reads, all layers, window-limited."""
     return int(kv_bytes_per_token_layer(config, dtype_bytes) * keys_read(window_counts(config), context_len))

@@ -91,7 +91,7 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
         flops = nbytes = attn = 0.0
         sampled = 0
         for r, n in chunks:
-            attn += per_key * keys(np.arange(r.pos + 1, r.pos + n + 1))
+            attn += per_key * F.keys_read_range(windows, r.pos + 1, r.pos + n)
             flops += lin_tok * n
             nbytes += kv_tok * float(F.keys_read(windows, r.pos)) + kv_tok * config.num_hidden_layers * n
             r.pos += n

@@ -168,6 +168,19 @@ class PromptRenderer:
             return [e.ids for e in encode(documents, add_special_tokens=False)]
         return list(self.tokenizer(documents, add_special_tokens=False)["input_ids"])
 
+    def document_lengths(self, documents: list[str]) -> list[int]:
+        """Token counts of many documents (dry runs): exact, from cached pieces where the tokenizer allows
+        (``pipeline.token_count``), else the Rust encodings' lengths, never turned into lists."""
+        from pipeline.token_count import counter_for
+        counter = counter_for(self.tokenizer) if documents else None
+        if counter is not None:
+            return counter.lengths(documents)
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if isinstance(backend, _RustTokenizer) and documents:
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return [len(e) for e in encode(documents, add_special_tokens=False)]
+        return [len(ids) for ids in self.document_ids(documents)]
+
     def fit(self, head: tuple[int, ...], doc: list[int], tail: tuple[int, ...], max_model_len: int,
             max_tokens: int) -> list[int]:
         """Apply the job's ``on_too_long`` policy: the prompt plus ``max_tokens`` must fit the context.
@@ -200,6 +213,29 @@ def row_key(row_id: str, content: str, fingerprint: str) -> str:
     h.update(b"\0")
     h.update(content.encode("utf-8", "surrogatepass"))
     return f"{row_id}#{h.hexdigest()[:20]}"
+
+
+class RowKeyer:
+    """``row_key`` for many rows that share prompt heads: the hash state after fingerprint + head is computed
+    once per distinct head and copied, so each row hashes only its document and tail (the same keys)."""
+
+    def __init__(self, fingerprint: str):
+        self._fingerprint = fingerprint
+        self._heads: dict[str, "hashlib._Hash"] = {}
+
+    def key(self, row_id: str, head: str, rest: str) -> str:
+        base = self._heads.get(head)
+        if base is None:
+            if len(self._heads) >= 4096:         # heads unique per row: stay bounded
+                self._heads.clear()
+            base = hashlib.sha256()
+            base.update(self._fingerprint.encode())
+            base.update(b"\0")
+            base.update(head.encode("utf-8", "surrogatepass"))
+            self._heads[head] = base
+        h = base.copy()
+        h.update(rest.encode("utf-8", "surrogatepass"))
+        return f"{row_id}#{h.hexdigest()[:20]}"
 
 
 def fingerprint(*parts) -> str:

@@ -79,3 +79,10 @@ def test_decode_step_bytes_window_limited():
 def test_config_round_trip():
     cfg = gemma_270m()
     assert flops.from_dict(flops.to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 1), (1, 700), (300, 900), (512, 513), (600, 2000), (5, 4)])
+def test_keys_read_range_is_the_sum_of_keys_read(lo, hi):
+    """The closed form the time prediction uses for a prefill chunk equals summing query by query."""
+    windows = flops.window_counts(gemma_270m())
+    assert flops.keys_read_range(windows, lo, hi) == sum(flops.keys_read(windows, c) for c in range(lo, hi + 1))
