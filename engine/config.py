@@ -35,6 +35,9 @@ class EngineConfig:
                                              # "off", "auto", or {method: ngram, num_speculative_tokens, ...}
     quantization: str = "none"               # none: weights in `dtype` (GGUF dequantized at load) | int8: int8
                                              # weights, integer dot products (CPU) | auto (engine.quantization)
+    kv_cache_dtype: str = "auto"             # auto: the activation dtype | bfloat16 | float32 (vLLM's name).
+                                             # bfloat16 under float32 activations (int8's): half the KV bytes,
+                                             # attention in bf16 (engine.attention.torch_backend)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -49,6 +52,8 @@ class EngineConfig:
         SpecConfig.parse(self.speculative_config)      # raises ConfigError naming what is wrong
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flash_attn"):
             raise ConfigError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

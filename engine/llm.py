@@ -65,7 +65,7 @@ class LLM:
             cpu_kernels.load()                     # built once per CPU and source version, then cached
         marks("kernels_s")
         num_blocks = setup.num_kv_blocks
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.dtype, self.device, self.backend,
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, setup.kv_dtype, self.device, self.backend,
                                   cfg.seed)
         self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len, speculator=_speculator(cfg, self.model))
         marks("kv_cache_s")

@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import AttentionBackend, get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.dtype_policy import DtypeChoice, choose_dtype, log_choice
+from engine.dtype_policy import DTYPES, DtypeChoice, choose_dtype, cpu_has_bf16_matmul, log_choice
 from engine.errors import ConfigError
 from engine.interface import EngineInfo
 from engine.loader import ModelSource, load_model_config, resolve_model
@@ -43,6 +43,10 @@ class EngineSetup:
     @property
     def dtype(self) -> torch.dtype:
         return self.dtype_choice.torch_dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.config.kv_cache_dtype]
 
     def info(self, **extra) -> EngineInfo:
         cfg = self.config
@@ -85,16 +89,27 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
     max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     cfg = dataclasses.replace(cfg, dtype=choice.dtype, device=str(device), block_size=block_size,
                               max_model_len=max_model_len, quantization=quant.name)
-    blocks = num_kv_blocks(cfg, mcfg, choice.torch_dtype, device, block_size, max_model_len)
+    kv = choice.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    if kv != choice.dtype:
+        if device.type != "cpu":
+            raise ConfigError(f"kv_cache_dtype: {kv} differs from dtype {choice.dtype}; on {device.type} the KV "
+                              "cache is kept in the activation dtype (use auto)")
+        if kv == "bfloat16" and not cpu_has_bf16_matmul():
+            log.warning("kv_cache_dtype: bfloat16 on a CPU without bf16 matmul units: attention runs in bf16 "
+                        "through torch's slow fallback (use auto)")
+    cfg = dataclasses.replace(cfg, kv_cache_dtype=kv)
+    blocks = num_kv_blocks(cfg, mcfg, DTYPES[kv], device, block_size, max_model_len)
     return EngineSetup(cfg, source, mcfg, model_identity(source), device, choice, quant, backend, blocks)
 
 
 class PlanningEngine:
     """The ``engine.Engine`` door for dry runs: settings, model shape and tokenizer; no weights, no KV pool."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args):
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", setup: EngineSetup | None = None,
+                 **engine_args):
+        """``setup``: one already resolved for these arguments (validation's), else resolved here."""
         from engine.tokenizer import load_tokenizer
-        self.setup = setup_engine(model, dtype, **engine_args)
+        self.setup = setup or setup_engine(model, dtype, **engine_args)
         log_choice(self.setup.dtype_choice)
         self.config = self.setup.config
         self.model_config = self.setup.model_config

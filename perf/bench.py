@@ -10,6 +10,7 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
     batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix)
     batchgen-nocache  prefix caching off, same order
     batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8)
+    batchgen-int8-bf16kv  the same with ``kv_cache_dtype: bfloat16`` (not in the default systems)
     batchgen-spec     prefix caching on, ``speculative_config: auto`` (n-gram drafts where gating says they pay)
     llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):
                       documents in group order, one Llama object keeping its KV between prompts (prefix
@@ -47,13 +48,13 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_MODEL
-from perf import BENCH_SHAPES, BENCH_SYSTEMS
+from perf import BENCH_EXTRA_SYSTEMS, BENCH_SHAPES, BENCH_SYSTEMS
 from perf.roofline import Roofline
 from perf.stats import percentiles
 
 # ---- workloads ---------------------------------------------------------------------------------------
 
-SYSTEMS = BENCH_SYSTEMS
+SYSTEMS = BENCH_SYSTEMS + BENCH_EXTRA_SYSTEMS     # the default run: BENCH_SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class BenchOptions:
     model: str = DEFAULT_MODEL
     dtype: str = "bfloat16"
     threads: int | None = None
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = BENCH_SYSTEMS
     hf_batch_sizes: tuple[int, ...] = DEFAULT_HF_BATCH_SIZES
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -256,9 +257,12 @@ def _say(opts: BenchOptions, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-BATCHGEN_VARIANTS = {"batchgen": (True, "none", None), "batchgen-nocache": (False, "none", None),
-                     "batchgen-int8": (True, "int8", None),
-                     "batchgen-spec": (True, "none", "auto")}   # name -> (prefix caching, quantization, speculation)
+# name -> (prefix caching, quantization, speculation, kv_cache_dtype)
+BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache": (False, "none", None, "auto"),
+                     "batchgen-int8": (True, "int8", None, "auto"),
+                     "batchgen-int8-bf16kv": (True, "int8", None, "bfloat16"),
+                     "batchgen-spec": (True, "none", "auto", "auto")}
+INT8_SYSTEMS = ("batchgen-int8", "batchgen-int8-bf16kv")
 
 
 def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
@@ -266,12 +270,12 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    prefix_caching, quantization, spec = BATCHGEN_VARIANTS[name]
+    prefix_caching, quantization, spec, kv_dtype = BATCHGEN_VARIANTS[name]
     t = time.monotonic()
     # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway
     dtype = opts.dtype if quantization == "none" or opts.dtype == "float32" else "auto"
     llm = LLM(opts.model, dtype=dtype, enable_prefix_caching=prefix_caching, quantization=quantization,
-              speculative_config=spec, **opts.engine_args())
+              speculative_config=spec, kv_cache_dtype=kv_dtype, **opts.engine_args())
     _say(opts, f"{name}: loaded in {time.monotonic() - t:.1f} s; warming up")
     T = opts.workload.output_tokens
     llm.generate(_warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
@@ -725,16 +729,17 @@ def ratios(results: list[SystemResult]) -> dict:
         a, b = sp.extra.get("decode_tokens_per_s"), on.extra.get("decode_tokens_per_s")
         if a and b:
             out["spec_vs_nospec_decode_tokens_per_s"] = a / b
-    q8, peer = by.get("batchgen-int8"), next((r for r in ok if r.system == "llama.cpp"), None)
-    if q8 and on:
-        out["batchgen_int8_vs_batchgen"] = on.wall_s / q8.wall_s
-        a, b = q8.extra.get("decode_step_ms_widest"), on.extra.get("decode_step_ms_widest")
-        if a and b:
-            out["int8_vs_float_decode_step"] = b / a
+    peer = next((r for r in ok if r.system == "llama.cpp"), None)
+    for q8 in filter(None, (by.get(n) for n in INT8_SYSTEMS)):
+        key = q8.system.replace("batchgen-", "").replace("-", "_")           # int8, int8_bf16kv
+        if on:
+            out[f"batchgen_{key}_vs_batchgen"] = on.wall_s / q8.wall_s
+            a, b = q8.extra.get("decode_step_ms_widest"), on.extra.get("decode_step_ms_widest")
+            if a and b:
+                out[f"{key}_vs_float_decode_step"] = b / a
     if peer:
-        for r in (on, q8):
-            if r:
-                out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
+        for r in filter(None, (on, *(by.get(n) for n in INT8_SYSTEMS))):
+            out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
     return out
 
 
@@ -781,10 +786,11 @@ def format_table(result: dict) -> str:
                      f"{r['batchgen_nocache_vs_best_transformers']:.2f}x")
     if "batchgen_vs_batchgen_nocache" in r:
         lines.append(f"batchgen cache on vs cache off: {r['batchgen_vs_batchgen_nocache']:.2f}x")
-    if "batchgen_int8_vs_batchgen" in r:
-        lines.append(f"batchgen int8 vs batchgen {env['dtype']}: {r['batchgen_int8_vs_batchgen']:.2f}x wall"
-                     + (f", {r['int8_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
-                        if "int8_vs_float_decode_step" in r else ""))
+    for key, label in (("int8", "int8"), ("int8_bf16kv", "int8 (bf16 KV)")):
+        if f"batchgen_{key}_vs_batchgen" in r:
+            lines.append(f"batchgen {label} vs batchgen {env['dtype']}: {r[f'batchgen_{key}_vs_batchgen']:.2f}x wall"
+                         + (f", {r[f'{key}_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
+                            if f"{key}_vs_float_decode_step" in r else ""))
     if "batchgen_spec_vs_batchgen" in r:
         sp = next((x for x in result["systems"] if x["system"] == "batchgen-spec"), {})
         rate = sp.get("extra", {}).get("acceptance_rate")
@@ -793,7 +799,8 @@ def format_table(result: dict) -> str:
                         if "spec_vs_nospec_decode_tokens_per_s" in r else "")
                      + (f"; acceptance {rate:.0%} of {sp['extra']['draft_tokens']} drafts" if rate is not None
                         else "; gating kept it off"))
-    for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8")):
+    for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8"),
+                       ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)")):
         if key in r:
             lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
     if env.get("calibration"):

@@ -45,10 +45,11 @@ class Prediction:
 
 def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_batched_tokens: int,
             max_num_seqs: int, matmul_flops: float, memory_bandwidth: float,
-            small_m_flops: float | None = None) -> Prediction:
+            small_m_flops: float | None = None, fast_forward: bool = True) -> Prediction:
     """``prompt_len`` / ``cached`` / ``max_tokens``: per request, in plan (admission) order. ``matmul_flops`` is
     the calibrated rate of large matmuls, ``small_m_flops`` that of 16-row ones (decode-sized; default: the same):
-    a step's matmuls of M rows run at the log-interpolated rate between the two."""
+    a step's matmuls of M rows run at the log-interpolated rate between the two. ``fast_forward=False`` prices
+    decode-only stretches step by step too (the tests compare the two: equal to the last bit)."""
 
     def rate(rows: int) -> float:
         return matmul_rate(rows, matmul_flops, small_m_flops) * ENGINE_EFFICIENCY
@@ -72,6 +73,25 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     t_pre = t_dec = 0.0
     steps = 0
     while waiting or running:
+        if (fast_forward and running and all(r.decoding for r in running) and len(running) <= max_num_batched_tokens
+                and (not waiting or len(running) >= max_num_seqs)):
+            # Decode-only steps until the first request finishes: nothing else can change in between, so they
+            # are priced together (the same per-step arithmetic, elementwise, summed in step order).
+            n, k = len(running), min(r.left for r in running)
+            ctx = np.asarray([r.pos + 1 for r in running], dtype=np.int64)[:, None] + np.arange(k)[None, :]
+            keys_k = F.keys_read(windows, ctx).sum(axis=0).astype(np.float64)
+            flops = lin_tok * n
+            nbytes = kv_tok * keys_k + kv_tok * config.num_hidden_layers * n + w_all
+            ts = (np.maximum(flops / rate(n), nbytes / memory_bandwidth) + head_row * n / rate(n)
+                  + per_key * keys_k / rate(512) + STEP_OVERHEAD_S)
+            for t in ts.tolist():
+                t_dec += t
+            steps += k
+            for r in running:
+                r.pos += k
+                r.left -= k
+            running = [r for r in running if r.left > 0]
+            continue
         budget = max_num_batched_tokens
         decodes = [r for r in running if r.decoding][:budget]            # decodes first: one token each
         budget -= len(decodes)

@@ -2,7 +2,8 @@
 
     batchgen bench --quality [--model M] [--positions 2000]
 
-Each variant (float32 / bfloat16 / int8 weights with float32 activations / int8 with bf16 activations) runs
+Each variant (float32 / bfloat16 / int8 weights with float32 activations, with its KV cache and attention in
+float32 or, ``kv_cache_dtype: bfloat16``, in bf16 / int8 with bf16 activations) runs
 the same token sequences (the sample documents under their system prompt and reference) through the model in
 one prefill per sequence; at every position we compare its next-token distribution with float32's: top-1
 agreement and mean KL(fp32 || variant). The bar int8 must meet: top-1 agreement >= bf16's and mean KL <= 2x
@@ -21,8 +22,11 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import bind_kv_caches
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "documents.parquet"
-VARIANTS = (("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
-            ("int8 (fp32 act.)", "float32", "int8"), ("int8 (bf16 act.)", "bfloat16", "int8"))
+# (name, dtype, quantization, kv_cache_dtype)
+VARIANTS = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "none", "auto"),
+            ("int8 (fp32 act.)", "float32", "int8", "auto"),
+            ("int8 (fp32 act., bf16 KV)", "float32", "int8", "bfloat16"),
+            ("int8 (bf16 act.)", "bfloat16", "int8", "auto"))
 
 
 def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, native: bool | None = None):
@@ -82,12 +86,13 @@ def measure(model: str = "gemma-3-270m", positions: int = 2000, variants=VARIANT
     from engine import LLM
     ref_lp: list[torch.Tensor] = []
     results, seqs = {}, None
-    for name, dtype, quant in variants:
-        llm = LLM(model, dtype=dtype, quantization=quant, kv_cache_memory=64 << 20)
+    for name, dtype, quant, kv in variants:
+        llm = LLM(model, dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_memory=64 << 20)
         seqs = seqs or sample_sequences(llm.get_tokenizer(), positions)
         agree = kl = n = 0.0
         for i, s in enumerate(seqs):
-            lp = F.log_softmax(sequence_logits(llm.model, s, [len(s)], 16, dtype=llm.dtype).float(), -1)
+            kv_dtype = llm.runner.kv_caches[0][0].dtype
+            lp = F.log_softmax(sequence_logits(llm.model, s, [len(s)], 16, dtype=kv_dtype).float(), -1)
             if name == variants[0][0]:              # the reference
                 ref_lp.append(lp)
                 continue
@@ -98,7 +103,7 @@ def measure(model: str = "gemma-3-270m", positions: int = 2000, variants=VARIANT
         if n:
             results[name] = {"top1": agree / n, "kl": kl / n, "positions": int(n),
                              "weight_mb": round(llm.info.weight_bytes / 1e6, 1)}
-            log(f"{name:18s} top-1 agreement {agree / n:.4f}  mean KL {kl / n:.6f}  weights "
+            log(f"{name:26s} top-1 agreement {agree / n:.4f}  mean KL {kl / n:.6f}  weights "
                 f"{llm.info.weight_bytes / 1e6:.0f} MB")
         del llm
         gc.collect()

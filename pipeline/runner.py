@@ -98,7 +98,9 @@ def default_llm_factory(model: str, engine_args: dict) -> Engine:
 def planning_llm_factory(model: str, engine_args: dict) -> Engine:
     """Dry runs (``batchgen plan``): settings, model shape and tokenizer only; no weights, no KV pool."""
     from engine import PlanningEngine
-    return PlanningEngine(model=model, **engine_args)
+    from pipeline.validate import engine_setup
+    # the setup validation resolved for these settings (cached per process): not resolved a second time
+    return PlanningEngine(setup=engine_setup(model, json.dumps(engine_args, sort_keys=True, default=str)))
 
 
 def merge_engine_args(jobs: list[Job]) -> dict:

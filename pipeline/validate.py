@@ -121,7 +121,7 @@ def _model_problems(job: Job) -> list[Problem]:
     settings as the engine would resolve them (dtype, backend, KV pool), without loading weights."""
     from engine import BatchgenError, ConfigError
     try:
-        setup = _engine_setup(job.model, json.dumps(job.engine, sort_keys=True, default=str))
+        setup = engine_setup(job.model, json.dumps(job.engine, sort_keys=True, default=str))
     except ConfigError as e:
         return [job.problem("engine", str(e))]
     except BatchgenError as e:
@@ -142,8 +142,8 @@ def kv_pool_problem(num_blocks: int | None, block_size: int, max_num_seqs: int) 
 
 
 @functools.lru_cache(maxsize=16)
-def _engine_setup(model: str, engine_json: str):
-    """Jobs on one model with the same engine settings resolve once per process."""
+def engine_setup(model: str, engine_json: str):
+    """Jobs on one model with the same engine settings resolve once per process (validation and the plan)."""
     from engine.setup import setup_engine
     return setup_engine(model, **json.loads(engine_json))
 

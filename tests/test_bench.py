@@ -35,7 +35,7 @@ def quick_result(tiny_dir, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("BATCHGEN_CACHE_DIR", str(tmp_path_factory.mktemp("bench_cache")))   # quick calibration, not ~
     try:
-        opts = options_from("shared-prefix", quick=True, model=tiny_dir, dtype="float32", log=False)
+        opts = options_from("shared-prefix", quick=True, model=tiny_dir, dtype="float32", log=False, systems=SYSTEMS)
         partials = []
         result = run_bench(opts, partials.append)
     finally:

@@ -53,3 +53,18 @@ def test_plan_subset_keeps_positions():
     plan = make_plan([(1, 2, 3), (4, 5, 6)], np.array([0, 1, 0, 1]), np.array([40, 40, 40, 40]), 2)
     sub = plan.subset(plan.group == 0)
     assert sub.num_requests == 2 and (sub.group == 0).all() and sub.prompt_tokens == 80
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_stretches_priced_together_equal_step_by_step(seed):
+    """The fast-forward over decode-only stretches gives the step-by-step prediction to the last bit, on a
+    windowed model, with full and part-full batches, uneven outputs and memory-bound steps."""
+    rng = np.random.default_rng(seed)
+    n = 300
+    prompt = rng.integers(5, 3000, n)
+    cached = (prompt * rng.random(n) * 0.8).astype(np.int64)
+    out = rng.integers(1, 80, n)
+    args = (prompt, cached, out, gemma_270m(), 2, int(rng.choice([512, 4096])), int(rng.choice([8, 64, 128])))
+    kw = dict(matmul_flops=4e11, memory_bandwidth=3e10, small_m_flops=1e11)
+    fast, slow = P.predict(*args, **kw), P.predict(*args, **kw, fast_forward=False)
+    assert fast == slow and fast.steps > n

@@ -36,8 +36,11 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 window: int | None, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k/v into the cache, returns [T, Hq, D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache                                  # [N_blocks, bs, Hkv, D]
+        if k_cache.dtype != q.dtype:         # kv_cache_dtype: attention runs in the cache's dtype, output cast back
+            low = k_cache.dtype
+            return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
         nd = meta.num_decode_seqs
