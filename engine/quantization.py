@@ -7,14 +7,19 @@
     auto       any     any                                      none, until int8 is measured faster (below)
 
 ``auto`` may choose int8 only where it was measured faster end to end *and* passes the quality bar (top-1
-agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). int8
-passes the bar only with float32 activations (with bf16 ones top-1 falls to 0.973 vs bf16's 0.982 on
-gemma-3-270m), and measured on a 2-core AMD EPYC Zen 4 (AVX512-VNNI) that is not faster than bf16 on the
-prefill-heavy ``shared-prefix`` bench (35.4 s vs 33.8 s: the int8 matmuls run at bf16's rate, ~350-420 GOP/s,
-and float32 attention costs twice bf16's); its decode-only steps are 1.2x faster and its weights 0.63x
-bf16's. On AVX2-only CPUs the int8 path (vpmaddwd) runs below torch's float32 matmul (~100-150 vs ~110-180
-GOP/s, measured with the forced AVX2 build on that Zen 4). So ``auto`` resolves to none everywhere today;
-``int8`` is an explicit choice for memory or decode-bound work.
+agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). Measured on
+a 2-core AMD EPYC Zen 4 (AVX512-VNNI, AVX512-BF16), ``batchgen bench shared-prefix``, one run:
+
+    int8, float32 activations and KV     passes the bar (top-1 0.9833, KL 0.00101)   0.89x bf16's wall time
+    int8, float32 activations, bf16 KV   top-1 0.9819 < bf16's 0.9824, KL 0.00112     1.30x bf16's wall time
+    int8, bf16 activations               top-1 0.9733, KL 0.00166                      (fails clearly)
+
+The int8 matmuls themselves run at 500-570 GOP/s against torch bf16's 380-410; with float32 activations the
+attention runs in float32 at half bf16's rate, which eats the gain. The one variant that is faster misses the
+top-1 criterion by one position of 2,100 (which moves by a few positions under any perturbation: a chunked
+teacher-forced run gives bf16 2,062 and int8 2,058). On AVX2-only CPUs the int8 path (vpmaddwd) runs at about
+float32 matmul's rate. So ``auto`` resolves to none everywhere today; ``int8`` is an explicit choice (0.63x
+bf16's weight memory; with ``kv_cache_dtype: bfloat16`` the fastest configuration on bf16-capable CPUs).
 """
 from __future__ import annotations
 
