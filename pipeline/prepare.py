@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,89 +241,108 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
     row_idx = 0
     gc_was_on = gc.isenabled()
     gc.disable()    # millions of small id lists: the cyclic collector's passes cost ~15% of a large plan
-    try:
-        for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
-                                  job.input.split, job.input.limit):
-            rows = batch.to_pylist()
-            keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": [], "params": []}
-            rendered: list = []
-            for i, row in enumerate(rows):
-                rid = str(row[id_col]) if id_col else str(row_idx + i)
-                if id_col and row[id_col] is None:
-                    rid = f"<null id at row {row_idx + i}>"
-                if rid in seen_ids and not job.input.allow_duplicate_ids:
-                    raise RunError(f"{job.file}: input.id_column {id_col!r}: id {rid!r} appears more than "
-                                   f"once (again at row {row_idx + i}); ids must be unique, or set "
-                                   "input.allow_duplicate_ids: true")
-                seen_ids.add(rid)
-                pidx = 0
+
+    def render_rows(rows: list[dict], row_idx: int) -> list:
+        rendered: list = []
+        for i, row in enumerate(rows):
+            rid = str(row[id_col]) if id_col else str(row_idx + i)
+            if id_col and row[id_col] is None:
+                rid = f"<null id at row {row_idx + i}>"
+            if rid in seen_ids and not job.input.allow_duplicate_ids:
+                raise RunError(f"{job.file}: input.id_column {id_col!r}: id {rid!r} appears more than "
+                               f"once (again at row {row_idx + i}); ids must be unique, or set "
+                               "input.allow_duplicate_ids: true")
+            seen_ids.add(rid)
+            pidx = 0
+            try:
+                rr = r.render(row)
+                if rr.params:
+                    pidx = jr.params_index(rr.params)
+                key = keyer.key(rid, rr.head, rr.document + rr.tail + (f"\0{rr.params!r}" if rr.params else ""))
+            except RowError as e:
+                rr, key = e, row_key(rid, "error:" + str(e) + repr(sorted(row.items(), key=str)),
+                                     jr.fingerprint)
+            rendered.append((rid, rr, key, pidx))
+        return rendered
+
+    def tokenize(docs: list[str]) -> list:
+        # NOTE: a dry run needs only lengths: range(n) stands in for n ids (len and slicing behave alike)
+        return [range(n) for n in r.document_lengths(docs)] if dry_run else r.document_ids(docs)
+
+    def finish(rows: list[dict], row_idx: int, rendered: list, todo: list[int], tokenized) -> None:
+        doc_ids = dict(zip(todo, tokenized.result()))
+        keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": [], "params": []}
+        for k, (rid, rr, key, pidx) in enumerate(rendered):
+            keys.append(key)
+            digest.update(key.encode() + b"\n")
+            if key in done_keys or key in seen_keys:
+                jr.reused += key in done_keys
+                continue
+            seen_keys.add(key)
+            if rid in done_ids:
+                jr.changed += 1
+            chunks = None
+            if not isinstance(rr, RowError):
+                head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
+                row_max = jr.param_sets[pidx].max_tokens
                 try:
-                    rr = r.render(row)
-                    if rr.params:
-                        pidx = jr.params_index(rr.params)
-                    key = keyer.key(rid, rr.head, rr.document + rr.tail + (f"\0{rr.params!r}" if rr.params else ""))
+                    ids = r.fit(head, doc_ids[k], tail, max_len, row_max)
                 except RowError as e:
-                    rr, key = e, row_key(rid, "error:" + str(e) + repr(sorted(row.items(), key=str)),
-                                         jr.fingerprint)
-                rendered.append((rid, rr, key, pidx))
-            todo = [k for k, (_, rr, key, _) in enumerate(rendered)
-                    if not isinstance(rr, RowError) and key not in done_keys and key not in seen_keys]
-            docs = [rendered[k][1].document for k in todo]
-            # NOTE: a dry run needs only lengths: range(n) stands in for n ids (len and slicing behave alike)
-            doc_ids = dict(zip(todo, [range(n) for n in r.document_lengths(docs)] if dry_run
-                               else r.document_ids(docs)))
-            for k, (rid, rr, key, pidx) in enumerate(rendered):
-                keys.append(key)
-                digest.update(key.encode() + b"\n")
-                if key in done_keys or key in seen_keys:
-                    jr.reused += key in done_keys
-                    continue
-                seen_keys.add(key)
-                if rid in done_ids:
-                    jr.changed += 1
-                chunks = None
-                if not isinstance(rr, RowError):
-                    head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
-                    row_max = jr.param_sets[pidx].max_tokens
-                    try:
-                        ids = r.fit(head, doc_ids[k], tail, max_len, row_max)
-                    except RowError as e:
-                        room = max_len - row_max - len(head) - len(tail)
-                        if job.prompt.on_too_long == "map_reduce" and room > 0:
-                            chunks = pack(r.document_ids(split_text(rr.document)), room)
-                        else:
-                            rr = e
-                if isinstance(rr, RowError):
-                    _row_error(jr, key, str(rr), row_idx + k, fail_fast)
-                    continue
-                gid = head_index.setdefault("\0".join((rr.head, str(job.prompt.chat_template))), len(heads))
-                if gid == len(heads):
-                    heads.append(head)
-                tail_id = jr.tails.setdefault(tail, len(jr.tails))
-                if chunks is not None:          # on_too_long: map_reduce (pipeline.map_reduce)
-                    ckeys = [chunk_key(key, c, len(chunks)) for c in range(len(chunks))]
-                    jr.long_rows[key] = LongRow(key, gid, tail_id, pidx, len(chunks), keys=ckeys,
-                                                head_len=len(head), tail_len=len(tail))
-                    todo_chunks = [(ck, c) for ck, c in zip(ckeys, chunks) if ck not in done_keys]
-                else:
-                    todo_chunks = [(key, ids)]
-                for ck, c in todo_chunks:
-                    groups.append(gid)
-                    lens.append(len(head) + len(c) + len(tail))
-                    spill["row_key"].append(ck)
-                    spill["group"].append(gid)
-                    spill["doc_ids"].append(c)
-                    spill["tail"].append(tail_id)
-                    spill["params"].append(pidx)
-            if keys_w is not None:
-                keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
-                                                    pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
-                if spill["row_key"]:
-                    spill_w.write_batch(pa.record_batch(spill, schema=SPILL_SCHEMA))
-            row_idx += len(rows)
-            if not dry_run and len(jr.pending) >= commit_rows:
-                jr.state.commit(jr.pending)
-                jr.pending = []
+                    room = max_len - row_max - len(head) - len(tail)
+                    if job.prompt.on_too_long == "map_reduce" and room > 0:
+                        chunks = pack(r.document_ids(split_text(rr.document)), room)
+                    else:
+                        rr = e
+            if isinstance(rr, RowError):
+                _row_error(jr, key, str(rr), row_idx + k, fail_fast)
+                continue
+            gid = head_index.setdefault("\0".join((rr.head, str(job.prompt.chat_template))), len(heads))
+            if gid == len(heads):
+                heads.append(head)
+            tail_id = jr.tails.setdefault(tail, len(jr.tails))
+            if chunks is not None:          # on_too_long: map_reduce (pipeline.map_reduce)
+                ckeys = [chunk_key(key, c, len(chunks)) for c in range(len(chunks))]
+                jr.long_rows[key] = LongRow(key, gid, tail_id, pidx, len(chunks), keys=ckeys,
+                                            head_len=len(head), tail_len=len(tail))
+                todo_chunks = [(ck, c) for ck, c in zip(ckeys, chunks) if ck not in done_keys]
+            else:
+                todo_chunks = [(key, ids)]
+            for ck, c in todo_chunks:
+                groups.append(gid)
+                lens.append(len(head) + len(c) + len(tail))
+                spill["row_key"].append(ck)
+                spill["group"].append(gid)
+                spill["doc_ids"].append(c)
+                spill["tail"].append(tail_id)
+                spill["params"].append(pidx)
+        if keys_w is not None:
+            keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
+                                                pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
+            if spill["row_key"]:
+                spill_w.write_batch(pa.record_batch(spill, schema=SPILL_SCHEMA))
+        if not dry_run and len(jr.pending) >= commit_rows:
+            jr.state.commit(jr.pending)
+            jr.pending = []
+
+    try:
+        # Two stages, one batch apart: the next batch renders (Python) while this one's documents tokenize on
+        # a worker thread (the Rust tokenizer and Arrow's kernels run without the GIL). Rendering a batch ahead
+        # of the previous one's keys may tokenize a duplicate the second stage then skips: harmless.
+        with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
+            inflight = None
+            for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
+                                      job.input.split, job.input.limit):
+                rows = batch.to_pylist()
+                rendered = render_rows(rows, row_idx)
+                todo = [k for k, (_, rr, key, _) in enumerate(rendered)
+                        if not isinstance(rr, RowError) and key not in done_keys and key not in seen_keys]
+                future = pool.submit(tokenize, [rendered[k][1].document for k in todo])
+                if inflight is not None:
+                    finish(*inflight)
+                inflight = (rows, row_idx, rendered, todo, future)
+                row_idx += len(rows)
+            if inflight is not None:
+                finish(*inflight)
     finally:
         if gc_was_on:
             gc.enable()
