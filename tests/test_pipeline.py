@@ -206,3 +206,27 @@ def test_output_as_a_pyarrow_fs_uri(tmp_path, make_docs_dataset, fake_llm_factor
     (remote / "digest.parquet").unlink()
     [report] = run([write_job(tmp_path, "file", data, out=f"file://{remote / 'digest.parquet'}")], fake_llm_factory)
     assert report.jobs[0].up_to_date and pq.read_table(remote / "digest.parquet").num_rows == 12
+
+
+def test_duplicate_rows_across_batch_boundaries_run_once(tmp_path, make_docs_dataset, fake_llm_factory):
+    """Rendering runs one batch ahead of key bookkeeping (prepare's two stages): identical rows in different
+    input batches still give one engine request, one output row per input row, and the same plan as one batch."""
+    import pyarrow as pa
+    rows = pq.read_table(make_docs_dataset(n=7)).to_pylist()
+    rows = rows + rows[:4] + rows[2:5]                       # repeats land in later batches of 3
+    data = tmp_path / "dups.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    extra = "engine: {max_num_seqs: 8}\n"
+    small = write_job(tmp_path, "small", data, extra=extra)
+    small.write_text(small.read_text().replace("  id_column: id\n",
+                                               "  id_column: id\n  allow_duplicate_ids: true\n  batch_size: 3\n"))
+    [rep] = run([small], fake_llm_factory)
+    assert len(fake_llm_factory.made[-1].added) == 7
+    t = pq.read_table(tmp_path / "out/small.parquet")
+    assert t.column("id").to_pylist() == [r["id"] for r in rows] and t.column("error").null_count == len(rows)
+    s = t.column("summary").to_pylist()
+    assert s[7:11] == s[:4] and s[11:] == s[2:5]
+    one = write_job(tmp_path, "one", data, out=tmp_path / "out/one.parquet", extra=extra)
+    one.write_text(one.read_text().replace("  id_column: id\n", "  id_column: id\n  allow_duplicate_ids: true\n"))
+    rep1 = run_jobs([load_job(one)], llm_factory=fake_llm_factory, options=RunOptions(quiet=True), dry_run=True)[0]
+    assert (rep1.plan.prompt_tokens, rep1.plan.cached_tokens) == (rep.plan.prompt_tokens, rep.plan.cached_tokens)
