@@ -97,3 +97,28 @@ output: {{path: {tmp_path}/out/plan.parquet}}
     assert (a.dtype, a.block_size, a.max_model_len, a.num_kv_blocks, a.config) == \
         (b.dtype, b.block_size, b.max_model_len, b.num_kv_blocks, b.config)
     assert planned.prediction is not None and planned.prediction.engine_s > 0
+
+
+def test_plan_counts_equal_the_submitted_token_ids(tmp_path):
+    """The dry run counts documents (pipeline.token_count); a submit tokenizes them. On the default model's
+    tokenizer and the sample documents both give the same prompt tokens, cached tokens and groups."""
+    from engine.setup import PlanningEngine
+    from pipeline.job import load_job
+    from pipeline.runner import RunOptions, run_jobs
+    from tests.conftest import FakeLLM
+    tok = PlanningEngine("gemma-3-270m").tokenizer
+    job = tmp_path / "count.yaml"
+    job.write_text(f"""name: count
+model: gemma-3-270m
+input: {{path: {Path('sample_data/documents.parquet').resolve()}, id_column: id}}
+prompt: {{system_column: system, reference_column: reference, document_column: document}}
+generation: {{max_tokens: 4}}
+output: {{path: {tmp_path}/out/count.parquet}}
+""")
+    opts = RunOptions(quiet=True, record_history=False)
+    dry = run_jobs([load_job(job)], options=opts, dry_run=True)[0]
+    real = run_jobs([load_job(job)], llm_factory=lambda m, a: FakeLLM(tok, max_model_len=dry.engine_info.max_model_len),
+                    options=opts)[0]
+    assert real.plan.num_requests == dry.plan.num_requests == 240
+    assert (real.plan.prompt_tokens, real.plan.cached_tokens) == (dry.plan.prompt_tokens, dry.plan.cached_tokens)
+    assert (real.plan.order == dry.plan.order).all()
