@@ -45,10 +45,12 @@ class Prediction:
 
 def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_batched_tokens: int,
             max_num_seqs: int, matmul_flops: float, memory_bandwidth: float,
-            small_m_flops: float | None = None, fast_forward: bool = True) -> Prediction:
+            small_m_flops: float | None = None, fast_forward: bool = True,
+            kv_dtype_bytes: int | None = None) -> Prediction:
     """``prompt_len`` / ``cached`` / ``max_tokens``: per request, in plan (admission) order. ``matmul_flops`` is
     the calibrated rate of large matmuls, ``small_m_flops`` that of 16-row ones (decode-sized; default: the same):
-    a step's matmuls of M rows run at the log-interpolated rate between the two. ``fast_forward=False`` prices
+    a step's matmuls of M rows run at the log-interpolated rate between the two. ``kv_dtype_bytes``: the KV
+    cache's element size (``kv_cache_dtype``; default ``dtype_bytes``). ``fast_forward=False`` prices
     decode-only stretches step by step too (the tests compare the two: equal to the last bit)."""
 
     def rate(rows: int) -> float:
@@ -59,7 +61,7 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     max_tokens = np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), prompt_len.shape)
     windows = F.window_counts(config)                     # layers grouped by window: 2 groups on gemma-3
     per_key = 4 * config.num_attention_heads * config.head_dim          # QK + PV FLOPs per attended key
-    kv_tok = F.kv_bytes_per_token_layer(config, dtype_bytes)
+    kv_tok = F.kv_bytes_per_token_layer(config, kv_dtype_bytes or dtype_bytes)
     lin_tok = F.linear_flops(config, 1)
     head_row = F.lm_head_flops(config, 1)
     w_all = F.weight_bytes(config, dtype_bytes)
@@ -160,11 +162,12 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     if model_config is None or not plan.num_requests:
         return None
     from perf.calibrate import get_calibration
-    # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration); KV and attention
-    # stay in the activation dtype, whose bytes are kept (weights then count over, a conservative decode).
+    # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration); weights are counted at
+    # the activation dtype's bytes (over, a conservative decode); KV at kv_cache_dtype's.
     int8 = getattr(info, "quantization", "none") == "int8" and str(info.device).startswith("cpu")
     cal = get_calibration(info.device, "int8" if int8 else info.dtype, quick=True)
     dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
+    kv_bytes = DTYPE_BYTES.get(info.config.get("kv_cache_dtype") or info.dtype, dtype_bytes)
     return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
                    int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
-                   cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops)
+                   cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes)

@@ -68,3 +68,12 @@ def test_decode_stretches_priced_together_equal_step_by_step(seed):
     kw = dict(matmul_flops=4e11, memory_bandwidth=3e10, small_m_flops=1e11)
     fast, slow = P.predict(*args, **kw), P.predict(*args, **kw, fast_forward=False)
     assert fast == slow and fast.steps > n
+
+
+def test_kv_cache_dtype_bytes_price_the_kv_reads():
+    """A bf16 KV cache under float32 activations (kv_cache_dtype) halves the K/V bytes of memory-bound steps."""
+    args = ([2000] * 16, [0] * 16, [64] * 16, gemma_270m(), 4, 4096, 16)
+    kw = dict(matmul_flops=1e15, memory_bandwidth=1e10)                 # memory-bound
+    f32, bf16 = P.predict(*args, **kw), P.predict(*args, **kw, kv_dtype_bytes=2)
+    assert P.predict(*args, **kw, kv_dtype_bytes=4) == f32
+    assert bf16.decode_s < f32.decode_s and bf16.steps == f32.steps
