@@ -67,6 +67,14 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     w_all = F.weight_bytes(config, dtype_bytes)
     w_layers = F.weight_bytes(config, dtype_bytes, with_lm_head=False)
 
+    def price(flops, nbytes, attn, rows: int, sampled: int):
+        """A step's time; elementwise for arrays of steps. Each piece on its own roofline (CPU ops run one after
+        another): layer matmuls over all rows, the LM head over the sampled rows, attention at the large-matmul
+        rate."""
+        return (np.maximum(flops / rate(rows), nbytes / memory_bandwidth)
+                + (head_row * sampled / rate(sampled) if sampled else 0.0)
+                + attn / rate(512) + STEP_OVERHEAD_S)
+
     def keys(ctx: np.ndarray) -> float:                   # keys the queries at these contexts attend to, all layers
         return float(F.keys_read(windows, ctx).sum())
 
@@ -84,9 +92,7 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
             keys_k = F.keys_read(windows, ctx).sum(axis=0).astype(np.float64)
             flops = lin_tok * n
             nbytes = kv_tok * keys_k + kv_tok * config.num_hidden_layers * n + w_all
-            ts = (np.maximum(flops / rate(n), nbytes / memory_bandwidth) + head_row * n / rate(n)
-                  + per_key * keys_k / rate(512) + STEP_OVERHEAD_S)
-            for t in ts.tolist():
+            for t in price(flops, nbytes, per_key * keys_k, n, n).tolist():
                 t_dec += t
             steps += k
             for r in running:
@@ -133,11 +139,7 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
             sampled += len(decodes)
         rows = len(decodes) + sum(n for _, n in chunks)
         nbytes += w_all if sampled else w_layers
-        # each piece on its own roofline (CPU ops run one after another): layer matmuls over all rows, the LM
-        # head over the sampled rows, attention at the large-matmul rate
-        t = (max(flops / rate(rows), nbytes / memory_bandwidth)
-             + (head_row * sampled / rate(sampled) if sampled else 0.0)
-             + attn / rate(512) + STEP_OVERHEAD_S)
+        t = float(price(flops, nbytes, attn, rows, sampled))
         if chunks:
             t_pre += t
         else:

@@ -155,30 +155,38 @@ class PromptRenderer:
     def tail_ids(self, tail: str) -> tuple[int, ...]:
         return self._encode_cached(tail, False)
 
+    def _encodings(self, documents: list[str]):
+        """The Rust tokenizer's encodings of many documents, or None when the tokenizer is not a Rust one."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if not isinstance(backend, _RustTokenizer):
+            return None
+        # NOTE: straight to the Rust tokenizer (what transformers' fast tokenizer calls underneath): the same
+        # ids without transformers' per-encoding Python conversion, ~half of a large plan's time.
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read: ~25% faster.
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return encode(documents, add_special_tokens=False)
+
     def document_ids(self, documents: list[str]) -> list[list[int]]:
         """Tokenize many documents at once (fast tokenizers batch them in native code)."""
         if not documents:
             return []
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        if isinstance(backend, _RustTokenizer):
-            # NOTE: straight to the Rust tokenizer (what transformers' fast tokenizer calls underneath): the same
-            # ids without transformers' per-encoding Python conversion, ~half of a large plan's time.
-            # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read: ~25% faster.
-            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-            return [e.ids for e in encode(documents, add_special_tokens=False)]
+        encodings = self._encodings(documents)
+        if encodings is not None:
+            return [e.ids for e in encodings]
         return list(self.tokenizer(documents, add_special_tokens=False)["input_ids"])
 
     def document_lengths(self, documents: list[str]) -> list[int]:
         """Token counts of many documents (dry runs): exact, from cached pieces where the tokenizer allows
         (``pipeline.token_count``), else the Rust encodings' lengths, never turned into lists."""
+        if not documents:
+            return []
         from pipeline.token_count import counter_for
-        counter = counter_for(self.tokenizer) if documents else None
+        counter = counter_for(self.tokenizer)
         if counter is not None:
             return counter.lengths(documents)
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        if isinstance(backend, _RustTokenizer) and documents:
-            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-            return [len(e) for e in encode(documents, add_special_tokens=False)]
+        encodings = self._encodings(documents)
+        if encodings is not None:
+            return [len(e) for e in encodings]
         return [len(ids) for ids in self.document_ids(documents)]
 
     def fit(self, head: tuple[int, ...], doc: list[int], tail: tuple[int, ...], max_model_len: int,
@@ -208,11 +216,22 @@ def row_key(row_id: str, content: str, fingerprint: str) -> str:
     ``content`` is the rendered prompt (or the bad cell for a row error); ``fingerprint`` covers the model
     identity, generation parameters and prompt policy (see ``runner.job_fingerprint``).
     """
+    return _keyed(row_id, _key_state(fingerprint, ""), content)
+
+
+def _key_state(fingerprint: str, head: str):
+    """The hash state of a row key after the fingerprint and the first part of the content."""
     h = hashlib.sha256()
     h.update(fingerprint.encode())
     h.update(b"\0")
-    h.update(content.encode("utf-8", "surrogatepass"))
-    return f"{row_id}#{h.hexdigest()[:20]}"
+    h.update(head.encode("utf-8", "surrogatepass"))
+    return h
+
+
+def _keyed(row_id: str, state, rest: str) -> str:
+    """The row key from a hash state (consumed) and the rest of the content."""
+    state.update(rest.encode("utf-8", "surrogatepass"))
+    return f"{row_id}#{state.hexdigest()[:20]}"
 
 
 class RowKeyer:
@@ -228,14 +247,8 @@ class RowKeyer:
         if base is None:
             if len(self._heads) >= 4096:         # heads unique per row: stay bounded
                 self._heads.clear()
-            base = hashlib.sha256()
-            base.update(self._fingerprint.encode())
-            base.update(b"\0")
-            base.update(head.encode("utf-8", "surrogatepass"))
-            self._heads[head] = base
-        h = base.copy()
-        h.update(rest.encode("utf-8", "surrogatepass"))
-        return f"{row_id}#{h.hexdigest()[:20]}"
+            base = self._heads[head] = _key_state(self._fingerprint, head)
+        return _keyed(row_id, base.copy(), rest)
 
 
 def fingerprint(*parts) -> str:

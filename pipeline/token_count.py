@@ -109,9 +109,9 @@ class TokenCounter:
         stands for "▁" + part)."""
         parts = pc.split_pattern(pa.array(docs, pa.large_string()), " ")
         flat, starts = pc.list_flatten(parts), parts.offsets.to_numpy()[:-1]    # every list has >= 1 part
-        total = np.add.reduceat(self._lookup(self._rest, flat, _SPACE), starts)
+        rest = self._lookup(self._rest, flat, _SPACE)
         firsts = flat.take(pa.array(starts))
-        return total - self._lookup(self._rest, firsts, _SPACE) + self._lookup(self._first, firsts, "")
+        return np.add.reduceat(rest, starts) - rest[starts] + self._lookup(self._first, firsts, "")
 
     def _lookup(self, cache: dict[str, int], pieces: pa.Array, prefix: str) -> np.ndarray:
         """Counts of ``prefix + piece`` for every piece, the distinct ones not yet cached counted first."""

@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline.job import PromptSpec
-from pipeline.prompts import PromptRenderer, RowError, row_key
+from pipeline.prompts import PromptRenderer, RowError, RowKeyer, row_key
 
 
 def test_split_and_shared_head(tiny_tokenizer):
@@ -39,3 +39,13 @@ def test_row_key_changes_with_content():
     assert row_key("a", "x", "f") == row_key("a", "x", "f")
     assert row_key("a", "x", "f") != row_key("a", "y", "f") != row_key("a", "x", "g")
     assert row_key("a", "x", "f").startswith("a#")
+
+
+def test_row_keyer_gives_row_key_of_the_whole_text():
+    """prepare's per-head hash states give exactly row_key(head + rest): committed results keep matching."""
+    keyer = RowKeyer("fp")
+    cases = [("r1", "shared head ", "doc one"), ("r2", "shared head ", "doc two"), ("r3", "", "no head"),
+             ("r4", "h\ud800", "lone surrogate"), ("r1", "shared head ", "doc one")]
+    for rid, head, rest in cases:
+        assert keyer.key(rid, head, rest) == row_key(rid, head + rest, "fp")
+    assert keyer.key("r1", "ab", "c") != keyer.key("r1", "a", "bd")
