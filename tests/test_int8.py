@@ -131,19 +131,48 @@ def test_quantize_pack_roundtrip():
     assert ((back - w).abs() <= step / 2 + 1e-7).all()            # round to nearest: at most half a step
 
 
-def test_gguf_q8_0_tensors_kept_as_stored():
-    """The default GGUF's Q8_0 tensors (token_embd, some attn_v) load without a float round trip, and equal
-    what requantizing their dequantized values gives."""
+def test_gguf_int8_tensors_kept_exactly():
+    """The default GGUF's Q8_0 tensors (token_embd, some attn_v) and Q5_0 tensors (q/k/gate/up) load as int8
+    without a float round trip: quants x scales equal the dequantized values exactly. For Q8_0 that is also what
+    requantizing gives; for Q5_0 requantizing (max|w| / 127) would move the values."""
     from engine.loader import load_model_config, resolve_model
-    from engine.loader.gguf_loader import gguf_q8_0_weights, open_gguf
+    from engine.loader.dequant import GGMLType
+    from engine.loader.gguf_loader import gguf_int8_weights, open_gguf
 
     src = resolve_model("gemma-3-270m")
-    direct = gguf_q8_0_weights(src.path, load_model_config(src))
+    g = open_gguf(src.path)
+    direct = gguf_int8_weights(src.path, load_model_config(src))
     assert "model.embed_tokens.weight" in direct and "model.layers.0.self_attn.v_proj.weight" in direct
     q, s = direct["model.layers.0.self_attn.v_proj.weight"]
+    assert g.tensors["blk.0.attn_v.weight"].ggml_type == GGMLType.Q8_0
     assert q.dtype == torch.int8 and q.shape == (256, 640) and s.shape == (256, 20)
-    q2, s2 = int8.quantize_rows(open_gguf(src.path).tensor("blk.0.attn_v.weight"))
+    q2, s2 = int8.quantize_rows(g.tensor("blk.0.attn_v.weight"))
     assert torch.equal(q, q2) and torch.equal(s, s2)
+
+    assert g.tensors["blk.0.attn_q.weight"].ggml_type == GGMLType.Q5_0
+    q, s = direct["model.layers.0.self_attn.q_proj.weight"]
+    ref = g.tensor("blk.0.attn_q.weight").float()
+    assert q.dtype == torch.int8 and q.abs().max() <= 16 and q.shape == (1024, 640)
+    assert torch.equal((q.view(1024, 20, 32).float() * s[..., None]).view(1024, 640), ref)
+    q2, s2 = int8.quantize_rows(ref)
+    assert not torch.equal((q2.view(1024, 20, 32).float() * s2[..., None]).view(1024, 640), ref)
+    kinds = {g.tensors[n].ggml_type for n in g.tensors}
+    assert GGMLType.Q4_K in kinds and not any(n.endswith("attn_output.weight") for n in direct)
+
+
+def test_q4_0_blocks_exact():
+    """Q4_0 (d * (q - 8)) maps to int8 exactly too: built by hand, compared with the dequantizer."""
+    from engine.loader.dequant import GGMLType, dequantize, int8_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    rows, k = 3, 64
+    d = (torch.rand(rows * k // 32, generator=gen) + 0.1).to(torch.float16)
+    nib = torch.randint(0, 256, (rows * k // 32, 16), dtype=torch.uint8, generator=gen)
+    raw = torch.cat([d.view(torch.uint8).view(-1, 2), nib], dim=1).reshape(-1)
+    q, s = int8_blocks(GGMLType.Q4_0, raw, (rows, k))
+    assert q.min() >= -8 and q.max() <= 7
+    ref = dequantize(raw, GGMLType.Q4_0, (rows, k)).float()
+    assert torch.equal((q.view(rows, 2, 32).float() * s[..., None]).view(rows, k), ref)
 
 
 def test_choose_quantization():

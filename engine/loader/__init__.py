@@ -33,7 +33,7 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
     GGUF files go through the converted-weights cache (``weights_cache``): the first load dequantizes and
     stores the final tensors, later loads map them. Checkpoint directories are already safetensors and load
     directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.models.int8``); GGUF
-    Q8_0 tensors keep their quants, the others are quantized from their float values; the int8 model is
+    Q8_0/Q5_0/Q4_0 tensors keep their quants, the others are quantized from their float values; the int8 model is
     cached like the float one (its own cache entry), for GGUF and checkpoint directories alike.
     """
     from engine.loader import weights_cache
@@ -65,14 +65,15 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
 
 
 def _quantize(model, source: ModelSource, config: ModelConfig):
-    """int8 in place: Q8_0 tensors of a GGUF file as stored, everything else quantized from its float values."""
+    """int8 in place: a GGUF file's Q8_0 / Q5_0 / Q4_0 tensors exactly as stored, the rest (Q4_K, Q6_K, float)
+    quantized from their float values."""
     from engine.models.int8 import quantize_model
     from engine.models.layers import STACKED_PARAMS
 
     direct = {}
     if source.kind == "gguf":
-        from engine.loader.gguf_loader import gguf_q8_0_weights
-        direct = gguf_q8_0_weights(source.path, config)
+        from engine.loader.gguf_loader import gguf_int8_weights
+        direct = gguf_int8_weights(source.path, config)
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": config.intermediate_size,
             "up_proj": config.intermediate_size}

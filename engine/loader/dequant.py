@@ -253,14 +253,29 @@ def dequantize(raw: np.ndarray | bytes | torch.Tensor, ggml_type: int, shape: tu
     return out.reshape(shape)
 
 
-def q8_0_blocks(raw: np.ndarray | bytes | torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 tensor as it is stored: (int8 quants [rows, K], float32 scales [rows, K // 32]), no float values.
-    The quants are in [-127, 127] (llama.cpp rounds x / (max|x| / 127)); scales are its fp16 ``d`` widened."""
+# GGUF types whose values are exactly int8 x one float scale per 32-value block (symmetric, no offset): our int8
+# format holds them without a float round trip. Q8_0: d * q, q in [-127, 127]; Q5_0: d * (q5 - 16), q5 in 0..31;
+# Q4_0: d * (q4 - 8), q4 in 0..15.
+EXACT_INT8_TYPES = (GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_0)
+
+
+def int8_blocks(ggml_type: int, raw: np.ndarray | bytes | torch.Tensor,
+                shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 / Q5_0 / Q4_0 tensor as int8 quants [rows, K] and float32 scales [rows, K // 32], no float values:
+    ``quants * scale`` is exactly what ``dequantize`` gives (the fp16 ``d`` widened; Q5_0/Q4_0 quants re-centred
+    to signed integers, |q| <= 16)."""
+    if ggml_type not in EXACT_INT8_TYPES:
+        raise ValueError(f"{type_name(ggml_type)} is not a symmetric 32-block type")
     data = _as_uint8(raw)
     rows, k = prod(shape[:-1]), shape[-1]
-    blocks = data.reshape(rows * (k // 32), 34)
-    q = blocks[:, 2:].contiguous().view(torch.int8).reshape(rows, k)
-    return q, _f16(blocks, 0).reshape(rows, k // 32)
+    blocks = data.reshape(rows * (k // 32), BLOCK_SIZES[ggml_type][1])
+    if ggml_type == GGMLType.Q8_0:
+        q = blocks[:, 2:].contiguous().view(torch.int8)
+    elif ggml_type == GGMLType.Q5_0:
+        q = _q5(blocks, 2).to(torch.int8) - 16
+    else:
+        q = _nibbles(blocks[:, 2:], 16).reshape(-1, 32).to(torch.int8) - 8
+    return q.reshape(rows, k), _f16(blocks, 0).reshape(rows, k // 32)
 
 
 def _as_uint8(raw: np.ndarray | bytes | torch.Tensor) -> torch.Tensor:
@@ -277,4 +292,5 @@ def _as_uint8(raw: np.ndarray | bytes | torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-__all__ = ["GGMLType", "BLOCK_SIZES", "SUPPORTED_TYPES", "dequantize", "q8_0_blocks", "type_name"]
+__all__ = ["GGMLType", "BLOCK_SIZES", "SUPPORTED_TYPES", "dequantize", "EXACT_INT8_TYPES", "int8_blocks",
+           "type_name"]

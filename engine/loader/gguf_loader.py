@@ -399,21 +399,22 @@ def load_gguf_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype 
     return weights
 
 
-def gguf_q8_0_weights(path: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The file's Q8_0 weight matrices as stored, by HF name: (int8 [rows, K], scales [rows, K // 32]).
+def gguf_int8_weights(path: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The file's Q8_0 / Q5_0 / Q4_0 weight matrices as int8, by HF name: (int8 [rows, K], scales [rows, K // 32]).
 
-    ``quantization: int8`` takes these as they are (our int8 format is Q8_0's grouping); llama q/k rows get the
-    same un-permutation as their float values."""
-    from engine.loader.dequant import GGMLType, q8_0_blocks
+    ``quantization: int8`` takes these as they are: our int8 format is their grouping (32 values, one scale), so
+    they load exactly, with no float round trip and no requantization error. llama q/k rows get the same
+    un-permutation as their float values."""
+    from engine.loader.dequant import EXACT_INT8_TYPES, int8_blocks
 
     g = open_gguf(path)
     arch = g.get("general.architecture")
     out = {}
     for name, info in g.tensors.items():
         target = hf_name(name, arch)
-        if target is None or info.ggml_type != GGMLType.Q8_0 or len(info.shape) != 2:
+        if target is None or info.ggml_type not in EXACT_INT8_TYPES or len(info.shape) != 2:
             continue
-        q, s = q8_0_blocks(g.raw(info), info.shape)
+        q, s = int8_blocks(info.ggml_type, g.raw(info), info.shape)
         for suffix, heads in (("q_proj.weight", config.num_attention_heads),
                               ("k_proj.weight", config.num_key_value_heads)):
             if arch == "llama" and target.endswith(suffix):
@@ -422,5 +423,5 @@ def gguf_q8_0_weights(path: str | Path, config: ModelConfig) -> dict[str, tuple[
     return out
 
 
-__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "load_gguf_weights", "gguf_q8_0_weights", "hf_name",
+__all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "load_gguf_weights", "gguf_int8_weights", "hf_name",
            "SUPPORTED_GGUF_ARCHITECTURES"]

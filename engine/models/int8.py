@@ -10,8 +10,9 @@ Activations are quantized per token and group of 32 on the fly, asymmetric uint8
 - ``Int8Linear`` replaces ``nn.Linear``; ``Int8Embedding`` replaces a (tied) embedding: lookups dequantize
   only the rows they read, and as the LM head it multiplies in int8.
 - ``quantize_model`` converts a float model in place; ``direct`` supplies (int8, scales) for tensors that are
-  already Q8_0 in a GGUF file, which map without a float round trip (the result is the same either way:
-  requantizing Q8_0's dequantized values gives back its quants and scales).
+  already int8 x per-32 scale in a GGUF file (Q8_0, Q5_0, Q4_0), which map exactly, without a float round trip.
+  For Q8_0 requantizing gives the same quants; for Q5_0 / Q4_0 it would not (max|w| / 127 is not their step, so
+  every value would move by up to half a new step): the default GGUF's q/k/gate/up projections are Q5_0.
 - ``int8_structure`` gives the same modules empty (on the meta device) for loading a cached quantized state.
 """
 from __future__ import annotations
@@ -137,7 +138,7 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
                    shards: dict[str, list[tuple[str, int]]] | None = None) -> nn.Module:
     """Replace the float linears and the embedding with int8 ones, in place; returns the model.
 
-    direct: already-int8 weights by HF tensor name (GGUF Q8_0), as (int8 [rows, Kp], scales [rows, G]).
+    direct: already-int8 weights by HF tensor name (GGUF Q8_0 / Q5_0 / Q4_0), as (int8 [rows, Kp], scales [rows, G]).
     shards: for fused weights (our name -> [(HF name, rows), ...] in row order) so that a fused tensor can take
     some shards from ``direct`` and quantize the rest; quantization is per row, so the result is identical to
     quantizing the fused float tensor.
