@@ -137,6 +137,54 @@ def test_rows_are_independent_of_the_batch(libs):
         torch.set_num_threads(threads)
 
 
+def _shared_prefix_case(dtype, bs=16, seed=5):
+    """Eleven sequences in three prefix groups: groups share their first blocks physically (as the prefix cache
+    makes them), lengths differ (some end inside the shared blocks), and the batch order interleaves groups."""
+    g = torch.Generator().manual_seed(seed)
+    groups = {0: 9, 1: 4, 2: 1}                                   # group -> shared blocks
+    lens = [150, 40, 144, 151, 70, 300, 16, 145, 17, 9, 149]     # sequence i is in group i % 3
+    nblocks = 200
+    k = torch.randn(nblocks, bs, 1, 256, generator=g).to(dtype)
+    v = torch.randn(nblocks, bs, 1, 256, generator=g).to(dtype)
+    perm = torch.randperm(nblocks, generator=g).to(torch.int32)
+    tables = torch.full((len(lens), 24), 10_000, dtype=torch.int32)
+    used = sum(groups.values())
+    starts = {0: 0, 1: 9, 2: 13}
+    for i, n in enumerate(lens):
+        grp, nb = i % 3, -(-n // bs)
+        shared = min(groups[grp], nb)
+        tables[i, :shared] = perm[starts[grp]:starts[grp] + shared]
+        tables[i, shared:nb] = perm[used:used + nb - shared]
+        used += nb - shared
+    q = torch.randn(len(lens), 4, 256, generator=g).to(dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40, 512])
+def test_shared_blocks_give_each_sequence_its_own_result(libs, build, dtype, window):
+    """Sequences that share prefix blocks are walked block by block together (csrc/attention.c group_item):
+    each one's output is bit-identical to computing it alone, at any thread count, and matches the torch path."""
+    lib = _lib(libs, build)
+    q, k, v, tables, lens = _shared_prefix_case(dtype)
+    full = cpu_kernels.call(lib, q, k, v, tables, lens, window, 0.0625)
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for i in range(len(lens)):
+                one = cpu_kernels.call(lib, q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], window, 0.0625)
+                assert torch.equal(one[0], full[i]), (nt, i)
+    finally:
+        torch.set_num_threads(threads)
+    meta = AttentionMetadata(slot_mapping=None, query_start_loc=list(range(len(lens) + 1)),
+                             seq_lens=lens.tolist(), block_tables=tables, num_decode_seqs=len(lens), block_size=16)
+    ref = _decode(q, k, v, meta, window, 0.0625, native=False).float()
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    assert (full.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
 def test_unsupported_shapes_are_refused(libs):
     q, k, v, meta = _case(torch.float32, [5], 3, 2, 32, 4)          # 3 heads over 2 KV heads
     with pytest.raises(ValueError, match="unsupported shape"):

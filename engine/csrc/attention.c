@@ -16,8 +16,11 @@
  *                 when window > 0, else 0.
  * The query heads h*G .. h*G+G-1 share KV head h (G = num_heads / num_kv_heads).
  *
- * Work item = (sequence, KV head); items run in parallel (OpenMP). Each walks its visible blocks: scores for
- * the block's tokens, an online-softmax update, then the weighted sum of the block's values. With a vector
+ * Work item = (group of sequences, KV head); items run in parallel (OpenMP). Sequences are sorted by their
+ * block tables and cut into groups that start on the same block (a shared prompt prefix), a few per thread.
+ * Each sequence walks its visible blocks in order: scores for the block's tokens, an online-softmax update,
+ * then the weighted sum of the block's values; blocks shared by a whole group are walked once for all of its
+ * members, so they come from memory once (group_item). A sequence's result never depends on its group. With a vector
  * build (simd.h: AVX-512 or AVX2 + FMA), head_dim a multiple of 32 and G in {1, 2, 4, 8}, both bf16 and float32
  * caches take the vector path (bf16 scores and P.V with AVX512-BF16 dot products where the CPU has them);
  * everything else takes the portable loops, which are also the reference.
@@ -25,6 +28,8 @@
  * Built on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); plain C, no torch
  * headers, builds in about a second.
  */
+#include <stdlib.h>
+
 #include "common.h"
 #include "simd.h"
 
@@ -32,6 +37,7 @@ const char *batchgen_kernel_isa(void) { return KERNEL_ISA; }
 
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
+#define MAX_MEMBERS 16   /* sequences per work item (see the entry points) */
 
 
 
@@ -280,74 +286,199 @@ static inline __attribute__((always_inline)) void fast_accumulate(
 static inline int paired_index(int32_t d) { return d; }
 #endif
 
-/* ---- one work item: (sequence, KV head), for bf16 (is_bf16 = 1) or float32 caches ------------------------ */
+/* ---- one sequence's G query rows of one KV head: state, one block, the result --------------------------- */
 
-static inline __attribute__((always_inline)) void item(
-        const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int32_t seq_len,
-        int32_t num_kv_heads, int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h,
-        void *out, const int is_bf16) {
-    float qf[G * D], acc[G * D], tile[bs * D], m[G], l[G], s[G * bs];
-    uint16_t qb[G * D];                                /* q in bf16: the AVX512-BF16 scores only */
-    (void)qb;
-    const int64_t q0 = (int64_t)h * G * D;
+typedef struct {
+    float *qf, *acc, *m, *l;       /* q * scale [G*D]; running P.V [G*D]; running max and sum [G] */
+    uint16_t *qb;                  /* q * scale in bf16 [G*D]: the AVX512-BF16 scores only */
+    const int32_t *table;
+    int32_t seq_len, lo;           /* visible keys [lo, seq_len) */
+} rows_t;
+
+static inline __attribute__((always_inline)) void rows_init(rows_t *r, const void *q, int64_t q0, int32_t G,
+                                                            int32_t D, float scale, const int is_bf16) {
     for (int32_t i = 0; i < G * D; i++) {
-        qf[i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[q0 + i]) : ((const float *)q)[q0 + i]) * scale;
-        qb[i] = f32_to_bf16(qf[i]);
-        acc[i] = 0.0f;
+        r->qf[i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[q0 + i]) : ((const float *)q)[q0 + i]) * scale;
+        r->qb[i] = f32_to_bf16(r->qf[i]);
+        r->acc[i] = 0.0f;
     }
-    for (int32_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
-    const int fast = FAST_PATH && D % FAST_D_MULTIPLE == 0 && (G == 1 || G == 2 || G == 4 || G == 8);
-    const int32_t lo = (window > 0 && seq_len > window) ? seq_len - window : 0;
-    const int64_t tok_stride = (int64_t)num_kv_heads * D;
+    for (int32_t g = 0; g < G; g++) { r->m[g] = -INFINITY; r->l[g] = 0.0f; }
+}
+
+/* Block b of one sequence: scores, online-softmax update, P.V. `prefetch`: also fetch the next block's rows
+ * (only the first sequence of a shared block asks; the others find it in cache). s [G*bs] and tile [bs*D] are
+ * scratch. */
+static inline __attribute__((always_inline)) void rows_visit(
+        rows_t *r, int32_t b, const char *kc, const char *vc, int32_t G, int32_t D, int32_t bs, int64_t tok_stride,
+        int32_t h, int fast, int prefetch, float *s, float *tile, const int is_bf16) {
     const int32_t esize = is_bf16 ? 2 : 4;
-    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
-    for (int32_t b = lo / bs; b * bs < seq_len; b++) {
-        int32_t n;
-        const int64_t base = block_rows(table, b, lo, seq_len, bs, tok_stride, h, D, &n);
-        if (b + 1 < (seq_len + bs - 1) / bs) {         /* next block's rows: hide the scattered-block latency */
-            const int64_t next = (int64_t)table[b + 1] * bs * tok_stride + (int64_t)h * D;
-            prefetch_rows(kc + next * esize, tok_stride * esize, bs, D * esize);
-            prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
-        }
-        const void *kb = kc + base * esize, *vb = vc + base * esize;
-        if (fast) {
-#if FAST_PATH
-            DISPATCH_G(G, fast_scores(G_, is_bf16, qf, qb, kb, tok_stride, n, D, s, bs));
-            softmax_update(s, bs, n, G, D, m, l, acc);
-            DISPATCH_G(G, fast_accumulate(G_, is_bf16, acc, s, bs, vb, tok_stride, n, D));
-#endif
-        } else {
-            widen(kb, tok_stride, n, D, tile, is_bf16);
-            tile_scores(qf, tile, G, n, D, s, bs);
-            softmax_update(s, bs, n, G, D, m, l, acc);
-            widen(vb, tok_stride, n, D, tile, is_bf16);
-            tile_accumulate(acc, s, tile, G, n, D, bs);
-        }
+    int32_t n;
+    const int64_t base = block_rows(r->table, b, r->lo, r->seq_len, bs, tok_stride, h, D, &n);
+    if (prefetch && b + 1 < (r->seq_len + bs - 1) / bs) {   /* next block's rows: hide the scattered-block latency */
+        const int64_t next = (int64_t)r->table[b + 1] * bs * tok_stride + (int64_t)h * D;
+        prefetch_rows(kc + next * esize, tok_stride * esize, bs, D * esize);
+        prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
     }
-    const int permuted = fast && PAIRED_PV && is_bf16;
+    const void *kb = kc + base * esize, *vb = vc + base * esize;
+    if (fast) {
+#if FAST_PATH
+        DISPATCH_G(G, fast_scores(G_, is_bf16, r->qf, r->qb, kb, tok_stride, n, D, s, bs));
+        softmax_update(s, bs, n, G, D, r->m, r->l, r->acc);
+        DISPATCH_G(G, fast_accumulate(G_, is_bf16, r->acc, s, bs, vb, tok_stride, n, D));
+#endif
+    } else {
+        widen(kb, tok_stride, n, D, tile, is_bf16);
+        tile_scores(r->qf, tile, G, n, D, s, bs);
+        softmax_update(s, bs, n, G, D, r->m, r->l, r->acc);
+        widen(vb, tok_stride, n, D, tile, is_bf16);
+        tile_accumulate(r->acc, s, tile, G, n, D, bs);
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_finish(const rows_t *r, void *out, int64_t q0, int32_t G,
+                                                              int32_t D, int permuted, const int is_bf16) {
     for (int32_t g = 0; g < G; g++) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const float inv = r->l[g] > 0.0f ? 1.0f / r->l[g] : 0.0f;
         for (int32_t d = 0; d < D; d++) {
-            const float x = acc[g * D + (permuted ? paired_index(d) : d)] * inv;
+            const float x = r->acc[g * D + (permuted ? paired_index(d) : d)] * inv;
             if (is_bf16) ((uint16_t *)out)[q0 + g * D + d] = f32_to_bf16(x);
             else ((float *)out)[q0 + g * D + d] = x;
         }
     }
 }
 
-static void item_bf16(const void *q, const void *k, const void *v, const int32_t *table, int32_t seq_len,
-                      int32_t hkv, int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h,
-                      void *out) {
-    item(q, k, v, table, seq_len, hkv, G, D, bs, window, scale, h, out, 1);
+/* ---- one work item: a group of sequences (sharing leading blocks, or one alone) x one KV head ----------- *
+ *
+ * Sequences that share a prompt prefix share its physical blocks. Visiting them sequence by sequence reads
+ * each shared block from memory once per sequence; here the blocks every member sees whole are visited block
+ * by block, each member in turn, so a shared block comes from memory once and from cache for the others.
+ * Every member still visits its own blocks in increasing order with its own state and the same arithmetic, so
+ * its result is bit-identical to computing it alone:
+ *
+ *     member i:  [first_i .. j0)  alone      (window start: partly visible, or not shared by all)
+ *                [j0 .. j1)       together   (shared by every member, wholly visible to each)
+ *                [j1 .. end_i)    alone      (its own blocks)
+ */
+static inline __attribute__((always_inline)) void group_item(
+        const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables, int64_t table_stride,
+        const int32_t *seq_lens, const int32_t *members, int32_t count, int32_t num_heads, int32_t num_kv_heads,
+        int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out, const int is_bf16) {
+    float s[G * bs], tile[bs * D];
+    const size_t per = (size_t)G * D;
+    float *fbuf = (float *)malloc(sizeof(float) * count * (2 * per + 2 * G));
+    uint16_t *hbuf = (uint16_t *)malloc(sizeof(uint16_t) * count * per);
+    rows_t rows[MAX_MEMBERS];
+    const int fast = FAST_PATH && D % FAST_D_MULTIPLE == 0 && (G == 1 || G == 2 || G == 4 || G == 8);
+    const int64_t tok_stride = (int64_t)num_kv_heads * D;
+    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    int32_t j0 = 0, j1 = INT32_MAX;
+    for (int32_t c = 0; c < count; c++) {
+        const int32_t i = members[c], len = seq_lens[i];
+        rows_t *r = &rows[c];
+        r->qf = fbuf + c * (2 * per + 2 * G);
+        r->acc = r->qf + per;
+        r->m = r->acc + per;
+        r->l = r->m + G;
+        r->qb = hbuf + c * per;
+        r->table = block_tables + i * table_stride;
+        r->seq_len = len;
+        r->lo = (window > 0 && len > window) ? len - window : 0;
+        rows_init(r, q, ((int64_t)i * num_heads + (int64_t)h * G) * D, G, D, scale, is_bf16);
+        const int32_t first_whole = (r->lo + bs - 1) / bs, last_whole = len / bs;
+        j0 = first_whole > j0 ? first_whole : j0;
+        j1 = last_whole < j1 ? last_whole : j1;
+    }
+    if (count > 1) {                                   /* shared: the same physical block in every member */
+        int32_t b = j0;
+        for (; b < j1; b++) {
+            const int32_t phys = rows[0].table[b];
+            int same = 1;
+            for (int32_t c = 1; c < count && same; c++) same = rows[c].table[b] == phys;
+            if (!same) break;
+        }
+        j1 = b;
+    }
+    if (j1 < j0) j1 = j0;
+    for (int32_t c = 0; c < count; c++)
+        for (int32_t b = rows[c].lo / bs; b < j0 && b * bs < rows[c].seq_len; b++)
+            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, is_bf16);
+    for (int32_t b = j0; b < j1; b++)
+        for (int32_t c = 0; c < count; c++)
+            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, c == 0, s, tile, is_bf16);
+    const int permuted = fast && PAIRED_PV && is_bf16;
+    for (int32_t c = 0; c < count; c++) {
+        rows_t *r = &rows[c];
+        const int32_t from = j1 > r->lo / bs ? j1 : r->lo / bs;
+        for (int32_t b = from; b * bs < r->seq_len; b++)
+            rows_visit(r, b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, is_bf16);
+        rows_finish(r, out, ((int64_t)members[c] * num_heads + (int64_t)h * G) * D, G, D, permuted, is_bf16);
+    }
+    free(fbuf);
+    free(hbuf);
 }
 
-static void item_f32(const void *q, const void *k, const void *v, const int32_t *table, int32_t seq_len,
-                     int32_t hkv, int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h,
-                     void *out) {
-    item(q, k, v, table, seq_len, hkv, G, D, bs, window, scale, h, out, 0);
+static void group_item_bf16(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
+                            const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
+                            int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 1);
+}
+
+static void group_item_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
+                           const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
+                           int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 0);
+}
+
+/* ---- grouping: sequences sorted by their block tables, cut into runs that start on the same block -------- */
+
+typedef struct {
+    const int32_t *tables;
+    int64_t stride;
+    const int32_t *lens;
+    int32_t bs;
+} tables_t;
+
+/* Lexicographic order of two sequences' block tables (over the blocks both have), then index. */
+static int table_less(const tables_t *t, int32_t a, int32_t b) {
+    const int32_t na = (t->lens[a] + t->bs - 1) / t->bs, nb = (t->lens[b] + t->bs - 1) / t->bs;
+    const int32_t n = na < nb ? na : nb;
+    const int32_t *ta = t->tables + a * t->stride, *tb = t->tables + b * t->stride;
+    for (int32_t j = 0; j < n; j++)
+        if (ta[j] != tb[j]) return ta[j] < tb[j];
+    return a < b;
+}
+
+/* order[0..n) sorted by table_less: a stable bottom-up merge sort (n is the decode batch, at most a few hundred). */
+static void sort_by_tables(const tables_t *t, int32_t *order, int32_t *tmp, int32_t n) {
+    for (int32_t i = 0; i < n; i++) order[i] = i;
+    for (int32_t w = 1; w < n; w *= 2) {
+        for (int32_t lo = 0; lo < n; lo += 2 * w) {
+            const int32_t mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+            int32_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) tmp[k++] = table_less(t, order[j], order[i]) ? order[j++] : order[i++];
+            while (i < mid) tmp[k++] = order[i++];
+            while (j < hi) tmp[k++] = order[j++];
+        }
+        memcpy(order, tmp, sizeof(int32_t) * n);
+    }
+}
+
+/* Cut the sorted order into groups: a new group where the first block changes, or at `cap` members.
+ * starts[g] .. starts[g + 1] index `order`; returns the number of groups. */
+static int32_t cut_groups(const tables_t *t, const int32_t *order, int32_t n, int32_t cap, int32_t *starts) {
+    int32_t groups = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int new_run = i == 0 || t->tables[order[i] * t->stride] != t->tables[order[i - 1] * t->stride];
+        if (new_run || i - starts[groups - 1] >= cap) starts[groups++] = i;
+    }
+    starts[groups] = n;
+    return groups;
 }
 
 /* ---- entry points --------------------------------------------------------------------------------------- */
+
+/* Members per group: enough groups to keep every thread busy (about four items per thread), at most
+ * MAX_MEMBERS. A shared block is then read from memory once per group instead of once per sequence. */
 
 #define ENTRY(NAME, T, ITEM)                                                                                   \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables, int64_t table_stride, \
@@ -356,21 +487,31 @@ static void item_f32(const void *q, const void *k, const void *v, const int32_t 
         if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP              \
             || block_size < 1 || block_size > MAX_BLOCK || head_dim < 1)                                      \
             return 1;                                                                                         \
+        if (num_seqs < 1) return 0;                                                                           \
         const int32_t G = num_heads / num_kv_heads;                                                           \
-        const int64_t items = (int64_t)num_seqs * num_kv_heads;                                               \
+        int32_t *order = (int32_t *)malloc(sizeof(int32_t) * (3 * (size_t)num_seqs + 1));                     \
+        int32_t *tmp = order + num_seqs, *starts = tmp + num_seqs;                                            \
+        const tables_t t = {block_tables, table_stride, seq_lens, block_size};                                \
+        sort_by_tables(&t, order, tmp, num_seqs);                                                             \
+        const int32_t want = 4 * (num_threads > 0 ? num_threads : 1);                                         \
+        int32_t cap = (num_seqs * num_kv_heads + want - 1) / want;                                            \
+        cap = cap < 1 ? 1 : (cap > MAX_MEMBERS ? MAX_MEMBERS : cap);                                          \
+        const int32_t groups = cut_groups(&t, order, num_seqs, cap, starts);                                  \
+        const int64_t items = (int64_t)groups * num_kv_heads;                                                 \
         (void)num_threads;                                                                                    \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                            \
         for (int64_t it = 0; it < items; it++) {                                                              \
-            const int64_t i = it / num_kv_heads;                                                              \
-            ITEM(q + i * num_heads * head_dim, k_cache, v_cache, block_tables + i * table_stride, seq_lens[i], \
-                 num_kv_heads, G, head_dim, block_size, window, scale, (int32_t)(it % num_kv_heads),          \
-                 out + i * num_heads * head_dim);                                                             \
+            const int32_t g = (int32_t)(it / num_kv_heads);                                                   \
+            ITEM(q, k_cache, v_cache, block_tables, table_stride, seq_lens, order + starts[g],                \
+                 starts[g + 1] - starts[g], num_heads, num_kv_heads, G, head_dim, block_size, window, scale,   \
+                 (int32_t)(it % num_kv_heads), out);                                                          \
         }                                                                                                     \
+        free(order);                                                                                          \
         return 0;                                                                                             \
     }
 
-ENTRY(paged_decode_bf16, uint16_t, item_bf16)
-ENTRY(paged_decode_f32, float, item_f32)
+ENTRY(paged_decode_bf16, uint16_t, group_item_bf16)
+ENTRY(paged_decode_f32, float, group_item_f32)
 
 /* ---- prefill: causal / sliding-window softmax over a tile of scores ------------------------------------- */
 
