@@ -42,7 +42,9 @@ _FLAG_SETS = (
     ["-O3", "-fopenmp"],
     ["-O3"],                                   # no OpenMP: single-threaded, still gather-free
 )
-_FUNCS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+# (query/output dtype, cache dtype) -> decode kernel
+_FUNCS = {(torch.bfloat16, torch.bfloat16): "paged_decode_bf16", (torch.float32, torch.float32): "paged_decode_f32",
+          (torch.float32, torch.bfloat16): "paged_decode_bf16kv_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -119,6 +121,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"small_m_linear_{sfx}": [P, I32, I32, P, I64, P, I32],
         })
     sigs["ngram_propose_batch"] = [P, P, I32, I32, I32, I32, P, P]
+    sigs["bf16_gemm"] = [P, I64, P, I64, P, I64, I32, I32, I32, I32]
     for name, args in sigs.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in _FUNCS.values() else None
@@ -127,6 +130,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_char_p, []
     lib.batchgen_q8_act_bytes.restype = ctypes.c_int
     lib.batchgen_q8_act_bytes.argtypes = []
+    lib.bf16_gemm_fast.restype = ctypes.c_int
+    lib.bf16_gemm_fast.argtypes = []
     return lib
 
 
@@ -174,8 +179,9 @@ def unavailable_reason() -> str | None:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """True when ``paged_decode`` can run these tensors (CPU, bf16/fp32, matching dtypes) and the library loaded."""
-    return (q.device.type == "cpu" and q.dtype in _FUNCS and k_cache.dtype == q.dtype
+    """True when ``paged_decode`` can run these tensors (CPU; bf16 or float32 cache, queries in its dtype or
+    float32) and the library loaded."""
+    return (q.device.type == "cpu" and (q.dtype, k_cache.dtype) in _FUNCS
             and k_cache.shape[1] <= 256 and q.shape[1] // k_cache.shape[2] <= 64 and load() is not None)
 
 
@@ -208,7 +214,7 @@ def call(lib: ctypes.CDLL, q, k_cache, v_cache, block_tables, seq_lens, window, 
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     b, hq, d = q.shape
     out = torch.empty_like(q)
-    rc = getattr(lib, _FUNCS[q.dtype])(
+    rc = getattr(lib, _FUNCS[q.dtype, k_cache.dtype])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), b, hq, k_cache.shape[2], d, k_cache.shape[1], window or 0, scale, out.data_ptr(),
         torch.get_num_threads())
@@ -311,6 +317,42 @@ def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype
     getattr(lib, f"q8_embed_{_SUFFIX[dtype]}")(w.data_ptr(), sw.data_ptr(), kp, ids.data_ptr(), ids.numel(), k,
                                                y.data_ptr(), torch.get_num_threads())
     return y
+
+
+# ---- bf16 x bf16 -> float32 matmul (csrc/bf16_gemm.c): bf16 prefill attention with float32 scores ------------
+
+def bf16_gemm_ok() -> bool:
+    """True when this build multiplies bf16 with AVX512-BF16 dot products into float32 (``bf16_gemm``), and the
+    CPU has no AMX: there torch's bf16 matmul (oneDNN on AMX tiles) is several times faster, and stays."""
+    lib = load()
+    if lib is None or not lib.bf16_gemm_fast():
+        return False
+    from engine import dtype_policy
+    return "amx_bf16" not in dtype_policy._cpuinfo_flags()
+
+
+def pack_pairs(b: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """b [K, N] bf16 (any strides) -> the kernel's operand [ceil(K/2), N] int32: word (j, n) holds b[2j, n] and
+    b[2j+1, n]. K is zero-padded to an even count (or to ``rows`` when given)."""
+    k, n = b.shape
+    kp = rows if rows is not None else k + (k & 1)
+    if kp != k:
+        b = torch.cat([b, b.new_zeros(kp - k, n)])
+    return b.reshape(kp // 2, 2, n).transpose(1, 2).reshape(kp // 2, 2 * n).view(torch.int32)
+
+
+def bf16_gemm(a: torch.Tensor, bp: torch.Tensor, n: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """a [M, K] bf16 (rows dense, K even) @ the packed operand bp [K/2, >= n] -> float32 [M, n]; ``bp`` may be a
+    column slice of a wider packed matrix (its row stride is kept)."""
+    lib = lib or load()
+    m, k = a.shape
+    n = bp.shape[1] if n is None else n
+    assert a.dtype == torch.bfloat16 and a.stride(1) == 1 and k % 2 == 0 and bp.shape[0] == k // 2
+    assert bp.dtype == torch.int32 and bp.stride(1) == 1 and bp.shape[1] >= n
+    c = torch.empty(m, n, dtype=torch.float32)
+    lib.bf16_gemm(a.data_ptr(), a.stride(0), bp.data_ptr(), bp.stride(0), c.data_ptr(), n, m, n, k // 2,
+                  torch.get_num_threads())
+    return c
 
 
 # ---- few-row matmul (csrc/small_m.c): the decode-time LM head -------------------------------------------------

@@ -121,6 +121,23 @@ def test_kernel_equals_torch_gather_path(libs, build, dtype, shape, window):
         assert (got - port).abs().max().item() <= 2e-5 * max(1.0, port.abs().max().item())
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("window", [None, 7, 64])
+def test_float32_queries_over_a_bf16_cache(libs, build, window):
+    """kv_cache_dtype: bfloat16 under float32 activations: queries and outputs stay float32 (no rounding of the
+    attention output to bf16), equal to the torch path that widens the cached keys and values."""
+    lib = _lib(libs, build)
+    q, k, v, meta = _case(torch.bfloat16, LENS, 4, 1, 256, 16, seed=7)
+    q = q.float() * 1.5
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    ref = _decode(q, k, v, meta, window, 0.0625, native=False)
+    got = cpu_kernels.call(lib, q, k, v, meta.block_tables, lens, window, 0.0625)
+    assert got.dtype == torch.float32
+    # the kernel's AVX512-BF16 scores round q to bf16 once; elsewhere it widens the cache like the torch path
+    tol = 1e-2 if cpu_kernels.isa(lib) == "avx512_bf16" else 2e-5
+    assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
 def test_rows_are_independent_of_the_batch(libs):
     """A sequence's output does not depend on which other sequences share the call (or on thread count)."""
     q, k, v, meta = _case(torch.bfloat16, LENS, 4, 1, 256, 16, seed=3)

@@ -37,22 +37,40 @@ class TorchAttentionBackend(AttentionBackend):
                 window: int | None, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k/v into the cache, returns [T, Hq, D]."""
         k_cache, v_cache = kv_cache                                  # [N_blocks, bs, Hkv, D]
-        if k_cache.dtype != q.dtype:         # kv_cache_dtype: attention runs in the cache's dtype, output cast back
-            low = k_cache.dtype
+        low = k_cache.dtype
+        # bf16 caches: prefill tiles multiply bf16 into float32 (csrc/bf16_gemm.c) where that kernel is fast, so
+        # scores and outputs are not rounded to bf16; float32 activations then keep a float32 output too.
+        wide = self.native and low == torch.bfloat16 and q.device.type == "cpu" and cpu_kernels.bf16_gemm_ok()
+        if low != q.dtype and not wide:      # kv_cache_dtype: attention runs in the cache's dtype, output cast back
             return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
+        k, v = k.to(low), v.to(low)
         write_kv(kv_cache, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
         nd = meta.num_decode_seqs
-        if nd:
+        if nd:   # float32 queries over a bf16 cache: the kernel keeps them (and the output) float32
             out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, window, scale, self.native)
         qsl, bs = meta.query_start_loc, meta.block_size
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
+            if wide:
+                out[s:e] = _prefill_wide(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
+                                         meta.seq_lens[i], window, scale, bs)
+                continue
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
                                 meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn),
                                 self.native)
         return out
+
+
+def _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len: int, n: int, window: int | None, bs: int):
+    """The keys and values a chunk's queries can see, [S, Hkv, D], and the position of the first."""
+    start = seq_len - n
+    lo_all = max(0, start - window + 1) if window else 0
+    if lo_all >= start:
+        return k_new, v_new, start
+    return (_gather_range(k_cache, table, lo_all, seq_len, bs), _gather_range(v_cache, table, lo_all, seq_len, bs),
+            lo_all)
 
 
 def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
@@ -67,13 +85,7 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     hkv = k_new.shape[1]
     g = hq // hkv
     start = seq_len - n
-    lo_all = max(0, start - window + 1) if window else 0
-    if lo_all >= start:
-        keys, vals, base = k_new, v_new, start
-    else:
-        keys = _gather_range(k_cache, table, lo_all, seq_len, bs)  # [S, Hkv, D]
-        vals = _gather_range(v_cache, table, lo_all, seq_len, bs)
-        base = lo_all
+    keys, vals, base = _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     qs = q * scale                                               # fold the scale into q once
     fused_softmax = native and cpu_kernels.elementwise_ok(q)
@@ -101,6 +113,39 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
             o = torch.bmm(probs.view(hkv, t * g, -1), vv.transpose(0, 1))       # [Hkv, t*G, D]
             o = o.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)
         out[ts - start:te - start] = o
+    return out
+
+
+def _prefill_wide(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float,
+                  bs: int):
+    """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.bf16_gemm``): q [n, Hq, D] in
+    bf16 or float32 (scaled, then rounded to bf16 once), keys and values as cached; scores, softmax and the
+    output in float32 (returned in q's dtype). Same tiles as ``_prefill``; a tile's keys start at an even offset
+    from the chunk's first key (value pairs), the extra key at either end is masked like any invisible one."""
+    n, hq, d = q.shape
+    hkv = k_new.shape[1]
+    g = hq // hkv
+    start = seq_len - n
+    keys, vals, base = _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
+    S = keys.shape[0]
+    if S & 1:                                                    # an even count: value pairs, key pairs at the end
+        keys, vals = F.pad(keys, (0, 0, 0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 0, 0, 1))
+    qs = (q * scale).to(torch.bfloat16)
+    out = torch.empty(n, hq, d, dtype=q.dtype)
+    for h in range(hkv):
+        kp = keys[:, h].contiguous().view(torch.int32).t().contiguous()        # [D/2, S]: (k[s, 2j], k[s, 2j+1])
+        vp = cpu_kernels.pack_pairs(vals[:, h])                                 # [S/2, D]: (v[2j, d], v[2j+1, d])
+        for ts in range(start, seq_len, PREFILL_TILE):
+            te = min(ts + PREFILL_TILE, seq_len)
+            t = te - ts
+            lo = max(base, ts - window + 1) if window else base
+            j0 = (lo - base) & ~1
+            j1 = te - base + ((te - base - j0) & 1)
+            qt = qs[ts - start:te - start, h * g:(h + 1) * g].reshape(t * g, d)
+            scores = cpu_kernels.bf16_gemm(qt, kp[:, j0:j1])                   # [t*G, S'] float32
+            probs = cpu_kernels.masked_softmax_(scores, t, g, ts, base + j0, window).to(torch.bfloat16)
+            o = cpu_kernels.bf16_gemm(probs, vp[j0 // 2:j1 // 2])              # [t*G, D] float32
+            out[ts - start:te - start, h * g:(h + 1) * g] = o.view(t, g, d)
     return out
 
 

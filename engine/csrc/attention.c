@@ -362,7 +362,8 @@ static inline __attribute__((always_inline)) void rows_finish(const rows_t *r, v
 static inline __attribute__((always_inline)) void group_item(
         const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables, int64_t table_stride,
         const int32_t *seq_lens, const int32_t *members, int32_t count, int32_t num_heads, int32_t num_kv_heads,
-        int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out, const int is_bf16) {
+        int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out, const int is_bf16,
+        const int io_bf16) {
     float s[G * bs], tile[bs * D];
     const size_t per = (size_t)G * D;
     float *fbuf = (float *)malloc(sizeof(float) * count * (2 * per + 2 * G));
@@ -383,7 +384,7 @@ static inline __attribute__((always_inline)) void group_item(
         r->table = block_tables + i * table_stride;
         r->seq_len = len;
         r->lo = (window > 0 && len > window) ? len - window : 0;
-        rows_init(r, q, ((int64_t)i * num_heads + (int64_t)h * G) * D, G, D, scale, is_bf16);
+        rows_init(r, q, ((int64_t)i * num_heads + (int64_t)h * G) * D, G, D, scale, io_bf16);
         const int32_t first_whole = (r->lo + bs - 1) / bs, last_whole = len / bs;
         j0 = first_whole > j0 ? first_whole : j0;
         j1 = last_whole < j1 ? last_whole : j1;
@@ -411,7 +412,7 @@ static inline __attribute__((always_inline)) void group_item(
         const int32_t from = j1 > r->lo / bs ? j1 : r->lo / bs;
         for (int32_t b = from; b * bs < r->seq_len; b++)
             rows_visit(r, b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, is_bf16);
-        rows_finish(r, out, ((int64_t)members[c] * num_heads + (int64_t)h * G) * D, G, D, permuted, is_bf16);
+        rows_finish(r, out, ((int64_t)members[c] * num_heads + (int64_t)h * G) * D, G, D, permuted, io_bf16);
     }
     free(fbuf);
     free(hbuf);
@@ -420,13 +421,21 @@ static inline __attribute__((always_inline)) void group_item(
 static void group_item_bf16(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
                             const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
                             int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 1);
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 1, 1);
 }
 
 static void group_item_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
                            const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
                            int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 0);
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 0, 0);
+}
+
+/* float32 queries and outputs over a bf16 cache (float32 activations, kv_cache_dtype: bfloat16) */
+static void group_item_bf16kv_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
+                                  const int32_t *lens, const int32_t *members, int32_t count, int32_t hq,
+                                  int32_t hkv, int32_t G, int32_t D, int32_t bs, int32_t window, float scale,
+                                  int32_t h, void *out) {
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 1, 0);
 }
 
 /* ---- grouping: sequences sorted by their block tables, cut into runs that start on the same block -------- */
@@ -480,8 +489,8 @@ static int32_t cut_groups(const tables_t *t, const int32_t *order, int32_t n, in
 /* Members per group: enough groups to keep every thread busy (about four items per thread), at most
  * MAX_MEMBERS. A shared block is then read from memory once per group instead of once per sequence. */
 
-#define ENTRY(NAME, T, ITEM)                                                                                   \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables, int64_t table_stride, \
+#define ENTRY(NAME, T, TC, ITEM)                                                                                 \
+    int NAME(const T *q, const TC *k_cache, const TC *v_cache, const int32_t *block_tables, int64_t table_stride,\
              const int32_t *seq_lens, int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,               \
              int32_t head_dim, int32_t block_size, int32_t window, float scale, T *out, int32_t num_threads) { \
         if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP              \
@@ -510,8 +519,9 @@ static int32_t cut_groups(const tables_t *t, const int32_t *order, int32_t n, in
         return 0;                                                                                             \
     }
 
-ENTRY(paged_decode_bf16, uint16_t, group_item_bf16)
-ENTRY(paged_decode_f32, float, group_item_f32)
+ENTRY(paged_decode_bf16, uint16_t, uint16_t, group_item_bf16)
+ENTRY(paged_decode_f32, float, float, group_item_f32)
+ENTRY(paged_decode_bf16kv_f32, float, uint16_t, group_item_bf16kv_f32)
 
 /* ---- prefill: causal / sliding-window softmax over a tile of scores ------------------------------------- */
 
