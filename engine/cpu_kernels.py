@@ -122,6 +122,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         })
     sigs["ngram_propose_batch"] = [P, P, I32, I32, I32, I32, P, P]
     sigs["bf16_gemm"] = [P, I64, P, I64, P, I64, I32, I32, I32, I32]
+    sigs["q8_gemm_argmax"] = [P, P, P, I32, I32, P, P, P, I32, I32, P, P, I32]
     for name, args in sigs.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int if name in _FUNCS.values() else None
@@ -281,6 +282,19 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 # ---- int8 linear (csrc/qlinear.c) ----------------------------------------------------------------------------
 
+def _q8_activations(lib: ctypes.CDLL, x: torch.Tensor):
+    """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded)."""
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    g = kp // 32
+    q = torch.empty(m * kp, dtype=torch.uint8 if lib.batchgen_q8_act_bytes() == 1 else torch.int16)
+    sa = torch.empty(m * g, dtype=torch.float32)
+    mn = torch.empty(m * g, dtype=torch.float32)
+    getattr(lib, f"q8_quant_act_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(),
+                                                     sa.data_ptr(), mn.data_ptr(), torch.get_num_threads())
+    return q, sa, mn, kp
+
+
 def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int,
               lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) @ W^T for packed int8 W (``engine.models.int8.pack``) -> [M, n] in x's dtype.
@@ -288,23 +302,32 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
     integer dot products. ``lib``: a specific build (tests); default the loaded one."""
     lib = lib or load()
-    sfx = _SUFFIX[x.dtype]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    m, k = x.shape
-    kp = -(-k // 32) * 32
+    m = x.shape[0]
+    q, sa, mn, kp = _q8_activations(lib, x)
     np_ = w.numel() // kp                        # padded rows of W (a multiple of 32)
-    g = kp // 32
-    nt = torch.get_num_threads()
-    q = torch.empty(m * kp, dtype=torch.uint8 if lib.batchgen_q8_act_bytes() == 1 else torch.int16)
-    sa = torch.empty(m * g, dtype=torch.float32)
-    mn = torch.empty(m * g, dtype=torch.float32)
-    getattr(lib, f"q8_quant_act_{sfx}")(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(), sa.data_ptr(),
-                                        mn.data_ptr(), nt)
     y = torch.empty(m, n, dtype=x.dtype)
-    getattr(lib, f"q8_gemm_{sfx}")(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(), sw.data_ptr(),
-                                   cw.data_ptr(), np_, n, y.data_ptr(), n, nt)
+    getattr(lib, f"q8_gemm_{_SUFFIX[x.dtype]}")(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(),
+                                                sw.data_ptr(), cw.data_ptr(), np_, n, y.data_ptr(), n,
+                                                torch.get_num_threads())
     return y
+
+
+def q8_argmax(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int,
+              lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax over n of ``q8_linear(x, ...)`` without materializing it: (indices int64 [M], values float32 [M]).
+    The values compared are exactly q8_linear's (float32); ties go to the lower index."""
+    lib = lib or load()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    q, sa, mn, kp = _q8_activations(lib, x)
+    idx = torch.empty(m, dtype=torch.int64)
+    val = torch.empty(m, dtype=torch.float32)
+    lib.q8_gemm_argmax(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(), sw.data_ptr(),
+                       cw.data_ptr(), w.numel() // kp, n, idx.data_ptr(), val.data_ptr(), torch.get_num_threads())
+    return idx, val
 
 
 def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype: torch.dtype,

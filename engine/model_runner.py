@@ -132,6 +132,9 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         if not sample_rows:
             return {}
+        if not drafts and all(_plain_greedy(r) for r in sample_reqs):   # argmax only: no logits, no sampler
+            tokens = self.model.greedy_tokens(hidden).tolist()
+            return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
         logits = self.model.compute_logits(hidden)                  # [N, vocab], sampled rows only
         if drafts:
             return self._verify(logits, sample_reqs, drafts)
@@ -187,6 +190,13 @@ def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, t
     for layer, cache in zip(model.model.layers, kv_caches):
         layer.self_attn.kv_cache = cache
         layer.self_attn.backend = backend
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy with nothing that changes the logits first (penalties, banned EOS before min_tokens)."""
+    p = req.sampling_params
+    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and _banned(req) is None)
 
 
 def _banned(req: Request, ahead: int = 0) -> list[int] | None:

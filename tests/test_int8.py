@@ -83,6 +83,26 @@ def test_int8_builds_agree_with_portable(libs, build):
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("m, n", [(1, 70), (5, 1000), (48, 4100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_argmax_equals_argmax_of_the_linear(libs, build, m, n, dtype):
+    """The greedy LM head (q8_argmax): each row's largest value and its first index, exactly q8_linear's
+    values (float32), with planted ties across the threads' column ranges and a row of equal values."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, 96, generator=g).to(dtype)
+    w = torch.randn(n, 96, generator=g) * 0.05
+    w[n - 3] = w[n // 3]                                            # the same column twice: a tie
+    x[0] = 0                                                        # all-equal logits: index 0
+    pw, sw, cw = int8.pack(*int8.quantize_rows(w))
+    y = cpu_kernels.q8_linear(x.float(), pw, sw, cw, n, lib=lib)
+    idx, val = cpu_kernels.q8_argmax(x.float(), pw, sw, cw, n, lib=lib)
+    best = y.max(dim=-1)
+    assert torch.equal(idx, best.indices) and torch.equal(val, best.values)
+    assert idx[0] == 0
+
+
 def _quant_act(lib, x: torch.Tensor):
     """The activation quantizer alone: (quants widened to int32 [M, Kp], scales [M, G], minima [M, G])."""
     m, k = x.shape
@@ -246,6 +266,23 @@ def test_tiny_model_generates_and_caches(tiny_dir, monkeypatch, tmp_path):
     second = LLM(str(tiny_dir), dtype="float32", quantization="int8", block_size=4, kv_cache_memory=8 << 20)
     assert second.weights_from == "cached"
     assert [o.token_ids for o in second.generate(prompts, sp)] == batched
+
+
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_greedy_tokens_are_the_argmax_of_the_logits(tiny_dir, monkeypatch, tmp_path, quantization):
+    """Plain greedy steps take ``greedy_tokens`` (an int8 head never writes logits); it picks what the sampler
+    picks from ``compute_logits``, and greedy generation through it equals generation through the sampler."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    llm = LLM(str(tiny_dir), dtype="float32", quantization=quantization, block_size=4, kv_cache_memory=8 << 20)
+    h = torch.randn(37, llm.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(llm.model.greedy_tokens(h), llm.model.compute_logits(h).argmax(-1))
+    prompts = [[1, 5, 9, 40, 41, 42, 7], [1, 3, 3, 3, 100, 200]]
+    fast = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                       ignore_eos=True))]
+    monkeypatch.setattr("engine.model_runner._plain_greedy", lambda req: False)
+    slow = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
+                                                                       ignore_eos=True))]
+    assert fast == slow
 
 
 def test_int8_calibration_for_predictions():

@@ -57,7 +57,8 @@ def test_engine_step_computes_only_sampled_rows_with_transformers_logits(pair):
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (23, 30, 9)]
     runner = ModelRunner(ours, num_blocks=32, block_size=4, dtype=torch.float32, device=torch.device("cpu"),
                          backend=TorchAttentionBackend())
-    reqs = {str(i): Request(str(i), p, SamplingParams(temperature=0, max_tokens=4))
+    # sampled rows (not greedy: a plain greedy step takes the argmax without computing logits)
+    reqs = {str(i): Request(str(i), p, SamplingParams(temperature=0.5, seed=i, max_tokens=4))
             for i, p in enumerate(prompts)}
     tables = {"0": list(range(0, 8)), "1": list(range(8, 16)), "2": list(range(16, 24))}
     captured = {}

@@ -20,6 +20,10 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "common.h"
 
@@ -342,6 +346,69 @@ void q8_gemm_f32(const qact_t *q, const float *sa, const float *mn, int M, int K
 void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                   const float *sw, const float *cw, int Np, int N, uint16_t *y, int ldy, int nt) {
     gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, y, ldy, 1, nt);
+}
+
+/* Greedy decoding's LM head: per row, the largest y[m, n] = dequant(q) @ W^T and its index (the first on ties,
+ * like argmax), without writing y (a [rows, 262144] float32 block per decode step). Each thread scans a
+ * contiguous range of 32-column pairs in order with the same tiles as gemm (so the values compared are gemm's,
+ * bit for bit); the ranges are merged in order. A NaN never wins. */
+void q8_gemm_argmax(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                    const float *sw, const float *cw, int Np, int N, int64_t *idx, float *val, int nt) {
+    const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
+    nt = nt < 1 ? 1 : nt;
+    float *bv = (float *)malloc(sizeof(float) * (size_t)nt * M);
+    int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * (size_t)nt * M);
+    int used = 1;
+#pragma omp parallel num_threads(nt)
+    {
+        int tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+#pragma omp single
+        used = nth;
+        float *v = bv + (size_t)tid * M;
+        int64_t *ix = bi + (size_t)tid * M;
+        for (int m = 0; m < M; m++) { v[m] = -INFINITY; ix[m] = 0; }
+        const int p0 = (int)((int64_t)npair * tid / nth), p1 = (int)((int64_t)npair * (tid + 1) / nth);
+        float acc[MR][32];
+        for (int np = p0; np < p1; np++) {
+            const int8_t *wp = w + (size_t)np * 2 * K4 * 64;
+            const float *swp = sw + (size_t)np * 2 * G * 16, *cwp = cw + (size_t)np * 2 * G * 16;
+            const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
+            for (int m = 0; m < M; m += MR) {
+                const int R = M - m < MR ? M - m : MR;
+                const qact_t *qm = q + (size_t)m * Kp;
+                const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
+                switch (R) {
+#if MR >= 6
+                case 6: tile(6, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                case 5: tile(5, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+#endif
+#if MR >= 4
+                case 4: tile(4, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                case 3: tile(3, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+#endif
+                case 2: tile(2, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                default: tile(1, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
+                }
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < ncols; j++)
+                        if (acc[r][j] > v[m + r]) { v[m + r] = acc[r][j]; ix[m + r] = (int64_t)np * 32 + j; }
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float best = bv[m];
+        int64_t at = bi[m];
+        for (int t = 1; t < used; t++)
+            if (bv[(size_t)t * M + m] > best) { best = bv[(size_t)t * M + m]; at = bi[(size_t)t * M + m]; }
+        idx[m] = at;
+        val[m] = best;
+    }
+    free(bv);
+    free(bi);
 }
 
 /* Embedding lookup from the packed int8 weights: y[t, :K] = sw[row, g] * W[row, k] for row = ids[t]. Only the

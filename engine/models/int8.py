@@ -111,6 +111,11 @@ class Int8Embedding(Int8Linear):
         super().__init__(embedding_dim, num_embeddings, bias=False, device=device)
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head's greedy tokens: the index of each row's largest logit, no [rows, vocab] logits written."""
+        return cpu_kernels.q8_argmax(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
+                                     self.out_features)[0]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.q8_embed(ids.reshape(-1), self.qweight, self.scales, self.embedding_dim,
                                     self.dtype).view(*ids.shape, self.embedding_dim)
