@@ -32,10 +32,14 @@ from engine.errors import ConfigError
 class QuantChoice:
     name: str          # none | int8
     reason: str
+    kv_cache_dtype: str | None = None    # what kv_cache_dtype: auto becomes with this choice (None: the dtype's)
 
 
-def choose_quantization(requested: str, device_type: str, q8_isa: str | None) -> QuantChoice:
-    """q8_isa: the loaded kernel build's int8 path, or None when no kernel library is available."""
+def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
+                        bf16_attention: bool = False, dtype: str = "auto") -> QuantChoice:
+    """q8_isa: the loaded kernel build's int8 path, or None when no kernel library is available.
+    bf16_attention: the build multiplies bf16 into float32 for attention (``cpu_kernels.bf16_gemm_ok``:
+    AVX512-BF16, no AMX). dtype: the requested activation dtype (int8 under bf16 activations fails the bar)."""
     if requested == "none":
         return QuantChoice("none", "quantization: none")
     if device_type != "cpu":
@@ -48,8 +52,15 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None) ->
             raise ConfigError("quantization: int8 needs the native CPU kernels, which are unavailable "
                               "(no C compiler, or BATCHGEN_CPU_KERNELS=0)")
         return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products)")
-    return QuantChoice("none", "auto: int8 not measured faster end to end than float weights on any CPU yet "
-                               "(engine.quantization)")
+    if dtype == "bfloat16":
+        return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quantization)")
+    if q8_isa == "avx512_vnni" and bf16_attention:
+        return QuantChoice("int8", "auto: int8 weights (avx512_vnni) with a bf16 KV cache: measured faster than "
+                                   "bf16 end to end and within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs "
+                                   "without AMX (engine.quantization)", kv_cache_dtype="bfloat16")
+    return QuantChoice("none", f"auto: int8 not measured faster than float weights on this CPU (int8 path "
+                               f"{q8_isa or 'unavailable'}{'' if bf16_attention else ', no bf16 attention kernel'}; "
+                               "engine.quantization)")
 
 
 def kernel_q8_isa() -> str | None:
@@ -58,4 +69,9 @@ def kernel_q8_isa() -> str | None:
     return cpu_kernels.q8_isa(lib) if lib is not None else None
 
 
-__all__ = ["QuantChoice", "choose_quantization", "kernel_q8_isa"]
+def kernel_bf16_attention() -> bool:
+    from engine import cpu_kernels
+    return cpu_kernels.bf16_gemm_ok()
+
+
+__all__ = ["QuantChoice", "choose_quantization", "kernel_bf16_attention", "kernel_q8_isa"]

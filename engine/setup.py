@@ -23,7 +23,7 @@ from engine.loader import ModelSource, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
 from engine.memory import num_kv_blocks
 from engine.models.config import ModelConfig
-from engine.quantization import QuantChoice, choose_quantization, kernel_q8_isa
+from engine.quantization import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_q8_isa
 
 log = logging.getLogger("batchgen.engine")
 
@@ -70,11 +70,13 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
     source = resolve_model(model)                          # a bad model spec is the first thing to report
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
-    needs_kernels = device.type == "cpu" and cfg.quantization == "int8"   # auto decides without them today
-    quant = choose_quantization(cfg.quantization, device.type, kernel_q8_isa() if needs_kernels else None)
+    needs_kernels = device.type == "cpu" and cfg.quantization != "none"
+    quant = choose_quantization(cfg.quantization, device.type, kernel_q8_isa() if needs_kernels else None,
+                                kernel_bf16_attention() if needs_kernels else False, cfg.dtype)
     if quant.name == "int8" and cfg.dtype == "auto":
-        # NOTE: measured on gemma-3-270m (perf.quality): int8 weights with float32 activations pass the bar
-        # (top-1 0.983 vs bf16's 0.982, KL 0.0010 vs 0.0009); with bf16 activations top-1 drops to 0.973.
+        # NOTE: measured on gemma-3-270m (perf.quality, 10,500 positions): int8 weights with float32 activations
+        # pass the bar (KL 0.00084, 0.00089 with a bf16 KV cache, vs bf16's 0.00060); bf16 activations do not
+        # (top-1 0.978 vs bf16's 0.979, KL 0.0015).
         choice = DtypeChoice("float32", "auto with int8 weights: float32 activations (bf16 activations fail "
                                         "int8's quality bar)")
     else:
@@ -89,7 +91,7 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
     max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     cfg = dataclasses.replace(cfg, dtype=choice.dtype, device=str(device), block_size=block_size,
                               max_model_len=max_model_len, quantization=quant.name)
-    kv = choice.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    kv = (quant.kv_cache_dtype or choice.dtype) if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
     if kv != choice.dtype:
         if device.type != "cpu":
             raise ConfigError(f"kv_cache_dtype: {kv} differs from dtype {choice.dtype}; on {device.type} the KV "

@@ -196,10 +196,15 @@ def test_q4_0_blocks_exact():
 
 
 def test_choose_quantization():
-    assert choose_quantization("none", "cpu", "avx512_vnni").name == "none"
+    assert choose_quantization("none", "cpu", "avx512_vnni", True).name == "none"
     assert choose_quantization("int8", "cpu", "avx2").name == "int8"
-    for isa in ("avx512_vnni", "avx2", "portable", None):    # not measured faster anywhere yet
-        assert choose_quantization("auto", "cpu", isa).name == "none"
+    # auto: int8 + a bf16 KV cache only where measured faster and within the bar (VNNI + bf16 attention kernel)
+    auto = choose_quantization("auto", "cpu", "avx512_vnni", True)
+    assert auto.name == "int8" and auto.kv_cache_dtype == "bfloat16" and "measured faster" in auto.reason
+    for isa, bf16_attn in (("avx512_vnni", False), ("avx2", True), ("avx2", False), ("portable", False),
+                           (None, False)):
+        assert choose_quantization("auto", "cpu", isa, bf16_attn).name == "none"
+    assert choose_quantization("auto", "cpu", "avx512_vnni", True, dtype="bfloat16").name == "none"
     assert choose_quantization("auto", "cuda", None).name == "none"
     with pytest.raises(ConfigError, match="CPU only"):
         choose_quantization("int8", "cuda", None)
@@ -283,6 +288,20 @@ def test_greedy_tokens_are_the_argmax_of_the_logits(tiny_dir, monkeypatch, tmp_p
     slow = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0,
                                                                        ignore_eos=True))]
     assert fast == slow
+
+
+def test_auto_quantization_on_this_cpu(tiny_dir):
+    """setup resolves quantization: auto from this machine's kernel build, says why, and gives int8 its float32
+    activations and bf16 KV cache where it picks int8."""
+    from engine.quantization import kernel_bf16_attention, kernel_q8_isa
+    from engine.setup import setup_engine
+    s = setup_engine(str(tiny_dir), quantization="auto", kv_cache_memory=8 << 20)
+    picks = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
+    assert s.config.quantization == ("int8" if picks else "none") and s.quant_choice.reason.startswith("auto")
+    if picks:
+        assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
+    explicit = setup_engine(str(tiny_dir), quantization="auto", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
+    assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins
 
 
 def test_int8_calibration_for_predictions():
