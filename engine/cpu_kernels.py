@@ -49,6 +49,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
+_bf16_gemm_ok: bool | None = None
 
 
 def enabled() -> bool:
@@ -347,11 +348,14 @@ def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype
 def bf16_gemm_ok() -> bool:
     """True when this build multiplies bf16 with AVX512-BF16 dot products into float32 (``bf16_gemm``), and the
     CPU has no AMX: there torch's bf16 matmul (oneDNN on AMX tiles) is several times faster, and stays."""
+    global _bf16_gemm_ok
     lib = load()
     if lib is None or not lib.bf16_gemm_fast():
         return False
-    from engine import dtype_policy
-    return "amx_bf16" not in dtype_policy._cpuinfo_flags()
+    if _bf16_gemm_ok is None:                  # once: every attention layer asks, every step
+        from engine import dtype_policy
+        _bf16_gemm_ok = "amx_bf16" not in dtype_policy._cpuinfo_flags()
+    return _bf16_gemm_ok
 
 
 def pack_pairs(b: torch.Tensor, rows: int | None = None) -> torch.Tensor:
