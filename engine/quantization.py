@@ -1,25 +1,28 @@
 """Which weight format an engine runs: ``EngineConfig.quantization`` -> "none" | "int8", with the reason.
 
-    requested  device  int8 kernel path (cpu_kernels.q8_isa)   result
-    none       any     -                                        none: weights in the engine dtype
-    int8       cpu     any (avx512_vnni, avx2, portable)        int8
-    int8       cuda    -                                        ConfigError (CPU kernels only)
-    auto       any     any                                      none, until int8 is measured faster (below)
+    requested  device  kernel build                                        result
+    none       any     -                                                    none: weights in the engine dtype
+    int8       cpu     any int8 path (avx512_vnni, avx2, portable)          int8 (KV cache: the activation dtype)
+    int8       cuda    -                                                    ConfigError (CPU kernels only)
+    auto       cpu     avx512_vnni + bf16 attention kernel (bf16_gemm_ok)   int8, float32 activations, bf16 KV
+    auto       cpu     anything else, or dtype: bfloat16                    none
+    auto       cuda    -                                                    none
 
 ``auto`` may choose int8 only where it was measured faster end to end *and* passes the quality bar (top-1
 agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). Measured on
-a 2-core AMD EPYC Zen 4 (AVX512-VNNI, AVX512-BF16), ``batchgen bench shared-prefix``, one run:
+a 2-core AMD EPYC Zen 4 (AVX512-VNNI, AVX512-BF16, no AMX), 20,000+ positions and ``batchgen bench
+shared-prefix`` in one run:
 
-    int8, float32 activations and KV     passes the bar (top-1 0.9833, KL 0.00101)   0.89x bf16's wall time
-    int8, float32 activations, bf16 KV   top-1 0.9819 < bf16's 0.9824, KL 0.00112     1.30x bf16's wall time
-    int8, bf16 activations               top-1 0.9733, KL 0.00166                      (fails clearly)
+    bf16                                 top-1 0.9792, KL 0.00060                      1 (32.9 s)
+    int8, float32 activations and KV     top-1 0.9850, KL 0.00083: meets the bar       1.03x bf16's speed
+    int8, float32 activations, bf16 KV   top-1 0.9869, KL 0.00088: meets the bar       1.35x (decode step 1.48x)
+    int8, bf16 activations               top-1 0.9786, KL 0.00146: fails               -
 
-The int8 matmuls themselves run at 500-570 GOP/s against torch bf16's 380-410; with float32 activations the
-attention runs in float32 at half bf16's rate, which eats the gain. The one variant that is faster misses the
-top-1 criterion: by one position of 2,100, and at 20,000+ positions by 0.19 points (0.9803 vs 0.9822; int8
-with float32 KV 0.9832 there). On AVX2-only CPUs the int8 path (vpmaddwd) runs at about float32 matmul's
-rate. So ``auto`` resolves to none everywhere today; ``int8`` is an explicit choice (0.63x
-bf16's weight memory; with ``kv_cache_dtype: bfloat16`` the fastest configuration on bf16-capable CPUs).
+The int8 matmuls run at 500-570 GOP/s against torch bf16's 380-410. A bf16 KV cache costs little because
+bf16 attention multiplies into float32 there (csrc/bf16_gemm.c); it halves decode's KV bytes. Not chosen
+elsewhere: on AVX2-only CPUs the int8 path (vpmaddwd) runs at about float32 matmul's rate (so no gain over
+float32 weights), AVX-512 without VNNI takes that AVX2 path, and on AMX CPUs torch's bf16 matmul runs on AMX
+tiles (750-2,000 GFLOP/s) which our VNNI kernels do not approach; none of these was measured faster.
 """
 from __future__ import annotations
 
