@@ -6,8 +6,14 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import torch_backend as tb
+from tests.test_cpu_kernels import BUILDS, _lib, build_libs
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.bf16_gemm_ok(), reason="no AVX512-BF16 kernel build (or AMX CPU)")
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+
+
+@pytest.fixture(scope="module")
+def libs():
+    return build_libs(BUILDS)
 
 
 def _reference(q, keys, vals, positions, key_positions, window, scale):
@@ -24,17 +30,21 @@ def _reference(q, keys, vals, positions, key_positions, window, scale):
     return torch.einsum("hns,shd->nhd", p, vv)
 
 
-def test_gemm_matches_float32_products():
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_gemm_matches_float32_products(libs, build):
+    """Every build: the AVX512-BF16 micro-kernel where the build has it, the portable loops elsewhere (the
+    engine uses the kernel only where it is fast: ``bf16_gemm_ok``)."""
+    lib = _lib(libs, build)
     g = torch.Generator().manual_seed(0)
     for m, k, n in ((1, 2, 1), (9, 6, 17), (37, 256, 33), (130, 98, 300)):
         a = torch.randn(m, k, generator=g).bfloat16()
         b = torch.randn(k, n, generator=g).bfloat16()
         ref = a.float() @ b.float()
-        got = cpu_kernels.bf16_gemm(a, cpu_kernels.pack_pairs(b))
+        got = cpu_kernels.bf16_gemm(a, cpu_kernels.pack_pairs(b), lib=lib)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         assert (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
         wide = cpu_kernels.pack_pairs(torch.cat([b, b], 1))          # a column slice keeps the row stride
-        assert torch.equal(cpu_kernels.bf16_gemm(a, wide[:, n:], n), got)
+        assert torch.equal(cpu_kernels.bf16_gemm(a, wide[:, n:], n, lib=lib), got)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2)])
@@ -42,6 +52,7 @@ def test_gemm_matches_float32_products():
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("start,n", [(0, 301), (133, 150), (270, 1)])
 def test_wide_prefill_equals_float32_attention(hq, hkv, window, q_dtype, start, n):
+    """With the loaded build (the portable loops where it has no AVX512-BF16: slow, still exact enough)."""
     g = torch.Generator().manual_seed(1)
     d, bs = 64, 16
     seq_len = start + n
