@@ -303,6 +303,24 @@ static void tile(const int R, const qact_t *q, int Kp, const float *sa, const fl
 
 #endif
 
+/* R (1..MR) rows of a tile: a constant R per case, so the compiler unrolls each case's row loops. */
+static inline __attribute__((always_inline)) void tile_rows(const int R, const qact_t *q, int Kp, const float *sa,
+                                                            const float *mn, const int8_t *w, const float *sw,
+                                                            const float *cw, float acc[MR][32]) {
+    switch (R) {
+#if MR >= 6
+    case 6: tile(6, q, Kp, sa, mn, w, sw, cw, acc); break;
+    case 5: tile(5, q, Kp, sa, mn, w, sw, cw, acc); break;
+#endif
+#if MR >= 4
+    case 4: tile(4, q, Kp, sa, mn, w, sw, cw, acc); break;
+    case 3: tile(3, q, Kp, sa, mn, w, sw, cw, acc); break;
+#endif
+    case 2: tile(2, q, Kp, sa, mn, w, sw, cw, acc); break;
+    default: tile(1, q, Kp, sa, mn, w, sw, cw, acc); break;
+    }
+}
+
 /* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (64-row chunk, 32-column pair of
  * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every 4-row tile
  * of its chunk while it sits in L1/L2. */
@@ -322,18 +340,7 @@ static void gemm(const qact_t *q, const float *sa, const float *mn, int M, int K
                 const int R = m_end - m < MR ? m_end - m : MR;
                 const qact_t *qm = q + (size_t)m * Kp;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                switch (R) {       /* constant R: the compiler unrolls each case's row loops */
-#if MR >= 6
-                case 6: tile(6, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                case 5: tile(5, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-#endif
-#if MR >= 4
-                case 4: tile(4, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                case 3: tile(3, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-#endif
-                case 2: tile(2, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                default: tile(1, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                }
+                tile_rows(R, qm, Kp, sam, mnm, wp, swp, cwp, acc);
                 for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
             }
         }
@@ -381,18 +388,7 @@ void q8_gemm_argmax(const qact_t *q, const float *sa, const float *mn, int M, in
                 const int R = M - m < MR ? M - m : MR;
                 const qact_t *qm = q + (size_t)m * Kp;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                switch (R) {
-#if MR >= 6
-                case 6: tile(6, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                case 5: tile(5, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-#endif
-#if MR >= 4
-                case 4: tile(4, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                case 3: tile(3, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-#endif
-                case 2: tile(2, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                default: tile(1, qm, Kp, sam, mnm, wp, swp, cwp, acc); break;
-                }
+                tile_rows(R, qm, Kp, sam, mnm, wp, swp, cwp, acc);
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < ncols; j++)
                         if (acc[r][j] > v[m + r]) { v[m + r] = acc[r][j]; ix[m + r] = (int64_t)np * 32 + j; }
