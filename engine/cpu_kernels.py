@@ -285,6 +285,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _q8_activations(lib: ctypes.CDLL, x: torch.Tensor):
     """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     m, k = x.shape
     kp = -(-k // 32) * 32
     g = kp // 32
@@ -303,8 +305,6 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
     integer dot products. ``lib``: a specific build (tests); default the loaded one."""
     lib = lib or load()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     m = x.shape[0]
     q, sa, mn, kp = _q8_activations(lib, x)
     np_ = w.numel() // kp                        # padded rows of W (a multiple of 32)
@@ -320,8 +320,6 @@ def q8_argmax(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     """argmax over n of ``q8_linear(x, ...)`` without materializing it: (indices int64 [M], values float32 [M]).
     The values compared are exactly q8_linear's (float32); ties go to the lower index."""
     lib = lib or load()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     m = x.shape[0]
     q, sa, mn, kp = _q8_activations(lib, x)
     idx = torch.empty(m, dtype=torch.int64)
@@ -358,11 +356,11 @@ def bf16_gemm_ok() -> bool:
     return _bf16_gemm_ok
 
 
-def pack_pairs(b: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+def pack_pairs(b: torch.Tensor) -> torch.Tensor:
     """b [K, N] bf16 (any strides) -> the kernel's operand [ceil(K/2), N] int32: word (j, n) holds b[2j, n] and
-    b[2j+1, n]. K is zero-padded to an even count (or to ``rows`` when given)."""
+    b[2j+1, n]. K is zero-padded to an even count."""
     k, n = b.shape
-    kp = rows if rows is not None else k + (k & 1)
+    kp = k + (k & 1)
     if kp != k:
         b = torch.cat([b, b.new_zeros(kp - k, n)])
     return b.reshape(kp // 2, 2, n).transpose(1, 2).reshape(kp // 2, 2 * n).view(torch.int32)

@@ -133,7 +133,7 @@ def _prefill_wide(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window
     qs = (q * scale).to(torch.bfloat16)
     out = torch.empty(n, hq, d, dtype=q.dtype)
     for h in range(hkv):
-        kp = keys[:, h].contiguous().view(torch.int32).t().contiguous()        # [D/2, S]: (k[s, 2j], k[s, 2j+1])
+        kp = cpu_kernels.pack_pairs(keys[:, h].t())                             # [D/2, S]: (k[s, 2j], k[s, 2j+1])
         vp = cpu_kernels.pack_pairs(vals[:, h])                                 # [S/2, D]: (v[2j, d], v[2j+1, d])
         for ts in range(start, seq_len, PREFILL_TILE):
             te = min(ts + PREFILL_TILE, seq_len)

@@ -224,13 +224,16 @@ class CausalLM(nn.Module):
         inside its kernel and never writes the [N, vocab] logits. The one possible difference from argmax over
         ``compute_logits``: two float32 logits that differ by less than the capped value's rounding tie there (the
         lower index wins) but not here."""
-        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        head = self._head()
         if hasattr(head, "argmax"):
             return head.argmax(hidden)
         return self._raw_logits(hidden).max(dim=-1).indices     # max(dim) is ~4x faster than argmax on CPU
 
+    def _head(self) -> nn.Module:
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+
     def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        head = self._head()
         if hasattr(head, "qweight"):           # engine.models.int8: integer dot products
             return head.linear(hidden)
         if cpu_kernels.small_m_ok(hidden, head.weight):   # decode: a few rows, memory-bound C kernel
