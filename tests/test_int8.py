@@ -29,7 +29,7 @@ def libs():
     return build_libs(Q8_BUILDS, isa=cpu_kernels.q8_isa)
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int):
+def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, levels: int = 255):
     """The kernel's math in float64 from the same quantized operands: (y, bound on float32 summation error)."""
     m, k = x.shape
     kp = int8.padded(k, 32)
@@ -39,9 +39,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Ten
     lo = torch.where(valid, xf, torch.inf).amin(-1)
     hi = torch.where(valid, xf, -torch.inf).amax(-1)
     lo, hi = torch.where(valid.any(-1), lo, 0.0), torch.where(valid.any(-1), hi, 0.0)
-    sa = (hi - lo) / 255.0
+    sa = (hi - lo) / levels
     inv = torch.where(sa > 0, 1.0 / sa, torch.zeros_like(sa))
-    q = torch.round((xf - lo[..., None]) * inv[..., None]).clamp(0, 255) * valid
+    q = torch.round((xf - lo[..., None]) * inv[..., None]).clamp(0, levels) * valid
     wq = int8.unpack(w, torch.ones_like(sw), n, kp).double().view(n, g, 32)      # the int8 values
     scale = sw.view(-1, g, 16).permute(0, 2, 1).reshape(-1, g)[:n].double()
     corr = cw.view(-1, g, 16).permute(0, 2, 1).reshape(-1, g)[:n].double()
@@ -66,7 +66,7 @@ def test_int8_linear_every_build(libs, build, dtype, m, k, n):
     pw, sw, cw = int8.pack(*int8.quantize_rows(w))
     y = cpu_kernels.q8_linear(x, pw, sw, cw, n, lib=lib)
     assert y.shape == (m, n) and y.dtype == dtype
-    ref, mag = _reference(x, pw, sw, cw, n)
+    ref, mag = _reference(x, pw, sw, cw, n, cpu_kernels.q8_levels(127, lib))
     out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
     err = (y.double() - ref).abs()
     assert (err <= 1e-5 * mag + out_round * ref.abs() + 1e-7).all(), err.max().item()
@@ -75,11 +75,43 @@ def test_int8_linear_every_build(libs, build, dtype, m, k, n):
 
 
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
-def test_int8_builds_agree_with_portable(libs, build):
+@pytest.mark.parametrize("wmax", [16, 64, 65, 127])
+def test_int8_linear_at_the_saturation_edge(libs, build, wmax):
+    """The avx2 build's vpmaddubsw sums pairs of u8 x s8 products in int16: with activations at the top of their
+    range and weights at +-wmax, pair sums sit at the bound (2 * levels * wmax). The levels the build picks (255
+    up to |w| 64, else 127 there; 255 elsewhere) must keep the result exact: equal to the float64 reference of
+    the same quants (255 levels at |w| 65 would saturate)."""
+    lib = _lib(libs, build)
+    levels = cpu_kernels.q8_levels(wmax, lib)
+    assert levels == (127 if cpu_kernels.q8_isa(lib) == "avx2" and wmax > 64 else 255)
+    m, k, n = 5, 128, 40
+    x = torch.ones(m, k)
+    x[:, ::32] = 0.0                                    # one low value per group: the rest quantize to levels
+    x[1] = -x[1]
+    x[2] = torch.randn(k, generator=torch.Generator().manual_seed(wmax))
+    q = torch.full((n, k), wmax, dtype=torch.int8)
+    q[1::2] = -wmax                                     # all +wmax and all -wmax rows: the extreme sums
+    q[2, ::3] = -wmax
+    s = torch.full((n, k // 32), 0.01)
+    pw, sw, cw = int8.pack(q, s)
+    y = cpu_kernels.q8_linear(x, pw, sw, cw, n, wmax, lib=lib)
+    ref, mag = _reference(x, pw, sw, cw, n, levels)
+    assert ((y.double() - ref).abs() <= 1e-5 * mag + 1e-7).all()
+    exact_rows = [0, 1, 3, 4]                           # values 0 and +-1 quantize without error
+    assert torch.allclose(y[exact_rows], (x @ int8.unpack(pw, sw, n, k).t())[exact_rows], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("wmax", [16, 64])
+def test_int8_builds_agree_with_portable(libs, build, wmax):
+    """Weights within +-64 (the default GGUF's Q5_0 tensors: +-16) take 255 activation levels in every build,
+    so every build computes the portable loop's result (up to float32 summation order)."""
     lib, ref = _lib(libs, build), libs["portable"]
     x = torch.randn(37, 640)
-    pw, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(96, 640)))
-    a, b = cpu_kernels.q8_linear(x, pw, sw, cw, 96, lib=lib), cpu_kernels.q8_linear(x, pw, sw, cw, 96, lib=ref)
+    q, s = int8.quantize_rows(torch.randn(96, 640))
+    pw, sw, cw = int8.pack((q.float() * wmax / 127).round().to(torch.int8), s)
+    a = cpu_kernels.q8_linear(x, pw, sw, cw, 96, wmax, lib=lib)
+    b = cpu_kernels.q8_linear(x, pw, sw, cw, 96, wmax, lib=ref)
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -103,14 +135,14 @@ def test_int8_argmax_equals_argmax_of_the_linear(libs, build, m, n, dtype):
     assert idx[0] == 0
 
 
-def _quant_act(lib, x: torch.Tensor):
+def _quant_act(lib, x: torch.Tensor, levels: int = 255):
     """The activation quantizer alone: (quants widened to int32 [M, Kp], scales [M, G], minima [M, G])."""
     m, k = x.shape
     kp = int8.padded(k, 32)
-    q = torch.empty(m * kp, dtype=torch.uint8 if lib.batchgen_q8_act_bytes() == 1 else torch.int16)
+    q = torch.empty(m * kp, dtype=torch.uint8)
     sa, mn = torch.empty(m * kp // 32), torch.empty(m * kp // 32)
     fn = lib.q8_quant_act_bf16 if x.dtype == torch.bfloat16 else lib.q8_quant_act_f32
-    fn(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(), sa.data_ptr(), mn.data_ptr(), 2)
+    fn(x.data_ptr(), m, k, x.stride(0), kp, levels, q.data_ptr(), sa.data_ptr(), mn.data_ptr(), 2)
     return q.int().view(m, kp), sa.view(m, -1), mn.view(m, -1)
 
 
@@ -125,10 +157,11 @@ def test_activation_quants_identical_in_every_build(libs, build, dtype):
     x[2, :32] = torch.arange(32) * (1 / 255) * 255 / 31     # values landing on .5 steps
     x[3, 32:64] = torch.tensor([0.0, 255.0] * 16)           # the full range, integer quants
     x = x.to(dtype)
-    got, ref = _quant_act(_lib(libs, build), x), _quant_act(libs["portable"], x)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
-    assert int(got[0].max()) == 255 and int(got[0].min()) == 0
+    for levels in (255, 127):
+        got, ref = _quant_act(_lib(libs, build), x, levels), _quant_act(libs["portable"], x, levels)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+        assert int(got[0].max()) == levels and int(got[0].min()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,15 +8,17 @@
  * at packing). The integer dot products run on the best unit the build targets (KERNEL_Q8_ISA):
  *
  *   "avx512_vnni"  vpdpbusd: u8 x s8, four products summed into each int32 lane, 16 lanes
- *   "avx2"         vpmaddwd on int16: activations stored widened to int16 (0..255), weights sign-extended on
- *                  load; vpmaddubsw is not used because u8 255 x s8 127 pairs overflow its int16 sums
+ *   "avx2"         vpmaddubsw: u8 x s8 products summed in pairs into int16 lanes, then vpmaddwd by ones into int32
+ *                  (llama.cpp's AVX2 dot product). Its int16 sums saturate unless 2 * levels * max|w| <= 32767, so
+ *                  the activation levels follow the weights (batchgen_q8_levels): 255 for max|w| <= 64 (the
+ *                  default GGUF's Q5_0 tensors hold |w| <= 16), else 127 (7-bit activations).
  *   "portable"     plain C loops over the same packed layout: the reference the others are tested against
  *
  * Packed weight layout (Np = N rounded up to 32, Kp = K rounded up to 32, K4 = Kp / 4, G = Kp / 32):
  *   w [(nb * K4 + k4) * 64 + lane * 4 + j] = W[nb * 16 + lane][k4 * 4 + j]       (int8, zero padding)
  *   sw[(nb * G + g) * 16 + lane], cw[(nb * G + g) * 16 + lane]                      (float32)
  * so one 64-byte load gives 16 output columns x 4 consecutive k, the operand shape of vpdpbusd.
- * Activations: q[m * Kp + k] (uint8, or int16 in the avx2 build: batchgen_q8_act_bytes()), sa/mn[m * G + g].
+ * Activations: q[m * Kp + k] (uint8, 0..levels), sa/mn[m * G + g].
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -34,26 +36,36 @@ typedef uint8_t qact_t;
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #define KERNEL_Q8_ISA "avx2"
-typedef int16_t qact_t;
 #else
 #define KERNEL_Q8_ISA "portable"
-typedef uint8_t qact_t;
 #endif
+typedef uint8_t qact_t;
 
 #define QK 32          /* group size along K */
-/* rows per micro-tile: VNNI 6 (12 int32 + 12 float accumulators + operands = 27 of 32 zmm); AVX2 2 (8 int32
- * accumulators + 4 weight vectors + 1 activation = 13 of 16 ymm) */
+/* rows per micro-tile: VNNI 6 (12 int32 + 12 float accumulators + operands = 27 of 32 zmm); AVX2 3 per
+ * 16-column pass (6 int32 + 6 float accumulators + 2 weight vectors + activation + ones = 16 ymm; 2 and 4
+ * measured slower on Zen 4) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define MR 6
 #elif defined(__AVX2__)
-#define MR 2
+#define MR 3
 #else
 #define MR 4
 #endif
 #define MC (MR * 10)   /* rows per work item (they stay in L1/L2 while the weight blocks stream past) */
 
 const char *batchgen_q8_isa(void) { return KERNEL_Q8_ISA; }
-int batchgen_q8_act_bytes(void) { return (int)sizeof(qact_t); }
+
+/* The activation levels (quants 0..levels) a weight matrix with max|w| = wmax takes in this build: 255, except in
+ * the avx2 build where vpmaddubsw's int16 pair sums must not saturate (2 * levels * wmax <= 32767). */
+int batchgen_q8_levels(int wmax) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+    return 2 * 255 * wmax <= 32767 ? 255 : 127;
+#else
+    (void)wmax;
+    return 255;
+#endif
+}
 
 /* ---- activation quantization: one row, asymmetric, per group of 32 --------------------------------- */
 
@@ -72,14 +84,15 @@ static inline __m512 load16(const void *x, int is_bf16, size_t i) {
     }
     return _mm512_loadu_ps((const float *)x + i);
 }
-static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn) {
+static inline void quant_group(const void *x, int is_bf16, size_t i, int levels, qact_t *q, float *sa,
+                               float *mn) {
     const __m512 a = load16(x, is_bf16, i), b = load16(x, is_bf16, i + 16);
     const float lo = _mm512_reduce_min_ps(_mm512_min_ps(a, b)), hi = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-    const float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const float s = (hi - lo) / (float)levels, inv = s > 0.0f ? 1.0f / s : 0.0f;
     *sa = s;
     *mn = lo;
     const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv);
-    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
+    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(levels);
     __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, vlo), vinv));
     __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(b, vlo), vinv));
     qa = _mm512_min_epi32(_mm512_max_epi32(qa, zero), top);
@@ -106,34 +119,39 @@ static inline float hmax8(__m256 v) {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn) {
+static inline void quant_group(const void *x, int is_bf16, size_t i, int levels, qact_t *q, float *sa,
+                               float *mn) {
     __m256 v[4];
     for (int j = 0; j < 4; j++) v[j] = load8(x, is_bf16, i + 8 * j);
     const float lo = hmin8(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
     const float hi = hmax8(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
-    const float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const float s = (hi - lo) / (float)levels, inv = s > 0.0f ? 1.0f / s : 0.0f;
     *sa = s;
     *mn = lo;
     const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv);
-    const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(255);
+    const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(levels);
+    __m256i h[2];
     for (int j = 0; j < 4; j += 2) {
         __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v[j], vlo), vinv));
         __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v[j + 1], vlo), vinv));
         a = _mm256_min_epi32(_mm256_max_epi32(a, zero), top);
         b = _mm256_min_epi32(_mm256_max_epi32(b, zero), top);
-        /* int32 -> int16 (values 0..255, no saturation), packs works per 128-bit lane: fix the order */
-        _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+        /* int32 -> int16 (0..255, no saturation); packs works per 128-bit lane: [a0-7 | b0-7] after vpermq */
+        h[j / 2] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
     }
+    /* int16 -> uint8 per lane gives qwords a, c, b, d: one more vpermq puts them in order */
+    _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packus_epi16(h[0], h[1]), 0xD8));
 }
 #define HAVE_QUANT_GROUP 1
 #endif
 
-static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qact_t *q, float *sa, float *mn) {
+static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, int levels, qact_t *q, float *sa,
+                      float *mn) {
     for (int g = 0; g * QK < Kp; g++) {
         const int k0 = g * QK, k1 = k0 + QK < K ? k0 + QK : K;
 #ifdef HAVE_QUANT_GROUP
         if (k1 - k0 == QK) {
-            quant_group(x, is_bf16, off + k0, q + k0, sa + g, mn + g);
+            quant_group(x, is_bf16, off + k0, levels, q + k0, sa + g, mn + g);
             continue;
         }
 #endif
@@ -146,7 +164,7 @@ static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qac
                 hi = v > hi ? v : hi;
             }
         }
-        const float s = (hi - lo) / 255.0f;
+        const float s = (hi - lo) / (float)levels;
         const float inv = s > 0.0f ? 1.0f / s : 0.0f;
         sa[g] = s;
         mn[g] = lo;
@@ -154,26 +172,30 @@ static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qac
             int v = 0;
             if (k < K) {
                 v = (int)lrintf((load_x(x, is_bf16, off + k) - lo) * inv);
-                v = v < 0 ? 0 : (v > 255 ? 255 : v);
+                v = v < 0 ? 0 : (v > levels ? levels : v);
             }
             q[k] = (qact_t)v;
         }
     }
 }
 
-static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn,
-                      int nt) {
+static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, int levels, qact_t *q, float *sa,
+                      float *mn, int nt) {
     const int G = Kp / QK;
 #pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
     for (int m = 0; m < M; m++)
-        quant_row(x, is_bf16, (size_t)m * ldx, K, Kp, q + (size_t)m * Kp, sa + (size_t)m * G, mn + (size_t)m * G);
+        quant_row(x, is_bf16, (size_t)m * ldx, K, Kp, levels, q + (size_t)m * Kp, sa + (size_t)m * G,
+                  mn + (size_t)m * G);
 }
 
-void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
-    quant_act(x, 0, M, K, ldx, Kp, q, sa, mn, nt);
+/* levels: 255, or what batchgen_q8_levels gives for the weights these activations meet */
+void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, int levels, qact_t *q, float *sa, float *mn,
+                      int nt) {
+    quant_act(x, 0, M, K, ldx, Kp, levels, q, sa, mn, nt);
 }
-void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
-    quant_act(x, 1, M, K, ldx, Kp, q, sa, mn, nt);
+void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, int levels, qact_t *q, float *sa,
+                       float *mn, int nt) {
+    quant_act(x, 1, M, K, ldx, Kp, levels, q, sa, mn, nt);
 }
 
 /* ---- store one tile row of 32 float results (fewer at the right edge) --------------------------------- */
@@ -230,37 +252,39 @@ static inline __attribute__((always_inline)) void tile(const int R, const qact_t
 
 #elif defined(__AVX2__)
 
-/* Per 16-column block and k4 step: 64 weight bytes = 4 chunks of (4 columns x 4 k); each chunk is
- * sign-extended to 16 int16 and multiplied with the row's 4 activations (int16, broadcast to every 64 bits) by
- * vpmaddwd, giving two partial sums per column; vphaddd + vpermq fold them at the end of each group. */
+/* One 16-column block, R rows: per k4 step the block's 64 weight bytes are two ymm of 8 columns x 4 k, and one
+ * broadcast 4-byte activation meets each. vpmaddubsw gives int16 sums of k pairs (exact: batchgen_q8_levels),
+ * vpmaddwd by ones widens each column's two pair sums into its int32 lane, so the lanes are the 8 columns
+ * directly. (Adding two or four vpmaddubsw results in int16 before widening, where small weights allow it,
+ * measured no faster on Zen 4.) */
 static inline __attribute__((always_inline)) void block16(const int R, const qact_t *q, int Kp, const float *sa,
                                                           const float *mn, const int8_t *w, const float *sw,
                                                           const float *cw, float acc[MR][32], int col) {
     const int G = Kp / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[MR][2];
     for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256i ia[MR][4];
-        for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = ia[r][2] = ia[r][3] = _mm256_setzero_si256();
+        __m256i ia[MR][2];
+        for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
-            const int8_t *wk = w + (size_t)k4 * 64;
-            __m256i b[4];
-            for (int c = 0; c < 4; c++) b[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * c)));
+            const __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
             for (int r = 0; r < R; r++) {
-                int64_t a4;
-                memcpy(&a4, q + (size_t)r * Kp + k4 * 4, 8);
-                const __m256i a = _mm256_set1_epi64x(a4);
-                for (int c = 0; c < 4; c++) ia[r][c] = _mm256_add_epi32(ia[r][c], _mm256_madd_epi16(a, b[c]));
+                int32_t a4;
+                memcpy(&a4, q + (size_t)r * Kp + k4 * 4, 4);
+                const __m256i a = _mm256_set1_epi32(a4);
+                ia[r][0] = _mm256_add_epi32(ia[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
+                ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
             }
         }
         const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
         const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
         for (int r = 0; r < R; r++) {
-            const __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[r][0], ia[r][1]), 0xD8);
-            const __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(ia[r][2], ia[r][3]), 0xD8);
             const __m256 a = _mm256_set1_ps(sa[(size_t)r * G + g]), m = _mm256_set1_ps(mn[(size_t)r * G + g]);
-            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, a), f[r][0]);
-            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, a), f[r][1]);
+            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, a), f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, a), f[r][1]);
             f[r][0] = _mm256_fmadd_ps(c0, m, f[r][0]);
             f[r][1] = _mm256_fmadd_ps(c1, m, f[r][1]);
         }
@@ -314,6 +338,8 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const q
 #endif
 #if MR >= 4
     case 4: tile(4, q, Kp, sa, mn, w, sw, cw, acc); break;
+#endif
+#if MR >= 3
     case 3: tile(3, q, Kp, sa, mn, w, sw, cw, acc); break;
 #endif
     case 2: tile(2, q, Kp, sa, mn, w, sw, cw, acc); break;
@@ -322,10 +348,11 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const q
 }
 
 /* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (64-row chunk, 32-column pair of
- * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every 4-row tile
- * of its chunk while it sits in L1/L2. */
+ * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every MR-row
+ * tile of its chunk while it sits in L1/L2. */
 static void gemm(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                 const float *sw, const float *cw, int Np, int N, void *y, int ldy, int is_bf16, int nt) {
+                 const float *sw, const float *cw, int Np, int N, int wmax, void *y, int ldy, int is_bf16, int nt) {
+    (void)wmax;                                   /* the quants already respect it: batchgen_q8_levels */
     const int G = Kp / QK, K4 = Kp / 4;
     const int nmc = (M + MC - 1) / MC, npair = Np / 32;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
@@ -346,13 +373,14 @@ static void gemm(const qact_t *q, const float *sa, const float *mn, int M, int K
         }
 }
 
+/* wmax: max|w| over the packed weights (their activations were quantized to batchgen_q8_levels(wmax)) */
 void q8_gemm_f32(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                 const float *sw, const float *cw, int Np, int N, float *y, int ldy, int nt) {
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, y, ldy, 0, nt);
+                 const float *sw, const float *cw, int Np, int N, int wmax, float *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 0, nt);
 }
 void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                  const float *sw, const float *cw, int Np, int N, uint16_t *y, int ldy, int nt) {
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, y, ldy, 1, nt);
+                  const float *sw, const float *cw, int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 1, nt);
 }
 
 /* Greedy decoding's LM head: per row, the largest y[m, n] = dequant(q) @ W^T and its index (the first on ties,
@@ -360,7 +388,8 @@ void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int 
  * contiguous range of 32-column pairs in order with the same tiles as gemm (so the values compared are gemm's,
  * bit for bit); the ranges are merged in order. A NaN never wins. */
 void q8_gemm_argmax(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                    const float *sw, const float *cw, int Np, int N, int64_t *idx, float *val, int nt) {
+                    const float *sw, const float *cw, int Np, int N, int wmax, int64_t *idx, float *val, int nt) {
+    (void)wmax;
     const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
     nt = nt < 1 ? 1 : nt;
     float *bv = (float *)malloc(sizeof(float) * (size_t)nt * M);

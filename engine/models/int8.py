@@ -90,10 +90,20 @@ class Int8Linear(nn.Module):
 
     def set_packed(self, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor) -> None:
         self.qweight, self.scales, self.corrections = w, sw, cw
+        self._wmax = None
+
+    @property
+    def wmax(self) -> int:
+        """max|w| over the int8 values, measured once (also after a cached state was loaded): the avx2 kernel's
+        activation levels depend on it (16 for the default GGUF's exact Q5_0 tensors, 127 for Q8_0)."""
+        if getattr(self, "_wmax", None) is None:
+            lo, hi = torch.aminmax(self.qweight)
+            self._wmax = max(-int(lo), int(hi))
+        return self._wmax
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_kernels.q8_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
-                                  self.out_features)
+                                  self.out_features, self.wmax)
         if self.bias is not None:
             y += self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -114,7 +124,7 @@ class Int8Embedding(Int8Linear):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head's greedy tokens: the index of each row's largest logit, no [rows, vocab] logits written."""
         return cpu_kernels.q8_argmax(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
-                                     self.out_features)[0]
+                                     self.out_features, self.wmax)[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.q8_embed(ids.reshape(-1), self.qweight, self.scales, self.embedding_dim,
