@@ -125,7 +125,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"rms_norm_rope_{sfx}": [P, I64, I64, I64, I64, P, F32, P, P, P, I32],
             f"rope_neox_{sfx}": [P, I64, I64, I64, I64, P, P, I32],
             f"masked_softmax_{sfx}": [P] + [I64] * 7 + [I32],
-            f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, I32, P, P, P, I32],
+            f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
             f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
             f"q8_embed_{sfx}": [P, P, I32, P, I32, I32, P, I32],
             f"small_m_linear_{sfx}": [P, I32, I32, P, I64, P, I32],
@@ -139,8 +139,6 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn.argtypes = args
     for name in ("batchgen_kernel_isa", "batchgen_q8_isa"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_char_p, []
-    lib.batchgen_q8_levels.restype = ctypes.c_int
-    lib.batchgen_q8_levels.argtypes = [I32]
     lib.bf16_gemm_fast.restype = ctypes.c_int
     lib.bf16_gemm_fast.argtypes = []
     return lib
@@ -292,9 +290,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 # ---- int8 linear (csrc/qlinear.c) ----------------------------------------------------------------------------
 
-def _q8_activations(lib: ctypes.CDLL, x: torch.Tensor, wmax: int):
-    """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded). The
-    levels (quants 0..levels) are what the build needs for weights with max|w| = wmax (``q8_levels``)."""
+def _q8_activations(lib: ctypes.CDLL, x: torch.Tensor):
+    """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -303,16 +300,9 @@ def _q8_activations(lib: ctypes.CDLL, x: torch.Tensor, wmax: int):
     q = torch.empty(m * kp, dtype=torch.uint8)
     sa = torch.empty(m * g, dtype=torch.float32)
     mn = torch.empty(m * g, dtype=torch.float32)
-    getattr(lib, f"q8_quant_act_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), kp, lib.batchgen_q8_levels(wmax),
-                                                     q.data_ptr(), sa.data_ptr(), mn.data_ptr(),
-                                                     torch.get_num_threads())
+    getattr(lib, f"q8_quant_act_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(),
+                                                     sa.data_ptr(), mn.data_ptr(), torch.get_num_threads())
     return q, sa, mn, kp
-
-
-def q8_levels(wmax: int, lib: ctypes.CDLL | None = None) -> int:
-    """Activation levels for weights with max|w| = wmax: 255, or 127 in the avx2 build when wmax > 64
-    (vpmaddubsw's int16 pair sums must not saturate; csrc/qlinear.c)."""
-    return (lib or load()).batchgen_q8_levels(wmax)
 
 
 def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, wmax: int = 127,
@@ -320,12 +310,12 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     """x [M, K] (bf16/fp32) @ W^T for packed int8 W (``engine.models.int8.pack``) -> [M, n] in x's dtype.
 
     x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
-    integer dot products. wmax: max|w| of W (``int8.wmax``; never less, or the avx2 build's int16 sums may
-    saturate; larger only costs activation precision there). ``lib``: a specific build (tests); default the
-    loaded one."""
+    integer dot products. wmax: a bound on max|w| (``Int8Linear.wmax``); the avx2 build has a faster path for
+    wmax <= 64, and a smaller bound than the truth would saturate it. ``lib``: a specific build (tests); default
+    the loaded one."""
     lib = lib or load()
     m = x.shape[0]
-    q, sa, mn, kp = _q8_activations(lib, x, wmax)
+    q, sa, mn, kp = _q8_activations(lib, x)
     np_ = w.numel() // kp                        # padded rows of W (a multiple of 32)
     y = torch.empty(m, n, dtype=x.dtype)
     getattr(lib, f"q8_gemm_{_SUFFIX[x.dtype]}")(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(),
@@ -340,7 +330,7 @@ def q8_argmax(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     The values compared are exactly q8_linear's (float32); ties go to the lower index."""
     lib = lib or load()
     m = x.shape[0]
-    q, sa, mn, kp = _q8_activations(lib, x, wmax)
+    q, sa, mn, kp = _q8_activations(lib, x)
     idx = torch.empty(m, dtype=torch.int64)
     val = torch.empty(m, dtype=torch.float32)
     lib.q8_gemm_argmax(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(), sw.data_ptr(),

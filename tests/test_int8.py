@@ -29,7 +29,7 @@ def libs():
     return build_libs(Q8_BUILDS, isa=cpu_kernels.q8_isa)
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, levels: int = 255):
+def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int):
     """The kernel's math in float64 from the same quantized operands: (y, bound on float32 summation error)."""
     m, k = x.shape
     kp = int8.padded(k, 32)
@@ -39,9 +39,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Ten
     lo = torch.where(valid, xf, torch.inf).amin(-1)
     hi = torch.where(valid, xf, -torch.inf).amax(-1)
     lo, hi = torch.where(valid.any(-1), lo, 0.0), torch.where(valid.any(-1), hi, 0.0)
-    sa = (hi - lo) / levels
+    sa = (hi - lo) / 255.0
     inv = torch.where(sa > 0, 1.0 / sa, torch.zeros_like(sa))
-    q = torch.round((xf - lo[..., None]) * inv[..., None]).clamp(0, levels) * valid
+    q = torch.round((xf - lo[..., None]) * inv[..., None]).clamp(0, 255) * valid
     wq = int8.unpack(w, torch.ones_like(sw), n, kp).double().view(n, g, 32)      # the int8 values
     scale = sw.view(-1, g, 16).permute(0, 2, 1).reshape(-1, g)[:n].double()
     corr = cw.view(-1, g, 16).permute(0, 2, 1).reshape(-1, g)[:n].double()
@@ -53,72 +53,86 @@ def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Ten
 SHAPES = [(1, 64, 48), (3, 100, 70), (4, 640, 32), (7, 96, 33), (48, 640, 1536), (130, 2048, 64)]
 
 
+def _narrowed(q: torch.Tensor, wmax: int) -> torch.Tensor:
+    """int8 values rescaled into +-wmax (like the default GGUF's Q5_0 tensors, +-16)."""
+    return q if wmax == 127 else (q.float() * wmax / 127).round().to(torch.int8)
+
+
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", SHAPES)
-def test_int8_linear_every_build(libs, build, dtype, m, k, n):
+@pytest.mark.parametrize("wmax", [16, 127])
+def test_int8_linear_every_build(libs, build, dtype, m, k, n, wmax):
     """Error bound per shape: |y - exact| <= 1e-5 * sum|terms| (float32 accumulation), plus output rounding
-    (bf16: 2^-8 relative). Against the float product the only difference is the quantization itself."""
+    (bf16: 2^-8 relative). Against the float product the only difference is the quantization itself.
+    wmax 16 and 127: the avx2 build's two paths (weights within +-64, and any weights)."""
     lib = _lib(libs, build)
     g = torch.Generator().manual_seed(m * 7 + k + n)
     x = (torch.randn(m, k, generator=g) + 0.3).to(dtype)          # skewed, like GeGLU outputs
     w = torch.randn(n, k, generator=g) * 0.05
-    pw, sw, cw = int8.pack(*int8.quantize_rows(w))
-    y = cpu_kernels.q8_linear(x, pw, sw, cw, n, lib=lib)
+    q, s = int8.quantize_rows(w)
+    pw, sw, cw = int8.pack(_narrowed(q, wmax), s * 127 / wmax)
+    y = cpu_kernels.q8_linear(x, pw, sw, cw, n, wmax, lib=lib)
     assert y.shape == (m, n) and y.dtype == dtype
-    ref, mag = _reference(x, pw, sw, cw, n, cpu_kernels.q8_levels(127, lib))
+    ref, mag = _reference(x, pw, sw, cw, n)
     out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
     err = (y.double() - ref).abs()
     assert (err <= 1e-5 * mag + out_round * ref.abs() + 1e-7).all(), err.max().item()
-    full = x.float() @ w.t()
+    full = x.float() @ int8.unpack(pw, sw, n, k).t()                  # the weights as stored: activation error only
     assert (y.float() - full).abs().max() <= 0.02 * full.abs().max()
 
 
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
-@pytest.mark.parametrize("wmax", [16, 64, 65, 127])
-def test_int8_linear_at_the_saturation_edge(libs, build, wmax):
-    """The avx2 build's vpmaddubsw sums pairs of u8 x s8 products in int16: with activations at the top of their
-    range and weights at +-wmax, pair sums sit at the bound (2 * levels * wmax). The levels the build picks (255
-    up to |w| 64, else 127 there; 255 elsewhere) must keep the result exact: equal to the float64 reference of
-    the same quants (255 levels at |w| 65 would saturate)."""
+@pytest.mark.parametrize("wmax", [64, 127])
+def test_int8_linear_exact_at_the_extremes(libs, build, wmax):
+    """Activation quants at 0 and 255 against weights at +-wmax: the avx2 build's vpmaddubsw sums pairs of products
+    in int16 (at most 32767). Within +-64 it multiplies the quants directly (pair sums up to 2 * 255 * 64 =
+    32640); beyond, 255 x 127 pairs would saturate, so it multiplies the centred quants |q - 128| by
+    sign(q - 128) * w. Every build must stay exact: the float64 reference of the same quants."""
     lib = _lib(libs, build)
-    levels = cpu_kernels.q8_levels(wmax, lib)
-    assert levels == (127 if cpu_kernels.q8_isa(lib) == "avx2" and wmax > 64 else 255)
-    m, k, n = 5, 128, 40
+    m, k, n = 6, 128, 40
     x = torch.ones(m, k)
-    x[:, ::32] = 0.0                                    # one low value per group: the rest quantize to levels
-    x[1] = -x[1]
-    x[2] = torch.randn(k, generator=torch.Generator().manual_seed(wmax))
+    x[:, ::32] = 0.0                                    # one low value per group: the rest quantize to 255
+    x[1] = -x[1]                                        # ... or to 0
+    x[2, 1::2] = 0.0                                    # alternating 0 / 255 pairs
+    x[3] = torch.randn(k, generator=torch.Generator().manual_seed(0))
     q = torch.full((n, k), wmax, dtype=torch.int8)
-    q[1::2] = -wmax                                     # all +wmax and all -wmax rows: the extreme sums
+    q[1::2] = -wmax
     q[2, ::3] = -wmax
+    q[4, :] = 1
     s = torch.full((n, k // 32), 0.01)
     pw, sw, cw = int8.pack(q, s)
     y = cpu_kernels.q8_linear(x, pw, sw, cw, n, wmax, lib=lib)
-    ref, mag = _reference(x, pw, sw, cw, n, levels)
+    ref, mag = _reference(x, pw, sw, cw, n)
     assert ((y.double() - ref).abs() <= 1e-5 * mag + 1e-7).all()
-    exact_rows = [0, 1, 3, 4]                           # values 0 and +-1 quantize without error
+    exact_rows = [0, 1, 2, 4, 5]                        # values 0 and +-1 quantize without error
     assert torch.allclose(y[exact_rows], (x @ int8.unpack(pw, sw, n, k).t())[exact_rows], rtol=1e-4, atol=1e-4)
+    idx, val = cpu_kernels.q8_argmax(x, pw, sw, cw, n, wmax, lib=lib)
+    assert torch.equal(val, y.max(-1).values)
+
+
+def test_int8_linear_measures_its_weight_bound():
+    q, s = int8.quantize_rows(torch.randn(40, 64))
+    lin = int8.Int8Linear.from_quantized(_narrowed(q, 16), s, 64)
+    assert lin.wmax == 16
+    lin.set_packed(*int8.pack(q, s))
+    assert lin.wmax == 127
 
 
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
-@pytest.mark.parametrize("wmax", [16, 64])
-def test_int8_builds_agree_with_portable(libs, build, wmax):
-    """Weights within +-64 (the default GGUF's Q5_0 tensors: +-16) take 255 activation levels in every build,
-    so every build computes the portable loop's result (up to float32 summation order)."""
+def test_int8_builds_agree_with_portable(libs, build):
     lib, ref = _lib(libs, build), libs["portable"]
     x = torch.randn(37, 640)
-    q, s = int8.quantize_rows(torch.randn(96, 640))
-    pw, sw, cw = int8.pack((q.float() * wmax / 127).round().to(torch.int8), s)
-    a = cpu_kernels.q8_linear(x, pw, sw, cw, 96, wmax, lib=lib)
-    b = cpu_kernels.q8_linear(x, pw, sw, cw, 96, wmax, lib=ref)
+    pw, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(96, 640)))
+    a, b = cpu_kernels.q8_linear(x, pw, sw, cw, 96, lib=lib), cpu_kernels.q8_linear(x, pw, sw, cw, 96, lib=ref)
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
 @pytest.mark.parametrize("m, n", [(1, 70), (5, 1000), (48, 4100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_argmax_equals_argmax_of_the_linear(libs, build, m, n, dtype):
+@pytest.mark.parametrize("wmax", [16, 127])
+def test_int8_argmax_equals_argmax_of_the_linear(libs, build, m, n, dtype, wmax):
     """The greedy LM head (q8_argmax): each row's largest value and its first index, exactly q8_linear's
     values (float32), with planted ties across the threads' column ranges and a row of equal values."""
     lib = _lib(libs, build)
@@ -127,22 +141,23 @@ def test_int8_argmax_equals_argmax_of_the_linear(libs, build, m, n, dtype):
     w = torch.randn(n, 96, generator=g) * 0.05
     w[n - 3] = w[n // 3]                                            # the same column twice: a tie
     x[0] = 0                                                        # all-equal logits: index 0
-    pw, sw, cw = int8.pack(*int8.quantize_rows(w))
-    y = cpu_kernels.q8_linear(x.float(), pw, sw, cw, n, lib=lib)
-    idx, val = cpu_kernels.q8_argmax(x.float(), pw, sw, cw, n, lib=lib)
+    q, s = int8.quantize_rows(w)
+    pw, sw, cw = int8.pack(_narrowed(q, wmax), s)
+    y = cpu_kernels.q8_linear(x.float(), pw, sw, cw, n, wmax, lib=lib)
+    idx, val = cpu_kernels.q8_argmax(x.float(), pw, sw, cw, n, wmax, lib=lib)
     best = y.max(dim=-1)
     assert torch.equal(idx, best.indices) and torch.equal(val, best.values)
     assert idx[0] == 0
 
 
-def _quant_act(lib, x: torch.Tensor, levels: int = 255):
+def _quant_act(lib, x: torch.Tensor):
     """The activation quantizer alone: (quants widened to int32 [M, Kp], scales [M, G], minima [M, G])."""
     m, k = x.shape
     kp = int8.padded(k, 32)
     q = torch.empty(m * kp, dtype=torch.uint8)
     sa, mn = torch.empty(m * kp // 32), torch.empty(m * kp // 32)
     fn = lib.q8_quant_act_bf16 if x.dtype == torch.bfloat16 else lib.q8_quant_act_f32
-    fn(x.data_ptr(), m, k, x.stride(0), kp, levels, q.data_ptr(), sa.data_ptr(), mn.data_ptr(), 2)
+    fn(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(), sa.data_ptr(), mn.data_ptr(), 2)
     return q.int().view(m, kp), sa.view(m, -1), mn.view(m, -1)
 
 
@@ -157,11 +172,10 @@ def test_activation_quants_identical_in_every_build(libs, build, dtype):
     x[2, :32] = torch.arange(32) * (1 / 255) * 255 / 31     # values landing on .5 steps
     x[3, 32:64] = torch.tensor([0.0, 255.0] * 16)           # the full range, integer quants
     x = x.to(dtype)
-    for levels in (255, 127):
-        got, ref = _quant_act(_lib(libs, build), x, levels), _quant_act(libs["portable"], x, levels)
-        for a, b in zip(got, ref):
-            assert torch.equal(a, b)
-        assert int(got[0].max()) == levels and int(got[0].min()) == 0
+    got, ref = _quant_act(_lib(libs, build), x), _quant_act(libs["portable"], x)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert int(got[0].max()) == 255 and int(got[0].min()) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

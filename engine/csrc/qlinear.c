@@ -8,17 +8,17 @@
  * at packing). The integer dot products run on the best unit the build targets (KERNEL_Q8_ISA):
  *
  *   "avx512_vnni"  vpdpbusd: u8 x s8, four products summed into each int32 lane, 16 lanes
- *   "avx2"         vpmaddubsw: u8 x s8 products summed in pairs into int16 lanes, then vpmaddwd by ones into int32
- *                  (llama.cpp's AVX2 dot product). Its int16 sums saturate unless 2 * levels * max|w| <= 32767, so
- *                  the activation levels follow the weights (batchgen_q8_levels): 255 for max|w| <= 64 (the
- *                  default GGUF's Q5_0 tensors hold |w| <= 16), else 127 (7-bit activations).
+ *   "avx2"         vpmaddubsw (u8 x s8, pairs summed into int16) with vpmaddwd by ones into int32, llama.cpp's
+ *                  AVX2 dot product. Its int16 pair sums would saturate for u8 255 x s8 127, so the kernel
+ *                  centres the quants (c = q - 128, one xor) and multiplies |c| (<= 128) by sign(c) * w (vpsignb):
+ *                  pair sums stay within 2 * 128 * 127 < 32767 for any weights. The minimum becomes mn + 128 * sa.
  *   "portable"     plain C loops over the same packed layout: the reference the others are tested against
  *
  * Packed weight layout (Np = N rounded up to 32, Kp = K rounded up to 32, K4 = Kp / 4, G = Kp / 32):
  *   w [(nb * K4 + k4) * 64 + lane * 4 + j] = W[nb * 16 + lane][k4 * 4 + j]       (int8, zero padding)
  *   sw[(nb * G + g) * 16 + lane], cw[(nb * G + g) * 16 + lane]                      (float32)
  * so one 64-byte load gives 16 output columns x 4 consecutive k, the operand shape of vpdpbusd.
- * Activations: q[m * Kp + k] (uint8, 0..levels), sa/mn[m * G + g].
+ * Activations: q[m * Kp + k] (uint8, every build), sa/mn[m * G + g].
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -56,17 +56,6 @@ typedef uint8_t qact_t;
 
 const char *batchgen_q8_isa(void) { return KERNEL_Q8_ISA; }
 
-/* The activation levels (quants 0..levels) a weight matrix with max|w| = wmax takes in this build: 255, except in
- * the avx2 build where vpmaddubsw's int16 pair sums must not saturate (2 * levels * wmax <= 32767). */
-int batchgen_q8_levels(int wmax) {
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-    return 2 * 255 * wmax <= 32767 ? 255 : 127;
-#else
-    (void)wmax;
-    return 255;
-#endif
-}
-
 /* ---- activation quantization: one row, asymmetric, per group of 32 --------------------------------- */
 
 static inline float load_x(const void *x, int is_bf16, size_t i) {
@@ -84,15 +73,14 @@ static inline __m512 load16(const void *x, int is_bf16, size_t i) {
     }
     return _mm512_loadu_ps((const float *)x + i);
 }
-static inline void quant_group(const void *x, int is_bf16, size_t i, int levels, qact_t *q, float *sa,
-                               float *mn) {
+static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn) {
     const __m512 a = load16(x, is_bf16, i), b = load16(x, is_bf16, i + 16);
     const float lo = _mm512_reduce_min_ps(_mm512_min_ps(a, b)), hi = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-    const float s = (hi - lo) / (float)levels, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     *sa = s;
     *mn = lo;
     const __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv);
-    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(levels);
+    const __m512i zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(255);
     __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, vlo), vinv));
     __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(b, vlo), vinv));
     qa = _mm512_min_epi32(_mm512_max_epi32(qa, zero), top);
@@ -119,17 +107,16 @@ static inline float hmax8(__m256 v) {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-static inline void quant_group(const void *x, int is_bf16, size_t i, int levels, qact_t *q, float *sa,
-                               float *mn) {
+static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn) {
     __m256 v[4];
     for (int j = 0; j < 4; j++) v[j] = load8(x, is_bf16, i + 8 * j);
     const float lo = hmin8(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
     const float hi = hmax8(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
-    const float s = (hi - lo) / (float)levels, inv = s > 0.0f ? 1.0f / s : 0.0f;
+    const float s = (hi - lo) / 255.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
     *sa = s;
     *mn = lo;
     const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv);
-    const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(levels);
+    const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi32(255);
     __m256i h[2];
     for (int j = 0; j < 4; j += 2) {
         __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(v[j], vlo), vinv));
@@ -145,13 +132,12 @@ static inline void quant_group(const void *x, int is_bf16, size_t i, int levels,
 #define HAVE_QUANT_GROUP 1
 #endif
 
-static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, int levels, qact_t *q, float *sa,
-                      float *mn) {
+static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qact_t *q, float *sa, float *mn) {
     for (int g = 0; g * QK < Kp; g++) {
         const int k0 = g * QK, k1 = k0 + QK < K ? k0 + QK : K;
 #ifdef HAVE_QUANT_GROUP
         if (k1 - k0 == QK) {
-            quant_group(x, is_bf16, off + k0, levels, q + k0, sa + g, mn + g);
+            quant_group(x, is_bf16, off + k0, q + k0, sa + g, mn + g);
             continue;
         }
 #endif
@@ -164,7 +150,7 @@ static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, int
                 hi = v > hi ? v : hi;
             }
         }
-        const float s = (hi - lo) / (float)levels;
+        const float s = (hi - lo) / 255.0f;
         const float inv = s > 0.0f ? 1.0f / s : 0.0f;
         sa[g] = s;
         mn[g] = lo;
@@ -172,30 +158,26 @@ static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, int
             int v = 0;
             if (k < K) {
                 v = (int)lrintf((load_x(x, is_bf16, off + k) - lo) * inv);
-                v = v < 0 ? 0 : (v > levels ? levels : v);
+                v = v < 0 ? 0 : (v > 255 ? 255 : v);
             }
             q[k] = (qact_t)v;
         }
     }
 }
 
-static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, int levels, qact_t *q, float *sa,
-                      float *mn, int nt) {
+static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn,
+                      int nt) {
     const int G = Kp / QK;
 #pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
     for (int m = 0; m < M; m++)
-        quant_row(x, is_bf16, (size_t)m * ldx, K, Kp, levels, q + (size_t)m * Kp, sa + (size_t)m * G,
-                  mn + (size_t)m * G);
+        quant_row(x, is_bf16, (size_t)m * ldx, K, Kp, q + (size_t)m * Kp, sa + (size_t)m * G, mn + (size_t)m * G);
 }
 
-/* levels: 255, or what batchgen_q8_levels gives for the weights these activations meet */
-void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, int levels, qact_t *q, float *sa, float *mn,
-                      int nt) {
-    quant_act(x, 0, M, K, ldx, Kp, levels, q, sa, mn, nt);
+void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
+    quant_act(x, 0, M, K, ldx, Kp, q, sa, mn, nt);
 }
-void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, int levels, qact_t *q, float *sa,
-                       float *mn, int nt) {
-    quant_act(x, 1, M, K, ldx, Kp, levels, q, sa, mn, nt);
+void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
+    quant_act(x, 1, M, K, ldx, Kp, q, sa, mn, nt);
 }
 
 /* ---- store one tile row of 32 float results (fewer at the right edge) --------------------------------- */
@@ -214,9 +196,10 @@ static inline void store_row(const float *acc, void *out, int is_bf16, size_t of
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
-static inline __attribute__((always_inline)) void tile(const int R, const qact_t *q, int Kp, const float *sa,
-                                                       const float *mn, const int8_t *w, const float *sw,
-                                                       const float *cw, float acc[MR][32]) {
+static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const qact_t *q, int ldq,
+                                                       int Kp, const float *sa, const float *mn, const int8_t *w,
+                                                       const float *sw, const float *cw, float acc[MR][32]) {
+    (void)WIDE;                                   /* vpdpbusd's int32 sums never saturate */
     const int K4 = Kp / 4, G = Kp / QK;
     __m512 f[MR][2];
     for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
@@ -228,7 +211,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const qact_t
             const __m512i b1 = _mm512_loadu_si512(w + ((size_t)K4 + k4) * 64);
             for (int r = 0; r < R; r++) {
                 int32_t a4;
-                memcpy(&a4, q + (size_t)r * Kp + k4 * 4, 4);
+                memcpy(&a4, q + (size_t)r * ldq + k4 * 4, 4);
                 const __m512i a = _mm512_set1_epi32(a4);
                 ia[r][0] = _mm512_dpbusd_epi32(ia[r][0], a, b0);
                 ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], a, b1);
@@ -253,13 +236,16 @@ static inline __attribute__((always_inline)) void tile(const int R, const qact_t
 #elif defined(__AVX2__)
 
 /* One 16-column block, R rows: per k4 step the block's 64 weight bytes are two ymm of 8 columns x 4 k, and one
- * broadcast 4-byte activation meets each. vpmaddubsw gives int16 sums of k pairs (exact: batchgen_q8_levels),
- * vpmaddwd by ones widens each column's two pair sums into its int32 lane, so the lanes are the 8 columns
- * directly. (Adding two or four vpmaddubsw results in int16 before widening, where small weights allow it,
- * measured no faster on Zen 4.) */
-static inline __attribute__((always_inline)) void block16(const int R, const qact_t *q, int Kp, const float *sa,
-                                                          const float *mn, const int8_t *w, const float *sw,
-                                                          const float *cw, float acc[MR][32], int col) {
+ * broadcast 4-byte activation meets each; vpmaddubsw gives int16 sums of k pairs and vpmaddwd by ones widens each
+ * column's two pair sums into its int32 lane, so the lanes are the 8 columns directly.
+ *   WIDE 0 (max|w| <= 64, e.g. the default GGUF's exact Q5_0 tensors): vpmaddubsw(q, w), pair sums <= 2 * 255 * 64.
+ *   WIDE 1 (any weights): q holds per row |c| then c for the centred quants c = q - 128 (centre_rows), and
+ *          vpmaddubsw(|c|, sign(c) * w) keeps pair sums <= 2 * 128 * 127; the minimum becomes mn + 128 * sa.
+ * Both are below int16's 32767: exact. WIDE 1 costs a vpsignb per product (measured ~1.5x slower on Zen 4). */
+static inline __attribute__((always_inline)) void block16(const int R, const int WIDE, const qact_t *q, int ldq,
+                                                          int Kp, const float *sa, const float *mn, const int8_t *w,
+                                                          const float *sw, const float *cw, float acc[MR][32],
+                                                          int col) {
     const int G = Kp / QK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[MR][2];
@@ -267,22 +253,33 @@ static inline __attribute__((always_inline)) void block16(const int R, const qac
     for (int g = 0; g < G; g++) {
         __m256i ia[MR][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
         for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
-            const __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
             for (int r = 0; r < R; r++) {
                 int32_t a4;
-                memcpy(&a4, q + (size_t)r * Kp + k4 * 4, 4);
+                memcpy(&a4, q + (size_t)r * ldq + k4 * 4, 4);
                 const __m256i a = _mm256_set1_epi32(a4);
-                ia[r][0] = _mm256_add_epi32(ia[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b0), ones));
-                ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b1), ones));
+                __m256i p0, p1;
+                if (WIDE) {
+                    int32_t c4;
+                    memcpy(&c4, q + (size_t)r * ldq + Kp + k4 * 4, 4);
+                    const __m256i c = _mm256_set1_epi32(c4);
+                    p0 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(b0, c));
+                    p1 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(b1, c));
+                } else {
+                    p0 = _mm256_maddubs_epi16(a, b0);
+                    p1 = _mm256_maddubs_epi16(a, b1);
+                }
+                ia[r][0] = _mm256_add_epi32(ia[r][0], _mm256_madd_epi16(p0, ones));
+                ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_madd_epi16(p1, ones));
             }
         }
         const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
         const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
         for (int r = 0; r < R; r++) {
-            const __m256 a = _mm256_set1_ps(sa[(size_t)r * G + g]), m = _mm256_set1_ps(mn[(size_t)r * G + g]);
+            const float sr = sa[(size_t)r * G + g], mr = mn[(size_t)r * G + g];
+            const __m256 a = _mm256_set1_ps(sr), m = _mm256_set1_ps(WIDE ? fmaf(128.0f, sr, mr) : mr);
             f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, a), f[r][0]);
             f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, a), f[r][1]);
             f[r][0] = _mm256_fmadd_ps(c0, m, f[r][0]);
@@ -295,18 +292,36 @@ static inline __attribute__((always_inline)) void block16(const int R, const qac
     }
 }
 
-static inline __attribute__((always_inline)) void tile(const int R, const qact_t *q, int Kp, const float *sa,
-                                                       const float *mn, const int8_t *w, const float *sw,
-                                                       const float *cw, float acc[MR][32]) {
+static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const qact_t *q, int ldq,
+                                                       int Kp, const float *sa, const float *mn, const int8_t *w,
+                                                       const float *sw, const float *cw, float acc[MR][32]) {
     const int K4 = Kp / 4, G = Kp / QK;
-    block16(R, q, Kp, sa, mn, w, sw, cw, acc, 0);
-    block16(R, q, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, cw + (size_t)G * 16, acc, 16);
+    block16(R, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc, 0);
+    block16(R, WIDE, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, cw + (size_t)G * 16, acc, 16);
+}
+
+/* WIDE's activation rows: [|q - 128| (Kp bytes) | q - 128 as int8 (Kp bytes)] per row; malloc'd, caller frees. */
+#define HAVE_WIDE 1
+static qact_t *centre_rows(const qact_t *q, int M, int Kp, int nt) {
+    qact_t *out = (qact_t *)malloc((size_t)M * 2 * Kp);
+#pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
+    for (int m = 0; m < M; m++) {
+        qact_t *u = out + (size_t)m * 2 * Kp, *c = u + Kp;
+        const qact_t *src = q + (size_t)m * Kp;
+        for (int k = 0; k < Kp; k++) {
+            const int v = (int)src[k] - 128;
+            u[k] = (qact_t)(v < 0 ? -v : v);
+            c[k] = (qact_t)(int8_t)v;
+        }
+    }
+    return out;
 }
 
 #else
 
-static void tile(const int R, const qact_t *q, int Kp, const float *sa, const float *mn, const int8_t *w,
-                 const float *sw, const float *cw, float acc[MR][32]) {
+static void tile(const int R, const int WIDE, const qact_t *q, int ldq, int Kp, const float *sa, const float *mn,
+                 const int8_t *w, const float *sw, const float *cw, float acc[MR][32]) {
+    (void)WIDE;
     const int K4 = Kp / 4, G = Kp / QK;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 32; j++) {
@@ -317,7 +332,7 @@ static void tile(const int R, const qact_t *q, int Kp, const float *sa, const fl
             for (int g = 0; g < G; g++) {
                 int32_t dot = 0;
                 for (int k = g * QK; k < (g + 1) * QK; k++)
-                    dot += (int32_t)q[(size_t)r * Kp + k] * wb[(size_t)(k / 4) * 64 + k % 4];
+                    dot += (int32_t)q[(size_t)r * ldq + k] * wb[(size_t)(k / 4) * 64 + k % 4];
                 y = fmaf((float)dot, s[(size_t)g * 16] * sa[(size_t)r * G + g], y);
                 y = fmaf(c[(size_t)g * 16], mn[(size_t)r * G + g], y);
             }
@@ -327,34 +342,77 @@ static void tile(const int R, const qact_t *q, int Kp, const float *sa, const fl
 
 #endif
 
-/* R (1..MR) rows of a tile: a constant R per case, so the compiler unrolls each case's row loops. */
-static inline __attribute__((always_inline)) void tile_rows(const int R, const qact_t *q, int Kp, const float *sa,
-                                                            const float *mn, const int8_t *w, const float *sw,
-                                                            const float *cw, float acc[MR][32]) {
-    switch (R) {
+/* R (1..MR) rows of a tile: a constant R (and WIDE) per case, so the compiler unrolls each case's row loops. */
+#define TILE_CASES(WIDE)                                                                          \
+    switch (R) {                                                                                  \
+    ROWS_6_5(WIDE) ROWS_4(WIDE) ROWS_3(WIDE)                                                      \
+    case 2: tile(2, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;                             \
+    default: tile(1, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;                            \
+    }
 #if MR >= 6
-    case 6: tile(6, q, Kp, sa, mn, w, sw, cw, acc); break;
-    case 5: tile(5, q, Kp, sa, mn, w, sw, cw, acc); break;
+#define ROWS_6_5(WIDE) case 6: tile(6, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;          \
+                       case 5: tile(5, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#else
+#define ROWS_6_5(WIDE)
 #endif
 #if MR >= 4
-    case 4: tile(4, q, Kp, sa, mn, w, sw, cw, acc); break;
+#define ROWS_4(WIDE) case 4: tile(4, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#else
+#define ROWS_4(WIDE)
 #endif
 #if MR >= 3
-    case 3: tile(3, q, Kp, sa, mn, w, sw, cw, acc); break;
+#define ROWS_3(WIDE) case 3: tile(3, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#else
+#define ROWS_3(WIDE)
 #endif
-    case 2: tile(2, q, Kp, sa, mn, w, sw, cw, acc); break;
-    default: tile(1, q, Kp, sa, mn, w, sw, cw, acc); break;
+
+static inline __attribute__((always_inline)) void tile_rows(const int R, const int wide, const qact_t *q, int ldq,
+                                                            int Kp, const float *sa, const float *mn,
+                                                            const int8_t *w, const float *sw, const float *cw,
+                                                            float acc[MR][32]) {
+#ifdef HAVE_WIDE
+    if (wide) {
+        TILE_CASES(1)
+        return;
     }
+#else
+    (void)wide;
+#endif
+    TILE_CASES(0)
+}
+
+/* The activations as the tiles read them: q itself (row stride Kp), or for the avx2 build's WIDE path (weights
+ * beyond +-64) its centred rows (stride 2 Kp, malloc'd: *owned is set and the caller frees it). */
+static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt, int *wide, int *ldq,
+                                qact_t **owned) {
+    *owned = NULL;
+    *wide = 0;
+    *ldq = Kp;
+#ifdef HAVE_WIDE
+    if (wmax > 64) {
+        *owned = centre_rows(q, M, Kp, nt);
+        *wide = 1;
+        *ldq = 2 * Kp;
+        return *owned;
+    }
+#else
+    (void)M;
+    (void)wmax;
+    (void)nt;
+#endif
+    return q;
 }
 
 /* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (64-row chunk, 32-column pair of
  * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every MR-row
  * tile of its chunk while it sits in L1/L2. */
-static void gemm(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                  const float *sw, const float *cw, int Np, int N, int wmax, void *y, int ldy, int is_bf16, int nt) {
-    (void)wmax;                                   /* the quants already respect it: batchgen_q8_levels */
     const int G = Kp / QK, K4 = Kp / 4;
     const int nmc = (M + MC - 1) / MC, npair = Np / 32;
+    int wide, ldq;
+    qact_t *owned;
+    const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
     for (int mc = 0; mc < nmc; mc++)
         for (int np = 0; np < npair; np++) {
@@ -365,15 +423,16 @@ static void gemm(const qact_t *q, const float *sa, const float *mn, int M, int K
             float acc[MR][32];
             for (int m = mc * MC; m < m_end; m += MR) {
                 const int R = m_end - m < MR ? m_end - m : MR;
-                const qact_t *qm = q + (size_t)m * Kp;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                tile_rows(R, qm, Kp, sam, mnm, wp, swp, cwp, acc);
+                tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
                 for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
             }
         }
+    free(owned);
 }
 
-/* wmax: max|w| over the packed weights (their activations were quantized to batchgen_q8_levels(wmax)) */
+/* wmax: max|w| of the packed weights (a bound: larger is always correct; the avx2 build takes its faster path
+ * only for wmax <= 64) */
 void q8_gemm_f32(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                  const float *sw, const float *cw, int Np, int N, int wmax, float *y, int ldy, int nt) {
     gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 0, nt);
@@ -387,11 +446,13 @@ void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int 
  * like argmax), without writing y (a [rows, 262144] float32 block per decode step). Each thread scans a
  * contiguous range of 32-column pairs in order with the same tiles as gemm (so the values compared are gemm's,
  * bit for bit); the ranges are merged in order. A NaN never wins. */
-void q8_gemm_argmax(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                     const float *sw, const float *cw, int Np, int N, int wmax, int64_t *idx, float *val, int nt) {
-    (void)wmax;
     const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
     nt = nt < 1 ? 1 : nt;
+    int wide, ldq;
+    qact_t *owned;
+    const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
     float *bv = (float *)malloc(sizeof(float) * (size_t)nt * M);
     int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * (size_t)nt * M);
     int used = 1;
@@ -415,9 +476,8 @@ void q8_gemm_argmax(const qact_t *q, const float *sa, const float *mn, int M, in
             const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
             for (int m = 0; m < M; m += MR) {
                 const int R = M - m < MR ? M - m : MR;
-                const qact_t *qm = q + (size_t)m * Kp;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                tile_rows(R, qm, Kp, sam, mnm, wp, swp, cwp, acc);
+                tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < ncols; j++)
                         if (acc[r][j] > v[m + r]) { v[m + r] = acc[r][j]; ix[m + r] = (int64_t)np * 32 + j; }
@@ -434,6 +494,7 @@ void q8_gemm_argmax(const qact_t *q, const float *sa, const float *mn, int M, in
     }
     free(bv);
     free(bi);
+    free(owned);
 }
 
 /* Embedding lookup from the packed int8 weights: y[t, :K] = sw[row, g] * W[row, k] for row = ids[t]. Only the

@@ -95,7 +95,7 @@ class Int8Linear(nn.Module):
     @property
     def wmax(self) -> int:
         """max|w| over the int8 values, measured once (also after a cached state was loaded): the avx2 kernel's
-        activation levels depend on it (16 for the default GGUF's exact Q5_0 tensors, 127 for Q8_0)."""
+        faster path needs <= 64 (the default GGUF's exact Q5_0 tensors: 16; Q8_0 and requantized ones: 127)."""
         if getattr(self, "_wmax", None) is None:
             lo, hi = torch.aminmax(self.qweight)
             self._wmax = max(-int(lo), int(hi))
