@@ -39,10 +39,12 @@ class QuantChoice:
 
 
 def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
-                        bf16_attention: bool = False, dtype: str = "auto") -> QuantChoice:
+                        bf16_attention: bool = False, dtype: str = "auto",
+                        kernel_isa: str | None = None) -> QuantChoice:
     """q8_isa: the loaded kernel build's int8 path, or None when no kernel library is available.
     bf16_attention: the build multiplies bf16 into float32 for attention (``cpu_kernels.bf16_gemm_ok``:
-    AVX512-BF16, no AMX). dtype: the requested activation dtype (int8 under bf16 activations fails the bar)."""
+    AVX512-BF16, no AMX). dtype: the requested activation dtype (int8 under bf16 activations fails the bar).
+    kernel_isa: the build's vector ISA (``cpu_kernels.isa``): avx2 means no AVX-512 at all."""
     if requested == "none":
         return QuantChoice("none", "quantization: none")
     if device_type != "cpu":
@@ -61,6 +63,10 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
         return QuantChoice("int8", "auto: int8 weights (avx512_vnni) with a bf16 KV cache: measured faster than "
                                    "bf16 end to end and within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs "
                                    "without AMX (engine.quantization)", kv_cache_dtype="bfloat16")
+    if q8_isa == "avx2" and kernel_isa == "avx2":
+        return QuantChoice("int8", "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and KV: measured "
+                                   "faster than float32 end to end and within the quality bar on AVX2-only CPUs "
+                                   "(engine.quantization)")
     return QuantChoice("none", f"auto: int8 not measured faster than float weights on this CPU (int8 path "
                                f"{q8_isa or 'unavailable'}{'' if bf16_attention else ', no bf16 attention kernel'}; "
                                "engine.quantization)")
@@ -77,4 +83,10 @@ def kernel_bf16_attention() -> bool:
     return cpu_kernels.bf16_gemm_ok()
 
 
-__all__ = ["QuantChoice", "choose_quantization", "kernel_bf16_attention", "kernel_q8_isa"]
+def kernel_isa() -> str | None:
+    from engine import cpu_kernels
+    lib = cpu_kernels.load()
+    return cpu_kernels.isa(lib) if lib is not None else None
+
+
+__all__ = ["QuantChoice", "choose_quantization", "kernel_bf16_attention", "kernel_isa", "kernel_q8_isa"]

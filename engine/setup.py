@@ -23,7 +23,7 @@ from engine.loader import ModelSource, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
 from engine.memory import num_kv_blocks
 from engine.models.config import ModelConfig
-from engine.quantization import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_q8_isa
+from engine.quantization import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_isa, kernel_q8_isa
 
 log = logging.getLogger("batchgen.engine")
 
@@ -72,7 +72,8 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
     needs_kernels = device.type == "cpu" and cfg.quantization != "none"
     quant = choose_quantization(cfg.quantization, device.type, kernel_q8_isa() if needs_kernels else None,
-                                kernel_bf16_attention() if needs_kernels else False, cfg.dtype)
+                                kernel_bf16_attention() if needs_kernels else False, cfg.dtype,
+                                kernel_isa() if needs_kernels else None)
     if quant.name == "int8" and cfg.dtype == "auto":
         # NOTE: measured on gemma-3-270m (perf.quality, 10,500 positions): int8 weights with float32 activations
         # pass the bar (KL 0.00084, 0.00089 with a bf16 KV cache, vs bf16's 0.00060); bf16 activations do not

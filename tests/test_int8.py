@@ -251,6 +251,12 @@ def test_choose_quantization():
     for isa, bf16_attn in (("avx512_vnni", False), ("avx2", True), ("avx2", False), ("portable", False),
                            (None, False)):
         assert choose_quantization("auto", "cpu", isa, bf16_attn).name == "none"
+    # AVX2-only builds: int8 with float32 activations and KV; AVX-512 without VNNI (avx2 int8 path against an
+    # AVX-512 float32 matmul) was not measured, so it keeps float weights
+    avx2 = choose_quantization("auto", "cpu", "avx2", False, kernel_isa="avx2")
+    assert avx2.name == "int8" and avx2.kv_cache_dtype is None and "AVX2-only" in avx2.reason
+    assert choose_quantization("auto", "cpu", "avx2", False, kernel_isa="avx512").name == "none"
+    assert choose_quantization("auto", "cpu", "avx2", False, dtype="bfloat16", kernel_isa="avx2").name == "none"
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, dtype="bfloat16").name == "none"
     assert choose_quantization("auto", "cuda", None).name == "none"
     with pytest.raises(ConfigError, match="CPU only"):
@@ -340,13 +346,15 @@ def test_greedy_tokens_are_the_argmax_of_the_logits(tiny_dir, monkeypatch, tmp_p
 def test_auto_quantization_on_this_cpu(tiny_dir):
     """setup resolves quantization: auto from this machine's kernel build, says why, and gives int8 its float32
     activations and bf16 KV cache where it picks int8."""
-    from engine.quantization import kernel_bf16_attention, kernel_q8_isa
+    from engine.quantization import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
     s = setup_engine(str(tiny_dir), quantization="auto", kv_cache_memory=8 << 20)
-    picks = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
-    assert s.config.quantization == ("int8" if picks else "none") and s.quant_choice.reason.startswith("auto")
-    if picks:
-        assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
+    vnni = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
+    avx2 = kernel_q8_isa() == "avx2" and kernel_isa() == "avx2"
+    assert s.config.quantization == ("int8" if vnni or avx2 else "none")
+    assert s.quant_choice.reason.startswith("auto")
+    if vnni or avx2:
+        assert s.config.dtype == "float32" and s.config.kv_cache_dtype == ("bfloat16" if vnni else "float32")
     explicit = setup_engine(str(tiny_dir), quantization="auto", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
     assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins
 
