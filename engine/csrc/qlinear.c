@@ -403,13 +403,17 @@ static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt
     return q;
 }
 
-/* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (64-row chunk, 32-column pair of
+/* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (row chunk, 32-column pair of
  * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every MR-row
  * tile of its chunk while it sits in L1/L2. */
 static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                  const float *sw, const float *cw, int Np, int N, int wmax, void *y, int ldy, int is_bf16, int nt) {
-    const int G = Kp / QK, K4 = Kp / 4;
-    const int nmc = (M + MC - 1) / MC, npair = Np / 32;
+    if (M <= 0) return;
+    const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
+    /* chunks of at most MC rows, of equal size (in whole tiles): with 48 rows and MC 30 a 30 + 18 split left one
+     * of two threads idle 40 % of each decode-step linear (avx2 build; measured 1.22x faster split evenly) */
+    const int even = (M + (M + MC - 1) / MC - 1) / ((M + MC - 1) / MC);
+    const int mcr = (even + MR - 1) / MR * MR, nmc = (M + mcr - 1) / mcr;
     int wide, ldq;
     qact_t *owned;
     const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
@@ -419,9 +423,9 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
             const int8_t *wp = w + (size_t)np * 2 * K4 * 64;
             const float *swp = sw + (size_t)np * 2 * G * 16, *cwp = cw + (size_t)np * 2 * G * 16;
             const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
-            const int m_end = (mc + 1) * MC < M ? (mc + 1) * MC : M;
+            const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
             float acc[MR][32];
-            for (int m = mc * MC; m < m_end; m += MR) {
+            for (int m = mc * mcr; m < m_end; m += MR) {
                 const int R = m_end - m < MR ? m_end - m : MR;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
                 tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
