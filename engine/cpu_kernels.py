@@ -13,6 +13,8 @@ which one a build has. The build takes a second or two, has no torch headers, an
 CPU under
 ``$BATCHGEN_CACHE_DIR`` (default ``~/.cache/batchgen/kernels``). Without a compiler, or with
 ``BATCHGEN_CPU_KERNELS=0``, every caller takes its pure-torch path: same results within float rounding, slower.
+``BATCHGEN_KERNEL_FLAGS`` replaces ``-march=native`` (e.g. ``"-O3 -mavx2 -mfma -fopenmp"``: the AVX2 build on an
+AVX-512 machine, to measure it, or one build for a mixed fleet).
 
 The library links OpenMP (``-fopenmp``). torch's CPU wheels ship ``libgomp.so.1``; loading ours after torch
 reuses that runtime (same soname), so both share one thread pool.

@@ -5,6 +5,7 @@
     int8       cpu     any int8 path (avx512_vnni, avx2, portable)          int8 (KV cache: the activation dtype)
     int8       cuda    -                                                    ConfigError (CPU kernels only)
     auto       cpu     avx512_vnni + bf16 attention kernel (bf16_gemm_ok)   int8, float32 activations, bf16 KV
+    auto       cpu     AVX2-only build (isa avx2, int8 path avx2)           int8, float32 activations and KV
     auto       cpu     anything else, or dtype: bfloat16                    none
     auto       cuda    -                                                    none
 
@@ -19,10 +20,16 @@ shared-prefix`` in one run:
     int8, bf16 activations               top-1 0.9786, KL 0.00146: fails               -
 
 The int8 matmuls run at 500-570 GOP/s against torch bf16's 380-410. A bf16 KV cache costs little because
-bf16 attention multiplies into float32 there (csrc/bf16_gemm.c); it halves decode's KV bytes. Not chosen
-elsewhere: on AVX2-only CPUs the int8 path (vpmaddwd) runs at about float32 matmul's rate (so no gain over
-float32 weights), AVX-512 without VNNI takes that AVX2 path, and on AMX CPUs torch's bf16 matmul runs on AMX
-tiles (750-2,000 GFLOP/s) which our VNNI kernels do not approach; none of these was measured faster.
+bf16 attention multiplies into float32 there (csrc/bf16_gemm.c); it halves decode's KV bytes.
+
+AVX2-only CPUs (the kernels built with ``BATCHGEN_KERNEL_FLAGS="-O3 -mavx2 -mfma -fopenmp"`` on the same Zen 4,
+whose float32 matmul has the FMA throughput of a Zen 3's): the avx2 int8 linear (vpmaddubsw) runs at 1.8-1.9x
+torch's float32 matmul per thread (1.4x on weights beyond +-64, which take the sign trick), and in four
+``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.24x);
+10,000+ positions: float32 activations top-1 0.9811, KL 0.00085 against bf16's 0.9765 / 0.00068. Not chosen:
+AVX-512 without VNNI takes the avx2 int8 path against an AVX-512 float32 matmul (two FMA units on Intel's):
+not measured; on AMX CPUs torch's bf16 matmul runs on AMX tiles (750-2,000 GFLOP/s), which our VNNI kernels do
+not approach.
 """
 from __future__ import annotations
 
