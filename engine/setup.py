@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import AttentionBackend, get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.dtype_policy import DTYPES, DtypeChoice, choose_dtype, cpu_has_bf16_matmul, log_choice
+from engine.dtype_policy import DTYPES, DtypeChoice, choose_dtype, log_choice
 from engine.errors import ConfigError
 from engine.interface import EngineInfo
 from engine.loader import ModelSource, load_model_config, resolve_model
@@ -97,9 +97,6 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
         if device.type != "cpu":
             raise ConfigError(f"kv_cache_dtype: {kv} differs from dtype {choice.dtype}; on {device.type} the KV "
                               "cache is kept in the activation dtype (use auto)")
-        if kv == "bfloat16" and not cpu_has_bf16_matmul():
-            log.warning("kv_cache_dtype: bfloat16 on a CPU without bf16 matmul units: attention runs in bf16 "
-                        "through torch's slow fallback (use auto)")
     cfg = dataclasses.replace(cfg, kv_cache_dtype=kv)
     blocks = num_kv_blocks(cfg, mcfg, DTYPES[kv], device, block_size, max_model_len)
     return EngineSetup(cfg, source, mcfg, model_identity(source), device, choice, quant, backend, blocks)

@@ -647,10 +647,13 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
 def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResult:
     """llama.cpp through llama-cpp-python: its best configuration measured on this workload (module docstring)."""
     try:
+        import llama_cpp
         from llama_cpp import Llama
     except ImportError:
         return SystemResult(system="llama.cpp", label="llama.cpp",
                             skipped="llama-cpp-python not installed (pip install -e '.[peer]')")
+    # which build runs (its instruction sets): a peer built for another CPU kind is not the same peer
+    _say(opts, f"llama.cpp {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}")
     from engine.loader import resolve_model
     src = resolve_model(opts.model)
     if src.kind != "gguf":

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +43,12 @@ class TorchAttentionBackend(AttentionBackend):
         # bf16 caches: prefill tiles multiply bf16 into float32 (csrc/bf16_gemm.c) where that kernel is fast, so
         # scores and outputs are not rounded to bf16; float32 activations then keep a float32 output too.
         wide = self.native and low == torch.bfloat16 and q.device.type == "cpu" and cpu_kernels.bf16_gemm_ok()
-        if low != q.dtype and not wide:      # kv_cache_dtype: attention runs in the cache's dtype, output cast back
+        # Elsewhere on the CPU float32 queries read a bf16 cache as float32 (the chunk's keys converted once,
+        # float32 matmuls; decode reads the bf16 cache in place): torch's bf16 matmul is ~200x slower than
+        # float32 without bf16 units. Only AMX CPUs, whose bf16 matmul beats float32 several times, compute in bf16.
+        upcast = (not wide and low == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
+                  and not _amx())
+        if low != q.dtype and not (wide or upcast):   # attention in the cache's dtype, output cast back
             return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
         k, v = k.to(low), v.to(low)
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -61,6 +68,12 @@ class TorchAttentionBackend(AttentionBackend):
                                 meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn),
                                 self.native)
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def _amx() -> bool:
+    from engine.dtype_policy import cpu_features
+    return "amx_bf16" in cpu_features()
 
 
 def _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len: int, n: int, window: int | None, bs: int):
