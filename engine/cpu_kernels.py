@@ -55,7 +55,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
-_bf16_gemm_ok: bool | None = None
+_amx: bool | None = None
 
 
 def enabled() -> bool:
@@ -100,6 +100,8 @@ def build(cc: str, flag_sets=None) -> Path:
     for flags in flag_sets:
         key = hashlib.sha256(src + repr((cc, flags, _COMMON_FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
         out = cache_dir() / f"batchgen_kernels-{key}.so"
+        if errors:   # the previous flags failed (e.g. BATCHGEN_KERNEL_FLAGS the compiler rejects): say so
+            log.warning("CPU kernels: the build with %s; trying %s", errors[-1], " ".join(flags))
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -359,17 +361,21 @@ def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype
 
 # ---- bf16 x bf16 -> float32 matmul (csrc/bf16_gemm.c): bf16 prefill attention with float32 scores ------------
 
+def has_amx() -> bool:
+    """AMX-BF16 on this CPU (read once: every attention layer asks, every step). torch's bf16 matmul runs on AMX
+    tiles there (oneDNN), several times faster than float32 and than our bf16 kernel."""
+    global _amx
+    if _amx is None:
+        from engine import dtype_policy
+        _amx = "amx_bf16" in dtype_policy._cpuinfo_flags()
+    return _amx
+
+
 def bf16_gemm_ok() -> bool:
     """True when this build multiplies bf16 with AVX512-BF16 dot products into float32 (``bf16_gemm``), and the
-    CPU has no AMX: there torch's bf16 matmul (oneDNN on AMX tiles) is several times faster, and stays."""
-    global _bf16_gemm_ok
+    CPU has no AMX: there torch's bf16 matmul is faster, and stays."""
     lib = load()
-    if lib is None or not lib.bf16_gemm_fast():
-        return False
-    if _bf16_gemm_ok is None:                  # once: every attention layer asks, every step
-        from engine import dtype_policy
-        _bf16_gemm_ok = "amx_bf16" not in dtype_policy._cpuinfo_flags()
-    return _bf16_gemm_ok
+    return lib is not None and bool(lib.bf16_gemm_fast()) and not has_amx()
 
 
 def pack_pairs(b: torch.Tensor) -> torch.Tensor:

@@ -221,6 +221,19 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     assert not cpu_kernels.supports(q, k)
 
 
+def test_forced_flags_the_compiler_rejects_fall_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    """BATCHGEN_KERNEL_FLAGS that do not compile: the log names them and the compiler's complaint, and the
+    portable fallback flags build instead."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHGEN_KERNEL_FLAGS", "-O2 -mno-such-flag")
+    sets = cpu_kernels.default_flag_sets()
+    assert sets[0] == ["-O2", "-mno-such-flag"] and sets[1:] == cpu_kernels._FLAG_SETS[1:]
+    with caplog.at_level("WARNING", logger="batchgen.engine"):
+        lib = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(sets[0], ["-O2"])))
+    assert cpu_kernels.isa(lib) == "portable"
+    assert any("-mno-such-flag" in r.getMessage() and "trying -O2" in r.getMessage() for r in caplog.records)
+
+
 # ---- fused elementwise kernels and the prefill softmax: against the torch ops they replace, every build -------
 
 def _close(got, ref, dtype, ulps=2):

@@ -66,7 +66,6 @@ def test_float32_queries_read_a_bf16_cache_as_float32_without_bf16_units(tiny_di
     cache as float32 and multiply in float32; only AMX CPUs (fast bf16 matmul) compute attention in bf16. The
     float32 path rounds only the stored keys/values, so it is closer to the float32 cache than the bf16 one."""
     from engine import cpu_kernels
-    from engine.attention import torch_backend
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "bf16_gemm_ok", lambda: False)
     llm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory=8 << 20)
@@ -75,7 +74,7 @@ def test_float32_queries_read_a_bf16_cache_as_float32_without_bf16_units(tiny_di
     ref = F.log_softmax(run_chunks(llm.model, seq, chunks, block_size=16), -1)
 
     def kl(amx: bool) -> torch.Tensor:
-        monkeypatch.setattr(torch_backend, "_amx", lambda: amx)
+        monkeypatch.setattr(cpu_kernels, "has_amx", lambda: amx)
         low = run_chunks(llm.model, seq, chunks, block_size=16, dtype=torch.bfloat16)
         assert low.dtype == torch.float32
         return (ref.exp() * (ref - F.log_softmax(low, -1))).sum(-1)

@@ -8,8 +8,6 @@
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -47,7 +45,7 @@ class TorchAttentionBackend(AttentionBackend):
         # float32 matmuls; decode reads the bf16 cache in place): torch's bf16 matmul is ~200x slower than
         # float32 without bf16 units. Only AMX CPUs, whose bf16 matmul beats float32 several times, compute in bf16.
         upcast = (not wide and low == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
-                  and not _amx())
+                  and not cpu_kernels.has_amx())
         if low != q.dtype and not (wide or upcast):   # attention in the cache's dtype, output cast back
             return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
         k, v = k.to(low), v.to(low)
@@ -68,12 +66,6 @@ class TorchAttentionBackend(AttentionBackend):
                                 meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn),
                                 self.native)
         return out
-
-
-@functools.lru_cache(maxsize=1)
-def _amx() -> bool:
-    from engine.dtype_policy import cpu_features
-    return "amx_bf16" in cpu_features()
 
 
 def _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len: int, n: int, window: int | None, bs: int):

@@ -61,8 +61,7 @@ static inline __attribute__((always_inline)) void micro(const int R, const uint1
         _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);
     }
 }
-#endif
-
+#else
 static void tile_portable(int R, const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c,
                           int64_t ldc, int K2, int ncols) {
     for (int r = 0; r < R; r++)
@@ -76,6 +75,7 @@ static void tile_portable(int R, const uint16_t *a, int64_t lda, const uint32_t 
             c[r * ldc + n] = s;
         }
 }
+#endif
 
 void bf16_gemm(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc, int M,
                int N, int K2, int nt) {

@@ -9,9 +9,10 @@
  *
  *   "avx512_vnni"  vpdpbusd: u8 x s8, four products summed into each int32 lane, 16 lanes
  *   "avx2"         vpmaddubsw (u8 x s8, pairs summed into int16) with vpmaddwd by ones into int32, llama.cpp's
- *                  AVX2 dot product. Its int16 pair sums would saturate for u8 255 x s8 127, so the kernel
- *                  centres the quants (c = q - 128, one xor) and multiplies |c| (<= 128) by sign(c) * w (vpsignb):
- *                  pair sums stay within 2 * 128 * 127 < 32767 for any weights. The minimum becomes mn + 128 * sa.
+ *                  AVX2 dot product. Its int16 pair sums would saturate for u8 255 x s8 127, so weights within
+ *                  +-64 (wmax, the callers' bound) are multiplied directly (pair sums <= 2 * 255 * 64), and wider
+ *                  ones by the centred quants: |q - 128| (<= 128) times sign(q - 128) * w (vpsignb), pair sums
+ *                  <= 2 * 128 * 127, with the minimum folded to mn + 128 * sa (block16: WIDE).
  *   "portable"     plain C loops over the same packed layout: the reference the others are tested against
  *
  * Packed weight layout (Np = N rounded up to 32, Kp = K rounded up to 32, K4 = Kp / 4, G = Kp / 32):
@@ -254,8 +255,8 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
         __m256i ia[MR][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
         for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
-            __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
+            const __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
             for (int r = 0; r < R; r++) {
                 int32_t a4;
                 memcpy(&a4, q + (size_t)r * ldq + k4 * 4, 4);
@@ -412,7 +413,7 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
     const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
     /* chunks of at most MC rows, of equal size (in whole tiles): with 48 rows and MC 30 a 30 + 18 split left one
      * of two threads idle 40 % of each decode-step linear (avx2 build; measured 1.22x faster split evenly) */
-    const int even = (M + (M + MC - 1) / MC - 1) / ((M + MC - 1) / MC);
+    const int chunks = (M + MC - 1) / MC, even = (M + chunks - 1) / chunks;
     const int mcr = (even + MR - 1) / MR * MR, nmc = (M + mcr - 1) / mcr;
     int wide, ldq;
     qact_t *owned;
