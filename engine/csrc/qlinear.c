@@ -458,8 +458,10 @@ void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, i
     int wide, ldq;
     qact_t *owned;
     const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
-    float *bv = (float *)malloc(sizeof(float) * (size_t)nt * M);
-    int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * (size_t)nt * M);
+    /* per thread and row, the best value and its column for each of the 32 tile columns (j = column % 32): the
+     * comparisons are branch-free and vectorize; the 32 lanes are reduced once at the end */
+    float *bv = (float *)malloc(sizeof(float) * (size_t)nt * M * 32);
+    int32_t *bi = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * M * 32);
     int used = 1;
 #pragma omp parallel num_threads(nt)
     {
@@ -470,9 +472,9 @@ void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, i
 #endif
 #pragma omp single
         used = nth;
-        float *v = bv + (size_t)tid * M;
-        int64_t *ix = bi + (size_t)tid * M;
-        for (int m = 0; m < M; m++) { v[m] = -INFINITY; ix[m] = 0; }
+        float *v = bv + (size_t)tid * M * 32;
+        int32_t *ix = bi + (size_t)tid * M * 32;
+        for (int i = 0; i < M * 32; i++) { v[i] = -INFINITY; ix[i] = 0; }
         const int p0 = (int)((int64_t)npair * tid / nth), p1 = (int)((int64_t)npair * (tid + 1) / nth);
         float acc[MR][32];
         for (int np = p0; np < p1; np++) {
@@ -483,17 +485,28 @@ void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, i
                 const int R = M - m < MR ? M - m : MR;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
                 tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < ncols; j++)
-                        if (acc[r][j] > v[m + r]) { v[m + r] = acc[r][j]; ix[m + r] = (int64_t)np * 32 + j; }
+                for (int r = 0; r < R; r++) {
+                    float *vr = v + (size_t)(m + r) * 32;
+                    int32_t *ir = ix + (size_t)(m + r) * 32;
+                    for (int j = 0; j < 32; j++) {      /* strict >: a lane keeps its first maximum; NaN never wins */
+                        const int better = j < ncols && acc[r][j] > vr[j];
+                        vr[j] = better ? acc[r][j] : vr[j];
+                        ir[j] = better ? np * 32 + j : ir[j];
+                    }
+                }
             }
         }
     }
+    /* merge: the largest value over threads and lanes, the lowest column among equal ones (argmax's first) */
     for (int m = 0; m < M; m++) {
-        float best = bv[m];
-        int64_t at = bi[m];
-        for (int t = 1; t < used; t++)
-            if (bv[(size_t)t * M + m] > best) { best = bv[(size_t)t * M + m]; at = bi[(size_t)t * M + m]; }
+        float best = -INFINITY;
+        int64_t at = 0;
+        for (int t = 0; t < used; t++)
+            for (int j = 0; j < 32; j++) {
+                const float x = bv[((size_t)t * M + m) * 32 + j];
+                const int64_t c = bi[((size_t)t * M + m) * 32 + j];
+                if (x > best || (x == best && x > -INFINITY && c < at)) { best = x; at = c; }
+            }
         idx[m] = at;
         val[m] = best;
     }
