@@ -137,6 +137,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
             f"q8_embed_{sfx}": [P, P, I32, P, I32, I32, P, I32],
             f"small_m_linear_{sfx}": [P, I32, I32, P, I64, P, I32],
+            f"prefill_bf16kv_{sfx}": [P, P, I64, P] + [I32] * 5 + [I64] * 3 + [P, I32],
         })
     sigs["ngram_propose_batch"] = [P, P, I32, I32, I32, I32, P, P]
     sigs["bf16_gemm"] = [P, I64, P, I64, P, I64, I32, I32, I32, I32]
@@ -386,6 +387,26 @@ def pack_pairs(b: torch.Tensor) -> torch.Tensor:
     if kp != k:
         b = torch.cat([b, b.new_zeros(kp - k, n)])
     return b.reshape(kp // 2, 2, n).transpose(1, 2).reshape(kp // 2, 2 * n).view(torch.int32)
+
+
+def prefill_attention(qs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, q_start: int, k_start: int,
+                      window: int | None, out_dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """One sequence's prefill chunk over packed bf16 keys and values (csrc/prefill.c), every head in one call.
+
+    qs [n, Hq, D] bf16 (already scaled); kp [Hkv, D/2, >= S] and vp [Hkv, S/2, D] int32 (``pack_pairs`` of
+    each head's keys transposed and values; S even). Key j is at position k_start + j, query i at q_start + i.
+    Returns [n, Hq, D] in ``out_dtype`` (float32 or bf16), the products and softmax in float32."""
+    lib = lib or load()
+    n, hq, d = qs.shape
+    hkv, s = vp.shape[0], 2 * vp.shape[1]
+    assert qs.dtype == torch.bfloat16 and qs.is_contiguous() and d % 2 == 0
+    assert kp.dtype == vp.dtype == torch.int32 and kp.shape[:2] == (hkv, d // 2) and kp.shape[2] >= s
+    assert kp.stride(2) == 1 and kp.stride(0) == kp.stride(1) * d // 2 and vp.is_contiguous()
+    out = torch.empty(n, hq, d, dtype=out_dtype)
+    getattr(lib, f"prefill_bf16kv_{_SUFFIX[out_dtype]}")(
+        qs.data_ptr(), kp.data_ptr(), kp.stride(1), vp.data_ptr(), n, hq, hkv, d, s, q_start, k_start,
+        window or 0, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def bf16_gemm(a: torch.Tensor, bp: torch.Tensor, n: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:

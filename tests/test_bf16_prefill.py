@@ -1,6 +1,9 @@
-"""bf16 prefill attention with float32 products (csrc/bf16_gemm.c, torch_backend._prefill_wide): bf16 inputs,
-float32 scores, softmax and output. Held to float32 attention over the same bf16-valued inputs, with chunks that
-start at odd offsets and windows that cut tiles mid-pair, for MQA and GQA."""
+"""bf16 prefill attention with float32 products (csrc/bf16_gemm.c, csrc/prefill.c, torch_backend._prefill_wide):
+bf16 inputs, float32 scores, softmax and output. Held to float32 attention over the same bf16-valued inputs, with
+chunks that start at odd offsets and windows that cut tiles mid-pair, for MQA and GQA; the fused kernel also to
+the same tiles composed from bf16_gemm and masked_softmax_, bit for bit, in every build."""
+from unittest import mock
+
 import pytest
 import torch
 
@@ -70,3 +73,49 @@ def test_wide_prefill_equals_float32_attention(hq, hkv, window, q_dtype, start, 
     ref = _reference(qb, flat_k, flat_v, torch.arange(start, seq_len), torch.arange(seq_len), window, 1.0)
     tol = 1e-2 if q_dtype == torch.bfloat16 else 5e-3               # probabilities enter P.V in bf16
     assert (got.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+def _composed(qs, kp, vp, q_start, k_start, window, tile=128):
+    """The fused kernel's arithmetic from its pieces, 128-query tiles per KV head: bf16_gemm, masked_softmax_,
+    probabilities cast to bf16, bf16_gemm (the engine's previous prefill path)."""
+    n, hq, d = qs.shape
+    hkv = kp.shape[0]
+    g = hq // hkv
+    out = torch.empty(n, hq, d)
+    for h in range(hkv):
+        for t0 in range(0, n, tile):
+            ts, te = q_start + t0, min(q_start + t0 + tile, q_start + n)
+            lo = max(k_start, ts - window + 1) if window else k_start
+            j0 = (lo - k_start) & ~1
+            j1 = te - k_start + ((te - k_start - j0) & 1)
+            qt = qs[t0:t0 + te - ts, h * g:(h + 1) * g].reshape(-1, d)
+            scores = cpu_kernels.bf16_gemm(qt, kp[h][:, j0:j1])
+            probs = cpu_kernels.masked_softmax_(scores, te - ts, g, ts, k_start + j0, window).to(torch.bfloat16)
+            o = cpu_kernels.bf16_gemm(probs, vp[h][j0 // 2:j1 // 2])
+            out[t0:t0 + te - ts, h * g:(h + 1) * g] = o.view(te - ts, g, d)
+    return out
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2), (2, 2)])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("k_start,q_start,n", [(0, 0, 301), (0, 133, 150), (40, 269, 1), (3, 90, 37)])
+def test_fused_prefill_equals_its_composed_tiles(libs, build, hq, hkv, window, k_start, q_start, n):
+    """Tile sizes differ (the kernel's adapt to the thread count), the sums do not: a tile's extra key columns
+    carry probability 0, which adds exact zeros. bf16 output: the float32 result rounded once."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(n + hq)
+    d = 64
+    S = q_start + n - k_start
+    S += S & 1
+    keys = torch.randn(S, hkv, d, generator=g).bfloat16()
+    vals = torch.randn(S, hkv, d, generator=g).bfloat16()
+    kp = torch.stack([cpu_kernels.pack_pairs(keys[:, h].t()) for h in range(hkv)])
+    vp = torch.stack([cpu_kernels.pack_pairs(vals[:, h]) for h in range(hkv)])
+    qs = (torch.randn(n, hq, d, generator=g) * 0.5).bfloat16()
+    with mock.patch.object(cpu_kernels, "_lib", lib), mock.patch.object(cpu_kernels, "_tried", True):
+        ref = _composed(qs, kp, vp, q_start, k_start, window)
+        got = cpu_kernels.prefill_attention(qs, kp, vp, q_start, k_start, window, torch.float32, lib=lib)
+        half = cpu_kernels.prefill_attention(qs, kp, vp, q_start, k_start, window, torch.bfloat16, lib=lib)
+    assert torch.equal(got, ref)
+    assert torch.equal(half, ref.bfloat16())

@@ -4,7 +4,8 @@
   batched matmul pair. Memory-bound, so it reads only what each query needs (the window for sliding layers).
 - Prefill chunks go one sequence at a time, tiled by queries (``PREFILL_TILE``): each tile multiplies only
   against the keys it can see (its window, up to its last query), as two batched matmuls with the GQA group
-  folded into the rows (token-major, so MQA needs no copies) and a float32 softmax in between.
+  folded into the rows (token-major, so MQA needs no copies) and a float32 softmax in between. Over a bf16 cache
+  on AVX512-BF16 CPUs (``_prefill_wide``) one C call does every head and tile of a chunk (csrc/prefill.c).
 """
 from __future__ import annotations
 
@@ -123,35 +124,21 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
 
 def _prefill_wide(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float,
                   bs: int):
-    """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.bf16_gemm``): q [n, Hq, D] in
-    bf16 or float32 (scaled, then rounded to bf16 once), keys and values as cached; scores, softmax and the
-    output in float32 (returned in q's dtype). Same tiles as ``_prefill``; a tile's keys start at an even offset
-    from the chunk's first key (value pairs), the extra key at either end is masked like any invisible one."""
-    n, hq, d = q.shape
-    hkv = k_new.shape[1]
-    g = hq // hkv
+    """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.prefill_attention``: bf16 dot
+    products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16 once),
+    keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype). The chunk's
+    keys are packed once per head; the kernel tiles the queries, each tile's keys starting at an even offset (value
+    pairs) with the extra key at either end masked like any invisible one."""
+    n = q.shape[0]
     start = seq_len - n
     keys, vals, base = _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
-    S = keys.shape[0]
-    if S & 1:                                                    # an even count: value pairs, key pairs at the end
+    if keys.shape[0] & 1:                                        # an even count: value pairs
         keys, vals = F.pad(keys, (0, 0, 0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 0, 0, 1))
-    qs = (q * scale).to(torch.bfloat16)
-    out = torch.empty(n, hq, d, dtype=q.dtype)
-    for h in range(hkv):
-        kp = cpu_kernels.pack_pairs(keys[:, h].t())                             # [D/2, S]: (k[s, 2j], k[s, 2j+1])
-        vp = cpu_kernels.pack_pairs(vals[:, h])                                 # [S/2, D]: (v[2j, d], v[2j+1, d])
-        for ts in range(start, seq_len, PREFILL_TILE):
-            te = min(ts + PREFILL_TILE, seq_len)
-            t = te - ts
-            lo = max(base, ts - window + 1) if window else base
-            j0 = (lo - base) & ~1
-            j1 = te - base + ((te - base - j0) & 1)
-            qt = qs[ts - start:te - start, h * g:(h + 1) * g].reshape(t * g, d)
-            scores = cpu_kernels.bf16_gemm(qt, kp[:, j0:j1])                   # [t*G, S'] float32
-            probs = cpu_kernels.masked_softmax_(scores, t, g, ts, base + j0, window).to(torch.bfloat16)
-            o = cpu_kernels.bf16_gemm(probs, vp[j0 // 2:j1 // 2])              # [t*G, D] float32
-            out[ts - start:te - start, h * g:(h + 1) * g] = o.view(t, g, d)
-    return out
+    hkv = keys.shape[1]
+    kp = torch.stack([cpu_kernels.pack_pairs(keys[:, h].t()) for h in range(hkv)])    # [Hkv, D/2, S]
+    vp = torch.stack([cpu_kernels.pack_pairs(vals[:, h]) for h in range(hkv)])        # [Hkv, S/2, D]
+    qs = (q * scale).to(torch.bfloat16).contiguous()
+    return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype)
 
 
 def _tile_mask(ts: int, te: int, lo: int, window: int | None, device) -> torch.Tensor:
