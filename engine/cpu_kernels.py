@@ -141,6 +141,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         })
     sigs["ngram_propose_batch"] = [P, P, I32, I32, I32, I32, P, P]
     sigs["bf16_gemm"] = [P, I64, P, I64, P, I64, I32, I32, I32, I32]
+    sigs["prefill_f32"] = [P, P, I64, P] + [I32] * 5 + [I64] * 3 + [P, I32]
     sigs["q8_gemm_argmax"] = [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, P, I32]
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -148,8 +149,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn.argtypes = args
     for name in ("batchgen_kernel_isa", "batchgen_q8_isa"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_char_p, []
-    lib.bf16_gemm_fast.restype = ctypes.c_int
-    lib.bf16_gemm_fast.argtypes = []
+    for name in ("bf16_gemm_fast", "prefill_f32_cols"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_int, []
     return lib
 
 
@@ -406,6 +407,37 @@ def prefill_attention(qs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, q_st
     getattr(lib, f"prefill_bf16kv_{_SUFFIX[out_dtype]}")(
         qs.data_ptr(), kp.data_ptr(), kp.stride(1), vp.data_ptr(), n, hq, hkv, d, s, q_start, k_start,
         window or 0, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def prefill_f32_ok(q: torch.Tensor) -> bool:
+    """True when ``prefill_attention_f32`` serves float32 queries q [n, Hq, D] on this build: a vector build
+    (AVX2 or AVX-512; the portable loops would be slower than torch) and D a multiple of its column tile."""
+    lib = load()
+    return (lib is not None and q.device.type == "cpu" and q.dtype == torch.float32 and isa(lib) != "portable"
+            and q.shape[-1] % lib.prefill_f32_cols() == 0)
+
+
+def prefill_attention_f32(qs: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, q_start: int, k_start: int,
+                          window: int | None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``prefill_attention`` in float32 (csrc/prefill.c): qs [n, Hq, D] (already scaled), keys/vals [S, Hkv, D]
+    float32 at positions k_start.. (any strides). Keys are transposed and both padded with zeros to the kernel's
+    column tile once per chunk. Returns [n, Hq, D] float32."""
+    lib = lib or load()
+    n, hq, d = qs.shape
+    S, hkv = keys.shape[:2]
+    cols = lib.prefill_f32_cols()
+    sp = -(-S // cols) * cols
+    kt = torch.empty(hkv, d, sp)
+    kt[:, :, :S] = keys.permute(1, 2, 0)
+    kt[:, :, S:] = 0
+    vv = torch.empty(hkv, sp, d)
+    vv[:, :S] = vals.transpose(0, 1)
+    vv[:, S:] = 0
+    qs = qs.contiguous()
+    out = torch.empty(n, hq, d)
+    lib.prefill_f32(qs.data_ptr(), kt.data_ptr(), sp, vv.data_ptr(), n, hq, hkv, d, sp, q_start, k_start,
+                    window or 0, out.data_ptr(), torch.get_num_threads())
     return out
 
 

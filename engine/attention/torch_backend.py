@@ -5,7 +5,8 @@
 - Prefill chunks go one sequence at a time, tiled by queries (``PREFILL_TILE``): each tile multiplies only
   against the keys it can see (its window, up to its last query), as two batched matmuls with the GQA group
   folded into the rows (token-major, so MQA needs no copies) and a float32 softmax in between. Over a bf16 cache
-  on AVX512-BF16 CPUs (``_prefill_wide``) one C call does every head and tile of a chunk (csrc/prefill.c).
+  on AVX512-BF16 CPUs (``_prefill_wide``), and in float32 on AVX2 / AVX-512 builds, one C call does every head
+  and tile of a chunk (csrc/prefill.c).
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from engine.attention.metadata import AttentionMetadata
 # thread): ~3.5x faster than SDPA with an explicit band mask for a 512 window over a 1,900-token prompt, and
 # faster than SDPA's causal kernel on the global layers.
 PREFILL_TILE = 128
+# Chunks from which the float32 C kernel (csrc/prefill.c) takes over: it transposes and pads the chunk's keys
+# once, which for 37 queries over 1,540 keys cost more than it saved (0.83-0.87x, avx2 build; 1.4-2.3x from
+# 400 queries up on Zen 4, 1.1-2x on the avx2 build).
+FUSED_F32_MIN_TOKENS = 64
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -94,6 +99,8 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     keys, vals, base = _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     qs = q * scale                                               # fold the scale into q once
+    if native and n >= FUSED_F32_MIN_TOKENS and cpu_kernels.prefill_f32_ok(q):   # every head and tile in one C call
+        return cpu_kernels.prefill_attention_f32(qs, keys, vals, start, base, window)
     fused_softmax = native and cpu_kernels.elementwise_ok(q)
     out = torch.empty_like(q)
     for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)

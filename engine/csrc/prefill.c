@@ -1,6 +1,8 @@
-/* Prefill attention over a bf16 KV cache, one sequence's chunk in one call: for every KV head and tile of
- * queries, scores = q k^T (float32), the causal / sliding-window softmax, out = p v (float32), all on one thread
- * per work item, the items spread over OpenMP threads.
+/* Prefill attention, one sequence's chunk in one call: for every KV head and tile of queries, scores = q k^T
+ * (float32), the causal / sliding-window softmax, out = p v (float32), all on one thread per work item, the items
+ * spread over OpenMP threads. Two operand kinds: a bf16 KV cache on AVX512-BF16 CPUs (prefill_bf16kv_*: bf16 dot
+ * products, below), and float32 throughout (prefill_f32: FMA micro-kernel of 6 rows x 2 vectors, AVX2 or
+ * AVX-512, simd.h; from 1.4x on the avx2 build to 2.3x on Zen 4 faster than the torch tiles it replaces).
  *
  * Why: the same tiles driven from Python (engine/attention/torch_backend.py, _prefill_wide) made four parallel
  * regions per 128-query tile (two bf16_gemm calls, the softmax, torch's cast of the probabilities to bf16) and
@@ -12,7 +14,7 @@
  * over the same dot products, the same softmax loop, probabilities rounded to bf16 once. A tile's key columns
  * start at an even offset (value pairs) and the extra keys are invisible: probability 0, which adds exact zeros.
  *
- * Layouts (elements):
+ * Layouts (elements), bf16 kind:
  *   q    [n, Hq, D] bf16, already multiplied by the softmax scale (rows: token t, head h * G + g)
  *   kp   [Hkv][D/2, ldk] int32 words: kp[h][i][j] = (k[j][2i], k[j][2i+1]) for key j of the chunk's S keys
  *   vp   [Hkv][S/2, D]   int32 words: vp[h][j][d] = (v[2j][d], v[2j+1][d]); S even (the caller pads)
@@ -25,14 +27,17 @@
 
 #include "bf16_gemm.h"
 #include "common.h"
+#include "simd.h"
 
 #define TILE_ROWS 128   /* query rows (token x head-in-group) per work item: a 128 x S' float32 score tile */
 
-static void softmax_rows(const float *s, int64_t ld, int rows, int G, int64_t q0, int64_t k0, int64_t ncols,
-                         int64_t window, uint16_t *p) {
+static inline __attribute__((always_inline)) void softmax_rows(const float *s, int64_t ld, int rows, int G,
+                                                               int64_t q0, int64_t k0, int64_t ncols,
+                                                               int64_t window, void *p, const int p_bf16) {
     for (int r = 0; r < rows; r++) {
         const float *row = s + r * ld;
-        uint16_t *pr = p + r * ncols;
+        uint16_t *pr = (uint16_t *)p + r * ncols;
+        float *pf = (float *)p + r * ncols;
         const int64_t q = q0 + r / G;
         int64_t j0 = window > 0 ? q - window + 1 - k0 : 0, j1 = q - k0 + 1;     /* visible columns [j0, j1) */
         j0 = j0 < 0 ? 0 : j0;
@@ -47,17 +52,84 @@ static void softmax_rows(const float *s, int64_t ld, int rows, int G, int64_t q0
             sum += e[j - j0];
         }
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int64_t j = 0; j < j0; j++) pr[j] = 0;
+        if (p_bf16) {
+            for (int64_t j = 0; j < j0; j++) pr[j] = 0;
 #pragma omp simd
-        for (int64_t j = j0; j < j1; j++) pr[j] = f32_to_bf16(e[j - j0] * inv);
-        for (int64_t j = j1 > j0 ? j1 : j0; j < ncols; j++) pr[j] = 0;
+            for (int64_t j = j0; j < j1; j++) pr[j] = f32_to_bf16(e[j - j0] * inv);
+            for (int64_t j = j1 > j0 ? j1 : j0; j < ncols; j++) pr[j] = 0;
+        } else {
+            for (int64_t j = 0; j < j0; j++) pf[j] = 0.0f;
+#pragma omp simd
+            for (int64_t j = j0; j < j1; j++) pf[j] = e[j - j0] * inv;
+            for (int64_t j = j1 > j0 ? j1 : j0; j < ncols; j++) pf[j] = 0.0f;
+        }
     }
 }
 
-static void prefill(const uint16_t *q, const uint32_t *kp, int64_t ldk, const uint32_t *vp, int n, int Hq, int Hkv,
-                    int D, int S, int64_t q_start, int64_t k_start, int64_t window, void *out, int out_bf16,
-                    int nt) {
-    const int G = Hq / Hkv, D2 = D / 2;
+/* ---- float32 operands: c[M, N] = a[M, K] @ b[K, N], row-major, on the calling thread ----------------------- */
+
+#if VEC_WIDTH
+#define F32_COLS (2 * VEC_WIDTH)   /* N must be a multiple (the callers pad): 6 x 2 vectors of accumulators */
+#define F32_ROWS 6
+static inline __attribute__((always_inline)) void f32_micro(const int R, const float *a, int64_t lda, const float *b,
+                                                            int64_t ldb, float *c, int64_t ldc, int K) {
+    vf acc[F32_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vf_zero();
+    for (int k = 0; k < K; k++) {
+        const vf b0 = vf_load(b + (int64_t)k * ldb), b1 = vf_load(b + (int64_t)k * ldb + VEC_WIDTH);
+        for (int r = 0; r < R; r++) {
+            const vf av = vf_set1(a[r * lda + k]);
+            acc[r][0] = vf_fma(av, b0, acc[r][0]);
+            acc[r][1] = vf_fma(av, b1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        vf_store(c + r * ldc, acc[r][0]);
+        vf_store(c + r * ldc + VEC_WIDTH, acc[r][1]);
+    }
+}
+#else
+#define F32_COLS 32
+#endif
+
+static void f32_gemm_serial(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int M,
+                            int N, int K) {
+#if VEC_WIDTH
+    for (int n = 0; n < N; n += F32_COLS)
+        for (int m = 0; m < M; m += F32_ROWS) {
+            const float *am = a + (int64_t)m * lda;
+            float *cm = c + (int64_t)m * ldc + n;
+            switch (M - m < F32_ROWS ? M - m : F32_ROWS) {   /* constant R: unrolled row loops */
+            case 6: f32_micro(6, am, lda, b + n, ldb, cm, ldc, K); break;
+            case 5: f32_micro(5, am, lda, b + n, ldb, cm, ldc, K); break;
+            case 4: f32_micro(4, am, lda, b + n, ldb, cm, ldc, K); break;
+            case 3: f32_micro(3, am, lda, b + n, ldb, cm, ldc, K); break;
+            case 2: f32_micro(2, am, lda, b + n, ldb, cm, ldc, K); break;
+            default: f32_micro(1, am, lda, b + n, ldb, cm, ldc, K); break;
+            }
+        }
+#else
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) acc += a[(int64_t)m * lda + k] * b[(int64_t)k * ldb + n];
+            c[(int64_t)m * ldc + n] = acc;
+        }
+#endif
+}
+
+/* ---- the chunk ------------------------------------------------------------------------------------------ */
+
+/* F32 0 (bf16 cache): q bf16, k/v packed pairs (kp [Hkv][D/2, ldk], vp [Hkv][S/2, D]), tiles' key columns start
+ *   at even offsets.
+ * F32 1 (float32 everything): q float32, k transposed (kt [Hkv][D, ldk]) and v [Hkv][S, D] float32, S a multiple
+ *   of F32_COLS (zero keys and values at the end), tiles' key columns start at multiples of F32_COLS and run in
+ *   whole multiples.
+ * Extra columns either side of what a tile sees are masked (probability 0). */
+static inline __attribute__((always_inline)) void prefill(
+        const int F32, const void *q, const void *kop, int64_t ldk, const void *vop, int n, int Hq, int Hkv, int D,
+        int S, int64_t q_start, int64_t k_start, int64_t window, void *out, int out_bf16, int nt) {
+    const int G = Hq / Hkv, qsize = F32 ? 4 : 2, align = F32 ? F32_COLS : 2;
     /* query tokens per item: TILE_ROWS rows, fewer (down to 16) while there are under four items per thread, so
      * a short chunk still keeps every thread busy (two items for 37 tokens ran 0.85x the old tiles' speed) */
     int tq = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
@@ -68,28 +140,36 @@ static void prefill(const uint16_t *q, const uint32_t *kp, int64_t ldk, const ui
     (void)nt;
 #pragma omp parallel num_threads(nt) if (items > 1)
     {
-        /* per thread: the tile's queries (dense rows), scores, probabilities (bf16) and output */
-        uint16_t *qt = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)rows_max * D);
-        float *sc = (float *)malloc(sizeof(float) * (size_t)rows_max * (S + 2));
-        uint16_t *pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)rows_max * (S + 2));
+        /* per thread: the tile's queries (dense rows), scores, probabilities and output */
+        char *qt = (char *)malloc((size_t)qsize * rows_max * D);
+        float *sc = (float *)malloc(sizeof(float) * (size_t)rows_max * (S + align));
+        void *pb = malloc((size_t)qsize * rows_max * (S + align));
         float *ob = (float *)malloc(sizeof(float) * (size_t)rows_max * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int h = (int)(it / tiles), t0 = (int)(it % tiles) * tq;
             const int t = n - t0 < tq ? n - t0 : tq, rows = t * G;
             const int64_t ts = q_start + t0, te = ts + t;                  /* query positions [ts, te) */
-            int64_t lo = window > 0 && ts - window + 1 > k_start ? ts - window + 1 : k_start;
-            const int64_t j0 = (lo - k_start) & ~(int64_t)1;               /* even: value pairs */
-            int64_t j1 = te - k_start;
-            j1 += (j1 - j0) & 1;
+            const int64_t lo = window > 0 && ts - window + 1 > k_start ? ts - window + 1 : k_start;
+            const int64_t j0 = (lo - k_start) / align * align;
+            int64_t j1 = j0 + (te - k_start - j0 + align - 1) / align * align;
             if (j1 > S) j1 = S;
             const int64_t nc = j1 - j0;
             for (int i = 0; i < t; i++)
-                memcpy(qt + (size_t)i * G * D, q + ((size_t)(t0 + i) * Hq + (size_t)h * G) * D,
-                       sizeof(uint16_t) * G * D);
-            bf16_gemm_serial(qt, D, kp + (size_t)h * D2 * ldk + j0, ldk, sc, nc, rows, (int)nc, D2);
-            softmax_rows(sc, nc, rows, G, ts, k_start + j0, nc, window, pb);
-            bf16_gemm_serial(pb, nc, vp + ((size_t)h * S + j0) / 2 * D, D, ob, D, rows, D, (int)(nc / 2));
+                memcpy(qt + (size_t)qsize * i * G * D, (const char *)q + (size_t)qsize * ((t0 + i) * Hq + h * G) * D,
+                       (size_t)qsize * G * D);
+            if (F32) {
+                const float *kt = (const float *)kop + (size_t)h * D * ldk, *v = (const float *)vop + (size_t)h * S * D;
+                f32_gemm_serial((const float *)qt, D, kt + j0, ldk, sc, nc, rows, (int)nc, D);
+                softmax_rows(sc, nc, rows, G, ts, k_start + j0, nc, window, pb, 0);
+                f32_gemm_serial((const float *)pb, nc, v + j0 * D, D, ob, D, rows, D, (int)nc);
+            } else {
+                const uint32_t *kp = (const uint32_t *)kop + (size_t)h * (D / 2) * ldk;
+                const uint32_t *vp = (const uint32_t *)vop + ((size_t)h * S + j0) / 2 * D;
+                bf16_gemm_serial((const uint16_t *)qt, D, kp + j0, ldk, sc, nc, rows, (int)nc, D / 2);
+                softmax_rows(sc, nc, rows, G, ts, k_start + j0, nc, window, pb, 1);
+                bf16_gemm_serial((const uint16_t *)pb, nc, vp, D, ob, D, rows, D, (int)(nc / 2));
+            }
             for (int i = 0; i < t; i++) {
                 const size_t o = ((size_t)(t0 + i) * Hq + (size_t)h * G) * D;
                 const float *src = ob + (size_t)i * G * D;
@@ -109,11 +189,19 @@ static void prefill(const uint16_t *q, const uint32_t *kp, int64_t ldk, const ui
 void prefill_bf16kv_f32(const uint16_t *q, const uint32_t *kp, int64_t ldk, const uint32_t *vp, int n, int Hq,
                         int Hkv, int D, int S, int64_t q_start, int64_t k_start, int64_t window, float *out,
                         int nt) {
-    prefill(q, kp, ldk, vp, n, Hq, Hkv, D, S, q_start, k_start, window, out, 0, nt);
+    prefill(0, q, kp, ldk, vp, n, Hq, Hkv, D, S, q_start, k_start, window, out, 0, nt);
 }
 
 void prefill_bf16kv_bf16(const uint16_t *q, const uint32_t *kp, int64_t ldk, const uint32_t *vp, int n, int Hq,
                          int Hkv, int D, int S, int64_t q_start, int64_t k_start, int64_t window, uint16_t *out,
                          int nt) {
-    prefill(q, kp, ldk, vp, n, Hq, Hkv, D, S, q_start, k_start, window, out, 1, nt);
+    prefill(0, q, kp, ldk, vp, n, Hq, Hkv, D, S, q_start, k_start, window, out, 1, nt);
 }
+
+/* float32 queries, keys (transposed), values and output; D a multiple of F32_COLS (prefill_f32_cols()) */
+void prefill_f32(const float *q, const float *kt, int64_t ldk, const float *v, int n, int Hq, int Hkv, int D, int S,
+                 int64_t q_start, int64_t k_start, int64_t window, float *out, int nt) {
+    prefill(1, q, kt, ldk, v, n, Hq, Hkv, D, S, q_start, k_start, window, out, 0, nt);
+}
+
+int prefill_f32_cols(void) { return F32_COLS; }
