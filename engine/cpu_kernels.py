@@ -142,6 +142,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     sigs["ngram_propose_batch"] = [P, P, I32, I32, I32, I32, P, P]
     sigs["bf16_gemm"] = [P, I64, P, I64, P, I64, I32, I32, I32, I32]
     sigs["prefill_f32"] = [P, P, I64, P] + [I32] * 5 + [I64] * 3 + [P, I32]
+    sigs["pack_kv_bf16"] = [P, P, P, I32, I32, I32, I64, I64, P, P, I32]
     sigs["q8_gemm_argmax"] = [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, P, I32]
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -408,6 +409,23 @@ def prefill_attention(qs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, q_st
         qs.data_ptr(), kp.data_ptr(), kp.stride(1), vp.data_ptr(), n, hq, hkv, d, s, q_start, k_start,
         window or 0, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def pack_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int,
+            lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [lo, hi) of one sequence from a paged bf16 cache ([blocks, bs, Hkv, D]; ``table`` its block
+    table, int32) as ``prefill_attention``'s operands: (kp [Hkv, D/2, S], vp [Hkv, S/2, D]) int32, S = hi - lo
+    rounded up to even (the extra key zero) — ``pack_pairs`` of each head's keys transposed and values."""
+    lib = lib or load()
+    _, bs, hkv, d = k_cache.shape
+    assert k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    table = table.to(torch.int32).contiguous()
+    s = (hi - lo + 1) // 2 * 2
+    kp = torch.empty(hkv, d // 2, s, dtype=torch.int32)
+    vp = torch.empty(hkv, s // 2, d, dtype=torch.int32)
+    lib.pack_kv_bf16(k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), bs, hkv, d, lo, hi, kp.data_ptr(),
+                     vp.data_ptr(), torch.get_num_threads())
+    return kp, vp
 
 
 def prefill_f32_ok(q: torch.Tensor) -> bool:

@@ -27,7 +27,9 @@ whose float32 matmul has the FMA throughput of a Zen 3's): the avx2 int8 linear 
 torch's float32 matmul per thread (1.4x on weights beyond +-64, which take the sign trick), and in five
 ``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.34x);
 10,000+ positions: float32 activations top-1 0.9811, KL 0.00085 against bf16's 0.9765 / 0.00068. A bf16 KV
-cache measured 8 % slower there (read as float32: no bf16 attention kernel). Not chosen:
+cache measured 8 % slower there (read as float32: no bf16 attention kernel). Weights within +-64 everywhere
+(so every avx2 linear takes the direct path) were measured and fail the bar: re-quantizing the Q4_K / Q6_K
+tensors to +-64 gave KL 0.00148, and Q8_0 (the tied LM head) too 0.00325, against the bar's 0.00136. Not chosen:
 AVX-512 without VNNI takes the avx2 int8 path against an AVX-512 float32 matmul (two FMA units on Intel's):
 not measured; on AMX CPUs torch's bf16 matmul runs on AMX tiles (750-2,000 GFLOP/s), which our VNNI kernels do
 not approach.

@@ -6,6 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.attention import torch_backend as tb
@@ -119,3 +120,25 @@ def test_fused_prefill_equals_its_composed_tiles(libs, build, hq, hkv, window, k
         half = cpu_kernels.prefill_attention(qs, kp, vp, q_start, k_start, window, torch.bfloat16, lib=lib)
     assert torch.equal(got, ref)
     assert torch.equal(half, ref.bfloat16())
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("hkv", [1, 2])
+@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 16), (5, 38), (17, 120)])
+def test_pack_kv_equals_pack_pairs_of_the_gathered_keys(libs, build, hkv, lo, hi):
+    """The paged cache packed in C equals torch's gather + pad + pack_pairs, word for word (odd counts padded
+    with a zero key; ranges that start and end mid-block; scattered blocks)."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(hi + hkv)
+    bs, d = 16, 64
+    nblocks = -(-hi // bs) + 3
+    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+    table = torch.randperm(nblocks, generator=g)[:-(-hi // bs)].to(torch.int32)
+    keys = k_cache[table.long()].reshape(-1, hkv, d)[lo:hi]
+    vals = v_cache[table.long()].reshape(-1, hkv, d)[lo:hi]
+    if keys.shape[0] & 1:
+        keys, vals = F.pad(keys, (0, 0, 0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 0, 0, 1))
+    kp, vp = cpu_kernels.pack_kv(k_cache, v_cache, table, lo, hi, lib=lib)
+    assert torch.equal(kp, torch.stack([cpu_kernels.pack_pairs(keys[:, h].t()) for h in range(hkv)]))
+    assert torch.equal(vp, torch.stack([cpu_kernels.pack_pairs(vals[:, h]) for h in range(hkv)]))

@@ -133,17 +133,14 @@ def _prefill_wide(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window
                   bs: int):
     """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.prefill_attention``: bf16 dot
     products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16 once),
-    keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype). The chunk's
-    keys are packed once per head; the kernel tiles the queries, each tile's keys starting at an even offset (value
-    pairs) with the extra key at either end masked like any invisible one."""
+    keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype). The visible
+    keys and values are packed once, straight from the cache (``cpu_kernels.pack_kv``: k_new / v_new are already
+    written there); the kernel tiles the queries, each tile's keys starting at an even offset (value pairs) with
+    the extra key at either end masked like any invisible one."""
     n = q.shape[0]
     start = seq_len - n
-    keys, vals, base = _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
-    if keys.shape[0] & 1:                                        # an even count: value pairs
-        keys, vals = F.pad(keys, (0, 0, 0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 0, 0, 1))
-    hkv = keys.shape[1]
-    kp = torch.stack([cpu_kernels.pack_pairs(keys[:, h].t()) for h in range(hkv)])    # [Hkv, D/2, S]
-    vp = torch.stack([cpu_kernels.pack_pairs(vals[:, h]) for h in range(hkv)])        # [Hkv, S/2, D]
+    base = max(0, start - window + 1) if window else 0           # the first key any query of the chunk sees
+    kp, vp = cpu_kernels.pack_kv(k_cache, v_cache, table, base, seq_len)   # from the cache (k/v written already)
     qs = (q * scale).to(torch.bfloat16).contiguous()
     return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype)
 
