@@ -5,7 +5,7 @@
     int8       cpu     any int8 path (avx512_vnni, avx2, portable)          int8 (KV cache: the activation dtype)
     int8       cuda    -                                                    ConfigError (CPU kernels only)
     auto       cpu     avx512_vnni + bf16 attention kernel (bf16_gemm_ok)   int8, float32 activations, bf16 KV
-    auto       cpu     AVX2-only build (isa avx2, int8 path avx2)           int8, float32 activations and KV
+    auto       cpu     AVX2-only build (isa avx2, int8 path avx2)           int8, float32 activations, bf16 KV
     auto       cpu     anything else, or dtype: bfloat16                    none
     auto       cuda    -                                                    none
 
@@ -25,9 +25,11 @@ bf16 attention multiplies into float32 there (csrc/bf16_gemm.c); it halves decod
 AVX2-only CPUs (the kernels built with ``BATCHGEN_KERNEL_FLAGS="-O3 -mavx2 -mfma -fopenmp"`` on the same Zen 4,
 whose float32 matmul has the FMA throughput of a Zen 3's): the avx2 int8 linear (vpmaddubsw) runs at 1.8-1.9x
 torch's float32 matmul per thread (1.4x on weights beyond +-64, which take the sign trick), and in five
-``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.34x);
-10,000+ positions: float32 activations top-1 0.9811, KL 0.00085 against bf16's 0.9765 / 0.00068. A bf16 KV
-cache measured 8 % slower there (read as float32: no bf16 attention kernel). Weights within +-64 everywhere
+``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.34x).
+Since prefill attention runs in one C call (csrc/prefill.c: keys converted to float32 once per chunk) a bf16
+KV cache is faster there too (one run: int8 + bf16 KV 1.55x float32's wall, decode step 2.25x; int8 + float32
+KV 1.42x / 1.90x), and ``auto`` picks it; 10,000+ positions: top-1 0.9824, KL 0.00086 (float32 KV 0.9843 /
+0.00090) against bf16's 0.9765 / 0.00068. Weights within +-64 everywhere
 (so every avx2 linear takes the direct path) were measured and fail the bar: re-quantizing the Q4_K / Q6_K
 tensors to +-64 gave KL 0.00148, and Q8_0 (the tied LM head) too 0.00325, against the bar's 0.00136. Not chosen:
 AVX-512 without VNNI takes the avx2 int8 path against an AVX-512 float32 matmul (two FMA units on Intel's):
@@ -74,9 +76,9 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                                    "bf16 end to end and within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs "
                                    "without AMX (engine.quantization)", kv_cache_dtype="bfloat16")
     if q8_isa == "avx2" and kernel_isa == "avx2":
-        return QuantChoice("int8", "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and KV: measured "
-                                   "faster than float32 end to end and within the quality bar on AVX2-only CPUs "
-                                   "(engine.quantization)")
+        return QuantChoice("int8", "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and a bf16 KV "
+                                   "cache: measured faster than float32 end to end and within the quality bar on "
+                                   "AVX2-only CPUs (engine.quantization)", kv_cache_dtype="bfloat16")
     return QuantChoice("none", f"auto: int8 not measured faster than float weights on this CPU (int8 path "
                                f"{q8_isa or 'unavailable'}{'' if bf16_attention else ', no bf16 attention kernel'}; "
                                "engine.quantization)")

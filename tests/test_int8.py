@@ -258,10 +258,10 @@ def test_choose_quantization():
     for isa, bf16_attn in (("avx512_vnni", False), ("avx2", True), ("avx2", False), ("portable", False),
                            (None, False)):
         assert choose_quantization("auto", "cpu", isa, bf16_attn).name == "none"
-    # AVX2-only builds: int8 with float32 activations and KV; AVX-512 without VNNI (avx2 int8 path against an
+    # AVX2-only builds: int8, float32 activations, a bf16 KV cache; AVX-512 without VNNI (avx2 int8 path against an
     # AVX-512 float32 matmul) was not measured, so it keeps float weights
     avx2 = choose_quantization("auto", "cpu", "avx2", False, kernel_isa="avx2")
-    assert avx2.name == "int8" and avx2.kv_cache_dtype is None and "AVX2-only" in avx2.reason
+    assert avx2.name == "int8" and avx2.kv_cache_dtype == "bfloat16" and "AVX2-only" in avx2.reason
     assert choose_quantization("auto", "cpu", "avx2", False, kernel_isa="avx512").name == "none"
     assert choose_quantization("auto", "cpu", "avx2", False, dtype="bfloat16", kernel_isa="avx2").name == "none"
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, dtype="bfloat16").name == "none"
