@@ -47,7 +47,8 @@ def test_fifo_queue_and_no_wait(tmp_path):
 
     b = threading.Thread(target=run, args=("b",))
     b.start()
-    _wait_for(lambda: len(admission.queue(tmp_path)) == 1)
+    # b's ticket is visible before b reports that it waits: wait for the report, or c's may come first
+    _wait_for(lambda: len(admission.queue(tmp_path)) == 1 and order == [("b", 0)])
     c = threading.Thread(target=run, args=("c",))
     c.start()
     _wait_for(lambda: len(admission.queue(tmp_path)) == 2)
