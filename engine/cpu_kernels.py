@@ -439,8 +439,8 @@ def prefill_f32_ok(q: torch.Tensor) -> bool:
 def prefill_attention_f32(qs: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, q_start: int, k_start: int,
                           window: int | None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``prefill_attention`` in float32 (csrc/prefill.c): qs [n, Hq, D] (already scaled), keys/vals [S, Hkv, D]
-    float32 at positions k_start.. (any strides). Keys are transposed and both padded with zeros to the kernel's
-    column tile once per chunk. Returns [n, Hq, D] float32."""
+    float32 or bf16 at positions k_start.. (any strides). Keys are transposed and both padded with zeros to the
+    kernel's column tile once per chunk, in the same copy that widens a bf16 cache. Returns [n, Hq, D] float32."""
     lib = lib or load()
     n, hq, d = qs.shape
     S, hkv = keys.shape[:2]

@@ -97,10 +97,10 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     g = hq // hkv
     start = seq_len - n
     keys, vals, base = _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
-    keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     qs = q * scale                                               # fold the scale into q once
     if native and n >= FUSED_F32_MIN_TOKENS and cpu_kernels.prefill_f32_ok(q):   # every head and tile in one C call
-        return cpu_kernels.prefill_attention_f32(qs, keys, vals, start, base, window)
+        return cpu_kernels.prefill_attention_f32(qs, keys, vals, start, base, window)   # (converts a bf16 cache)
+    keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     fused_softmax = native and cpu_kernels.elementwise_ok(q)
     out = torch.empty_like(q)
     for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)

@@ -10,8 +10,9 @@
  * ~290 (global) GFLOP/s of useful work against 445 for bf16_gemm alone. Here each item stays in its thread's
  * caches and the threads never wait on each other inside a tile.
  *
- * The arithmetic is _prefill_wide's, bit for bit: the same bf16 x bf16 -> float32 micro-kernel (bf16_gemm.c)
- * over the same dot products, the same softmax loop, probabilities rounded to bf16 once. A tile's key columns
+ * The arithmetic is the old tiles', bit for bit: the same bf16 x bf16 -> float32 micro-kernel (bf16_gemm.c)
+ * over the same dot products, the same softmax (attention.c's masked_softmax_f32), probabilities rounded to bf16
+ * once. A tile's key columns
  * start at an even offset (value pairs) and the extra keys are invisible: probability 0, which adds exact zeros.
  *
  * Layouts (elements), bf16 kind:
@@ -31,40 +32,10 @@
 
 #define TILE_ROWS 128   /* query rows (token x head-in-group) per work item: a 128 x S' float32 score tile */
 
-static inline __attribute__((always_inline)) void softmax_rows(const float *s, int64_t ld, int rows, int G,
-                                                               int64_t q0, int64_t k0, int64_t ncols,
-                                                               int64_t window, void *p, const int p_bf16) {
-    for (int r = 0; r < rows; r++) {
-        const float *row = s + r * ld;
-        uint16_t *pr = (uint16_t *)p + r * ncols;
-        float *pf = (float *)p + r * ncols;
-        const int64_t q = q0 + r / G;
-        int64_t j0 = window > 0 ? q - window + 1 - k0 : 0, j1 = q - k0 + 1;     /* visible columns [j0, j1) */
-        j0 = j0 < 0 ? 0 : j0;
-        j1 = j1 > ncols ? ncols : j1;
-        float mx = -INFINITY;
-        for (int64_t j = j0; j < j1; j++) mx = row[j] > mx ? row[j] : mx;
-        float sum = 0.0f;
-        float e[j1 > j0 ? j1 - j0 : 1];
-#pragma omp simd reduction(+:sum)
-        for (int64_t j = j0; j < j1; j++) {
-            e[j - j0] = exp_clamped(row[j] - mx);
-            sum += e[j - j0];
-        }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        if (p_bf16) {
-            for (int64_t j = 0; j < j0; j++) pr[j] = 0;
-#pragma omp simd
-            for (int64_t j = j0; j < j1; j++) pr[j] = f32_to_bf16(e[j - j0] * inv);
-            for (int64_t j = j1 > j0 ? j1 : j0; j < ncols; j++) pr[j] = 0;
-        } else {
-            for (int64_t j = 0; j < j0; j++) pf[j] = 0.0f;
-#pragma omp simd
-            for (int64_t j = j0; j < j1; j++) pf[j] = e[j - j0] * inv;
-            for (int64_t j = j1 > j0 ? j1 : j0; j < ncols; j++) pf[j] = 0.0f;
-        }
-    }
-}
+/* The causal / sliding-window softmax of a score tile, in place (attention.c: the same function the torch-driven
+ * tiles call; inside a work item it runs on the calling thread). */
+void masked_softmax_f32(float *scores, int64_t outer, int64_t t, int64_t g, int64_t S, int64_t q_start,
+                        int64_t k_start, int64_t window, int32_t num_threads);
 
 /* ---- float32 operands: c[M, N] = a[M, K] @ b[K, N], row-major, on the calling thread ----------------------- */
 
@@ -137,13 +108,13 @@ static inline __attribute__((always_inline)) void prefill(
     while (tq * G > 16 && tq > 1 && (int64_t)Hkv * ((n + tq - 1) / tq) < 4 * nthreads) tq = (tq + 1) / 2;
     const int tiles = (n + tq - 1) / tq, rows_max = tq * G;
     const int64_t items = (int64_t)Hkv * tiles;
-    (void)nt;
 #pragma omp parallel num_threads(nt) if (items > 1)
     {
-        /* per thread: the tile's queries (dense rows), scores, probabilities and output */
+        /* per thread: the tile's queries (dense rows), scores (softmaxed in place), bf16 probabilities (the bf16
+         * kind only) and output */
         char *qt = (char *)malloc((size_t)qsize * rows_max * D);
         float *sc = (float *)malloc(sizeof(float) * (size_t)rows_max * (S + align));
-        void *pb = malloc((size_t)qsize * rows_max * (S + align));
+        uint16_t *pb = F32 ? NULL : (uint16_t *)malloc(sizeof(uint16_t) * (size_t)rows_max * (S + align));
         float *ob = (float *)malloc(sizeof(float) * (size_t)rows_max * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -161,14 +132,15 @@ static inline __attribute__((always_inline)) void prefill(
             if (F32) {
                 const float *kt = (const float *)kop + (size_t)h * D * ldk, *v = (const float *)vop + (size_t)h * S * D;
                 f32_gemm_serial((const float *)qt, D, kt + j0, ldk, sc, nc, rows, (int)nc, D);
-                softmax_rows(sc, nc, rows, G, ts, k_start + j0, nc, window, pb, 0);
-                f32_gemm_serial((const float *)pb, nc, v + j0 * D, D, ob, D, rows, D, (int)nc);
+                masked_softmax_f32(sc, 1, t, G, nc, ts, k_start + j0, window, 1);
+                f32_gemm_serial(sc, nc, v + j0 * D, D, ob, D, rows, D, (int)nc);
             } else {
                 const uint32_t *kp = (const uint32_t *)kop + (size_t)h * (D / 2) * ldk;
                 const uint32_t *vp = (const uint32_t *)vop + ((size_t)h * S + j0) / 2 * D;
                 bf16_gemm_serial((const uint16_t *)qt, D, kp + j0, ldk, sc, nc, rows, (int)nc, D / 2);
-                softmax_rows(sc, nc, rows, G, ts, k_start + j0, nc, window, pb, 1);
-                bf16_gemm_serial((const uint16_t *)pb, nc, vp, D, ob, D, rows, D, (int)(nc / 2));
+                masked_softmax_f32(sc, 1, t, G, nc, ts, k_start + j0, window, 1);
+                for (int64_t x = 0; x < (int64_t)rows * nc; x++) pb[x] = f32_to_bf16(sc[x]);  /* P enters in bf16 */
+                bf16_gemm_serial(pb, nc, vp, D, ob, D, rows, D, (int)(nc / 2));
             }
             for (int i = 0; i < t; i++) {
                 const size_t o = ((size_t)(t0 + i) * Hq + (size_t)h * G) * D;
