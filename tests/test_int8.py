@@ -61,11 +61,12 @@ def _narrowed(q: torch.Tensor, wmax: int) -> torch.Tensor:
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", SHAPES)
-@pytest.mark.parametrize("wmax", [16, 127])
+@pytest.mark.parametrize("wmax", [16, 64, 127])
 def test_int8_linear_every_build(libs, build, dtype, m, k, n, wmax):
     """Error bound per shape: |y - exact| <= 1e-5 * sum|terms| (float32 accumulation), plus output rounding
     (bf16: 2^-8 relative). Against the float product the only difference is the quantization itself.
-    wmax 16 and 127: the avx2 build's two paths (weights within +-64, and any weights)."""
+    wmax 16, 64 and 127: the avx2 build's three paths (int16 sums over four steps within +-16, direct within
+    +-64, the sign trick beyond)."""
     lib = _lib(libs, build)
     g = torch.Generator().manual_seed(m * 7 + k + n)
     x = (torch.randn(m, k, generator=g) + 0.3).to(dtype)          # skewed, like GeGLU outputs
@@ -83,12 +84,13 @@ def test_int8_linear_every_build(libs, build, dtype, m, k, n, wmax):
 
 
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
-@pytest.mark.parametrize("wmax", [64, 127])
+@pytest.mark.parametrize("wmax", [16, 64, 127])
 def test_int8_linear_exact_at_the_extremes(libs, build, wmax):
     """Activation quants at 0 and 255 against weights at +-wmax: the avx2 build's vpmaddubsw sums pairs of products
-    in int16 (at most 32767). Within +-64 it multiplies the quants directly (pair sums up to 2 * 255 * 64 =
-    32640); beyond, 255 x 127 pairs would saturate, so it multiplies the centred quants |q - 128| by
-    sign(q - 128) * w. Every build must stay exact: the float64 reference of the same quants."""
+    in int16 (at most 32767). Within +-16 it adds four steps' pair sums in int16 (up to 4 * 2 * 255 * 16 = 32640);
+    within +-64 it multiplies the quants directly (pair sums up to 2 * 255 * 64 = 32640); beyond, 255 x 127 pairs
+    would saturate, so it multiplies the centred quants |q - 128| by sign(q - 128) * w. Every build must stay
+    exact: the float64 reference of the same quants."""
     lib = _lib(libs, build)
     m, k, n = 6, 128, 40
     x = torch.ones(m, k)
@@ -120,7 +122,25 @@ def test_int8_linear_measures_its_weight_bound():
 
 
 @pytest.mark.parametrize("build", list(Q8_BUILDS))
-@pytest.mark.parametrize("wmax", [16, 127])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 37])
+def test_int8_short_sums_match_the_direct_path(libs, build, m):
+    """Weights within +-16 give bit-identical results whichever bound the caller passes (16: the avx2 build's int16
+    sums over four k4 steps, two rows per pass; 64: its direct path; 127: the sign trick's centred quants fold
+    128 * scale into the minimum, so that one is only close): the same int32 sums, the same float epilogue."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 640, generator=g) + 0.3
+    q, s = int8.quantize_rows(torch.randn(96, 640, generator=g))
+    pw, sw, cw = int8.pack(_narrowed(q, 16), s)
+    assert torch.equal(cpu_kernels.q8_linear(x, pw, sw, cw, 96, 16, lib=lib),
+                       cpu_kernels.q8_linear(x, pw, sw, cw, 96, 64, lib=lib))
+    i16, v16 = cpu_kernels.q8_argmax(x, pw, sw, cw, 96, 16, lib=lib)
+    i64, v64 = cpu_kernels.q8_argmax(x, pw, sw, cw, 96, 64, lib=lib)
+    assert torch.equal(i16, i64) and torch.equal(v16, v64)
+
+
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("wmax", [16, 64, 127])
 def test_int8_builds_agree_with_portable(libs, build, wmax):
     """The same integer dot products in every build; only float32 summation differs (the avx2 build's wide path
     also folds 128 * scale into the minimum), within 1e-5 of the sum of the terms' magnitudes."""

@@ -12,7 +12,9 @@
  *                  AVX2 dot product. Its int16 pair sums would saturate for u8 255 x s8 127, so weights within
  *                  +-64 (wmax, the callers' bound) are multiplied directly (pair sums <= 2 * 255 * 64), and wider
  *                  ones by the centred quants: |q - 128| (<= 128) times sign(q - 128) * w (vpsignb), pair sums
- *                  <= 2 * 128 * 127, with the minimum folded to mn + 128 * sa (block16: WIDE).
+ *                  <= 2 * 128 * 127, with the minimum folded to mn + 128 * sa (block16: WIDE). Weights within
+ *                  +-16 (the default GGUF's Q5_0 tensors) add four steps' pair sums in int16 before one vpmaddwd
+ *                  (block16_short).
  *   "portable"     plain C loops over the same packed layout: the reference the others are tested against
  *
  * Packed weight layout (Np = N rounded up to 32, Kp = K rounded up to 32, K4 = Kp / 4, G = Kp / 32):
@@ -293,10 +295,76 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
     }
 }
 
+/* SHORT (max|w| <= 16: the default GGUF's Q5_0 tensors, q5 - 16): vpmaddubsw's pair sums are within 2 * 255 * 16
+ * = 8160, so four k4 steps add up in int16 (<= 32640, exact) before one vpmaddwd widens them: a quarter of WIDE 0's
+ * vpmaddwd + vpaddd. Each output vector then needs three registers (float, int32, int16 sums), so at most two rows
+ * per pass (6 x 2 + two weight vectors + the activation = 15 ymm; the ones are a memory operand). */
+static inline __attribute__((always_inline)) void block16_short(const int R, const qact_t *q, int ldq, int Kp,
+                                                                const float *sa, const float *mn, const int8_t *w,
+                                                                const float *sw, const float *cw, float acc[MR][32],
+                                                                int row, int col) {
+    static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    const int G = Kp / QK;
+    __m256 f[2][2];
+    for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m256i ia[2][2];
+        for (int half = 0; half < 2; half++) {
+            __m256i s[2][2];
+            for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+            const int k0 = g * (QK / 4) + half * 4;
+            for (int k4 = k0; k4 < k0 + 4; k4++) {
+                const __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
+                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
+                for (int r = 0; r < R; r++) {
+                    int32_t a4;
+                    memcpy(&a4, q + (size_t)r * ldq + k4 * 4, 4);
+                    const __m256i a = _mm256_set1_epi32(a4);
+                    s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(a, b0));
+                    s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(a, b1));
+                }
+            }
+            const __m256i ones = _mm256_load_si256((const __m256i *)ONES);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 2; j++) {
+                    const __m256i wide = _mm256_madd_epi16(s[r][j], ones);
+                    ia[r][j] = half ? _mm256_add_epi32(ia[r][j], wide) : wide;
+                }
+        }
+        const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
+        const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_set1_ps(sa[(size_t)r * G + g]), m = _mm256_set1_ps(mn[(size_t)r * G + g]);
+            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, a), f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, a), f[r][1]);
+            f[r][0] = _mm256_fmadd_ps(c0, m, f[r][0]);
+            f[r][1] = _mm256_fmadd_ps(c1, m, f[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc[row + r] + col, f[r][0]);
+        _mm256_storeu_ps(acc[row + r] + col + 8, f[r][1]);
+    }
+}
+
+/* WIDE: 0 direct, 1 the sign trick, 2 SHORT (int16 sums over four k4 steps, two rows at a time) */
 static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const qact_t *q, int ldq,
                                                        int Kp, const float *sa, const float *mn, const int8_t *w,
                                                        const float *sw, const float *cw, float acc[MR][32]) {
     const int K4 = Kp / 4, G = Kp / QK;
+    if (WIDE == 2) {
+        for (int c = 0; c < 2; c++) {
+            const int8_t *wc = w + (size_t)c * K4 * 64;
+            const float *swc = sw + (size_t)c * G * 16, *cwc = cw + (size_t)c * G * 16;
+            for (int r0 = 0; r0 < R; r0 += 2) {
+                const qact_t *qr = q + (size_t)r0 * ldq;
+                const float *sar = sa + (size_t)r0 * G, *mnr = mn + (size_t)r0 * G;
+                if (R - r0 >= 2) block16_short(2, qr, ldq, Kp, sar, mnr, wc, swc, cwc, acc, r0, 16 * c);
+                else block16_short(1, qr, ldq, Kp, sar, mnr, wc, swc, cwc, acc, r0, 16 * c);
+            }
+        }
+        return;
+    }
     block16(R, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc, 0);
     block16(R, WIDE, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, cw + (size_t)G * 16, acc, 16);
 }
@@ -372,8 +440,12 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
                                                             const int8_t *w, const float *sw, const float *cw,
                                                             float acc[MR][32]) {
 #ifdef HAVE_WIDE
-    if (wide) {
+    if (wide == 1) {
         TILE_CASES(1)
+        return;
+    }
+    if (wide == 2) {
+        TILE_CASES(2)
         return;
     }
 #else
@@ -390,6 +462,10 @@ static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt
     *wide = 0;
     *ldq = Kp;
 #ifdef HAVE_WIDE
+    if (wmax <= 16) {
+        *wide = 2;
+        return q;
+    }
     if (wmax > 64) {
         *owned = centre_rows(q, M, Kp, nt);
         *wide = 1;
