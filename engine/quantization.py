@@ -24,11 +24,12 @@ bf16 attention multiplies into float32 there (csrc/bf16_gemm.c); it halves decod
 
 AVX2-only CPUs (the kernels built with ``BATCHGEN_KERNEL_FLAGS="-O3 -mavx2 -mfma -fopenmp"`` on the same Zen 4,
 whose float32 matmul has the FMA throughput of a Zen 3's): the avx2 int8 linear (vpmaddubsw) runs at 1.8-1.9x
-torch's float32 matmul per thread (1.4x on weights beyond +-64, which take the sign trick), and in five
+torch's float32 matmul per thread (1.4x on weights beyond +-64, which take the sign trick; weights within +-16, the
+default GGUF's Q5_0 tensors, sum four steps in int16: 1.06-1.2x more), and in five
 ``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.34x).
 Since prefill attention runs in one C call (csrc/prefill.c: keys converted to float32 once per chunk) a bf16
 KV cache is faster there too (one run: int8 + bf16 KV 1.55x float32's wall, decode step 2.25x; int8 + float32
-KV 1.42x / 1.90x), and ``auto`` picks it; 10,000+ positions: top-1 0.9824, KL 0.00086 (float32 KV 0.9843 /
+KV 1.42x / 1.90x; with the int16 sums, in a slower session: 1.71x, decode step 2.70x), and ``auto`` picks it; 10,000+ positions: top-1 0.9824, KL 0.00086 (float32 KV 0.9843 /
 0.00090) against bf16's 0.9765 / 0.00068. Weights within +-64 everywhere
 (so every avx2 linear takes the direct path) were measured and fail the bar: re-quantizing the Q4_K / Q6_K
 tensors to +-64 gave KL 0.00148, and Q8_0 (the tied LM head) too 0.00325, against the bar's 0.00136. Not chosen:
