@@ -35,7 +35,8 @@ class EngineConfig:
                                              # "off", "auto", or {method: ngram, num_speculative_tokens, ...}
     quantization: str = "none"               # none: weights in `dtype` (GGUF dequantized at load) | int8: int8
                                              # weights, integer dot products (CPU) | auto (engine.quantization)
-    kv_cache_dtype: str = "auto"             # auto: the activation dtype | bfloat16 | float32 (vLLM's name).
+    kv_cache_dtype: str = "auto"             # auto: the activation dtype (int8 weights: bf16 where measured
+                                             # faster, engine.quantization) | bfloat16 | float32 (vLLM's name).
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,
                                              # attention in bf16 (engine.attention.torch_backend)
 

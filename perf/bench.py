@@ -9,7 +9,8 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
 
     batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix)
     batchgen-nocache  prefix caching off, same order
-    batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8)
+    batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8; KV cache auto: bf16 where
+                      engine.quantization measured it faster, else the activation dtype)
     batchgen-int8-bf16kv  the same with ``kv_cache_dtype: bfloat16`` (not in the default systems)
     batchgen-spec     prefix caching on, ``speculative_config: auto`` (n-gram drafts where gating says they pay)
     llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):

@@ -24,7 +24,7 @@ from engine.model_runner import bind_kv_caches
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "documents.parquet"
 # (name, dtype, quantization, kv_cache_dtype)
 VARIANTS = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "none", "auto"),
-            ("int8 (fp32 act.)", "float32", "int8", "auto"),
+            ("int8 (fp32 act.)", "float32", "int8", "float32"),
             ("int8 (fp32 act., bf16 KV)", "float32", "int8", "bfloat16"),
             ("int8 (bf16 act.)", "bfloat16", "int8", "auto"))
 

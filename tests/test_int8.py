@@ -272,6 +272,12 @@ def test_q4_0_blocks_exact():
 def test_choose_quantization():
     assert choose_quantization("none", "cpu", "avx512_vnni", True).name == "none"
     assert choose_quantization("int8", "cpu", "avx2").name == "int8"
+    # int8 by name: the KV cache auto picks is auto's where int8 + bf16 KV was measured, else the activation dtype
+    assert choose_quantization("int8", "cpu", "avx512_vnni", True).kv_cache_dtype == "bfloat16"
+    assert choose_quantization("int8", "cpu", "avx2", False, kernel_isa="avx2").kv_cache_dtype == "bfloat16"
+    for isa, bf16_attn, kisa in (("avx512_vnni", False, "avx512"), ("avx2", False, "avx512"),
+                                 ("portable", False, None)):
+        assert choose_quantization("int8", "cpu", isa, bf16_attn, kernel_isa=kisa).kv_cache_dtype is None
     # auto: int8 + a bf16 KV cache only where measured faster and within the bar (VNNI + bf16 attention kernel)
     auto = choose_quantization("auto", "cpu", "avx512_vnni", True)
     assert auto.name == "int8" and auto.kv_cache_dtype == "bfloat16" and "measured faster" in auto.reason
@@ -380,10 +386,14 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     avx2 = kernel_q8_isa() == "avx2" and kernel_isa() == "avx2"
     assert s.config.quantization == ("int8" if vnni or avx2 else "none")
     assert s.quant_choice.reason.startswith("auto")
-    if vnni or avx2:
-        assert s.config.dtype == "float32" and s.config.kv_cache_dtype == ("bfloat16" if vnni else "float32")
+    if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quantization's measurements)
+        assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
     explicit = setup_engine(str(tiny_dir), quantization="auto", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
     assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins
+    # quantization: int8 asked for by name gets the same KV cache as auto's int8 where that was measured
+    named = setup_engine(str(tiny_dir), quantization="int8", kv_cache_memory=8 << 20)
+    assert named.config.quantization == "int8" and named.config.dtype == "float32"
+    assert named.config.kv_cache_dtype == ("bfloat16" if vnni or avx2 else "float32")
 
 
 def test_int8_calibration_for_predictions():
