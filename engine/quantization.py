@@ -30,8 +30,9 @@ default GGUF's Q5_0 tensors, sum four steps in int16: 1.06-1.2x more), and in fi
 ``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.34x).
 Since prefill attention runs in one C call (csrc/prefill.c: keys converted to float32 once per chunk) a bf16
 KV cache is faster there too (one run: int8 + bf16 KV 1.55x float32's wall, decode step 2.25x; int8 + float32
-KV 1.42x / 1.90x; with the int16 sums, in a slower session: 1.71x, decode step 2.70x), and ``auto`` picks it; 10,000+ positions: top-1 0.9824, KL 0.00086 (float32 KV 0.9843 /
-0.00090) against bf16's 0.9765 / 0.00068. Weights within +-64 everywhere
+KV 1.42x / 1.90x; with the int16 sums, in a slower session: 1.71x, decode step 2.70x), and ``auto`` picks it;
+10,000+ positions: top-1 0.9824, KL 0.00086 (float32 KV 0.9843 / 0.00090) against bf16's 0.9765 / 0.00068.
+Weights within +-64 everywhere
 (so every avx2 linear takes the direct path) were measured and fail the bar: re-quantizing the Q4_K / Q6_K
 tensors to +-64 gave KL 0.00148, and Q8_0 (the tied LM head) too 0.00325, against the bar's 0.00136. Not chosen:
 AVX-512 without VNNI takes the avx2 int8 path against an AVX-512 float32 matmul (two FMA units on Intel's):
