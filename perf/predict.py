@@ -43,14 +43,19 @@ class Prediction:
                 "output_tokens": int(self.output_tokens)}
 
 
+# engine.models.int8's packed format: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
+INT8_WEIGHT_BYTES = 1.25
+
+
 def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_batched_tokens: int,
             max_num_seqs: int, matmul_flops: float, memory_bandwidth: float,
             small_m_flops: float | None = None, fast_forward: bool = True,
-            kv_dtype_bytes: int | None = None) -> Prediction:
+            kv_dtype_bytes: int | None = None, weight_dtype_bytes: float | None = None) -> Prediction:
     """``prompt_len`` / ``cached`` / ``max_tokens``: per request, in plan (admission) order. ``matmul_flops`` is
     the calibrated rate of large matmuls, ``small_m_flops`` that of 16-row ones (decode-sized; default: the same):
     a step's matmuls of M rows run at the log-interpolated rate between the two. ``kv_dtype_bytes``: the KV
-    cache's element size (``kv_cache_dtype``; default ``dtype_bytes``). ``fast_forward=False`` prices
+    cache's element size (``kv_cache_dtype``; default ``dtype_bytes``); ``weight_dtype_bytes`` the weights' bytes
+    per parameter (int8: ``INT8_WEIGHT_BYTES``; default ``dtype_bytes``). ``fast_forward=False`` prices
     decode-only stretches step by step too (the tests compare the two: equal to the last bit)."""
 
     def rate(rows: int) -> float:
@@ -64,8 +69,9 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     kv_tok = F.kv_bytes_per_token_layer(config, kv_dtype_bytes or dtype_bytes)
     lin_tok = F.linear_flops(config, 1)
     head_row = F.lm_head_flops(config, 1)
-    w_all = F.weight_bytes(config, dtype_bytes)
-    w_layers = F.weight_bytes(config, dtype_bytes, with_lm_head=False)
+    wb = weight_dtype_bytes or dtype_bytes
+    w_all = F.weight_bytes(config, wb)
+    w_layers = F.weight_bytes(config, wb, with_lm_head=False)
 
     def price(flops, nbytes, attn, rows: int, sampled: int):
         """A step's time; elementwise for arrays of steps. Each piece on its own roofline (CPU ops run one after
@@ -164,12 +170,13 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     if model_config is None or not plan.num_requests:
         return None
     from perf.calibrate import get_calibration
-    # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration); weights are counted at
-    # the activation dtype's bytes (over, a conservative decode); KV at kv_cache_dtype's.
+    # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration), their weights stream
+    # at int8's bytes (INT8_WEIGHT_BYTES), KV at kv_cache_dtype's.
     int8 = getattr(info, "quantization", "none") == "int8" and str(info.device).startswith("cpu")
     cal = get_calibration(info.device, "int8" if int8 else info.dtype, quick=True)
     dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
     kv_bytes = DTYPE_BYTES.get(info.config.get("kv_cache_dtype") or info.dtype, dtype_bytes)
     return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
                    int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
-                   cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes)
+                   cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes,
+                   weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None)

@@ -77,3 +77,13 @@ def test_kv_cache_dtype_bytes_price_the_kv_reads():
     f32, bf16 = P.predict(*args, **kw), P.predict(*args, **kw, kv_dtype_bytes=2)
     assert P.predict(*args, **kw, kv_dtype_bytes=4) == f32
     assert bf16.decode_s < f32.decode_s and bf16.steps == f32.steps
+
+
+def test_int8_weight_bytes_price_the_weight_reads():
+    """int8 weights (1.25 bytes per parameter with their scales) shorten memory-bound decode steps; the default
+    is the activation dtype's bytes."""
+    args = ([64] * 2, [0] * 2, [32] * 2, gemma_270m(), 4, 4096, 16)
+    kw = dict(matmul_flops=1e15, memory_bandwidth=1e10)                 # memory-bound: weights dominate
+    f32, int8 = P.predict(*args, **kw), P.predict(*args, **kw, weight_dtype_bytes=P.INT8_WEIGHT_BYTES)
+    assert P.predict(*args, **kw, weight_dtype_bytes=4) == f32
+    assert int8.steps == f32.steps and int8.decode_s < 0.4 * f32.decode_s
