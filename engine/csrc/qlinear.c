@@ -238,6 +238,31 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
 
 #elif defined(__AVX2__)
 
+/* One group's float epilogue for R rows x 16 columns: f += dot * sw * sa + cw * mn, with the minimum folded to
+ * mn + 128 * sa for WIDE's centred quants (shared by block16 and block16_short). */
+static inline __attribute__((always_inline)) void group_epilogue(const int R, const int WIDE, __m256i ia[][2],
+                                                                 __m256 f[][2], const float *sw, const float *cw,
+                                                                 const float *sa, const float *mn, int G, int g) {
+    const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
+    const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
+    for (int r = 0; r < R; r++) {
+        const float sr = sa[(size_t)r * G + g], mr = mn[(size_t)r * G + g];
+        const __m256 a = _mm256_set1_ps(sr), m = _mm256_set1_ps(WIDE ? fmaf(128.0f, sr, mr) : mr);
+        f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, a), f[r][0]);
+        f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, a), f[r][1]);
+        f[r][0] = _mm256_fmadd_ps(c0, m, f[r][0]);
+        f[r][1] = _mm256_fmadd_ps(c1, m, f[r][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void store16(const int R, __m256 f[][2], float acc[MR][32], int row,
+                                                          int col) {
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(acc[row + r] + col, f[r][0]);
+        _mm256_storeu_ps(acc[row + r] + col + 8, f[r][1]);
+    }
+}
+
 /* One 16-column block, R rows: per k4 step the block's 64 weight bytes are two ymm of 8 columns x 4 k, and one
  * broadcast 4-byte activation meets each; vpmaddubsw gives int16 sums of k pairs and vpmaddwd by ones widens each
  * column's two pair sums into its int32 lane, so the lanes are the 8 columns directly.
@@ -278,21 +303,9 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
                 ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_madd_epi16(p1, ones));
             }
         }
-        const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
-        const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
-        for (int r = 0; r < R; r++) {
-            const float sr = sa[(size_t)r * G + g], mr = mn[(size_t)r * G + g];
-            const __m256 a = _mm256_set1_ps(sr), m = _mm256_set1_ps(WIDE ? fmaf(128.0f, sr, mr) : mr);
-            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, a), f[r][0]);
-            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, a), f[r][1]);
-            f[r][0] = _mm256_fmadd_ps(c0, m, f[r][0]);
-            f[r][1] = _mm256_fmadd_ps(c1, m, f[r][1]);
-        }
+        group_epilogue(R, WIDE, ia, f, sw, cw, sa, mn, G, g);
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(acc[r] + col, f[r][0]);
-        _mm256_storeu_ps(acc[r] + col + 8, f[r][1]);
-    }
+    store16(R, f, acc, 0, col);
 }
 
 /* SHORT (max|w| <= 16: the default GGUF's Q5_0 tensors, q5 - 16): vpmaddubsw's pair sums are within 2 * 255 * 16
@@ -331,20 +344,9 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
                     ia[r][j] = half ? _mm256_add_epi32(ia[r][j], wide) : wide;
                 }
         }
-        const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
-        const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
-        for (int r = 0; r < R; r++) {
-            const __m256 a = _mm256_set1_ps(sa[(size_t)r * G + g]), m = _mm256_set1_ps(mn[(size_t)r * G + g]);
-            f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, a), f[r][0]);
-            f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, a), f[r][1]);
-            f[r][0] = _mm256_fmadd_ps(c0, m, f[r][0]);
-            f[r][1] = _mm256_fmadd_ps(c1, m, f[r][1]);
-        }
+        group_epilogue(R, 0, ia, f, sw, cw, sa, mn, G, g);
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(acc[row + r] + col, f[r][0]);
-        _mm256_storeu_ps(acc[row + r] + col + 8, f[r][1]);
-    }
+    store16(R, f, acc, row, col);
 }
 
 /* WIDE: 0 direct, 1 the sign trick, 2 SHORT (int16 sums over four k4 steps, two rows at a time) */
