@@ -26,7 +26,7 @@ bf16 attention multiplies into float32 there (csrc/bf16_gemm.c); it halves decod
 AVX2-only CPUs (the kernels built with ``BATCHGEN_KERNEL_FLAGS="-O3 -mavx2 -mfma -fopenmp"`` on the same Zen 4,
 whose float32 matmul has the FMA throughput of a Zen 3's): the avx2 int8 linear (vpmaddubsw) runs at 1.8-1.9x
 torch's float32 matmul per thread (1.4x on weights beyond +-64, which take the sign trick; weights within +-16, the
-default GGUF's Q5_0 tensors, sum four steps in int16: 1.06-1.2x more), and in five
+default GGUF's Q5_0 tensors, sum four steps in int16: 1.07x end to end), and in five
 ``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.34x).
 Since prefill attention runs in one C call (csrc/prefill.c: keys converted to float32 once per chunk) a bf16
 KV cache is faster there too (one run: int8 + bf16 KV 1.55x float32's wall, decode step 2.25x; int8 + float32

@@ -238,6 +238,17 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
 
 #elif defined(__AVX2__)
 
+/* One k4 step's operands: a row's 4 activation bytes broadcast to every int32 lane; the block's 8 + 8 columns x 4 k */
+static inline __m256i bcast4(const qact_t *p) {
+    int32_t a4;
+    memcpy(&a4, p, 4);
+    return _mm256_set1_epi32(a4);
+}
+static inline void load_k4(const int8_t *w, int k4, __m256i *b0, __m256i *b1) {
+    *b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
+    *b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
+}
+
 /* One group's float epilogue for R rows x 16 columns: f += dot * sw * sa + cw * mn, with the minimum folded to
  * mn + 128 * sa for WIDE's centred quants (shared by block16 and block16_short). */
 static inline __attribute__((always_inline)) void group_epilogue(const int R, const int WIDE, __m256i ia[][2],
@@ -282,17 +293,13 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
         __m256i ia[MR][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
         for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
-            const __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
+            __m256i b0, b1;
+            load_k4(w, k4, &b0, &b1);
             for (int r = 0; r < R; r++) {
-                int32_t a4;
-                memcpy(&a4, q + (size_t)r * ldq + k4 * 4, 4);
-                const __m256i a = _mm256_set1_epi32(a4);
+                const __m256i a = bcast4(q + (size_t)r * ldq + k4 * 4);
                 __m256i p0, p1;
                 if (WIDE) {
-                    int32_t c4;
-                    memcpy(&c4, q + (size_t)r * ldq + Kp + k4 * 4, 4);
-                    const __m256i c = _mm256_set1_epi32(c4);
+                    const __m256i c = bcast4(q + (size_t)r * ldq + Kp + k4 * 4);
                     p0 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(b0, c));
                     p1 = _mm256_maddubs_epi16(a, _mm256_sign_epi8(b1, c));
                 } else {
@@ -327,12 +334,10 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
             for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
             const int k0 = g * (QK / 4) + half * 4;
             for (int k4 = k0; k4 < k0 + 4; k4++) {
-                const __m256i b0 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64));
-                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
+                __m256i b0, b1;
+                load_k4(w, k4, &b0, &b1);
                 for (int r = 0; r < R; r++) {
-                    int32_t a4;
-                    memcpy(&a4, q + (size_t)r * ldq + k4 * 4, 4);
-                    const __m256i a = _mm256_set1_epi32(a4);
+                    const __m256i a = bcast4(q + (size_t)r * ldq + k4 * 4);
                     s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(a, b0));
                     s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(a, b1));
                 }
