@@ -65,8 +65,8 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
             if wide:
-                out[s:e] = _prefill_wide(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
-                                         meta.seq_lens[i], window, scale, bs)
+                out[s:e] = _prefill_wide(q[s:e], k_cache, v_cache, meta.block_tables[i], meta.seq_lens[i], window,
+                                         scale, bs)
                 continue
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
                                 meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn),
@@ -74,10 +74,15 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+def _first_key(start: int, window: int | None) -> int:
+    """The first key position any query of a chunk starting at ``start`` sees."""
+    return max(0, start - window + 1) if window else 0
+
+
 def _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len: int, n: int, window: int | None, bs: int):
     """The keys and values a chunk's queries can see, [S, Hkv, D], and the position of the first."""
     start = seq_len - n
-    lo_all = max(0, start - window + 1) if window else 0
+    lo_all = _first_key(start, window)
     if lo_all >= start:
         return k_new, v_new, start
     return (_gather_range(k_cache, table, lo_all, seq_len, bs), _gather_range(v_cache, table, lo_all, seq_len, bs),
@@ -129,17 +134,16 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     return out
 
 
-def _prefill_wide(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float,
-                  bs: int):
+def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int):
     """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.prefill_attention``: bf16 dot
     products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16 once),
     keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype). The visible
-    keys and values are packed once, straight from the cache (``cpu_kernels.pack_kv``: k_new / v_new are already
-    written there); the kernel tiles the queries, each tile's keys starting at an even offset (value pairs) with
-    the extra key at either end masked like any invisible one."""
+    keys and values are packed once, straight from the cache (``cpu_kernels.pack_kv``: the chunk's own keys and
+    values are already written there); the kernel tiles the queries, each tile's keys starting at an even offset
+    (value pairs) with the extra key at either end masked like any invisible one."""
     n = q.shape[0]
     start = seq_len - n
-    base = max(0, start - window + 1) if window else 0           # the first key any query of the chunk sees
+    base = _first_key(start, window)
     kp, vp = cpu_kernels.pack_kv(k_cache, v_cache, table, base, seq_len)   # from the cache (k/v written already)
     qs = (q * scale).to(torch.bfloat16).contiguous()
     return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype)
