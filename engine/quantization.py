@@ -32,9 +32,9 @@ Since prefill attention runs in one C call (csrc/prefill.c: keys converted to fl
 KV cache is faster there too (one run: int8 + bf16 KV 1.55x float32's wall, decode step 2.25x; int8 + float32
 KV 1.42x / 1.90x; with the int16 sums, in a slower session: 1.71x, decode step 2.70x), and ``auto`` picks it;
 10,000+ positions: top-1 0.9824, KL 0.00086 (float32 KV 0.9843 / 0.00090) against bf16's 0.9765 / 0.00068.
-Weights within +-64 everywhere
-(so every avx2 linear takes the direct path) were measured and fail the bar: re-quantizing the Q4_K / Q6_K
-tensors to +-64 gave KL 0.00148, and Q8_0 (the tied LM head) too 0.00325, against the bar's 0.00136. Not chosen:
+Weights within +-64 everywhere (so every avx2 linear takes the direct path) were measured and fail the bar:
+re-quantizing the Q4_K / Q6_K tensors to +-64 gave KL 0.00148, and Q8_0 (the tied LM head) too 0.00325, against
+the bar's 0.00136. Not chosen:
 AVX-512 without VNNI takes the avx2 int8 path against an AVX-512 float32 matmul (two FMA units on Intel's):
 not measured; on AMX CPUs torch's bf16 matmul runs on AMX tiles (750-2,000 GFLOP/s), which our VNNI kernels do
 not approach.
@@ -79,14 +79,14 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
         return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products)")
     if dtype == "bfloat16":
         return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quantization)")
-    if q8_isa == "avx512_vnni" and bf16_attention:   # (_bf16_kv_measured's two cases, each with its reason)
-        return QuantChoice("int8", "auto: int8 weights (avx512_vnni) with a bf16 KV cache: measured faster than "
-                                   "bf16 end to end and within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs "
-                                   "without AMX (engine.quantization)", kv_cache_dtype="bfloat16")
-    if q8_isa == "avx2" and kernel_isa == "avx2":
-        return QuantChoice("int8", "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and a bf16 KV "
-                                   "cache: measured faster than float32 end to end and within the quality bar on "
-                                   "AVX2-only CPUs (engine.quantization)", kv_cache_dtype="bfloat16")
+    if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa):
+        reason = ("auto: int8 weights (avx512_vnni) with a bf16 KV cache: measured faster than bf16 end to end and "
+                  "within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs without AMX (engine.quantization)"
+                  if q8_isa == "avx512_vnni" else
+                  "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and a bf16 KV cache: measured "
+                  "faster than float32 end to end and within the quality bar on AVX2-only CPUs "
+                  "(engine.quantization)")
+        return QuantChoice("int8", reason, kv_cache_dtype="bfloat16")
     return QuantChoice("none", f"auto: int8 not measured faster than float weights on this CPU (int8 path "
                                f"{q8_isa or 'unavailable'}{'' if bf16_attention else ', no bf16 attention kernel'}; "
                                "engine.quantization)")
