@@ -45,6 +45,9 @@ typedef uint8_t qact_t;
 typedef uint8_t qact_t;
 
 #define QK 32          /* group size along K */
+/* the avx2 build's dot-product paths by weight bound (tile_input): within +-16, within +-64, any weights; the
+ * other builds always take PATH_DIRECT */
+enum { PATH_DIRECT = 0, PATH_SIGN = 1, PATH_SHORT = 2 };
 /* rows per micro-tile: VNNI 6 (12 int32 + 12 float accumulators + operands = 27 of 32 zmm); AVX2 3 per
  * 16-column pass (6 int32 + 6 float accumulators + 2 weight vectors + activation + ones = 16 ymm; 2 and 4
  * measured slower on Zen 4) */
@@ -354,12 +357,12 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
     store16(R, f, acc, row, col);
 }
 
-/* WIDE: 0 direct, 1 the sign trick, 2 SHORT (int16 sums over four k4 steps, two rows at a time) */
+/* WIDE: PATH_DIRECT, PATH_SIGN (the sign trick) or PATH_SHORT (int16 sums over four k4 steps, two rows at a time) */
 static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const qact_t *q, int ldq,
                                                        int Kp, const float *sa, const float *mn, const int8_t *w,
                                                        const float *sw, const float *cw, float acc[MR][32]) {
     const int K4 = Kp / 4, G = Kp / QK;
-    if (WIDE == 2) {
+    if (WIDE == PATH_SHORT) {
         for (int c = 0; c < 2; c++) {
             const int8_t *wc = w + (size_t)c * K4 * 64;
             const float *swc = sw + (size_t)c * G * 16, *cwc = cw + (size_t)c * G * 16;
@@ -447,18 +450,18 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
                                                             const int8_t *w, const float *sw, const float *cw,
                                                             float acc[MR][32]) {
 #ifdef HAVE_WIDE
-    if (wide == 1) {
-        TILE_CASES(1)
+    if (wide == PATH_SIGN) {
+        TILE_CASES(PATH_SIGN)
         return;
     }
-    if (wide == 2) {
-        TILE_CASES(2)
+    if (wide == PATH_SHORT) {
+        TILE_CASES(PATH_SHORT)
         return;
     }
 #else
     (void)wide;
 #endif
-    TILE_CASES(0)
+    TILE_CASES(PATH_DIRECT)
 }
 
 /* The activations as the tiles read them: q itself (row stride Kp), or for the avx2 build's WIDE path (weights
@@ -466,16 +469,16 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
 static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt, int *wide, int *ldq,
                                 qact_t **owned) {
     *owned = NULL;
-    *wide = 0;
+    *wide = PATH_DIRECT;
     *ldq = Kp;
 #ifdef HAVE_WIDE
     if (wmax <= 16) {
-        *wide = 2;
+        *wide = PATH_SHORT;
         return q;
     }
     if (wmax > 64) {
         *owned = centre_rows(q, M, Kp, nt);
-        *wide = 1;
+        *wide = PATH_SIGN;
         *ldq = 2 * Kp;
         return *owned;
     }
