@@ -132,6 +132,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"silu_mul_{sfx}": [P, I64, I64, P, I32],
             f"rms_norm_rope_{sfx}": [P, I64, I64, I64, I64, P, F32, P, P, P, I32],
             f"rope_neox_{sfx}": [P, I64, I64, I64, I64, P, P, I32],
+            f"add_rms_norm_{sfx}": [P, P, I64, I64, P, F32, P, F32, P, P, I32],
             f"masked_softmax_{sfx}": [P] + [I64] * 7 + [I32],
             f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
             f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
@@ -289,6 +290,21 @@ def rms_norm(x: torch.Tensor, weight_f32: torch.Tensor, eps: float,
                             c.data_ptr() if c is not None else None, s.data_ptr() if s is not None else None,
                             out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, wh: torch.Tensor | None, eps_h: float,
+                 wo: torch.Tensor | None, eps_o: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual add with its norms, one pass: xo = x + (rms_norm(h, wh) if wh is given else h), then
+    rms_norm(xo, wo) when wo is given (else None). x, h: [T, D] in the same dtype; wh/wo: offset + weight in
+    float32. Equal bit for bit to ``rms_norm`` then torch's add then ``rms_norm``."""
+    x, h = x.contiguous(), h.contiguous()
+    t, d = x.shape
+    xo = torch.empty_like(x)
+    out = torch.empty_like(x) if wo is not None else None
+    _fn("add_rms_norm", x)(x.data_ptr(), h.data_ptr(), t, d, wh.data_ptr() if wh is not None else None, eps_h,
+                           wo.data_ptr() if wo is not None else None, eps_o, xo.data_ptr(),
+                           out.data_ptr() if out is not None else None, torch.get_num_threads())
+    return xo, out
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -291,6 +291,28 @@ def test_rms_norm_kernel_on_strided_heads_with_and_without_rope(use_build, build
 
 @EVERY_BUILD
 @DTYPES
+@pytest.mark.parametrize("h_norm, out_norm", [(True, True), (False, True), (True, False)])
+def test_add_rms_norm_equals_norm_add_norm(use_build, build, dtype, h_norm, out_norm):
+    """The fused residual add (Gemma's sandwich norms, Llama's post-attention norm) is bit for bit the three
+    passes it replaces: rms_norm(h), torch's add, rms_norm of the sum; and those are the float32 math."""
+    use_build(build)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 96, generator=g).to(dtype)
+    h = torch.randn(13, 96, generator=g).mul(7).to(dtype)
+    wh, wo = torch.randn(96, generator=g), torch.randn(96, generator=g)
+    xo, out = cpu_kernels.add_rms_norm(x, h, wh if h_norm else None, 1e-6, wo if out_norm else None, 1e-5)
+    hn = cpu_kernels.rms_norm(h, wh, 1e-6) if h_norm else h
+    assert torch.equal(xo, x + hn)
+    if not out_norm:
+        assert out is None
+        return
+    assert torch.equal(out, cpu_kernels.rms_norm(x + hn, wo, 1e-5))
+    s = (x + hn).float()
+    _close(out, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * wo, dtype)
+
+
+@EVERY_BUILD
+@DTYPES
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("outer", [1, 2])
 def test_masked_softmax_kernel(use_build, build, dtype, window, outer):

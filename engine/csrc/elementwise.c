@@ -5,6 +5,8 @@
  *   silu_mul_*       out[t, i] = silu(x[t, i]) * x[t, I + i]          (SwiGLU)
  *   rms_norm_rope_*  out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, optionally then RoPE (strided rows)
  *   rope_neox_*      x[t, h] = x * cos + rotate_half(x) * sin, in place (strided rows)
+ *   add_rms_norm_*   xo = x + rms_norm(h) (or x + h), then out = rms_norm(xo): a residual add with the norms on
+ *                    either side of it (Gemma's sandwich norms, Llama's post-attention norm) in one pass
  *
  * All math is float32; a bf16 output is rounded once (torch rounds after every op, so results differ from
  * torch by at most an ulp or two of bf16; in float32 by float rounding and exp's ~2e-7). Plain C written for
@@ -85,6 +87,44 @@ GLU(silu_mul_f32, float, f32, silu)
 
 RMS_NORM_ROPE(rms_norm_rope_bf16, uint16_t, bf16)
 RMS_NORM_ROPE(rms_norm_rope_f32, float, f32)
+
+/* x, h, xo, out: dense [tokens, dim]. xo = x + (wh ? rms_norm(h) * wh : h), with the normalized h rounded to the
+ * activation dtype before the add and the sum rounded once (what torch's norm-then-add computes); then, with wo,
+ * out = rms_norm(xo) * wo from the rounded xo. wh/wo hold (offset + w) in float32, as rms_norm_rope_*'s w. The
+ * sums of squares run the same loop as rms_norm_rope_*, so each output equals the unfused kernels' bit for bit. */
+#define ADD_RMS_NORM(NAME, T, SFX)                                                                         \
+    void NAME(const T *x, const T *h, int64_t tokens, int64_t dim, const float *wh, float eps_h,          \
+              const float *wo, float eps_o, T *xo, T *out, int32_t num_threads) {                          \
+        (void)num_threads;                                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        for (int64_t t = 0; t < tokens; t++) {                                                             \
+            const T *xr = x + t * dim, *hr = h + t * dim;                                                  \
+            T *xn = xo + t * dim;                                                                          \
+            if (wh) {                                                                                      \
+                float ss = 0.0f;                                                                           \
+                _Pragma("omp simd reduction(+:ss)")                                                        \
+                for (int64_t i = 0; i < dim; i++) ss += ld_##SFX(hr, i) * ld_##SFX(hr, i);                 \
+                const float inv = 1.0f / sqrtf(ss / (float)dim + eps_h);                                   \
+                _Pragma("omp simd")                                                                        \
+                for (int64_t i = 0; i < dim; i++)                                                          \
+                    st_##SFX(xn, i, ld_##SFX(xr, i) + rt_##SFX(ld_##SFX(hr, i) * inv * wh[i]));            \
+            } else {                                                                                       \
+                _Pragma("omp simd")                                                                        \
+                for (int64_t i = 0; i < dim; i++) st_##SFX(xn, i, ld_##SFX(xr, i) + ld_##SFX(hr, i));      \
+            }                                                                                              \
+            if (!wo) continue;                                                                             \
+            T *o = out + t * dim;                                                                          \
+            float ss = 0.0f;                                                                               \
+            _Pragma("omp simd reduction(+:ss)")                                                            \
+            for (int64_t i = 0; i < dim; i++) ss += ld_##SFX(xn, i) * ld_##SFX(xn, i);                     \
+            const float inv = 1.0f / sqrtf(ss / (float)dim + eps_o);                                       \
+            _Pragma("omp simd")                                                                            \
+            for (int64_t i = 0; i < dim; i++) st_##SFX(o, i, ld_##SFX(xn, i) * inv * wo[i]);               \
+        }                                                                                                  \
+    }
+
+ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16)
+ADD_RMS_NORM(add_rms_norm_f32, float, f32)
 
 /* x: tokens of `heads` rows of `dim`, token t's head h at x + t * stride + h * dim; cos/sin: [tokens, dim]
  * dense (the model's cos/sin, cast like HF's). Rotate-half (neox) form, in place. */

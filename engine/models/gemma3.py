@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, residual_norm, run_layers
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -23,8 +23,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, x, meta, rows=None):
         h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
-        x = (x if rows is None else x[rows]) + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x, y = residual_norm(x if rows is None else x[rows], h, self.post_attention_layernorm,
+                             self.pre_feedforward_layernorm)
+        return residual_norm(x, self.mlp(y), self.post_feedforward_layernorm, None)[0]
 
 
 class Gemma3Model(nn.Module):

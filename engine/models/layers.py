@@ -56,6 +56,20 @@ class RMSNorm(nn.Module):
         return x * inv * w
 
 
+def residual_norm(x: torch.Tensor, h: torch.Tensor, h_norm: RMSNorm | None,
+                  out_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream's add with the norms around it: ``x + h_norm(h)`` (``x + h`` without one), and
+    ``out_norm`` of that sum (None without one). On the CPU one fused pass (``cpu_kernels.add_rms_norm``: the same
+    values as the three separate passes); elsewhere those passes."""
+    if cpu_kernels.elementwise_ok(x) and h.dtype == x.dtype and x.dim() == 2 and (h_norm or out_norm):
+        return cpu_kernels.add_rms_norm(x, h, h_norm.kernel_weight() if h_norm else None,
+                                        h_norm.eps if h_norm else 0.0,
+                                        out_norm.kernel_weight() if out_norm else None,
+                                        out_norm.eps if out_norm else 0.0)
+    x = x + (h_norm(h) if h_norm is not None else h)
+    return x, (out_norm(x) if out_norm is not None else None)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, with HF's rope scaling variants we support."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, residual_norm, run_layers
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -17,8 +17,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, x, meta, rows=None):
         h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
-        x = (x if rows is None else x[rows]) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, y = residual_norm(x if rows is None else x[rows], h, None, self.post_attention_layernorm)
+        return x + self.mlp(y)
 
 
 class LlamaModel(nn.Module):
