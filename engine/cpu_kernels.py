@@ -136,6 +136,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"masked_softmax_{sfx}": [P] + [I64] * 7 + [I32],
             f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
             f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
+            f"q8_linear_{sfx}": [P, I32, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
             f"q8_embed_{sfx}": [P, P, I32, P, I32, I32, P, I32],
             f"small_m_linear_{sfx}": [P, I32, I32, P, I64, P, I32],
             f"prefill_bf16kv_{sfx}": [P, P, I64, P] + [I32] * 5 + [I64] * 3 + [P, I32],
@@ -341,13 +342,15 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     wmax <= 64, and a smaller bound than the truth would saturate it. ``lib``: a specific build (tests); default
     the loaded one."""
     lib = lib or load()
-    m = x.shape[0]
-    q, sa, mn, kp = _q8_activations(lib, x)
-    np_ = w.numel() // kp                        # padded rows of W (a multiple of 32)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    kp = -(-k // 32) * 32
     y = torch.empty(m, n, dtype=x.dtype)
-    getattr(lib, f"q8_gemm_{_SUFFIX[x.dtype]}")(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(),
-                                                sw.data_ptr(), cw.data_ptr(), np_, n, wmax, y.data_ptr(), n,
-                                                torch.get_num_threads())
+    # one call: the kernel quantizes x into its own scratch (the same quants as _q8_activations), then multiplies
+    getattr(lib, f"q8_linear_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
+                                                  cw.data_ptr(), w.numel() // kp, n, wmax, y.data_ptr(), n,
+                                                  torch.get_num_threads())
     return y
 
 

@@ -205,6 +205,27 @@ def test_activation_quants_identical_in_every_build(libs, build, dtype):
     assert int(got[0].max()) == 255 and int(got[0].min()) == 0
 
 
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wmax", [16, 127])
+def test_one_call_linear_equals_quantize_then_gemm(libs, build, dtype, wmax):
+    """q8_linear_* (quantizes into its own scratch, then multiplies) gives exactly the two-call path's output: the
+    same quants (partial last group, K = 100; rows strided inside a wider tensor) and the same products."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(11)
+    wide = (torch.randn(13, 130, generator=g) * 2 + 0.4).to(dtype)
+    x = wide[:, 10:110]                                      # [13, 100], row stride 130
+    q, s = int8.quantize_rows(torch.randn(70, 100, generator=g) * 0.05)
+    pw, sw, cw = int8.pack(_narrowed(q, wmax), s * 127 / wmax)
+    got = cpu_kernels.q8_linear(x, pw, sw, cw, 70, wmax, lib=lib)
+    qa, sa, mn, kp = cpu_kernels._q8_activations(lib, x)
+    two = torch.empty(13, 70, dtype=dtype)
+    getattr(lib, f"q8_gemm_{cpu_kernels._SUFFIX[dtype]}")(qa.data_ptr(), sa.data_ptr(), mn.data_ptr(), 13, kp,
+                                                          pw.data_ptr(), sw.data_ptr(), cw.data_ptr(),
+                                                          pw.numel() // kp, 70, wmax, two.data_ptr(), 70, 2)
+    assert torch.equal(got, two)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_dequantized(libs, dtype):
     w = torch.randn(100, 72)

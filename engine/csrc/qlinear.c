@@ -533,6 +533,29 @@ void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int 
     gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 1, nt);
 }
 
+/* x [M, K] (row stride ldx, float32 or bf16) @ W^T in one call: the activations quantized into scratch of this
+ * call's own, then gemm. The same quants and products as q8_quant_act_* + q8_gemm_*, without the two extra
+ * calls and three scratch tensors per linear on the Python side (72 linears per decode step of gemma-3-270m). */
+static void linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const float *sw,
+                   const float *cw, int Np, int N, int wmax, void *y, int ldy, int nt) {
+    if (M <= 0) return;
+    const int Kp = (K + QK - 1) / QK * QK, G = Kp / QK;
+    qact_t *q = (qact_t *)malloc((size_t)M * Kp + sizeof(float) * 2 * (size_t)M * G);
+    float *sa = (float *)(q + (size_t)M * Kp), *mn = sa + (size_t)M * G;   /* Kp is a multiple of 32: aligned */
+    quant_act(x, is_bf16, M, K, ldx, Kp, q, sa, mn, nt);
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, is_bf16, nt);
+    free(q);
+}
+
+void q8_linear_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw, int Np,
+                   int N, int wmax, float *y, int ldy, int nt) {
+    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, nt);
+}
+void q8_linear_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+                    int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
+    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, nt);
+}
+
 /* Greedy decoding's LM head: per row, the largest y[m, n] = dequant(q) @ W^T and its index (the first on ties,
  * like argmax), without writing y (a [rows, 262144] float32 block per decode step). Each thread scans a
  * contiguous range of 32-column pairs in order with the same tiles as gemm (so the values compared are gemm's,
