@@ -133,6 +133,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"rms_norm_rope_{sfx}": [P, I64, I64, I64, I64, P, F32, P, P, P, I32],
             f"rope_neox_{sfx}": [P, I64, I64, I64, I64, P, P, I32],
             f"add_rms_norm_{sfx}": [P, P, I64, I64, P, F32, P, F32, P, P, I32],
+            **{f"kv_write_{sfx}_{dst}": [P, P, I64, I64, I64, I64, P, I64, P, P, I32] for dst in _SUFFIX.values()},
             f"masked_softmax_{sfx}": [P] + [I64] * 7 + [I32],
             f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
             f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
@@ -148,7 +149,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     sigs["q8_gemm_argmax"] = [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, P, I32]
     for name, args in sigs.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int if name in _FUNCS.values() else None
+        fn.restype = ctypes.c_int if name in _FUNCS.values() or name.startswith("kv_write_") else None
         fn.argtypes = args
     for name in ("batchgen_kernel_isa", "batchgen_q8_isa"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_char_p, []
@@ -306,6 +307,29 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, wh: torch.Tensor | None, eps_
                            wo.data_ptr() if wo is not None else None, eps_o, xo.data_ptr(),
                            out.data_ptr() if out is not None else None, torch.get_num_threads())
     return xo, out
+
+
+def kv_write_ok(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """True when ``kv_write`` can store these rows (CPU, bf16/float32 on both sides, each token's heads dense)."""
+    dense = all(x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]) for x in (k, v))
+    return (k.device.type == "cpu" and k.dtype in _SUFFIX and v.dtype == k.dtype and k_cache.dtype in _SUFFIX
+            and dense and slot_mapping.dtype == torch.int64 and load() is not None)
+
+
+def kv_write(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (each token's heads dense) into their cache slots, converted to the cache dtype (float32 ->
+    bf16 rounds to nearest even, as ``.to``): ``engine.attention.cache.write_kv``'s result in one C call."""
+    k_cache, v_cache = kv_cache
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+    slots = slot_mapping.contiguous()
+    t, h, d = k.shape
+    num_slots = k_cache.numel() // (h * d)
+    rc = getattr(load(), f"kv_write_{_SUFFIX[k.dtype]}_{_SUFFIX[k_cache.dtype]}")(
+        k.data_ptr(), v.data_ptr(), t, h * d, k.stride(0), v.stride(0), slots.data_ptr(), num_slots,
+        k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise IndexError(f"kv_write: a slot outside the cache's {num_slots} slots")
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -290,6 +290,34 @@ def test_rms_norm_kernel_on_strided_heads_with_and_without_rope(use_build, build
 
 
 @EVERY_BUILD
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16], ids=["from_f32", "from_bf16"])
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16], ids=["to_f32", "to_bf16"])
+@pytest.mark.parametrize("tokens", [5, 300])               # one thread; split over threads
+def test_kv_write_equals_index_copy(use_build, build, src, cache, tokens):
+    """The C cache write stores exactly what .to(cache dtype) + index_copy_ stored: strided k (inside a fused
+    qkv row) and a dense v, any slots, every build; a slot outside the cache raises instead of writing."""
+    from engine.attention.cache import write_kv
+    use_build(build)
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 4 * 64 + 2 * 2 * 64, generator=g).mul(3).to(src)
+    k = qkv[:, 256:384].view(tokens, 2, 64)                         # token stride 512: a view into qkv
+    v = qkv[:, 384:].reshape(tokens, 2, 64).clone()                 # dense
+    kc, vc = torch.zeros(40, 16, 2, 64, dtype=cache), torch.zeros(40, 16, 2, 64, dtype=cache)
+    slots = torch.randperm(640, generator=g)[:tokens]
+    assert cpu_kernels.kv_write_ok(k, v, kc, slots)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.view(-1, 2, 64).index_copy_(0, slots, k.to(cache))
+    want_v.view(-1, 2, 64).index_copy_(0, slots, v.to(cache))
+    write_kv((kc, vc), k, v, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    bad = slots.clone()
+    bad[-1] = 640
+    with pytest.raises(IndexError):
+        write_kv((kc, vc), k, v, bad)
+    assert torch.equal(kc, want_k)                                  # nothing written
+
+
+@EVERY_BUILD
 @DTYPES
 @pytest.mark.parametrize("h_norm, out_norm", [(True, True), (False, True), (True, False)])
 def test_add_rms_norm_equals_norm_add_norm(use_build, build, dtype, h_norm, out_norm):

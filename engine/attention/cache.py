@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import torch
 
+from engine import cpu_kernels
+
 
 def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k/v [T, Hkv, D] at their cache slots (cache: two [num_blocks, block_size, Hkv, D] tensors)."""
     k_cache, v_cache = kv_cache
+    if cpu_kernels.kv_write_ok(k, v, k_cache, slot_mapping):
+        cpu_kernels.kv_write(kv_cache, k, v, slot_mapping)       # one C pass (CPU): no converted copies
+        return
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

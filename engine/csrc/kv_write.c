@@ -1,0 +1,52 @@
+/* Writing a step's keys and values into the paged KV cache: kv_write_{f32,bf16}_{f32,bf16} (source dtype, then
+ * cache dtype). Row t of k and v (num_kv_heads * head_dim contiguous elements; token strides ks, vs) goes to
+ * slot slots[t] of the caches ([num_slots, row] dense), converted on the way (float32 -> bf16 rounds to
+ * nearest even, as torch's .to(torch.bfloat16)). One pass where torch made a converted copy and two
+ * index_copy_ calls: a decode step's 48 rows cost ~125-280 us per layer that way, mostly call overhead. */
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+static inline void put_row(const void *src, int src_bf16, void *dst, int dst_bf16, int64_t n) {
+    if (src_bf16 == dst_bf16) {
+        memcpy(dst, src, (size_t)n * (src_bf16 ? 2 : 4));
+    } else if (src_bf16) {                                   /* bf16 -> float32: exact */
+        const uint16_t *s = (const uint16_t *)src;
+        float *d = (float *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = bf16_to_f32(s[i]);
+    } else {                                                 /* float32 -> bf16: round to nearest even */
+        const float *s = (const float *)src;
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(s[i]);
+    }
+}
+
+/* Returns 1 (writing nothing) when a slot is outside [0, num_slots): torch's index_copy_ raised there. */
+static int kv_write(const void *k, const void *v, int src_bf16, int64_t tokens, int64_t row, int64_t ks, int64_t vs,
+                    const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int dst_bf16,
+                    int32_t num_threads) {
+    const size_t ssize = src_bf16 ? 2 : 4, dsize = dst_bf16 ? 2 : 4;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+    (void)num_threads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * row >= 65536)
+    for (int64_t t = 0; t < tokens; t++) {
+        const size_t d = (size_t)slots[t] * (size_t)row * dsize;
+        put_row((const char *)k + (size_t)(t * ks) * ssize, src_bf16, (char *)k_cache + d, dst_bf16, row);
+        put_row((const char *)v + (size_t)(t * vs) * ssize, src_bf16, (char *)v_cache + d, dst_bf16, row);
+    }
+    return 0;
+}
+
+#define KV_WRITE(NAME, SRC_BF16, DST_BF16)                                                                    \
+    int NAME(const void *k, const void *v, int64_t tokens, int64_t row, int64_t ks, int64_t vs,               \
+             const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int32_t num_threads) {    \
+        return kv_write(k, v, SRC_BF16, tokens, row, ks, vs, slots, num_slots, k_cache, v_cache, DST_BF16,    \
+                        num_threads);                                                                         \
+    }
+
+KV_WRITE(kv_write_f32_f32, 0, 0)
+KV_WRITE(kv_write_f32_bf16, 0, 1)
+KV_WRITE(kv_write_bf16_f32, 1, 0)
+KV_WRITE(kv_write_bf16_bf16, 1, 1)
