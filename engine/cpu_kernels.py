@@ -310,10 +310,12 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, wh: torch.Tensor | None, eps_
 
 
 def kv_write_ok(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
-    """True when ``kv_write`` can store these rows (CPU, bf16/float32 on both sides, each token's heads dense)."""
+    """True when ``kv_write`` can store these rows (CPU, bf16/float32 on both sides, each token's heads dense, rows
+    shaped like the cache's); anything else takes torch's path, which raises on a mismatch."""
     dense = all(x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]) for x in (k, v))
     return (k.device.type == "cpu" and k.dtype in _SUFFIX and v.dtype == k.dtype and k_cache.dtype in _SUFFIX
-            and dense and slot_mapping.dtype == torch.int64 and load() is not None)
+            and dense and k.shape[1:] == v.shape[1:] == k_cache.shape[2:] and slot_mapping.dtype == torch.int64
+            and load() is not None)
 
 
 def kv_write(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,

@@ -249,7 +249,8 @@ static inline __attribute__((always_inline)) void paired_accumulate(
          * a zero partner. Scalar conversions were ~15 % of a hot block's time (Zen 4). */
         int32_t k = 0;
         for (; 2 * k + 16 <= n; k += 8)
-            _mm256_storeu_si256((__m256i *)&pairs[g][k], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * ld + 2 * k)));
+            _mm256_storeu_si256((__m256i *)&pairs[g][k],
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * ld + 2 * k)));
         for (; k < np; k++) {
             const float p0 = p[g * ld + 2 * k], p1 = 2 * k + 1 < n ? p[g * ld + 2 * k + 1] : 0.0f;
             pairs[g][k] = (uint32_t)f32_to_bf16(p0) | ((uint32_t)f32_to_bf16(p1) << 16);

@@ -32,6 +32,19 @@ static inline float ld_f32(const float *p, int64_t i) { return p[i]; }
 static inline void st_f32(float *p, int64_t i, float x) { p[i] = x; }
 static inline float rt_f32(float x) { return x; }
 
+/* 1 / sqrt(mean(r^2) + eps) of one row: the one sum-of-squares loop every norm below uses, so the fused add_rms_norm_*
+ * and rms_norm_rope_* give the same bits for the same row. */
+#define INV_RMS(T, SFX)                                                                                    \
+    static inline float inv_rms_##SFX(const T *r, int64_t dim, float eps) {                               \
+        float ss = 0.0f;                                                                                   \
+        _Pragma("omp simd reduction(+:ss)")                                                                \
+        for (int64_t i = 0; i < dim; i++) ss += ld_##SFX(r, i) * ld_##SFX(r, i);                           \
+        return 1.0f / sqrtf(ss / (float)dim + eps);                                                        \
+    }
+
+INV_RMS(uint16_t, bf16)
+INV_RMS(float, f32)
+
 #define GLU(NAME, T, SFX, ACT)                                                                             \
     void NAME(const T *x, int64_t rows, int64_t inter, T *out, int32_t num_threads) {                     \
         (void)num_threads;                                                                                 \
@@ -63,10 +76,7 @@ GLU(silu_mul_f32, float, f32, silu)
             for (int64_t h = 0; h < heads; h++) {                                                          \
                 const T *xr = x + t * stride + h * dim;                                                    \
                 T *o = out + (t * heads + h) * dim;                                                        \
-                float ss = 0.0f;                                                                           \
-                _Pragma("omp simd reduction(+:ss)")                                                        \
-                for (int64_t i = 0; i < dim; i++) ss += ld_##SFX(xr, i) * ld_##SFX(xr, i);                 \
-                const float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                     \
+                const float inv = inv_rms_##SFX(xr, dim, eps);                                             \
                 if (!cos) {                                                                                \
                     _Pragma("omp simd")                                                                    \
                     for (int64_t i = 0; i < dim; i++) st_##SFX(o, i, ld_##SFX(xr, i) * inv * w[i]);        \
@@ -90,8 +100,8 @@ RMS_NORM_ROPE(rms_norm_rope_f32, float, f32)
 
 /* x, h, xo, out: dense [tokens, dim]. xo = x + (wh ? rms_norm(h) * wh : h), with the normalized h rounded to the
  * activation dtype before the add and the sum rounded once (what torch's norm-then-add computes); then, with wo,
- * out = rms_norm(xo) * wo from the rounded xo. wh/wo hold (offset + w) in float32, as rms_norm_rope_*'s w. The
- * sums of squares run the same loop as rms_norm_rope_*, so each output equals the unfused kernels' bit for bit. */
+ * out = rms_norm(xo) * wo from the rounded xo. wh/wo hold (offset + w) in float32, as rms_norm_rope_*'s w. Both
+ * norms use rms_norm_rope_*'s inv_rms, so each output equals the unfused kernels' bit for bit. */
 #define ADD_RMS_NORM(NAME, T, SFX)                                                                         \
     void NAME(const T *x, const T *h, int64_t tokens, int64_t dim, const float *wh, float eps_h,          \
               const float *wo, float eps_o, T *xo, T *out, int32_t num_threads) {                          \
@@ -101,10 +111,7 @@ RMS_NORM_ROPE(rms_norm_rope_f32, float, f32)
             const T *xr = x + t * dim, *hr = h + t * dim;                                                  \
             T *xn = xo + t * dim;                                                                          \
             if (wh) {                                                                                      \
-                float ss = 0.0f;                                                                           \
-                _Pragma("omp simd reduction(+:ss)")                                                        \
-                for (int64_t i = 0; i < dim; i++) ss += ld_##SFX(hr, i) * ld_##SFX(hr, i);                 \
-                const float inv = 1.0f / sqrtf(ss / (float)dim + eps_h);                                   \
+                const float inv = inv_rms_##SFX(hr, dim, eps_h);                                           \
                 _Pragma("omp simd")                                                                        \
                 for (int64_t i = 0; i < dim; i++)                                                          \
                     st_##SFX(xn, i, ld_##SFX(xr, i) + rt_##SFX(ld_##SFX(hr, i) * inv * wh[i]));            \
@@ -114,10 +121,7 @@ RMS_NORM_ROPE(rms_norm_rope_f32, float, f32)
             }                                                                                              \
             if (!wo) continue;                                                                             \
             T *o = out + t * dim;                                                                          \
-            float ss = 0.0f;                                                                               \
-            _Pragma("omp simd reduction(+:ss)")                                                            \
-            for (int64_t i = 0; i < dim; i++) ss += ld_##SFX(xn, i) * ld_##SFX(xn, i);                     \
-            const float inv = 1.0f / sqrtf(ss / (float)dim + eps_o);                                       \
+            const float inv = inv_rms_##SFX(xn, dim, eps_o);                                               \
             _Pragma("omp simd")                                                                            \
             for (int64_t i = 0; i < dim; i++) st_##SFX(o, i, ld_##SFX(xn, i) * inv * wo[i]);               \
         }                                                                                                  \
