@@ -212,7 +212,9 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
     for (int g = 0; g < G; g++) {
         __m512i ia[MR][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
-        for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
+#pragma GCC unroll 8
+        for (int u = 0; u < QK / 4; u++) {
+            const int k4 = g * (QK / 4) + u;
             const __m512i b0 = _mm512_loadu_si512(w + (size_t)k4 * 64);
             const __m512i b1 = _mm512_loadu_si512(w + ((size_t)K4 + k4) * 64);
             for (int r = 0; r < R; r++) {
