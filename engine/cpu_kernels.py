@@ -138,6 +138,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
             f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
             f"q8_linear_{sfx}": [P, I32, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
+            f"q8_linear_glu_{sfx}": [P, I32, I32, I32, P, P, P, I32, I32, I32, I32, P, I32, I32],
             f"q8_embed_{sfx}": [P, P, I32, P, I32, I32, P, I32],
             f"small_m_linear_{sfx}": [P, I32, I32, P, I64, P, I32],
             f"prefill_bf16kv_{sfx}": [P, P, I64, P] + [I32] * 5 + [I64] * 3 + [P, I32],
@@ -377,6 +378,28 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     getattr(lib, f"q8_linear_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
                                                   cw.data_ptr(), w.numel() // kp, n, wmax, y.data_ptr(), n,
                                                   torch.get_num_threads())
+    return y
+
+
+_Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # qlinear.c's GLU_GELU_TANH, GLU_SILU
+
+
+def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, act: str,
+                  wmax: int = 127, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """act(gate) * up from one int8 matmul: W packed from gate_up rows interleaved in blocks of 16
+    (``engine.models.int8.glu_interleave``), n = 2I rows, I a multiple of 16 -> [M, I] in x's dtype. The same bits
+    as ``glu`` of the un-interleaved ``q8_linear`` (tested), without its [M, 2I] intermediate."""
+    if n % 32:
+        raise ValueError(f"q8_linear_glu needs 2I a multiple of 32, got {n}")
+    lib = lib or load()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    y = torch.empty(m, n // 2, dtype=x.dtype)
+    getattr(lib, f"q8_linear_glu_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
+                                                      cw.data_ptr(), w.numel() // kp, n, wmax, _Q8_GLU_ACT[act],
+                                                      y.data_ptr(), n // 2, torch.get_num_threads())
     return y
 
 

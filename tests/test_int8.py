@@ -226,6 +226,41 @@ def test_one_call_linear_equals_quantize_then_gemm(libs, build, dtype, wmax):
     assert torch.equal(got, two)
 
 
+@pytest.mark.parametrize("build", list(Q8_BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+@pytest.mark.parametrize("m, k, inter, wmax", [(1, 64, 16, 127), (7, 100, 48, 16), (48, 640, 2048, 16),
+                                               (300, 96, 112, 127)])
+def test_fused_glu_equals_linear_then_glu(libs, build, dtype, act, m, k, inter, wmax):
+    """gate_up with its rows interleaved in blocks of 16 (Int8GluLinear) and the GLU in the matmul's store gives
+    exactly the unfused path's bits: q8_linear on the plain rows, then the build's own GLU kernel on its output
+    (bf16: gate and up rounded to bf16 before the activation, as the unfused output is stored)."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(m, k, generator=g) * 2 + 0.3).to(dtype)
+    q, s = int8.quantize_rows(torch.randn(2 * inter, k, generator=g) * 0.05)
+    q, s = _narrowed(q, wmax), s * 127 / wmax
+    gate_up = cpu_kernels.q8_linear(x, *int8.pack(q, s), 2 * inter, wmax, lib=lib)
+    want = torch.empty(m, inter, dtype=dtype)
+    glu_fn = getattr(lib, f"{cpu_kernels._GLU[act]}_{cpu_kernels._SUFFIX[dtype]}")
+    glu_fn(gate_up.data_ptr(), m, inter, want.data_ptr(), 2)
+    got = cpu_kernels.q8_linear_glu(x, *int8.pack(*int8.glu_interleave(q, s)), 2 * inter, act, wmax, lib=lib)
+    assert torch.equal(got, want)
+
+
+def test_int8_glu_linear_keeps_gate_up_order():
+    """Int8GluLinear's plain ``linear`` (the unfused fallback) returns gate | up like an Int8Linear of the same
+    rows; ``glu`` is the GLU of that."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 40, generator=g) * 0.1
+    x = torch.randn(5, 40, generator=g)
+    q, s = int8.quantize_rows(w)
+    plain = int8.Int8Linear.from_quantized(q, s, 40)
+    inter = int8.Int8GluLinear.from_quantized(*int8.glu_interleave(q, s), 40)
+    assert torch.equal(inter.linear(x), plain.linear(x))
+    assert torch.equal(inter.glu(x, "silu"), cpu_kernels.glu(plain.linear(x), "silu"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_dequantized(libs, dtype):
     w = torch.randn(100, 72)

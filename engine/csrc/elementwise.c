@@ -15,14 +15,6 @@
  */
 #include "common.h"
 
-/* gelu_tanh(g) = g * 0.5 * (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) * (g + 0.044715 g^3) */
-static inline float gelu_tanh(float g) {
-    const float z2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);
-    return g / (1.0f + exp_clamped(-z2));
-}
-
-static inline float silu(float g) { return g / (1.0f + exp_clamped(-g)); }
-
 /* Element access for the two activation dtypes: bf16 (uint16_t, rounded to nearest even on store) and float32.
  * Each kernel below is stamped out once per dtype; the math is the same float32 code. */
 static inline float ld_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }

@@ -198,6 +198,28 @@ static inline void store_row(const float *acc, void *out, int is_bf16, size_t of
     }
 }
 
+/* ---- the gated MLP's gate_up projection with its GLU fused in ------------------------------------------
+ * With the weight rows interleaved in blocks of 16 (gate rows 16b..16b+15, then up rows 16b..16b+15: a tile's two
+ * 16-column blocks; engine.models.int8.glu_interleave), a tile's 32 results per row are 16 gates and their 16 ups,
+ * and out[m, 16 * pair + j] = act(gate_j) * up_j is written instead of the [M, 2I] gate_up product: the GLU's
+ * read-back of that product and its separate pass are gone. A bf16 output rounds gate and up to bf16 first, as
+ * the unfused path (q8_linear_bf16, then elementwise.c's GLU on its bf16 output) does: the same bits either way. */
+enum { GLU_NONE = 0, GLU_GELU_TANH = 1, GLU_SILU = 2 };
+
+static inline float as_stored(float x, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+static inline void store_glu(const float *acc, void *out, int is_bf16, size_t off, int act) {
+    float o[16];
+    if (act == GLU_SILU) {
+#pragma omp simd
+        for (int j = 0; j < 16; j++) o[j] = silu(as_stored(acc[j], is_bf16)) * as_stored(acc[16 + j], is_bf16);
+    } else {
+#pragma omp simd
+        for (int j = 0; j < 16; j++) o[j] = gelu_tanh(as_stored(acc[j], is_bf16)) * as_stored(acc[16 + j], is_bf16);
+    }
+    store_row(o, out, is_bf16, off, 16);
+}
+
 /* ---- micro-kernels: R (<= MR) rows x 32 columns (two 16-column weight blocks), all of K ------------------ */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -496,7 +518,8 @@ static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt
  * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every MR-row
  * tile of its chunk while it sits in L1/L2. */
 static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                 const float *sw, const float *cw, int Np, int N, int wmax, void *y, int ldy, int is_bf16, int nt) {
+                 const float *sw, const float *cw, int Np, int N, int wmax, void *y, int ldy, int is_bf16, int glu,
+                 int nt) {
     if (M <= 0) return;
     const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
     /* chunks of at most MC rows, of equal size (in whole tiles): with 48 rows and MC 30 a 30 + 18 split left one
@@ -518,7 +541,10 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
                 const int R = m_end - m < MR ? m_end - m : MR;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
                 tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
-                for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
+                if (glu)   /* N = 2I, I a multiple of 16 (the caller checks): every pair is whole */
+                    for (int r = 0; r < R; r++) store_glu(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 16, glu);
+                else
+                    for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
             }
         }
     free(owned);
@@ -528,34 +554,45 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
  * only for wmax <= 64) */
 void q8_gemm_f32(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                  const float *sw, const float *cw, int Np, int N, int wmax, float *y, int ldy, int nt) {
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 0, nt);
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 0, GLU_NONE, nt);
 }
 void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                   const float *sw, const float *cw, int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 1, nt);
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 1, GLU_NONE, nt);
 }
 
 /* x [M, K] (row stride ldx, float32 or bf16) @ W^T in one call: the activations quantized into scratch of this
  * call's own, then gemm. The same quants and products as q8_quant_act_* + q8_gemm_*, without the two extra
  * calls and three scratch tensors per linear on the Python side (72 linears per decode step of gemma-3-270m). */
 static void linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const float *sw,
-                   const float *cw, int Np, int N, int wmax, void *y, int ldy, int nt) {
+                   const float *cw, int Np, int N, int wmax, void *y, int ldy, int glu, int nt) {
     if (M <= 0) return;
     const int Kp = (K + QK - 1) / QK * QK, G = Kp / QK;
     qact_t *q = (qact_t *)malloc((size_t)M * Kp + sizeof(float) * 2 * (size_t)M * G);
     float *sa = (float *)(q + (size_t)M * Kp), *mn = sa + (size_t)M * G;   /* Kp is a multiple of 32: aligned */
     quant_act(x, is_bf16, M, K, ldx, Kp, q, sa, mn, nt);
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, is_bf16, nt);
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, is_bf16, glu, nt);
     free(q);
 }
 
 void q8_linear_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw, int Np,
                    int N, int wmax, float *y, int ldy, int nt) {
-    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, nt);
+    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, GLU_NONE, nt);
 }
 void q8_linear_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
                     int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
-    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, nt);
+    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, GLU_NONE, nt);
+}
+
+/* x @ W^T for a gate_up weight interleaved in 16-row blocks (see store_glu), then the GLU: y [M, N / 2] (row
+ * stride ldy). act: GLU_GELU_TANH or GLU_SILU; N a multiple of 32. */
+void q8_linear_glu_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+                       int Np, int N, int wmax, int act, float *y, int ldy, int nt) {
+    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
+}
+void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+                        int Np, int N, int wmax, int act, uint16_t *y, int ldy, int nt) {
+    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
 }
 
 /* Greedy decoding's LM head: per row, the largest y[m, n] = dequant(q) @ W^T and its index (the first on ties,

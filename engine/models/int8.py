@@ -7,7 +7,8 @@ Activations are quantized per token and group of 32 on the fly, asymmetric uint8
 - ``quantize_rows``: float [N, K] -> (int8 [N, Kp], scales [N, Kp/32]), K zero-padded to a multiple of 32.
 - ``pack``: that pair -> the kernel's packed layout (16-column blocks, N padded to a multiple of 32) plus the
   per-group correction ``cw = scale * sum(w)`` the asymmetric activations need.
-- ``Int8Linear`` replaces ``nn.Linear``; ``Int8Embedding`` replaces a (tied) embedding: lookups dequantize
+- ``Int8Linear`` replaces ``nn.Linear``; ``Int8GluLinear`` a gated MLP's gate_up (rows interleaved in blocks of
+  16 so that the GLU runs inside the matmul's store); ``Int8Embedding`` replaces a (tied) embedding: lookups dequantize
   only the rows they read, and as the LM head it multiplies in int8.
 - ``quantize_model`` converts a float model in place; ``direct`` supplies (int8, scales) for tensors that are
   already int8 x per-32 scale in a GGUF file (Q8_0, Q5_0, Q4_0), which map exactly, without a float round trip.
@@ -114,6 +115,40 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 (groups of {QK})"
 
 
+def glu_interleave(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up rows [gate (I) | up (I)] -> blocks of 16: gate rows 16b..16b+15, then up rows 16b..16b+15, so each
+    of the kernel's 32-column tiles holds 16 gates and their 16 ups (``cpu_kernels.q8_linear_glu``)."""
+    n = q.shape[0]
+    order = torch.arange(n).view(2, n // 32, 16).transpose(0, 1).reshape(-1)
+    return q[order], scale[order]
+
+
+class Int8GluLinear(Int8Linear):
+    """A gated MLP's fused gate_up projection in int8, its rows interleaved by ``glu_interleave`` (2I a multiple of
+    32, no bias). ``glu(x, act)`` is act(gate) * up in one kernel call, without the [T, 2I] product; ``linear``
+    still returns gate | up."""
+
+    @staticmethod
+    def fits(out_features: int, bias: bool) -> bool:
+        return out_features % 32 == 0 and not bias
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().linear(x)
+        i = self.out_features // 2
+        return y.view(*y.shape[:-1], i // 16, 2, 16).transpose(-3, -2).reshape(*y.shape[:-1], 2 * i)
+
+    forward = linear
+
+    def glu(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        y = cpu_kernels.q8_linear_glu(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
+                                      self.out_features, act, self.wmax)
+        return y.view(*x.shape[:-1], self.out_features // 2)
+
+
+def _is_gate_up(name: str, lin: nn.Linear) -> bool:
+    return name.endswith("gate_up_proj") and Int8GluLinear.fits(lin.out_features, lin.bias is not None)
+
+
 class Int8Embedding(Int8Linear):
     """An embedding table in int8: ``forward(ids)`` dequantizes the rows it reads; ``linear`` is the tied LM head."""
 
@@ -141,8 +176,9 @@ def _linears(model: nn.Module):
 
 def int8_structure(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Swap in empty int8 modules (meta device) of the right shapes: the skeleton a cached state loads into."""
-    for _, parent, attr, lin in _linears(model):
-        setattr(parent, attr, Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta"))
+    for name, parent, attr, lin in _linears(model):
+        cls = Int8GluLinear if _is_gate_up(name, lin) else Int8Linear
+        setattr(parent, attr, cls(lin.in_features, lin.out_features, lin.bias is not None, device="meta"))
     emb = model.model.embed_tokens
     model.model.embed_tokens = Int8Embedding(emb.num_embeddings, emb.embedding_dim, dtype, device="meta")
     return model
@@ -175,7 +211,10 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
 
     for name, parent, attr, lin in _linears(model):
         q, s = rows_q(f"{name}.weight", lin.weight)
-        setattr(parent, attr, Int8Linear.from_quantized(q, s, lin.in_features, lin.bias))
+        cls = Int8GluLinear if _is_gate_up(name, lin) else Int8Linear
+        if cls is Int8GluLinear:
+            q, s = glu_interleave(q, s)
+        setattr(parent, attr, cls.from_quantized(q, s, lin.in_features, lin.bias))
     emb = model.model.embed_tokens
     q, s = rows_q("model.embed_tokens.weight", emb.weight)
     qemb = Int8Embedding(emb.num_embeddings, emb.embedding_dim, emb.weight.dtype, device="meta")

@@ -199,6 +199,9 @@ class GatedMLP(nn.Module):
             raise ModelLoadError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh, gelu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "glu", None)      # int8 (engine.models.int8.Int8GluLinear): one call
+        if self.fused_act and fused is not None:
+            return self.down_proj(fused(x, self.fused_act))
         gate_up = self.gate_up_proj(x)
         if self.fused_act and cpu_kernels.elementwise_ok(gate_up):
             return self.down_proj(cpu_kernels.glu(gate_up, self.fused_act))
