@@ -234,6 +234,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
     for (int g = 0; g < G; g++) {
         __m512i ia[MR][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
+        /* a constant trip count, unrolled: as a loop from g * 8 GCC copied all twelve int32 accumulators at every
+         * step (24 register moves per 12 vpdpbusd); unrolled, the VNNI tile ran 1.1-1.2x faster at M = 3,600 */
 #pragma GCC unroll 8
         for (int u = 0; u < QK / 4; u++) {
             const int k4 = g * (QK / 4) + u;
