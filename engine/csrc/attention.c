@@ -107,6 +107,7 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
     for (int32_t g = 0; g < G; g++) {
         float *sg = s + g * ld;
         float bmax = m[g];
+#pragma omp simd reduction(max:bmax)     /* max is exact: any order gives the same value (vectorized) */
         for (int32_t j = 0; j < n; j++) bmax = sg[j] > bmax ? sg[j] : bmax;
         const float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - bmax);
         if (corr != 1.0f) {
@@ -591,6 +592,7 @@ ENTRY(paged_decode_bf16kv_f32, float, uint16_t, group_item_bf16kv_f32)
             j0 = j0 < 0 ? 0 : j0;                                                                            \
             j1 = j1 > S ? S : j1;                                                                            \
             float mx = -INFINITY;                                                                            \
+            _Pragma("omp simd reduction(max:mx)")     /* exact in any order: vectorized */                  \
             for (int64_t j = j0; j < j1; j++) {                                                              \
                 const float v = LOAD(row[j]);                                                                \
                 mx = v > mx ? v : mx;                                                                        \
