@@ -175,10 +175,10 @@ static inline __attribute__((always_inline)) void fast_scores(
                     for (int g = 0; g < G; g++) acc[g * TJ + t] = _mm512_dpbf16_ps(acc[g * TJ + t], qv[g], kx);
                 }
             }
-            float tmp[16];
-            _mm512_storeu_ps(tmp, hsum16(acc));
+            /* lane g * TJ + t is s[g * ld + j + t]: one masked store per query row (ld >= TJ: never before s) */
+            const __m512 sums = hsum16(acc);
             for (int g = 0; g < G; g++)
-                for (int t = 0; t < TJ; t++) s[g * ld + j + t] = tmp[g * TJ + t];
+                _mm512_mask_storeu_ps(s + g * (ld - TJ) + j, (__mmask16)(((1u << TJ) - 1) << (g * TJ)), sums);
         }
         for (; j + 1 < n; j += 2) {                     /* two tokens at a time: 2G independent chains */
             const uint16_t *k0 = (const uint16_t *)k + j * stride, *k1 = k0 + stride;
@@ -386,6 +386,28 @@ static inline __attribute__((always_inline)) void rows_visit(
 
 static inline __attribute__((always_inline)) void rows_finish(const rows_t *r, void *out, int64_t q0, int32_t G,
                                                               int32_t D, int permuted, const int is_bf16) {
+#if PAIRED_PV
+    if (permuted) {   /* paired_index's order undone two vectors at a time (vpermt2ps), not element by element */
+        const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int32_t g = 0; g < G; g++) {
+            const __m512 inv = _mm512_set1_ps(r->l[g] > 0.0f ? 1.0f / r->l[g] : 0.0f);
+            for (int32_t c = 0; c < D; c += 32) {
+                const __m512 lo = _mm512_loadu_ps(r->acc + g * D + c), hi = _mm512_loadu_ps(r->acc + g * D + c + 16);
+                const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i0, hi), inv);
+                const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i1, hi), inv);
+                const int64_t o = q0 + g * D + c;
+                if (is_bf16) {
+                    _mm512_storeu_si512((void *)((uint16_t *)out + o), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                } else {
+                    _mm512_storeu_ps((float *)out + o, a);
+                    _mm512_storeu_ps((float *)out + o + 16, b);
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int32_t g = 0; g < G; g++) {
         const float inv = r->l[g] > 0.0f ? 1.0f / r->l[g] : 0.0f;
         for (int32_t d = 0; d < D; d++) {
