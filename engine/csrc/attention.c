@@ -109,7 +109,8 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
         float bmax = m[g];
 #pragma omp simd reduction(max:bmax)     /* max is exact: any order gives the same value (vectorized) */
         for (int32_t j = 0; j < n; j++) bmax = sg[j] > bmax ? sg[j] : bmax;
-        const float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - bmax);
+        /* an unchanged maximum (most blocks after the first few) skips the libm call: expf(0) is exactly 1 */
+        const float corr = m[g] == -INFINITY ? 0.0f : (m[g] == bmax ? 1.0f : expf(m[g] - bmax));
         if (corr != 1.0f) {
             for (int32_t d = 0; d < D; d++) acc[(int64_t)g * D + d] *= corr;
         }
