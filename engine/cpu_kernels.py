@@ -460,19 +460,25 @@ def pack_pairs(b: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_attention(qs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, q_start: int, k_start: int,
-                      window: int | None, out_dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                      window: int | None, out_dtype: torch.dtype, lib: ctypes.CDLL | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's prefill chunk over packed bf16 keys and values (csrc/prefill.c), every head in one call.
 
     qs [n, Hq, D] bf16 (already scaled); kp [Hkv, D/2, >= S] and vp [Hkv, S/2, D] int32 (``pack_pairs`` of
     each head's keys transposed and values; S even). Key j is at position k_start + j, query i at q_start + i.
-    Returns [n, Hq, D] in ``out_dtype`` (float32 or bf16), the products and softmax in float32."""
+    Returns [n, Hq, D] in ``out_dtype`` (float32 or bf16), the products and softmax in float32; ``out``: a
+    contiguous tensor of that shape and dtype to write instead of a new one."""
     lib = lib or load()
     n, hq, d = qs.shape
     hkv, s = vp.shape[0], 2 * vp.shape[1]
     assert qs.dtype == torch.bfloat16 and qs.is_contiguous() and d % 2 == 0
     assert kp.dtype == vp.dtype == torch.int32 and kp.shape[:2] == (hkv, d // 2) and kp.shape[2] >= s
     assert kp.stride(2) == 1 and kp.stride(0) == kp.stride(1) * d // 2 and vp.is_contiguous()
-    out = torch.empty(n, hq, d, dtype=out_dtype)
+    if out is None:
+        out = torch.empty(n, hq, d, dtype=out_dtype)
+    if out.shape != (n, hq, d) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"prefill_attention: out must be a contiguous {out_dtype} {(n, hq, d)}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     getattr(lib, f"prefill_bf16kv_{_SUFFIX[out_dtype]}")(
         qs.data_ptr(), kp.data_ptr(), kp.stride(1), vp.data_ptr(), n, hq, hkv, d, s, q_start, k_start,
         window or 0, out.data_ptr(), torch.get_num_threads())

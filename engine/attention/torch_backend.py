@@ -54,19 +54,22 @@ class TorchAttentionBackend(AttentionBackend):
                   and not cpu_kernels.has_amx())
         if low != q.dtype and not (wide or upcast):   # attention in the cache's dtype, output cast back
             return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
-        k, v = k.to(low), v.to(low)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_mapping)      # converts to the cache's dtype as it stores
+        nd = meta.num_decode_seqs
+        if nd == meta.num_seqs:  # a decode-only step: the kernel's output is the result (no copy into `out`)
+            return _decode(q, k_cache, v_cache, meta, window, scale, self.native)
+        if not wide:             # the per-sequence prefill below multiplies this step's k/v in the cache's dtype
+            k, v = k.to(low), v.to(low)
 
         out = torch.empty_like(q)
-        nd = meta.num_decode_seqs
         if nd:   # float32 queries over a bf16 cache: the kernel keeps them (and the output) float32
             out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, window, scale, self.native)
         qsl, bs = meta.query_start_loc, meta.block_size
         for i in range(nd, meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
-            if wide:
-                out[s:e] = _prefill_wide(q[s:e], k_cache, v_cache, meta.block_tables[i], meta.seq_lens[i], window,
-                                         scale, bs)
+            if wide:             # written in place: out rows s..e are contiguous
+                _prefill_wide(q[s:e], k_cache, v_cache, meta.block_tables[i], meta.seq_lens[i], window, scale, bs,
+                              out=out[s:e])
                 continue
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
                                 meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn),
@@ -134,10 +137,12 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     return out
 
 
-def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int):
+def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
+                  out: torch.Tensor | None = None):
     """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.prefill_attention``: bf16 dot
     products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16 once),
-    keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype). The visible
+    keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype, into ``out`` when
+    given). The visible
     keys and values are packed once, straight from the cache (``cpu_kernels.pack_kv``: the chunk's own keys and
     values are already written there); the kernel tiles the queries, each tile's keys starting at an even offset
     (value pairs) with the extra key at either end masked like any invisible one."""
@@ -146,7 +151,7 @@ def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, 
     base = _first_key(start, window)
     kp, vp = cpu_kernels.pack_kv(k_cache, v_cache, table, base, seq_len)   # from the cache (k/v written already)
     qs = (q * scale).to(torch.bfloat16).contiguous()
-    return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype)
+    return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out)
 
 
 def _tile_mask(ts: int, te: int, lo: int, window: int | None, device) -> torch.Tensor:
