@@ -261,6 +261,32 @@ def test_int8_glu_linear_keeps_gate_up_order():
     assert torch.equal(inter.glu(x, "silu"), cpu_kernels.glu(plain.linear(x), "silu"))
 
 
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
+def test_gated_mlp_takes_the_fused_glu_only_where_it_fits(act, monkeypatch):
+    """A gated MLP whose gate_up is an Int8GluLinear (2I a multiple of 32, no bias) runs the fused kernel and gives
+    exactly what the same weights give as a plain Int8Linear (unfused GLU); 2I = 48 stays plain."""
+    from torch import nn
+
+    from engine.models.layers import GatedMLP
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 40, generator=g)
+    mlp = GatedMLP(40, 32, act)
+    q, s = int8.quantize_rows(torch.randn(64, 40, generator=g) * 0.1)
+    mlp.down_proj = int8.Int8Linear.from_quantized(*int8.quantize_rows(torch.randn(40, 32, generator=g) * 0.1), 32)
+    mlp.gate_up_proj = int8.Int8Linear.from_quantized(q, s, 40)
+    plain = mlp(x)
+    mlp.gate_up_proj = int8.Int8GluLinear.from_quantized(*int8.glu_interleave(q, s), 40)
+    calls = []
+    fused = cpu_kernels.q8_linear_glu
+    monkeypatch.setattr(cpu_kernels, "q8_linear_glu", lambda *a, **k: calls.append(a[5]) or fused(*a, **k))
+    assert torch.equal(mlp(x), plain)
+    assert calls == [{"silu": "silu"}.get(act, "gelu_tanh")]          # one fused call, with the MLP's activation
+    assert int8._is_gate_up("model.layers.0.mlp.gate_up_proj", nn.Linear(40, 64, bias=False))
+    assert not int8._is_gate_up("model.layers.0.mlp.gate_up_proj", nn.Linear(40, 48, bias=False))
+    assert not int8._is_gate_up("model.layers.0.mlp.gate_up_proj", nn.Linear(40, 64, bias=True))
+    assert not int8._is_gate_up("model.layers.0.self_attn.qkv_proj", nn.Linear(40, 64, bias=False))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_rows_dequantized(libs, dtype):
     w = torch.randn(100, 72)
