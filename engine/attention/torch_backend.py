@@ -56,7 +56,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
         write_kv(kv_cache, k, v, meta.slot_mapping)      # converts to the cache's dtype as it stores
         nd = meta.num_decode_seqs
-        if nd == meta.num_seqs:  # a decode-only step: the kernel's output is the result (no copy into `out`)
+        if nd and nd == meta.num_seqs:  # a decode-only step: the kernel's output is the result (no copy into `out`)
             return _decode(q, k_cache, v_cache, meta, window, scale, self.native)
         if not wide:             # the per-sequence prefill below multiplies this step's k/v in the cache's dtype
             k, v = k.to(low), v.to(low)
