@@ -181,31 +181,46 @@ int prefill_f32_cols(void) { return F32_COLS; }
 /* ---- the chunk's keys and values straight from the paged bf16 cache into the bf16 kind's operands ---------- *
  * Positions [lo, hi) of one sequence (block table `table`, cache [blocks, bs, Hkv, D]); S = hi - lo rounded up to
  * even, the extra key zero. kp [Hkv][D/2, S]: word (i, j) = key j's pair i; vp [Hkv][S/2, D]: word (j, d) = (v[2j][d],
- * v[2j+1][d]). One pass over the cache where torch made a gather, a pad, and a transpose copy per head. */
+ * v[2j+1][d]). One pass over the cache where torch made a gather, a pad, and a transpose copy per head. The keys'
+ * transpose goes 32 keys at a time (their rows stay in L1): each pair i then writes 128 contiguous bytes, where a
+ * key at a time wrote 4 bytes into each of D/2 lines S words apart. */
+#define PACK_KEYS 32
+
+/* the cached row of position pos for KV head h, or NULL past hi (the padding key) */
+static inline const uint16_t *cached_row(const uint16_t *cache, const int32_t *table, int bs, int64_t tok, int h,
+                                         int D, int64_t pos, int64_t hi) {
+    return pos < hi ? cache + ((int64_t)table[pos / bs] * bs + pos % bs) * tok + (int64_t)h * D : NULL;
+}
+
 void pack_kv_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int bs, int Hkv, int D,
                   int64_t lo, int64_t hi, uint32_t *kp, uint32_t *vp, int nt) {
-    const int64_t S = (hi - lo + 1) / 2 * 2, D2 = D / 2;
+    const int64_t S = (hi - lo + 1) / 2 * 2, D2 = D / 2, kblocks = (S + PACK_KEYS - 1) / PACK_KEYS;
     const int64_t tok = (int64_t)Hkv * D;                                  /* elements per cached token */
     (void)nt;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nt) if (S * D > 65536)
-    for (int h = 0; h < Hkv; h++)
-        for (int64_t j2 = 0; j2 < S / 2; j2++) {                           /* a pair of keys per iteration */
-            const uint16_t *kr[2], *vr[2];
-            for (int e = 0; e < 2; e++) {
-                const int64_t pos = lo + 2 * j2 + e;
-                const int64_t off = pos < hi ? ((int64_t)table[pos / bs] * bs + pos % bs) * tok + (int64_t)h * D : -1;
-                kr[e] = off >= 0 ? k_cache + off : NULL;
-                vr[e] = off >= 0 ? v_cache + off : NULL;
+#pragma omp parallel num_threads(nt) if (S * D > 65536)
+    {
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t kb = 0; kb < kblocks; kb++) {                     /* keys: PACK_KEYS at a time */
+                const int64_t j0 = kb * PACK_KEYS, n = S - j0 < PACK_KEYS ? S - j0 : PACK_KEYS;
+                const uint16_t *kr[PACK_KEYS];
+                for (int64_t j = 0; j < n; j++) kr[j] = cached_row(k_cache, table, bs, tok, h, D, lo + j0 + j, hi);
+                uint32_t *kd = kp + (size_t)h * D2 * S + j0;
+                for (int64_t i = 0; i < D2; i++)
+                    for (int64_t j = 0; j < n; j++) {
+                        uint32_t w = 0;
+                        if (kr[j]) memcpy(&w, kr[j] + 2 * i, sizeof w);
+                        kd[i * S + j] = w;
+                    }
             }
-            uint32_t *kd = kp + (size_t)h * D2 * S + 2 * j2;
-            for (int e = 0; e < 2; e++)
-                for (int64_t i = 0; i < D2; i++) {
-                    uint32_t w = 0;
-                    if (kr[e]) memcpy(&w, kr[e] + 2 * i, sizeof w);
-                    kd[i * S + e] = w;
-                }
-            uint32_t *vd = vp + ((size_t)h * (S / 2) + j2) * D;
-            for (int d = 0; d < D; d++)
-                vd[d] = (uint32_t)(vr[0] ? vr[0][d] : 0) | (uint32_t)(vr[1] ? vr[1][d] : 0) << 16;
-        }
+#pragma omp for collapse(2) schedule(static)
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t j2 = 0; j2 < S / 2; j2++) {                       /* values: a pair of keys per row */
+                const uint16_t *v0 = cached_row(v_cache, table, bs, tok, h, D, lo + 2 * j2, hi);
+                const uint16_t *v1 = cached_row(v_cache, table, bs, tok, h, D, lo + 2 * j2 + 1, hi);
+                uint32_t *vd = vp + ((size_t)h * (S / 2) + j2) * D;
+                for (int d = 0; d < D; d++)
+                    vd[d] = (uint32_t)(v0 ? v0[d] : 0) | (uint32_t)(v1 ? v1[d] : 0) << 16;
+            }
+    }
 }
