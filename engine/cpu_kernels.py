@@ -345,12 +345,17 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 # ---- int8 linear (csrc/qlinear.c) ----------------------------------------------------------------------------
 
-def _q8_activations(lib: ctypes.CDLL, x: torch.Tensor):
-    """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded)."""
+def _q8_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x [M, K] as the int8 kernels read it (dense rows, any row stride): (x, M, K, K padded to the group of 32)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    kp = -(-k // 32) * 32
+    return x, m, k, -(-k // 32) * 32
+
+
+def _q8_activations(lib: ctypes.CDLL, x: torch.Tensor):
+    """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded)."""
+    x, m, k, kp = _q8_rows(x)
     g = kp // 32
     q = torch.empty(m * kp, dtype=torch.uint8)
     sa = torch.empty(m * g, dtype=torch.float32)
@@ -369,10 +374,7 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     wmax <= 64, and a smaller bound than the truth would saturate it. ``lib``: a specific build (tests); default
     the loaded one."""
     lib = lib or load()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    kp = -(-k // 32) * 32
+    x, m, k, kp = _q8_rows(x)
     y = torch.empty(m, n, dtype=x.dtype)
     # one call: the kernel quantizes x into its own scratch (the same quants as _q8_activations), then multiplies
     getattr(lib, f"q8_linear_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
@@ -392,10 +394,7 @@ def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.
     if n % 32:
         raise ValueError(f"q8_linear_glu needs 2I a multiple of 32, got {n}")
     lib = lib or load()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    kp = -(-k // 32) * 32
+    x, m, k, kp = _q8_rows(x)
     y = torch.empty(m, n // 2, dtype=x.dtype)
     getattr(lib, f"q8_linear_glu_{_SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
                                                       cw.data_ptr(), w.numel() // kp, n, wmax, _Q8_GLU_ACT[act],
