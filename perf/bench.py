@@ -34,6 +34,7 @@ only on sampled rows; padding and masked work are not counted) against the calib
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import gc
 import json
@@ -50,6 +51,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL
 from perf import BENCH_EXTRA_SYSTEMS, BENCH_SHAPES, BENCH_SYSTEMS
+from perf.breakdown import format_breakdown, kernel_breakdown
 from perf.roofline import Roofline
 from perf.stats import percentiles
 
@@ -243,6 +245,7 @@ class BenchOptions:
     max_num_batched_tokens: int | None = None
     kv_cache_memory: int | None = None
     roofline: bool = True             # load (or measure) a calibration for MFU/MBU
+    breakdown: bool = False           # time batchgen's kernel families per step kind (perf.breakdown)
     quick: bool = False
     seed: int = 0
     log: bool = True                  # progress lines on stderr
@@ -282,9 +285,11 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     llm.generate(_warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
     first_step = len(llm.step_stats)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T)
-    t0 = time.monotonic()
-    outs = llm.generate([list(p.token_ids) for p in prompts], params, priorities=range(len(prompts)))
-    wall = time.monotonic() - t0
+    timers = kernel_breakdown() if opts.breakdown else contextlib.nullcontext()
+    with timers as bd:
+        t0 = time.monotonic()
+        outs = llm.generate([list(p.token_ids) for p in prompts], params, priorities=range(len(prompts)))
+        wall = time.monotonic() - t0
     steps = llm.step_stats[first_step:]
     res = SystemResult(
         system=name, label=name, wall_s=wall, num_requests=len(outs),
@@ -297,6 +302,8 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     if errors:
         res.extra["errors"] = errors[:3]
     res.extra.update(_step_summary(steps))
+    if bd is not None:
+        res.extra["breakdown"] = bd.to_dict()
     res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
     drafts = sum(o.metrics.num_draft_tokens for o in outs)
     if drafts:
@@ -807,6 +814,9 @@ def format_table(result: dict) -> str:
                        ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)")):
         if key in r:
             lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
+    for s in result["systems"]:
+        if s["extra"].get("breakdown"):
+            lines += ["", *format_breakdown(s["label"], s["extra"]["breakdown"])]
     if env.get("calibration"):
         c = env["calibration"]
         lines.append(f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "

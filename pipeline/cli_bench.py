@@ -35,6 +35,8 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--max-num-batched-tokens", type=int, default=None, help="batchgen engine option (and hf-cb's budget).")
 @click.option("--kv-cache-memory", type=int, default=None, help="batchgen KV pool in bytes.")
 @click.option("--no-roofline", is_flag=True, help="Skip calibration and MFU/MBU.")
+@click.option("--breakdown", is_flag=True, help="Also time batchgen's kernel families (linears, LM head, attention, "
+              "norms) per step kind, with the linears' op rate: where the time went (perf.breakdown).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt text.")
 @click.option("--quality", is_flag=True, help="Instead of a workload: top-1 agreement and KL of bf16 and int8 against "
               "float32, teacher-forced on the sample documents (the int8 quality bar).")
@@ -42,8 +44,8 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
-              hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, seed, quality,
-              positions, json_path):
+              hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, breakdown, seed,
+              quality, positions, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
     from perf.bench import format_table, options_from, run_bench, save_json
@@ -72,7 +74,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
                             output_tokens=output_tokens, hf_batch_sizes=sizes, model=model, dtype=dtype,
                             threads=threads, systems=tuple(chosen), max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-                            roofline=not no_roofline, seed=seed)
+                            roofline=not no_roofline, breakdown=breakdown, seed=seed)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     progress = (lambda partial: save_json(partial, json_path)) if json_path else None
