@@ -38,7 +38,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"             # auto: the activation dtype (int8 weights: bf16 where measured
                                              # faster, engine.quantization) | bfloat16 | float32 (vLLM's name).
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,
-                                             # attention in bf16 (engine.attention.torch_backend)
+                                             # attention in bf16 (engine.attention.torch_backend) | int8: per-row
+                                             # int8 + scale, ~0.53x bf16's bytes (engine.attention.int8_kv; CPU)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -53,8 +54,8 @@ class EngineConfig:
         SpecConfig.parse(self.speculative_config)      # raises ConfigError naming what is wrong
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8"):
+            raise ConfigError(f"kv_cache_dtype must be auto, float32, bfloat16 or int8, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "flash_attn"):
             raise ConfigError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -52,6 +52,8 @@ _COMMON_FLAGS = ("-fno-trapping-math", "-shared", "-fPIC", "-std=c11")
 _FUNCS = {(torch.bfloat16, torch.bfloat16): "paged_decode_bf16", (torch.float32, torch.float32): "paged_decode_f32",
           (torch.float32, torch.bfloat16): "paged_decode_bf16kv_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# query/output dtype -> decode kernel over an int8 cache (kv_cache_dtype: int8; engine.attention.int8_kv)
+_I8_DECODE = {torch.float32: "paged_decode_i8kv_f32", torch.bfloat16: "paged_decode_i8kv_bf16"}
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
@@ -125,7 +127,7 @@ def build(cc: str, flag_sets=None) -> Path:
 def open_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    sigs = {name: [P] * 4 + [I64, P] + [I32] * 6 + [F32, P, I32] for name in _FUNCS.values()}
+    sigs = {name: [P] * 4 + [I64, P] + [I32] * 6 + [F32, P, I32] for name in (*_FUNCS.values(), *_I8_DECODE.values())}
     for sfx in _SUFFIX.values():
         sigs.update({
             f"gelu_tanh_mul_{sfx}": [P, I64, I64, P, I32],
@@ -134,6 +136,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             f"rope_neox_{sfx}": [P, I64, I64, I64, I64, P, P, I32],
             f"add_rms_norm_{sfx}": [P, P, I64, I64, P, F32, P, F32, P, P, I32],
             **{f"kv_write_{sfx}_{dst}": [P, P, I64, I64, I64, I64, P, I64, P, P, I32] for dst in _SUFFIX.values()},
+            f"kv_write_{sfx}_i8": [P, P, I64, I64, I64, I64, I64, P, I64, I64, P, P, I32],
             f"masked_softmax_{sfx}": [P] + [I64] * 7 + [I32],
             f"q8_quant_act_{sfx}": [P, I32, I32, I32, I32, P, P, P, I32],
             f"q8_gemm_{sfx}": [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, I32, I32],
@@ -147,10 +150,12 @@ def open_library(path: Path) -> ctypes.CDLL:
     sigs["bf16_gemm"] = [P, I64, P, I64, P, I64, I32, I32, I32, I32]
     sigs["prefill_f32"] = [P, P, I64, P] + [I32] * 5 + [I64] * 3 + [P, I32]
     sigs["pack_kv_bf16"] = [P, P, P, I32, I32, I32, I64, I64, P, P, I32]
+    sigs["pack_kv_i8"] = [P, P, P, I32, I32, I32, I64, I64, P, P, I32]
     sigs["q8_gemm_argmax"] = [P, P, P, I32, I32, P, P, P, I32, I32, I32, P, P, I32]
     for name, args in sigs.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int if name in _FUNCS.values() or name.startswith("kv_write_") else None
+        fn.restype = (ctypes.c_int if name in _FUNCS.values() or name in _I8_DECODE.values()
+                      or name.startswith("kv_write_") else None)
         fn.argtypes = args
     for name in ("batchgen_kernel_isa", "batchgen_q8_isa"):
         getattr(lib, name).restype, getattr(lib, name).argtypes = ctypes.c_char_p, []
@@ -498,6 +503,72 @@ def pack_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, l
     vp = torch.empty(hkv, s // 2, d, dtype=torch.int32)
     lib.pack_kv_bf16(k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), bs, hkv, d, lo, hi, kp.data_ptr(),
                      vp.data_ptr(), torch.get_num_threads())
+    return kp, vp
+
+
+# ---- the int8 KV cache (kv_cache_dtype: int8; layout in engine.attention.int8_kv) --------------------------------
+
+def int8_kv_ok(q: torch.Tensor) -> bool:
+    """True when the int8-cache kernels (write, decode, pack) can serve queries like q [.., Hq, D] here."""
+    return q.device.type == "cpu" and q.dtype in _I8_DECODE and load() is not None
+
+
+def kv_write_i8(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                slot_mapping: torch.Tensor, block_size: int, lib: ctypes.CDLL | None = None) -> None:
+    """k, v [T, Hkv, D] (bf16/float32; each token's heads dense) into their slots of an int8 cache pair,
+    quantized per row (``int8_kv.quantize``'s bytes)."""
+    lib = lib or load()
+    k_cache, v_cache = kv_cache
+    assert k_cache.dtype == v_cache.dtype == torch.int8 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if k.stride(2) != 1 or (k.shape[1] > 1 and k.stride(1) != k.shape[2]):
+        k = k.contiguous()
+    if v.stride(2) != 1 or (v.shape[1] > 1 and v.stride(1) != v.shape[2]):
+        v = v.contiguous()
+    v = v.to(k.dtype)
+    slots = slot_mapping.contiguous()
+    t, h, d = k.shape
+    rc = getattr(lib, f"kv_write_{_SUFFIX[k.dtype]}_i8")(
+        k.data_ptr(), v.data_ptr(), t, h, d, k.stride(0), v.stride(0), slots.data_ptr(), k_cache.shape[0] * block_size,
+        block_size, k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads())
+    if rc == 2:
+        raise ValueError(f"kv_write: an int8 cache needs head_dim a multiple of 32, got {d}")
+    if rc:
+        raise IndexError(f"kv_write: a slot outside the cache's {k_cache.shape[0] * block_size} slots")
+
+
+def paged_decode_i8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, window: int | None, scale: float, num_kv_heads: int, block_size: int,
+                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``paged_decode`` over an int8 cache: q [B, Hq, D] float32 or bf16 -> [B, Hq, D] in q's dtype."""
+    lib = lib or load()
+    q = q.contiguous()
+    block_tables = block_tables.contiguous()
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype == torch.int8 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    b, hq, d = q.shape
+    out = torch.empty_like(q)
+    rc = getattr(lib, _I8_DECODE[q.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), b, hq, num_kv_heads, d, block_size, window or 0, scale, out.data_ptr(),
+        torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged_decode: unsupported shape q={tuple(q.shape)} heads={num_kv_heads} bs={block_size}")
+    return out
+
+
+def pack_kv_i8(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int,
+               block_size: int, num_kv_heads: int, head_dim: int,
+               lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_kv`` from an int8 cache: positions [lo, hi) dequantized (q * scale, rounded to bf16 once) into
+    ``prefill_attention``'s operands (kp [Hkv, D/2, S], vp [Hkv, S/2, D] int32 words of bf16 pairs)."""
+    lib = lib or load()
+    assert k_cache.dtype == v_cache.dtype == torch.int8 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    table = table.to(torch.int32).contiguous()
+    s = (hi - lo + 1) // 2 * 2
+    kp = torch.empty(num_kv_heads, head_dim // 2, s, dtype=torch.int32)
+    vp = torch.empty(num_kv_heads, s // 2, head_dim, dtype=torch.int32)
+    lib.pack_kv_i8(k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), block_size, num_kv_heads, head_dim, lo,
+                   hi, kp.data_ptr(), vp.data_ptr(), torch.get_num_threads())
     return kp, vp
 
 

@@ -12,7 +12,7 @@ import mmap
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, int8_kv
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata, greedy, make_generator
 from engine.scheduler_output import SchedulerOutput
@@ -39,6 +39,8 @@ class ModelRunner:
         self.backend = backend
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        if dtype == torch.int8:                   # kv_cache_dtype: int8: [num_blocks, block bytes] (attention.int8_kv)
+            shape = int8_kv.pool_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device))
                           for _ in range(cfg.num_hidden_layers)]
         bind_kv_caches(model, self.kv_caches, backend)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend, get_backend
+from engine.attention import AttentionBackend, get_backend, int8_kv
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.dtype_policy import DTYPES, DtypeChoice, choose_dtype, log_choice
 from engine.errors import ConfigError
@@ -26,6 +26,9 @@ from engine.models.config import ModelConfig
 from engine.quantization import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_isa, kernel_q8_isa
 
 log = logging.getLogger("batchgen.engine")
+
+# kv_cache_dtype -> the pool's torch dtype (int8: engine.attention.int8_kv's byte layout)
+KV_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class EngineSetup:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return DTYPES[self.config.kv_cache_dtype]
+        return KV_DTYPES[self.config.kv_cache_dtype]
 
     def info(self, **extra) -> EngineInfo:
         cfg = self.config
@@ -97,8 +100,11 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
         if device.type != "cpu":
             raise ConfigError(f"kv_cache_dtype: {kv} differs from dtype {choice.dtype}; on {device.type} the KV "
                               "cache is kept in the activation dtype (use auto)")
+    if kv == "int8" and not int8_kv.supported(mcfg.head_dim):
+        raise ConfigError(f"kv_cache_dtype: int8 needs head_dim a multiple of {int8_kv.GROUP} (groups of "
+                          f"{int8_kv.GROUP} share a scale); this model's is {mcfg.head_dim}")
     cfg = dataclasses.replace(cfg, kv_cache_dtype=kv)
-    blocks = num_kv_blocks(cfg, mcfg, DTYPES[kv], device, block_size, max_model_len)
+    blocks = num_kv_blocks(cfg, mcfg, KV_DTYPES[kv], device, block_size, max_model_len)
     return EngineSetup(cfg, source, mcfg, model_identity(source), device, choice, quant, backend, blocks)
 
 

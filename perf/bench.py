@@ -12,6 +12,7 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
     batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8; KV cache auto: bf16 where
                       engine.quantization measured it faster, else the activation dtype)
     batchgen-int8-bf16kv  the same with ``kv_cache_dtype: bfloat16`` (not in the default systems)
+    batchgen-int8-int8kv  the same with ``kv_cache_dtype: int8`` (engine.attention.int8_kv; not in the defaults)
     batchgen-spec     prefix caching on, ``speculative_config: auto`` (n-gram drafts where gating says they pay)
     llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):
                       documents in group order, one Llama object keeping its KV between prompts (prefix
@@ -50,6 +51,7 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_MODEL
+from engine.errors import ConfigError
 from perf import BENCH_EXTRA_SYSTEMS, BENCH_SHAPES, BENCH_SYSTEMS
 from perf.breakdown import format_breakdown, kernel_breakdown
 from perf.roofline import Roofline
@@ -265,8 +267,9 @@ def _say(opts: BenchOptions, msg: str) -> None:
 BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache": (False, "none", None, "auto"),
                      "batchgen-int8": (True, "int8", None, "auto"),
                      "batchgen-int8-bf16kv": (True, "int8", None, "bfloat16"),
+                     "batchgen-int8-int8kv": (True, "int8", None, "int8"),
                      "batchgen-spec": (True, "none", "auto", "auto")}
-INT8_SYSTEMS = ("batchgen-int8", "batchgen-int8-bf16kv")
+INT8_SYSTEMS = ("batchgen-int8", "batchgen-int8-bf16kv", "batchgen-int8-int8kv")
 
 
 def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
@@ -594,10 +597,13 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
             ensure_prompts()
             res, llm = run_batchgen(opts, prompts, name, roof)
             model_info = model_info or llm.info.to_dict()
+        except ConfigError as e:        # a setting this model cannot take (an int8 KV cache off its head_dim)
+            res = SystemResult(system=name, label=name, skipped=str(e))
         finally:
             del llm
             gc.collect()
-        _say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+        if not res.skipped:
+            _say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
         add(res)
 
     from engine.config import EngineConfig
@@ -797,7 +803,7 @@ def format_table(result: dict) -> str:
                      f"{r['batchgen_nocache_vs_best_transformers']:.2f}x")
     if "batchgen_vs_batchgen_nocache" in r:
         lines.append(f"batchgen cache on vs cache off: {r['batchgen_vs_batchgen_nocache']:.2f}x")
-    for key, label in (("int8", "int8"), ("int8_bf16kv", "int8 (bf16 KV)")):
+    for key, label in (("int8", "int8"), ("int8_bf16kv", "int8 (bf16 KV)"), ("int8_int8kv", "int8 (int8 KV)")):
         if f"batchgen_{key}_vs_batchgen" in r:
             lines.append(f"batchgen {label} vs batchgen {env['dtype']}: {r[f'batchgen_{key}_vs_batchgen']:.2f}x wall"
                          + (f", {r[f'{key}_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
@@ -811,7 +817,8 @@ def format_table(result: dict) -> str:
                      + (f"; acceptance {rate:.0%} of {sp['extra']['draft_tokens']} drafts" if rate is not None
                         else "; gating kept it off"))
     for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8"),
-                       ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)")):
+                       ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)"),
+                       ("batchgen_int8_int8kv_vs_llama_cpp", "batchgen int8 (int8 KV)")):
         if key in r:
             lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
     for s in result["systems"]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, int8_kv
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import bind_kv_caches
 
@@ -26,6 +26,7 @@ SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "documents.par
 VARIANTS = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "none", "auto"),
             ("int8 (fp32 act.)", "float32", "int8", "float32"),
             ("int8 (fp32 act., bf16 KV)", "float32", "int8", "bfloat16"),
+            ("int8 (fp32 act., int8 KV)", "float32", "int8", "int8"),
             ("int8 (bf16 act.)", "bfloat16", "int8", "auto"))
 
 
@@ -33,6 +34,8 @@ def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, nat
     """A fresh zeroed paged KV cache for ``model`` (tests and teacher-forced measurements)."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    if dtype == torch.int8:                       # kv_cache_dtype: int8 (engine.attention.int8_kv)
+        shape = int8_kv.pool_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
     bind_kv_caches(model, caches, TorchAttentionBackend(native))
 

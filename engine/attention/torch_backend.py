@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.attention import int8_kv
 from engine.attention.backend import AttentionBackend
 from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
@@ -43,6 +44,8 @@ class TorchAttentionBackend(AttentionBackend):
                 window: int | None, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k/v into the cache, returns [T, Hq, D]."""
         k_cache, v_cache = kv_cache                                  # [N_blocks, bs, Hkv, D]
+        if k_cache.dtype == torch.int8:                              # [N_blocks, block bytes]: int8_kv's layout
+            return _forward_int8(self.native, q, k, v, kv_cache, meta, window, scale)
         low = k_cache.dtype
         # bf16 caches: prefill tiles multiply bf16 into float32 (csrc/bf16_gemm.c) where that kernel is fast, so
         # scores and outputs are not rounded to bf16; float32 activations then keep a float32 output too.
@@ -77,6 +80,51 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None,
+                  scale: float) -> torch.Tensor:
+    """``forward`` over an int8 cache (engine.attention.int8_kv). Every key and value is read back quantized, this
+    step's too, so a sequence attends to the same values whether its prefix was cached, chunked or computed now.
+    Decode: the C kernel reads the int8 rows in place (float32 FMAs on the widened quants, the row scales on the
+    scores and the probabilities). Prefill: the chunk's visible rows dequantized into the bf16 kernel's operands
+    (``pack_kv_i8``) where that kernel runs, else gathered to float32 (the float32 kernel or torch's tiles)."""
+    k_cache, v_cache = kv_cache
+    hkv, d, bs = k.shape[1], k.shape[2], meta.block_size
+    fast = native and cpu_kernels.int8_kv_ok(q)
+    write_kv(kv_cache, k, v, meta.slot_mapping)               # int8_kv.store: the same bytes from C or torch
+    nd = meta.num_decode_seqs
+
+    def decode(qd):
+        if fast:
+            lens = meta.memo(("decode_lens",), lambda: torch.tensor(meta.seq_lens[:nd], dtype=torch.int32))
+            return cpu_kernels.paged_decode_i8(qd, k_cache, v_cache, meta.block_tables[:nd], lens, window, scale,
+                                               hkv, bs)
+        return _decode(qd, k_cache, v_cache, meta, window, scale, hkv=hkv,
+                       fetch=lambda cache, blocks: int8_kv.dequantize_blocks(cache, blocks, bs, hkv, d))
+
+    if nd and nd == meta.num_seqs:
+        return decode(q)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = decode(q[:nd])
+    wide = fast and cpu_kernels.bf16_gemm_ok()
+    qsl = meta.query_start_loc
+    for i in range(nd, meta.num_seqs):
+        s, e = qsl[i], qsl[i + 1]
+        seq_len, table = meta.seq_lens[i], meta.block_tables[i]
+        start = seq_len - (e - s)
+        base = _first_key(start, window)
+        if wide:
+            kp, vp = cpu_kernels.pack_kv_i8(k_cache, v_cache, table, base, seq_len, bs, hkv, d)
+            qs = (q[s:e] * scale).to(torch.bfloat16).contiguous()
+            cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out[s:e])
+            continue
+        chunk = (int8_kv.gather_range(k_cache, table, base, seq_len, bs, hkv, d),
+                 int8_kv.gather_range(v_cache, table, base, seq_len, bs, hkv, d), base)
+        out[s:e] = _prefill(q[s:e], None, None, None, None, table, seq_len, window, scale, bs, native=native,
+                            chunk=chunk)
+    return out
+
+
 def _first_key(start: int, window: int | None) -> int:
     """The first key position any query of a chunk starting at ``start`` sees."""
     return max(0, start - window + 1) if window else 0
@@ -93,18 +141,19 @@ def _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len: int, n: int, win
 
 
 def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
-             memo=lambda key, fn: fn(), native: bool = False):
-    """One sequence's chunk. q: [n, Hq, D] at positions [seq_len - n, seq_len); k/v_new: [n, Hkv, D].
+             memo=lambda key, fn: fn(), native: bool = False, chunk=None):
+    """One sequence's chunk. q: [n, Hq, D] at positions [seq_len - n, seq_len); k/v_new: [n, Hkv, D]. ``chunk``:
+    the visible keys and values [S, Hkv, D] and the first one's position, already gathered (an int8 cache).
 
         keys:  lo_all ........... start ......... seq_len
                | cached context   | this chunk    |
     The cache is read only when some query's window reaches back before this chunk.
     """
     n, hq, d = q.shape
-    hkv = k_new.shape[1]
-    g = hq // hkv
     start = seq_len - n
-    keys, vals, base = _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
+    keys, vals, base = chunk or _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
+    hkv = keys.shape[1]
+    g = hq // hkv
     qs = q * scale                                               # fold the scale into q once
     if native and n >= FUSED_F32_MIN_TOKENS and cpu_kernels.prefill_f32_ok(q):   # every head and tile in one C call
         return cpu_kernels.prefill_attention_f32(qs, keys, vals, start, base, window)   # (converts a bf16 cache)
@@ -192,22 +241,24 @@ def _decode_gather_index(meta: AttentionMetadata, window: int | None, device):
     return phys.reshape(-1), valid
 
 
-def _decode(q, k_cache, v_cache, meta, window, scale, native: bool = False):
+def _decode(q, k_cache, v_cache, meta, window, scale, native: bool = False, hkv: int | None = None, fetch=None):
     """One query per sequence. q: [Bd, Hq, D] -> [Bd, Hq, D].
 
     Rows of the two batched matmuls are (sequence, KV head): with one KV head (MQA) every reshape is a view and
-    the keys enter the first matmul as a transposed view (no copy beyond the block gather).
+    the keys enter the first matmul as a transposed view (no copy beyond the block gather). ``fetch(cache, blocks)``
+    -> [len(blocks), bs, Hkv, D]: how whole blocks are read (default: index_select; an int8 cache dequantizes).
     """
     bd, hq, d = q.shape
     if native and cpu_kernels.supports(q, k_cache):   # reads K/V in place: no gather copy
         lens = meta.memo(("decode_lens",), lambda: torch.tensor(meta.seq_lens[:bd], dtype=torch.int32))
         return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables[:bd], lens, window, scale)
     blocks, valid = meta.memo(("decode", window), lambda: _decode_gather_index(meta, window, q.device))
-    hkv = k_cache.shape[2]
+    hkv = hkv or k_cache.shape[2]
+    fetch = fetch or (lambda cache, idx: cache.index_select(0, idx))
     g = hq // hkv
     L = valid.shape[1]
-    kk = k_cache.index_select(0, blocks).view(bd, L, hkv, d).transpose(1, 2).reshape(bd * hkv, L, d)
-    vv = v_cache.index_select(0, blocks).view(bd, L, hkv, d).transpose(1, 2).reshape(bd * hkv, L, d)
+    kk = fetch(k_cache, blocks).view(bd, L, hkv, d).transpose(1, 2).reshape(bd * hkv, L, d)
+    vv = fetch(v_cache, blocks).view(bd, L, hkv, d).transpose(1, 2).reshape(bd * hkv, L, d)
     qq = (q * scale).view(bd * hkv, g, d)
     scores = torch.bmm(qq, kk.to(q.dtype).transpose(1, 2))      # [Bd*Hkv, G, L]
     hide = meta.memo(("decode_hide", window, hkv), lambda: (~valid).repeat_interleave(hkv, 0)[:, None, :])

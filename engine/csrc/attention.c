@@ -35,6 +35,11 @@
 
 const char *batchgen_kernel_isa(void) { return KERNEL_ISA; }
 
+/* The cache's element kind. KV_I8 (kv_cache_dtype: int8): a block is its bs x Hkv rows of D int8 (D a multiple of
+ * 32), then their float32 scales, one per row and group of 32 (value = quant * scale; engine/attention/int8_kv.py),
+ * so rows stay 64-byte aligned. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
 #define MAX_MEMBERS 16   /* sequences per work item (see the entry points) */
@@ -50,21 +55,31 @@ static inline void prefetch_rows(const char *p, int64_t stride, int32_t n, int32
 }
 
 /* Block b of a sequence whose visible keys are [lo, seq_len): *n visible rows starting at the returned element
- * offset (KV head h) in the cache. */
+ * offset (KV head h) in the cache, the first at slot *slot of its block; blocks are bstride elements apart. */
 static inline int64_t block_rows(const int32_t *table, int32_t b, int32_t lo, int32_t seq_len, int32_t bs,
-                                 int64_t tok_stride, int32_t h, int32_t D, int32_t *n) {
+                                 int64_t tok_stride, int64_t bstride, int32_t h, int32_t D, int32_t *n,
+                                 int32_t *slot) {
     const int32_t t0 = b * bs > lo ? b * bs : lo;
     const int32_t t1 = (b + 1) * bs < seq_len ? (b + 1) * bs : seq_len;
     *n = t1 - t0;
-    return ((int64_t)table[b] * bs + (t0 - b * bs)) * tok_stride + (int64_t)h * D;
+    *slot = t0 - b * bs;
+    return (int64_t)table[b] * bstride + (int64_t)*slot * tok_stride + (int64_t)h * D;
 }
+
+#define I8_GROUP 32     /* int8 cache: elements per scale along a row */
 
 /* ---- portable tile pieces (float32 tiles) ------------------------------------------------------------- */
 
-/* n rows of D (row stride in elements) from a bf16 or float32 cache into a dense float32 tile. */
-static void widen(const void *src, int64_t stride, int32_t n, int32_t D, float *dst, const int is_bf16) {
+/* n rows of D (row stride in elements) from a bf16, float32 or int8 cache into a dense float32 tile (int8: each
+ * group of 32 times its scale, row j's at sc + j * sc_stride). */
+static void widen(const void *src, int64_t stride, int32_t n, int32_t D, float *dst, const int kind,
+                  const float *sc, int64_t sc_stride) {
     for (int32_t j = 0; j < n; j++) {
-        if (is_bf16) {
+        if (kind == KV_I8) {
+            const int8_t *r = (const int8_t *)src + j * stride;
+            const float *f = sc + j * sc_stride;
+            for (int32_t d = 0; d < D; d++) dst[(int64_t)j * D + d] = (float)r[d] * f[d / I8_GROUP];
+        } else if (kind == KV_BF16) {
             const uint16_t *r = (const uint16_t *)src + j * stride;
             uint32_t *o = (uint32_t *)(dst + (int64_t)j * D);
             for (int32_t d = 0; d < D; d++) o[d] = (uint32_t)r[d] << 16;
@@ -129,10 +144,11 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
 #if VEC_WIDTH
 #define FAST_PATH 1
 
-/* A row of keys or values as float32 vectors, from a bf16 or a float32 cache. `is_bf16` is a compile-time
- * constant at every call site (always_inline), so each instantiation has no branch. */
-static inline __attribute__((always_inline)) vf load_kv(const void *base, int64_t i, const int is_bf16) {
-    return is_bf16 ? vf_load_bf16((const uint16_t *)base + i) : vf_load((const float *)base + i);
+/* A row of keys or values as float32 vectors, from a bf16 or a float32 cache (an int8 cache is widened into a
+ * float32 tile first, or takes the AVX512-BF16 paths). `kind` is a compile-time constant at every call site
+ * (always_inline), so each instantiation has no branch. */
+static inline __attribute__((always_inline)) vf load_kv(const void *base, int64_t i, const int kind) {
+    return kind == KV_BF16 ? vf_load_bf16((const uint16_t *)base + i) : vf_load((const float *)base + i);
 }
 
 #if defined(__AVX512BF16__)
@@ -154,15 +170,36 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* 32 consecutive elements of a bf16 row, or one group of 32 of an int8 row dequantized and rounded to bf16
+ * (quant * *sc, its group's scale), for the AVX512-BF16 dot products: two vpmovsxbd, two vcvtdq2ps, two vmulps
+ * and one vcvtne2ps2bf16 per 32. */
+static inline __attribute__((always_inline)) __m512i load_bh32(const void *base, int64_t i, const int kind,
+                                                               const float *sc) {
+    if (kind == KV_I8) {
+        const int8_t *p = (const int8_t *)base + i;
+        const __m512 f = _mm512_set1_ps(*sc);
+        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), f);
+        const __m512 hi = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))), f);
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);   /* elements 0-15 from lo, 16-31 from hi */
+    }
+    (void)sc;
+    return _mm512_loadu_si512((const void *)((const uint16_t *)base + i));
+}
+#endif
+
 /* s[g*ld + j] = q[g] . k_j for n tokens of one block (row stride `stride`, in elements). G is a compile-time
  * constant at every call site (always_inline + DISPATCH_G), so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void fast_scores(
-        const int G, const int is_bf16, const float *qf, const uint16_t *qb, const void *k, int64_t stride,
-        int32_t n, int32_t D, float *s, int32_t ld) {
+        const int G, const int kind, const float *qf, const uint16_t *qb, const void *k, int64_t stride,
+        int32_t n, int32_t D, float *s, int32_t ld, const float *sc, int64_t sc_stride) {
     (void)qb;
+    (void)sc;
+    (void)sc_stride;
     int32_t j = 0;
 #if defined(__AVX512BF16__)
-    if (is_bf16) {                                      /* 32 bf16 pairs per instruction, no widening */
+    if (kind == KV_BF16 || kind == KV_I8) {             /* 32 bf16 pairs per instruction */
         const int TJ = 16 / G;          /* tokens per pass: G * TJ = 16 accumulators, summed by one hsum16 */
         for (; j + TJ <= n; j += TJ) {
             __m512 acc[16];
@@ -171,8 +208,8 @@ static inline __attribute__((always_inline)) void fast_scores(
                 __m512bh qv[8];
                 for (int g = 0; g < G; g++) qv[g] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
                 for (int t = 0; t < TJ; t++) {
-                    const uint16_t *kt = (const uint16_t *)k + (j + t) * stride + c;
-                    const __m512bh kx = (__m512bh)_mm512_loadu_si512((const void *)kt);
+                    const __m512bh kx = (__m512bh)load_bh32(k, (j + t) * stride + c, kind,
+                                                            sc + (j + t) * sc_stride + c / I8_GROUP);
                     for (int g = 0; g < G; g++) acc[g * TJ + t] = _mm512_dpbf16_ps(acc[g * TJ + t], qv[g], kx);
                 }
             }
@@ -182,12 +219,12 @@ static inline __attribute__((always_inline)) void fast_scores(
                 _mm512_mask_storeu_ps(s + g * (ld - TJ) + j, (__mmask16)(((1u << TJ) - 1) << (g * TJ)), sums);
         }
         for (; j + 1 < n; j += 2) {                     /* two tokens at a time: 2G independent chains */
-            const uint16_t *k0 = (const uint16_t *)k + j * stride, *k1 = k0 + stride;
             __m512 a[8], b[8];
             for (int g = 0; g < G; g++) a[g] = b[g] = _mm512_setzero_ps();
             for (int32_t c = 0; c < D; c += 32) {
-                __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(k0 + c));
-                __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(k1 + c));
+                __m512bh x0 = (__m512bh)load_bh32(k, j * stride + c, kind, sc + j * sc_stride + c / I8_GROUP);
+                __m512bh x1 = (__m512bh)load_bh32(k, (j + 1) * stride + c, kind,
+                                                  sc + (j + 1) * sc_stride + c / I8_GROUP);
                 for (int g = 0; g < G; g++) {
                     __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
                     a[g] = _mm512_dpbf16_ps(a[g], qv, x0);
@@ -199,6 +236,16 @@ static inline __attribute__((always_inline)) void fast_scores(
                 s[g * ld + j + 1] = _mm512_reduce_add_ps(b[g]);
             }
         }
+        for (; kind == KV_I8 && j < n; j++) {           /* an int8 row has no float32 form: its odd last token here */
+            __m512 a[8];
+            for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+            for (int32_t c = 0; c < D; c += 32) {
+                const __m512bh x = (__m512bh)load_bh32(k, j * stride + c, kind, sc + j * sc_stride + c / I8_GROUP);
+                for (int g = 0; g < G; g++)
+                    a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c)), x);
+            }
+            for (int g = 0; g < G; g++) s[g * ld + j] = _mm512_reduce_add_ps(a[g]);
+        }
     }
 #endif
     for (; j + 1 < n; j += 2) {                         /* two tokens at a time: 2G independent chains */
@@ -206,7 +253,7 @@ static inline __attribute__((always_inline)) void fast_scores(
         vf a[8], b[8];
         for (int g = 0; g < G; g++) a[g] = b[g] = vf_zero();
         for (int32_t c = 0; c < D; c += VEC_WIDTH) {
-            const vf x0 = load_kv(k, r0 + c, is_bf16), x1 = load_kv(k, r1 + c, is_bf16);
+            const vf x0 = load_kv(k, r0 + c, kind), x1 = load_kv(k, r1 + c, kind);
             for (int g = 0; g < G; g++) {
                 const vf qv = vf_load(qf + g * D + c);
                 a[g] = vf_fma(qv, x0, a[g]);
@@ -222,7 +269,7 @@ static inline __attribute__((always_inline)) void fast_scores(
         vf a[8];
         for (int g = 0; g < G; g++) a[g] = vf_zero();
         for (int32_t c = 0; c < D; c += VEC_WIDTH) {
-            const vf kv = load_kv(k, j * stride + c, is_bf16);
+            const vf kv = load_kv(k, j * stride + c, kind);
             for (int g = 0; g < G; g++) a[g] = vf_fma(vf_load(qf + g * D + c), kv, a[g]);
         }
         for (int g = 0; g < G; g++) s[g * ld + j] = vf_hsum(a[g]);
@@ -241,8 +288,8 @@ static inline int paired_index(int32_t d) {           /* column d of a chunk -> 
 }
 
 static inline __attribute__((always_inline)) void paired_accumulate(
-        const int G, float *acc, const float *p, int32_t ld, const uint16_t *v, int64_t stride, int32_t n,
-        int32_t D) {
+        const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
+        int32_t n, int32_t D, const float *sc, int64_t sc_stride) {
     uint32_t pairs[8][MAX_BLOCK / 2 + 1];
     const int32_t np = (n + 1) / 2;
     for (int g = 0; g < G; g++) {
@@ -265,9 +312,9 @@ static inline __attribute__((always_inline)) void paired_accumulate(
             hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
         }
         for (int32_t k = 0; k < np; k++) {
-            const uint16_t *v0 = v + 2 * k * stride + c;
-            const uint16_t *v1 = 2 * k + 1 < n ? v0 + stride : v0;   /* odd tail: partner weight is 0 */
-            const __m512i x0 = _mm512_loadu_si512((const void *)v0), x1 = _mm512_loadu_si512((const void *)v1);
+            const int32_t j1 = 2 * k + 1 < n ? 2 * k + 1 : 2 * k;        /* odd tail: partner weight is 0 */
+            const __m512i x0 = load_bh32(v, 2 * k * stride + c, kind, sc + 2 * k * sc_stride + c / I8_GROUP);
+            const __m512i x1 = load_bh32(v, j1 * stride + c, kind, sc + j1 * sc_stride + c / I8_GROUP);
             const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
             const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
             for (int g = 0; g < G; g++) {
@@ -290,11 +337,13 @@ static inline int paired_index(int32_t d) { return d; }
 /* acc[g] += sum_j p[g*ld + j] * v_j: per column chunk of two vectors, the G accumulators stay in registers
  * across the block's tokens (2G independent chains). bf16 caches on AVX512-BF16 CPUs take paired_accumulate. */
 static inline __attribute__((always_inline)) void fast_accumulate(
-        const int G, const int is_bf16, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
-        int32_t n, int32_t D) {
+        const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
+        int32_t n, int32_t D, const float *sc, int64_t sc_stride) {
+    (void)sc;
+    (void)sc_stride;
 #if PAIRED_PV
-    if (is_bf16) {
-        paired_accumulate(G, acc, p, ld, (const uint16_t *)v, stride, n, D);
+    if (kind == KV_BF16 || kind == KV_I8) {
+        paired_accumulate(G, kind, acc, p, ld, v, stride, n, D, sc, sc_stride);
         return;
     }
 #endif
@@ -305,7 +354,7 @@ static inline __attribute__((always_inline)) void fast_accumulate(
             a1[g] = vf_load(acc + g * D + c + VEC_WIDTH);
         }
         for (int32_t j = 0; j < n; j++) {
-            const vf v0 = load_kv(v, j * stride + c, is_bf16), v1 = load_kv(v, j * stride + c + VEC_WIDTH, is_bf16);
+            const vf v0 = load_kv(v, j * stride + c, kind), v1 = load_kv(v, j * stride + c + VEC_WIDTH, kind);
             for (int g = 0; g < G; g++) {
                 const vf pj = vf_set1(p[g * ld + j]);
                 a0[g] = vf_fma(pj, v0, a0[g]);
@@ -359,28 +408,61 @@ static inline __attribute__((always_inline)) void rows_init(rows_t *r, const voi
  * scratch. */
 static inline __attribute__((always_inline)) void rows_visit(
         rows_t *r, int32_t b, const char *kc, const char *vc, int32_t G, int32_t D, int32_t bs, int64_t tok_stride,
-        int32_t h, int fast, int prefetch, float *s, float *tile, const int is_bf16) {
-    const int32_t esize = is_bf16 ? 2 : 4;
-    int32_t n;
-    const int64_t base = block_rows(r->table, b, r->lo, r->seq_len, bs, tok_stride, h, D, &n);
+        int32_t h, int fast, int prefetch, float *s, float *tile, const int kind) {
+    const int32_t esize = kind == KV_BF16 ? 2 : (kind == KV_I8 ? 1 : 4);
+    const int64_t hkv = tok_stride / D;
+    /* elements (bytes, for int8) per block: an int8 block ends with its bs x Hkv float32 scales */
+    const int64_t ng = D / I8_GROUP, sc_bytes = 4 * (int64_t)bs * hkv * ng;   /* int8: scales per row, per block */
+    const int64_t bstride = bs * tok_stride + (kind == KV_I8 ? sc_bytes : 0);
+    int32_t n, slot;
+    const int64_t base = block_rows(r->table, b, r->lo, r->seq_len, bs, tok_stride, bstride, h, D, &n, &slot);
     /* the next block's keys now and its values after the scores: hides the scattered-block latency */
     const int pf = prefetch && b + 1 < (r->seq_len + bs - 1) / bs;
-    const int64_t next = pf ? (int64_t)r->table[b + 1] * bs * tok_stride + (int64_t)h * D : 0;
-    if (pf) prefetch_rows(kc + next * esize, tok_stride * esize, bs, D * esize);
+    const int64_t next = pf ? (int64_t)r->table[b + 1] * bstride + (int64_t)h * D : 0;
+    if (pf) {
+        prefetch_rows(kc + next * esize, tok_stride * esize, bs, D * esize);
+        if (kind == KV_I8) prefetch_rows(kc + next - h * D + bs * tok_stride, 0, 1, (int32_t)sc_bytes);
+    }
     const void *kb = kc + base * esize, *vb = vc + base * esize;
-    if (fast) {
+    /* int8: the first visible row's scales (D / 32 per row; the next token's Hkv * D / 32 floats on) */
+    const int64_t sc_off = base - (int64_t)slot * tok_stride - (int64_t)h * D + bs * tok_stride
+                           + 4 * ((int64_t)slot * hkv + h) * ng;
+    const float *ksc = kind == KV_I8 ? (const float *)(kc + sc_off) : NULL;
+    const float *vsc = kind == KV_I8 ? (const float *)(vc + sc_off) : NULL;
+    const int64_t sc_stride = hkv * ng;
+#if defined(__AVX512BF16__)
+    const int i8_tile = 0;        /* int8 rows go straight into the bf16 dot products (load_bh32) */
+#else
+    const int i8_tile = 1;        /* int8 rows are widened into the float32 tile, then the float32 paths */
+#endif
+    if (fast && !(kind == KV_I8 && i8_tile)) {
 #if FAST_PATH
-        DISPATCH_G(G, fast_scores(G_, is_bf16, r->qf, r->qb, kb, tok_stride, n, D, s, bs));
-        if (pf) prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
+        DISPATCH_G(G, fast_scores(G_, kind, r->qf, r->qb, kb, tok_stride, n, D, s, bs, ksc, sc_stride));
+        if (pf) {
+            prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
+            if (kind == KV_I8) prefetch_rows(vc + next - h * D + bs * tok_stride, 0, 1, (int32_t)sc_bytes);
+        }
         softmax_update(s, bs, n, G, D, r->m, r->l, r->acc);
-        DISPATCH_G(G, fast_accumulate(G_, is_bf16, r->acc, s, bs, vb, tok_stride, n, D));
+        DISPATCH_G(G, fast_accumulate(G_, kind, r->acc, s, bs, vb, tok_stride, n, D, vsc, sc_stride));
+#endif
+    } else if (fast) {
+#if FAST_PATH
+        widen(kb, tok_stride, n, D, tile, kind, ksc, sc_stride);
+        DISPATCH_G(G, fast_scores(G_, KV_F32, r->qf, r->qb, tile, D, n, D, s, bs, NULL, 0));
+        if (pf) {
+            prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
+            prefetch_rows(vc + next - h * D + bs * tok_stride, 0, 1, (int32_t)sc_bytes);
+        }
+        softmax_update(s, bs, n, G, D, r->m, r->l, r->acc);
+        widen(vb, tok_stride, n, D, tile, kind, vsc, sc_stride);
+        DISPATCH_G(G, fast_accumulate(G_, KV_F32, r->acc, s, bs, tile, D, n, D, NULL, 0));
 #endif
     } else {
         if (pf) prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
-        widen(kb, tok_stride, n, D, tile, is_bf16);
+        widen(kb, tok_stride, n, D, tile, kind, ksc, sc_stride);
         tile_scores(r->qf, tile, G, n, D, s, bs);
         softmax_update(s, bs, n, G, D, r->m, r->l, r->acc);
-        widen(vb, tok_stride, n, D, tile, is_bf16);
+        widen(vb, tok_stride, n, D, tile, kind, vsc, sc_stride);
         tile_accumulate(r->acc, s, tile, G, n, D, bs);
     }
 }
@@ -434,7 +516,7 @@ static inline __attribute__((always_inline)) void rows_finish(const rows_t *r, v
 static inline __attribute__((always_inline)) void group_item(
         const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables, int64_t table_stride,
         const int32_t *seq_lens, const int32_t *members, int32_t count, int32_t num_heads, int32_t num_kv_heads,
-        int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out, const int is_bf16,
+        int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out, const int kind,
         const int io_bf16) {
     float s[G * bs], tile[bs * D];
     const size_t per = (size_t)G * D;
@@ -474,16 +556,16 @@ static inline __attribute__((always_inline)) void group_item(
     if (j1 < j0) j1 = j0;
     for (int32_t c = 0; c < count; c++)
         for (int32_t b = rows[c].lo / bs; b < j0 && b * bs < rows[c].seq_len; b++)
-            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, is_bf16);
+            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, kind);
     for (int32_t b = j0; b < j1; b++)
         for (int32_t c = 0; c < count; c++)
-            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, c == 0, s, tile, is_bf16);
-    const int permuted = fast && PAIRED_PV && is_bf16;
+            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, c == 0, s, tile, kind);
+    const int permuted = fast && PAIRED_PV && (kind == KV_BF16 || kind == KV_I8);   /* PAIRED_PV: AVX512-BF16 */
     for (int32_t c = 0; c < count; c++) {
         rows_t *r = &rows[c];
         const int32_t from = j1 > r->lo / bs ? j1 : r->lo / bs;
         for (int32_t b = from; b * bs < r->seq_len; b++)
-            rows_visit(r, b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, is_bf16);
+            rows_visit(r, b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, kind);
         rows_finish(r, out, ((int64_t)members[c] * num_heads + (int64_t)h * G) * D, G, D, permuted, io_bf16);
     }
     free(fbuf);
@@ -493,13 +575,13 @@ static inline __attribute__((always_inline)) void group_item(
 static void group_item_bf16(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
                             const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
                             int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 1, 1);
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_BF16, 1);
 }
 
 static void group_item_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
                            const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
                            int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 0, 0);
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_F32, 0);
 }
 
 /* float32 queries and outputs over a bf16 cache (float32 activations, kv_cache_dtype: bfloat16) */
@@ -507,7 +589,20 @@ static void group_item_bf16kv_f32(const void *q, const void *k, const void *v, c
                                   const int32_t *lens, const int32_t *members, int32_t count, int32_t hq,
                                   int32_t hkv, int32_t G, int32_t D, int32_t bs, int32_t window, float scale,
                                   int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, 1, 0);
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_BF16, 0);
+}
+
+/* an int8 cache (kv_cache_dtype: int8), float32 or bf16 queries and outputs */
+static void group_item_i8kv_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
+                                const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
+                                int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_I8, 0);
+}
+
+static void group_item_i8kv_bf16(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
+                                 const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
+                                 int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
+    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_I8, 1);
 }
 
 /* ---- grouping: sequences sorted by their block tables, cut into runs that start on the same block -------- */
@@ -594,6 +689,8 @@ static int32_t cut_groups(const tables_t *t, const int32_t *order, int32_t n, in
 ENTRY(paged_decode_bf16, uint16_t, uint16_t, group_item_bf16)
 ENTRY(paged_decode_f32, float, float, group_item_f32)
 ENTRY(paged_decode_bf16kv_f32, float, uint16_t, group_item_bf16kv_f32)
+ENTRY(paged_decode_i8kv_f32, float, int8_t, group_item_i8kv_f32)
+ENTRY(paged_decode_i8kv_bf16, uint16_t, int8_t, group_item_i8kv_bf16)
 
 /* ---- prefill: causal / sliding-window softmax over a tile of scores ------------------------------------- */
 

@@ -224,3 +224,51 @@ void pack_kv_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int32_
             }
     }
 }
+
+/* pack_kv_bf16's operands from an int8 cache (kv_cache_dtype: int8; block layout in kv_write.c): each value is
+ * its quant times its group's scale, rounded to bf16 once (what the bf16 kernel multiplies; the decode kernel
+ * rounds the same way). */
+#define I8_GROUP 32
+static inline const int8_t *i8_row(const int8_t *cache, const int32_t *table, int bs, int Hkv, int h, int D,
+                                   int64_t pos, int64_t hi, const float **scales) {
+    if (pos >= hi) return NULL;
+    const int64_t ng = D / I8_GROUP, rows = (int64_t)bs * Hkv * D;
+    const int64_t blk = (int64_t)table[pos / bs] * (rows + 4 * (int64_t)bs * Hkv * ng);
+    const int64_t r = (pos % bs) * Hkv + h;
+    *scales = (const float *)(cache + blk + rows) + r * ng;     /* 4-byte aligned: rows and blocks are */
+    return cache + blk + r * D;
+}
+
+static inline uint32_t i8_bf16(const int8_t *row, const float *sc, int d) {
+    return row ? f32_to_bf16((float)row[d] * sc[d / I8_GROUP]) : 0;
+}
+
+void pack_kv_i8(const int8_t *k_cache, const int8_t *v_cache, const int32_t *table, int bs, int Hkv, int D,
+                int64_t lo, int64_t hi, uint32_t *kp, uint32_t *vp, int nt) {
+    const int64_t S = (hi - lo + 1) / 2 * 2, D2 = D / 2, kblocks = (S + PACK_KEYS - 1) / PACK_KEYS;
+    (void)nt;
+#pragma omp parallel num_threads(nt) if (S * D > 65536)
+    {
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t kb = 0; kb < kblocks; kb++) {                     /* keys: PACK_KEYS at a time */
+                const int64_t j0 = kb * PACK_KEYS, n = S - j0 < PACK_KEYS ? S - j0 : PACK_KEYS;
+                const int8_t *kr[PACK_KEYS];
+                const float *ks[PACK_KEYS];
+                for (int64_t j = 0; j < n; j++) kr[j] = i8_row(k_cache, table, bs, Hkv, h, D, lo + j0 + j, hi, &ks[j]);
+                uint32_t *kd = kp + (size_t)h * D2 * S + j0;
+                for (int64_t i = 0; i < D2; i++)
+                    for (int64_t j = 0; j < n; j++)
+                        kd[i * S + j] = i8_bf16(kr[j], ks[j], 2 * i) | i8_bf16(kr[j], ks[j], 2 * i + 1) << 16;
+            }
+#pragma omp for collapse(2) schedule(static)
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t j2 = 0; j2 < S / 2; j2++) {                       /* values: a pair of keys per row */
+                const float *s0 = NULL, *s1 = NULL;
+                const int8_t *v0 = i8_row(v_cache, table, bs, Hkv, h, D, lo + 2 * j2, hi, &s0);
+                const int8_t *v1 = i8_row(v_cache, table, bs, Hkv, h, D, lo + 2 * j2 + 1, hi, &s1);
+                uint32_t *vd = vp + ((size_t)h * (S / 2) + j2) * D;
+                for (int d = 0; d < D; d++) vd[d] = i8_bf16(v0, s0, d) | i8_bf16(v1, s1, d) << 16;
+            }
+    }
+}
