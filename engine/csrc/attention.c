@@ -572,38 +572,21 @@ static inline __attribute__((always_inline)) void group_item(
     free(hbuf);
 }
 
-static void group_item_bf16(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
-                            const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
-                            int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_BF16, 1);
-}
-
-static void group_item_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
-                           const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
-                           int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_F32, 0);
-}
-
-/* float32 queries and outputs over a bf16 cache (float32 activations, kv_cache_dtype: bfloat16) */
-static void group_item_bf16kv_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
-                                  const int32_t *lens, const int32_t *members, int32_t count, int32_t hq,
-                                  int32_t hkv, int32_t G, int32_t D, int32_t bs, int32_t window, float scale,
-                                  int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_BF16, 0);
-}
-
-/* an int8 cache (kv_cache_dtype: int8), float32 or bf16 queries and outputs */
-static void group_item_i8kv_f32(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
-                                const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
-                                int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_I8, 0);
-}
-
-static void group_item_i8kv_bf16(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,
-                                 const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,
-                                 int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {
-    group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KV_I8, 1);
-}
+/* One work item's function per (cache kind, query/output dtype): a constant kind and io_bf16 each, so group_item's
+ * always-inline paths specialize. bf16kv_f32: float32 queries and outputs over a bf16 cache (float32 activations,
+ * kv_cache_dtype: bfloat16); i8kv_*: an int8 cache (kv_cache_dtype: int8). */
+#define GROUP_ITEM(NAME, KIND, IO_BF16)                                                                          \
+    static void NAME(const void *q, const void *k, const void *v, const int32_t *bt, int64_t ts,                \
+                     const int32_t *lens, const int32_t *members, int32_t count, int32_t hq, int32_t hkv,       \
+                     int32_t G, int32_t D, int32_t bs, int32_t window, float scale, int32_t h, void *out) {     \
+        group_item(q, k, v, bt, ts, lens, members, count, hq, hkv, G, D, bs, window, scale, h, out, KIND,       \
+                   IO_BF16);                                                                                     \
+    }
+GROUP_ITEM(group_item_bf16, KV_BF16, 1)
+GROUP_ITEM(group_item_f32, KV_F32, 0)
+GROUP_ITEM(group_item_bf16kv_f32, KV_BF16, 0)
+GROUP_ITEM(group_item_i8kv_f32, KV_I8, 0)
+GROUP_ITEM(group_item_i8kv_bf16, KV_I8, 1)
 
 /* ---- grouping: sequences sorted by their block tables, cut into runs that start on the same block -------- */
 
