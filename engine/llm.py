@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import torch
 
 from engine import cpu_kernels
+from engine.attention import key_shift
 from engine.config import DEFAULT_MODEL
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
@@ -67,6 +68,8 @@ class LLM:
         num_blocks = setup.num_kv_blocks
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, setup.kv_dtype, self.device, self.backend,
                                   cfg.seed)
+        if cfg.kv_cache_dtype == "int8":           # each layer's keys stored minus its mean key (finer int8 steps)
+            key_shift.calibrate(self.model, self.tokenizer.encode(key_shift.CALIBRATION_TEXT), self.dtype)
         self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len, speculator=_speculator(cfg, self.model))
         marks("kv_cache_s")
         self.step_stats: list[StepStats] = []

@@ -190,3 +190,36 @@ def test_head_dim_off_the_group_is_refused_by_name(tmp_path):
     save_tiny(tiny_hf_model("llama"), tmp_path)                       # head_dim 64 / 4 = 16
     with pytest.raises(ConfigError, match="head_dim a multiple of 32"):
         LLM(str(tmp_path), dtype="float32", kv_cache_dtype="int8", kv_cache_memory=8 << 20)
+
+
+def test_a_key_shift_leaves_attention_unchanged(gemma_dir):
+    """softmax(q.(k - m)) = softmax(q.k): a float32 cache with every layer's keys shifted gives the same logits."""
+    from engine.llm import LLM
+    from perf.quality import sequence_logits
+
+    llm = LLM(gemma_dir, dtype="float32", kv_cache_dtype="float32", block_size=4, kv_cache_memory=8 << 20)
+    attns = [layer.self_attn for layer in llm.model.model.layers]
+    assert all(a.key_shift is None for a in attns)                     # only int8 caches calibrate
+    tokens = [1 + (5 * j) % 60 for j in range(30)]
+    ref = sequence_logits(llm.model, tokens, [13, 1, 16], 4)
+    g = torch.Generator().manual_seed(0)
+    for a in attns:
+        a.key_shift = 3 * torch.randn(a.num_kv_heads, a.head_dim, generator=g)
+    got = sequence_logits(llm.model, tokens, [13, 1, 16], 4)
+    assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_int8_engines_calibrate_the_same_shifts(gemma_dir):
+    from engine.attention import key_shift
+    from engine.llm import LLM
+
+    shifts = []
+    for _ in range(2):
+        llm = LLM(gemma_dir, dtype="float32", kv_cache_dtype="int8", block_size=4, kv_cache_memory=8 << 20)
+        attns = [layer.self_attn for layer in llm.model.model.layers]
+        assert all(a.key_shift is not None and a.key_shift.shape == (1, 32) for a in attns)
+        assert all(not isinstance(a.backend, key_shift._MeanKeys) and a.kv_cache[0].dtype == torch.int8
+                   for a in attns)                                        # the engine's caches and backend are back
+        shifts.append([a.key_shift for a in attns])
+    assert all(torch.equal(x, y) for x, y in zip(*shifts))                # deterministic: the same text every load
+    assert any(x.abs().max() > 0 for x in shifts[0])

@@ -137,6 +137,8 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, c.layer_rope_theta(layer_idx), c.layer_rope_scaling(layer_idx))
         self.backend = None                    # set by the model runner (engine.attention.get_backend)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
+        # [Hkv, D] subtracted from every key before it is stored: an int8 cache's (engine.attention.key_shift)
+        self.key_shift: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,6 +160,8 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        if self.key_shift is not None:           # softmax is unchanged by one shift of every key
+            k = k - self.key_shift
         if rows is not None:                     # later steps need every token's K/V; this step only `rows`
             # NOTE: the backend writes the sampled rows' K/V once more (idempotent, a handful of rows).
             write_kv(self.kv_cache, k, v, meta.slot_mapping)
