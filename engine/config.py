@@ -38,8 +38,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"             # auto: the activation dtype (int8 weights: bf16 where measured
                                              # faster, engine.quantization) | bfloat16 | float32 (vLLM's name).
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,
-                                             # attention in bf16 (engine.attention.torch_backend) | int8: per-row
-                                             # int8 + scale, ~0.53x bf16's bytes (engine.attention.int8_kv; CPU)
+                                             # attention in bf16 (engine.attention.torch_backend) | int8: int8 +
+                                             # a scale per 32 values, 0.56x bf16's bytes (attention.int8_kv; CPU)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -516,7 +516,7 @@ def int8_kv_ok(q: torch.Tensor) -> bool:
 def kv_write_i8(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                 slot_mapping: torch.Tensor, block_size: int, lib: ctypes.CDLL | None = None) -> None:
     """k, v [T, Hkv, D] (bf16/float32; each token's heads dense) into their slots of an int8 cache pair,
-    quantized per row (``int8_kv.quantize``'s bytes)."""
+    quantized per group of 32 (``int8_kv.quantize``'s bytes)."""
     lib = lib or load()
     k_cache, v_cache = kv_cache
     assert k_cache.dtype == v_cache.dtype == torch.int8 and k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -70,7 +70,7 @@ def store(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch
     load, else ``write`` (the same bytes)."""
     from engine import cpu_kernels
     bs = block_size_of(kv_cache[0], k.shape[1], k.shape[2])
-    if k.device.type == "cpu" and k.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
+    if cpu_kernels.int8_kv_ok(k):
         cpu_kernels.kv_write_i8(kv_cache, k, v, slot_mapping, bs)
     else:
         write(kv_cache, k, v, slot_mapping, bs)

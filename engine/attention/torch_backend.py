@@ -84,9 +84,10 @@ def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, wind
                   scale: float) -> torch.Tensor:
     """``forward`` over an int8 cache (engine.attention.int8_kv). Every key and value is read back quantized, this
     step's too, so a sequence attends to the same values whether its prefix was cached, chunked or computed now.
-    Decode: the C kernel reads the int8 rows in place (float32 FMAs on the widened quants, the row scales on the
-    scores and the probabilities). Prefill: the chunk's visible rows dequantized into the bf16 kernel's operands
-    (``pack_kv_i8``) where that kernel runs, else gathered to float32 (the float32 kernel or torch's tiles)."""
+    Decode: the C kernel reads the int8 rows in place (each group of 32 dequantized into the bf16 dot products on
+    AVX512-BF16, into a float32 tile elsewhere). Prefill: the chunk's visible rows dequantized into the bf16
+    kernel's operands (``pack_kv_i8``) where that kernel runs, else gathered to float32 (the float32 kernel or
+    torch's tiles)."""
     k_cache, v_cache = kv_cache
     hkv, d, bs = k.shape[1], k.shape[2], meta.block_size
     fast = native and cpu_kernels.int8_kv_ok(q)

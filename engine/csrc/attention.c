@@ -66,7 +66,6 @@ static inline int64_t block_rows(const int32_t *table, int32_t b, int32_t lo, in
     return (int64_t)table[b] * bstride + (int64_t)*slot * tok_stride + (int64_t)h * D;
 }
 
-#define I8_GROUP 32     /* int8 cache: elements per scale along a row */
 
 /* ---- portable tile pieces (float32 tiles) ------------------------------------------------------------- */
 
@@ -179,7 +178,8 @@ static inline __attribute__((always_inline)) __m512i load_bh32(const void *base,
     if (kind == KV_I8) {
         const int8_t *p = (const int8_t *)base + i;
         const __m512 f = _mm512_set1_ps(*sc);
-        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), f);
+        const __m512 lo = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), f);
         const __m512 hi = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))), f);
         return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);   /* elements 0-15 from lo, 16-31 from hi */

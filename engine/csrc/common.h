@@ -6,6 +6,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* int8 KV cache (kv_cache_dtype: int8): values per float32 scale along a row (engine/attention/int8_kv.py) */
+#define I8_GROUP 32
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;

@@ -230,7 +230,6 @@ void pack_kv_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int32_
  * rounds the same way). Its own loops, not pack_kv_bf16's with a
  * row-kind switch: that shared version ran pack_kv_bf16 2x slower (its word loads and vectorized value rows lost;
  * 140 -> 285 us for 1,900 keys, same words). */
-#define I8_GROUP 32
 static inline const int8_t *i8_row(const int8_t *cache, const int32_t *table, int bs, int Hkv, int h, int D,
                                    int64_t pos, int64_t hi, const float **scales) {
     if (pos >= hi) return NULL;

@@ -5,7 +5,7 @@
  *   -march=native on AVX2 + FMA CPUs   8         "avx2"   (also forced with -mavx2 -mfma, for tests)
  *   anything else (-O3 alone, arm64)   0         "portable": the plain C loops, which are the reference
  *
- * vf_* wrap the few intrinsics the fast paths use: zero, load (float32, or widened bf16 / int8), fused multiply-add,
+ * vf_* wrap the few intrinsics the fast paths use: zero, load (float32 or widened bf16), fused multiply-add,
  * broadcast, store and a horizontal sum. Code that uses them is written once for every width.
  */
 #ifndef BATCHGEN_SIMD_H
@@ -22,9 +22,6 @@ static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vf_load_bf16(const uint16_t *p) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline vf vf_load_i8(const int8_t *p) {      /* 16 int8 widened to float32 (exact) */
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   /* a * b + c */
 static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
@@ -45,9 +42,6 @@ static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf vf_load_bf16(const uint16_t *p) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline vf vf_load_i8(const int8_t *p) {      /* 8 int8 widened to float32 (exact) */
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
