@@ -136,8 +136,7 @@ class _Clock:
 
         @functools.wraps(fn)
         def wrapper(runner, out, requests):
-            prompt = any(len(s.token_ids) > 1 and not s.draft_token_ids for s in out.scheduled)
-            clock.kind = "prefill" if prompt else "decode"
+            clock.kind = "prefill" if out.num_prefill_tokens else "decode"     # the scheduler's own count
             t = time.perf_counter()
             try:
                 return fn(runner, out, requests)
