@@ -40,16 +40,21 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt text.")
 @click.option("--quality", is_flag=True, help="Instead of a workload: top-1 agreement and KL of bf16 and int8 against "
               "float32, teacher-forced on the sample documents (the int8 quality bar).")
+@click.option("--formats", is_flag=True, help="With --quality: also the int8 formats that would drop the matmul's "
+              "per-group float work (per-token activations, SmoothQuant, per-row weights), simulated in float32 "
+              "(perf.format_study).")
 @click.option("--positions", type=int, default=2000, show_default=True, help="--quality: next-token positions.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
               hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, breakdown, seed,
-              quality, positions, json_path):
+              quality, formats, positions, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
     from perf.bench import format_table, options_from, run_bench, save_json
 
+    if formats and not quality:
+        raise click.UsageError("--formats is a --quality measurement: add --quality")
     if quality:
         from perf import quality as q
         if threads:
@@ -59,6 +64,14 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
         for name in (n for n in res if n.startswith("int8 (fp32")):
             verdict = "meets" if q.meets_bar(res, name) else "FAILS"
             click.echo(f"{name} {verdict} the bar: top-1 >= bf16's and KL <= 2x bf16's")
+        if formats:
+            from perf import format_study
+            bar = 2 * res["bfloat16"]["kl"]
+            click.echo(f"int8 formats, simulated (bar: top-1 >= {res['bfloat16']['top1']:.4f}, KL <= {bar:.6f}):")
+            res["formats"] = format_study.measure(model, positions=positions, log=click.echo)
+            for name, r in res["formats"].items():
+                ok = r["top1"] >= res["bfloat16"]["top1"] and r["kl"] <= bar
+                click.echo(f"{name} {'meets' if ok else 'FAILS'} the bar")
         if json_path:
             click.echo(f"saved {save_json(res, json_path)}")
         return
