@@ -53,7 +53,7 @@ import torch
 from engine.config import DEFAULT_MODEL
 from engine.errors import ConfigError
 from perf import BENCH_EXTRA_SYSTEMS, BENCH_SHAPES, BENCH_SYSTEMS
-from perf.breakdown import format_breakdown, kernel_breakdown
+from perf.breakdown import format_bound, format_breakdown, kernel_breakdown
 from perf.roofline import Roofline
 from perf.stats import percentiles
 
@@ -824,6 +824,14 @@ def format_table(result: dict) -> str:
     for s in result["systems"]:
         if s["extra"].get("breakdown"):
             lines += ["", *format_breakdown(s["label"], s["extra"]["breakdown"])]
+    float_sys = next((s for s in result["systems"] if s["system"] == "batchgen" and not s["skipped"]
+                      and s["extra"].get("breakdown")), None)
+    bounds = [line for s in result["systems"] if float_sys and s["system"] in INT8_SYSTEMS and not s["skipped"]
+              and s["extra"].get("breakdown")
+              for line in format_bound(s["label"], float_sys["label"], float_sys["extra"]["breakdown"],
+                                       s["extra"]["breakdown"])]
+    if bounds:
+        lines += ["", "int8's matmul bound (perf.breakdown.matmul_bound):", *bounds]
     if env.get("calibration"):
         c = env["calibration"]
         lines.append(f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "

@@ -183,3 +183,56 @@ def kernel_breakdown() -> Iterator[Breakdown]:
 
 
 __all__ = ["FAMILIES", "Breakdown", "format_breakdown", "kernel_breakdown"]
+
+
+MATMUL_FAMILIES = ("linears", "LM head")
+
+
+def matmul_bound(float_d: dict, int8_d: dict, kind: str | None, target: float) -> dict | None:
+    """What the int8 path's matmuls (linears + LM head) would have to reach for ``target``x the float path's step
+    time, everything else as measured in both runs (``Breakdown.to_dict``s). kind: "decode", or None for all steps.
+
+    {"ratio": measured step-time ratio, "matmul_only": the ratio if nothing but the matmuls took time (no faster
+    attention, norms or glue can lift the ratio past it), "needed_speedup": int8 matmul time that ``target``
+    needs, as a multiple of the float path's matmul speed (None: unreachable, the rest alone is too slow),
+    "needed_rate": the int8 matmuls' operations per second at that time}; None without both breakdowns."""
+    kinds = [kind] if kind else list(KINDS)
+
+    def split(d: dict) -> tuple[float, float, float]:
+        mm = ops = total = 0.0
+        for k in kinds:
+            if k not in d:
+                continue
+            total += d[k]["step_s"]
+            for fam in MATMUL_FAMILIES:
+                e = d[k]["families"].get(fam)
+                if e:
+                    mm += e["s"]
+                    ops += (e["ops_per_s"] or 0.0) * e["s"]
+        return mm, total - mm, ops
+
+    f_mm, f_rest, _ = split(float_d)
+    q_mm, q_rest, q_ops = split(int8_d)
+    if not (f_mm > 0 and q_mm > 0):
+        return None
+    need = (f_mm + f_rest) / target - q_rest
+    return {"ratio": (f_mm + f_rest) / (q_mm + q_rest), "matmul_only": f_mm / q_mm,
+            "needed_speedup": f_mm / need if need > 0 else None,
+            "needed_rate": q_ops / need if need > 0 else None}
+
+
+def format_bound(label: str, float_label: str, float_d: dict, int8_d: dict,
+                 targets: tuple[tuple[str | None, float], ...] = ((None, 1.8), ("decode", 2.0))) -> list[str]:
+    """The ``matmul_bound`` lines for each (kind, target)."""
+    lines = []
+    for kind, target in targets:
+        b = matmul_bound(float_d, int8_d, kind, target)
+        if b is None:
+            continue
+        what = "decode-only steps" if kind == "decode" else "all steps"
+        need = (f"{target:.1f}x with the rest as measured needs int8's matmuls at {b['needed_speedup']:.2f}x "
+                f"{float_label}'s speed ({b['needed_rate'] / 1e9:.0f} GOP/s)" if b["needed_speedup"] else
+                f"{target:.1f}x is out of reach even with int8 matmuls taking no time")
+        lines.append(f"{label} vs {float_label}, {what}: {b['ratio']:.2f}x; matmuls alone {b['matmul_only']:.2f}x "
+                     f"(the ratio if nothing else took time); {need}")
+    return lines

@@ -88,3 +88,34 @@ def test_bench_table_prints_the_breakdown(gemma_dir):
                            "prefill_mfu": None, "decode_mbu": None, "match_rate": None}]}
     table = format_table(result)
     assert "where batchgen-int8's step time went" in table and "LM head" in table
+    assert "matmul bound" not in table                     # no float system to compare with
+    _, _, fbd, _ = _run(gemma_dir, "none")
+    result["systems"].insert(0, {**result["systems"][0], "label": "batchgen", "system": "batchgen",
+                                 "extra": {"breakdown": fbd.to_dict()}})
+    table = format_table(result)
+    assert "int8's matmul bound" in table and "batchgen-int8 vs batchgen, all steps:" in table
+    assert "batchgen-int8 vs batchgen, decode-only steps:" in table
+
+
+def _bd(mm_s: float, ops: float, rest_s: float, kind: str = "prefill") -> dict:
+    return {kind: {"steps": 3, "step_s": mm_s + rest_s, "families": {
+        "linears": {"s": mm_s * 0.75, "calls": 9, "ops_per_s": ops / mm_s},
+        "LM head": {"s": mm_s * 0.25, "calls": 3, "ops_per_s": ops / mm_s},
+        "attention": {"s": rest_s, "calls": 9, "ops_per_s": None}}}}
+
+
+def test_matmul_bound_arithmetic():
+    """float: 8 s of matmuls + 2 s else; int8: 4 s (4e12 ops) + 2 s: 1.67x, 2x if nothing else took time; 1.8x
+    needs the int8 matmuls in 10 / 1.8 - 2 = 3.56 s: 2.25x the float matmuls' speed, at 4e12 / 3.56 s."""
+    from perf.breakdown import format_bound, matmul_bound
+    b = matmul_bound(_bd(8.0, 2e12, 2.0), _bd(4.0, 4e12, 2.0), None, 1.8)
+    need = 10 / 1.8 - 2
+    assert b["ratio"] == pytest.approx(10 / 6) and b["matmul_only"] == pytest.approx(2.0)
+    assert b["needed_speedup"] == pytest.approx(8 / need) and b["needed_rate"] == pytest.approx(4e12 / need)
+    # the rest alone over budget: no matmul speed reaches the target
+    assert matmul_bound(_bd(8.0, 2e12, 2.0), _bd(4.0, 4e12, 6.0), None, 1.8)["needed_speedup"] is None
+    # decode only: the prefill kind is ignored
+    assert matmul_bound(_bd(8.0, 2e12, 2.0), _bd(4.0, 4e12, 2.0), "decode", 2.0) is None
+    lines = format_bound("q8", "bf16", _bd(8.0, 2e12, 2.0), _bd(4.0, 4e12, 6.0), ((None, 1.8),))
+    assert lines == ["q8 vs bf16, all steps: 1.00x; matmuls alone 2.00x (the ratio if nothing else took time); "
+                     "1.8x is out of reach even with int8 matmuls taking no time"]
