@@ -107,8 +107,11 @@ def test_deleted_rows_dropped_by_default_or_kept(tmp_path, fake_engine):
 def test_overlapping_run_exits_at_once(tmp_path, make_docs_dataset, driver):  # noqa: F811
     """While a run holds the job's lock, a second one (cron firing again) refuses immediately."""
     job = write_job(tmp_path, "slow", make_docs_dataset(n=40))
+    # ~20 steps of 1 s: the second run's start (Python, torch, pipeline imports) must fit inside the first run even
+    # when other processes load the cores (0.2 s steps failed 3 of 3 times beside three busy loops); SIGTERM stops
+    # the first run after its current step, so the test still takes seconds
     first = subprocess.Popen([sys.executable, str(driver), "submit", "-q", str(job)], cwd=ROOT, text=True,
-                             env={**os.environ, "STEP_DELAY": "0.2"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             env={**os.environ, "STEP_DELAY": "1.0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         spill = tmp_path / "out/.slow.parquet.batchgen/spill.arrow"
         deadline = time.time() + 60
