@@ -33,8 +33,10 @@ class EngineConfig:
     num_threads: int | None = None           # CPU: torch threads; None -> leave torch's default
     speculative_config: dict | str | None = "auto"  # n-gram speculation (engine.spec_decode.speculator): None /
                                              # "off", "auto", or {method: ngram, num_speculative_tokens, ...}
-    quantization: str = "none"               # none: weights in `dtype` (GGUF dequantized at load) | int8: int8
-                                             # weights, integer dot products (CPU) | auto (engine.quantization)
+    quantization: str = "auto"               # auto: int8 for GGUF weights on CPUs where measured faster within
+                                             # the quality bar, else none (engine.quantization) | none: weights in
+                                             # `dtype` (GGUF dequantized at load) | int8: int8 weights, integer
+                                             # dot products (CPU)
     kv_cache_dtype: str = "auto"             # auto: the activation dtype (int8 weights: bf16 where measured
                                              # faster, engine.quantization) | bfloat16 | float32 (vLLM's name).
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,

@@ -9,6 +9,11 @@
     auto       cpu     AVX2-only build (isa avx2, int8 path avx2)           int8, float32 activations, bf16 KV
     auto       cpu     anything else, or dtype: bfloat16                    none
     auto       cuda    -                                                    none
+    auto       any     a float checkpoint (HF directory), any build         none
+
+``auto`` is the default. It considers int8 only for weights that come quantized (GGUF): the quality bar was
+measured on the default model's GGUF weights, and a float checkpoint's user asked for float weights unless they
+say ``int8``.
 
 ``auto`` may choose int8 only where it was measured faster end to end *and* passes the quality bar (top-1
 agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). Measured on
@@ -57,11 +62,13 @@ class QuantChoice:
 
 def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                         bf16_attention: bool = False, dtype: str = "auto",
-                        kernel_isa: str | None = None) -> QuantChoice:
+                        kernel_isa: str | None = None, quantized_source: bool = True) -> QuantChoice:
     """q8_isa: the loaded kernel build's int8 path, or None when no kernel library is available.
     bf16_attention: the build multiplies bf16 into float32 for attention (``cpu_kernels.bf16_gemm_ok``:
     AVX512-BF16, no AMX). dtype: the requested activation dtype (int8 under bf16 activations fails the bar).
-    kernel_isa: the build's vector ISA (``cpu_kernels.isa``): avx2 means no AVX-512 at all."""
+    kernel_isa: the build's vector ISA (``cpu_kernels.isa``): avx2 means no AVX-512 at all.
+    quantized_source: the weights come quantized (a GGUF file), which is where int8's quality was measured;
+    ``auto`` keeps a float checkpoint's weights in float."""
     if requested == "none":
         return QuantChoice("none", "quantization: none")
     if device_type != "cpu":
@@ -79,6 +86,9 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
             return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products; KV cache auto: bf16, measured "
                                        "faster here and within the quality bar)", kv_cache_dtype="bfloat16")
         return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products)")
+    if not quantized_source:
+        return QuantChoice("none", "auto: a float checkpoint keeps float weights (int8's quality bar was measured on "
+                                   "GGUF-quantized weights; quantization: int8 quantizes at load)")
     if dtype == "bfloat16":
         return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quantization)")
     if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa):

@@ -73,10 +73,12 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
     source = resolve_model(model)                          # a bad model spec is the first thing to report
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
-    needs_kernels = device.type == "cpu" and cfg.quantization != "none"
+    quantized_source = source.kind == "gguf"
+    needs_kernels = device.type == "cpu" and (cfg.quantization == "int8" or
+                                              (cfg.quantization == "auto" and quantized_source))
     quant = choose_quantization(cfg.quantization, device.type, kernel_q8_isa() if needs_kernels else None,
                                 kernel_bf16_attention() if needs_kernels else False, cfg.dtype,
-                                kernel_isa() if needs_kernels else None)
+                                kernel_isa() if needs_kernels else None, quantized_source=quantized_source)
     if quant.name == "int8" and cfg.dtype == "auto":
         # NOTE: measured on gemma-3-270m (perf.quality, 10,500 positions): int8 weights with float32 activations
         # pass the bar (KL 0.00084, 0.00089 with a bf16 KV cache, vs bf16's 0.00060); bf16 activations do not

@@ -127,8 +127,8 @@ class Study:
 
     def __init__(self, model: str):
         from engine import LLM
-        self.ref = LLM(model, dtype="float32", kv_cache_memory=64 << 20)
-        self.sim = LLM(model, dtype="float32", kv_cache_memory=64 << 20)
+        self.ref = LLM(model, dtype="float32", quantization="none", kv_cache_memory=64 << 20)
+        self.sim = LLM(model, dtype="float32", quantization="none", kv_cache_memory=64 << 20)
         q8 = LLM(model, dtype="float32", quantization="int8", kv_cache_memory=64 << 20)
         q8_mods = dict(q8.model.named_modules())
         self.fmt = None

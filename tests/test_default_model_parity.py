@@ -24,7 +24,7 @@ def engines(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    llm = LLM("gemma-3-270m", dtype="float32", max_num_batched_tokens=256)
+    llm = LLM("gemma-3-270m", dtype="float32", quantization="none", max_num_batched_tokens=256)   # the float path
     slim = tmp_path_factory.mktemp("gguf") / "slim.gguf"
     _copy_without_vocab(llm.source.path, slim)
     parsed = load_gguf_checkpoint(str(slim), return_tensors=False)

@@ -374,6 +374,9 @@ def test_choose_quantization():
     assert choose_quantization("auto", "cpu", "avx2", False, dtype="bfloat16", kernel_isa="avx2").name == "none"
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, dtype="bfloat16").name == "none"
     assert choose_quantization("auto", "cuda", None).name == "none"
+    # a float checkpoint: auto keeps float weights (int8's bar was measured on GGUF-quantized weights)
+    assert choose_quantization("auto", "cpu", "avx512_vnni", True, quantized_source=False).name == "none"
+    assert choose_quantization("int8", "cpu", "avx512_vnni", True, quantized_source=False).name == "int8"
     with pytest.raises(ConfigError, match="CPU only"):
         choose_quantization("int8", "cuda", None)
     with pytest.raises(ConfigError, match="kernels"):
@@ -459,19 +462,23 @@ def test_greedy_tokens_are_the_argmax_of_the_logits(tiny_dir, monkeypatch, tmp_p
 
 
 def test_auto_quantization_on_this_cpu(tiny_dir):
-    """setup resolves quantization: auto from this machine's kernel build, says why, and gives int8 its float32
-    activations and bf16 KV cache where it picks int8."""
+    """quantization: auto (the default) resolves from this machine's kernel build and the weights' source: a GGUF
+    file (the default model) gets int8 with float32 activations and a bf16 KV cache where that was measured faster
+    within the bar; a float checkpoint keeps float weights. The reason says which."""
     from engine.quantization import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
-    s = setup_engine(str(tiny_dir), quantization="auto", kv_cache_memory=8 << 20)
+    assert EngineConfig().quantization == "auto"
     vnni = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
     avx2 = kernel_q8_isa() == "avx2" and kernel_isa() == "avx2"
+    s = setup_engine("gemma-3-270m", kv_cache_memory=8 << 20)
     assert s.config.quantization == ("int8" if vnni or avx2 else "none")
     assert s.quant_choice.reason.startswith("auto")
     if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quantization's measurements)
         assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
-    explicit = setup_engine(str(tiny_dir), quantization="auto", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
+    explicit = setup_engine("gemma-3-270m", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
     assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins
+    hf = setup_engine(str(tiny_dir), quantization="auto", kv_cache_memory=8 << 20)
+    assert hf.config.quantization == "none" and "float checkpoint" in hf.quant_choice.reason
     # quantization: int8 asked for by name gets the same KV cache as auto's int8 where that was measured
     named = setup_engine(str(tiny_dir), quantization="int8", kv_cache_memory=8 << 20)
     assert named.config.quantization == "int8" and named.config.dtype == "float32"
