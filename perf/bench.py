@@ -7,8 +7,10 @@
 Every system gets the same token id lists (built from varied English sentences tokenized with the model's
 tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical work:
 
-    batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix)
-    batchgen-nocache  prefix caching off, same order
+    batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix), float
+                      weights (``quantization: none``: the float path the int8 systems are compared with; a job's
+                      default, ``auto``, is int8 on the CPUs engine.quantization names)
+    batchgen-nocache  prefix caching off, same order, float weights
     batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8; KV cache auto: bf16 where
                       engine.quantization measured it faster, else the activation dtype)
     batchgen-int8-bf16kv  the same with ``kv_cache_dtype: bfloat16`` (not in the default systems)
