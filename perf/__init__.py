@@ -11,5 +11,6 @@
 # The bench's systems and workload shapes, here so the CLI can list them without importing torch.
 BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "batchgen-int8", "batchgen-spec", "hf-generate", "hf-cb",
                  "llama.cpp")
-BENCH_EXTRA_SYSTEMS = ("batchgen-int8-bf16kv", "batchgen-int8-int8kv")   # run when named in --systems only
+# run when named in --systems only
+BENCH_EXTRA_SYSTEMS = ("batchgen-int8-bf16kv", "batchgen-int8-int8kv", "batchgen-default")
 BENCH_SHAPES = ("shared-prefix", "long-prompt", "short-prompt", "long-output")

@@ -16,6 +16,8 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
     batchgen-int8-bf16kv  the same with ``kv_cache_dtype: bfloat16`` (not in the default systems)
     batchgen-int8-int8kv  the same with ``kv_cache_dtype: int8`` (engine.attention.int8_kv; not in the defaults)
     batchgen-spec     prefix caching on, ``speculative_config: auto`` (n-gram drafts where gating says they pay)
+    batchgen-default  a job's defaults: ``quantization: auto``, ``speculative_config: auto``, KV cache auto (what a
+                      user gets without an engine section; not in the default systems)
     llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):
                       documents in group order, one Llama object keeping its KV between prompts (prefix
                       reuse), swa_full=True (without it Gemma 3's reused prefixes give different tokens),
@@ -270,7 +272,8 @@ BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache
                      "batchgen-int8": (True, "int8", None, "auto"),
                      "batchgen-int8-bf16kv": (True, "int8", None, "bfloat16"),
                      "batchgen-int8-int8kv": (True, "int8", None, "int8"),
-                     "batchgen-spec": (True, "none", "auto", "auto")}
+                     "batchgen-spec": (True, "none", "auto", "auto"),
+                     "batchgen-default": (True, "auto", "auto", "auto")}
 INT8_SYSTEMS = ("batchgen-int8", "batchgen-int8-bf16kv", "batchgen-int8-int8kv")
 
 
@@ -310,6 +313,7 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     if bd is not None:
         res.extra["breakdown"] = bd.to_dict()
     res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
+    res.extra["quantization"] = llm.info.quantization          # what auto resolved to (batchgen-default)
     drafts = sum(o.metrics.num_draft_tokens for o in outs)
     if drafts:
         acc = sum(o.metrics.num_accepted_tokens for o in outs)
@@ -756,8 +760,11 @@ def ratios(results: list[SystemResult]) -> dict:
             a, b = q8.extra.get("decode_step_ms_widest"), on.extra.get("decode_step_ms_widest")
             if a and b:
                 out[f"{key}_vs_float_decode_step"] = b / a
+    dflt = by.get("batchgen-default")
+    if dflt and on:
+        out["batchgen_default_vs_batchgen"] = on.wall_s / dflt.wall_s
     if peer:
-        for r in filter(None, (on, *(by.get(n) for n in INT8_SYSTEMS))):
+        for r in filter(None, (on, *(by.get(n) for n in INT8_SYSTEMS), dflt)):
             out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
     return out
 
@@ -810,6 +817,11 @@ def format_table(result: dict) -> str:
             lines.append(f"batchgen {label} vs batchgen {env['dtype']}: {r[f'batchgen_{key}_vs_batchgen']:.2f}x wall"
                          + (f", {r[f'{key}_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
                             if f"{key}_vs_float_decode_step" in r else ""))
+    if "batchgen_default_vs_batchgen" in r:
+        dl = next((x for x in result["systems"] if x["system"] == "batchgen-default"), {})
+        q = (dl.get("extra") or {}).get("quantization")
+        lines.append(f"batchgen defaults{f' (quantization {q})' if q else ''} vs batchgen {env['dtype']}: "
+                     f"{r['batchgen_default_vs_batchgen']:.2f}x wall")
     if "batchgen_spec_vs_batchgen" in r:
         sp = next((x for x in result["systems"] if x["system"] == "batchgen-spec"), {})
         rate = sp.get("extra", {}).get("acceptance_rate")
@@ -820,7 +832,8 @@ def format_table(result: dict) -> str:
                         else "; gating kept it off"))
     for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8"),
                        ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)"),
-                       ("batchgen_int8_int8kv_vs_llama_cpp", "batchgen int8 (int8 KV)")):
+                       ("batchgen_int8_int8kv_vs_llama_cpp", "batchgen int8 (int8 KV)"),
+                       ("batchgen_default_vs_llama_cpp", "batchgen defaults")):
         if key in r:
             lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
     for s in result["systems"]:

@@ -141,3 +141,20 @@ def test_cli_bench(tiny_dir, tmp_path):
     assert data["systems"][0]["mfu"] is None                                         # --no-roofline
     bad = CliRunner().invoke(main, ["bench", "--quick", "--systems", "vllm"])
     assert bad.exit_code == 2 and "unknown vllm" in bad.output
+
+
+def test_default_system_ratios_and_line():
+    """batchgen-default (a job's defaults) is compared with the float path and llama.cpp, and the table says what
+    quantization auto resolved to."""
+    on = SystemResult("batchgen", "batchgen", wall_s=30.0)
+    dflt = SystemResult("batchgen-default", "batchgen-default", wall_s=20.0, extra={"quantization": "int8"})
+    peer = SystemResult("llama.cpp", "llama.cpp", wall_s=120.0)
+    r = ratios([on, dflt, peer])
+    assert r["batchgen_default_vs_batchgen"] == 1.5 and r["batchgen_default_vs_llama_cpp"] == 6.0
+    result = {"workload": {"shape": "x", "n": 1, "groups": 1, "prefix_tokens": 1, "doc_tokens": 1,
+                           "output_tokens": 1},
+              "env": {"model": "m", "dtype": "bfloat16", "threads": 2}, "ratios": r,
+              "systems": [s.to_dict() for s in (on, dflt, peer)]}
+    table = format_table(result)
+    assert "batchgen defaults (quantization int8) vs batchgen bfloat16: 1.50x wall" in table
+    assert "batchgen defaults vs llama.cpp: 6.00x" in table
