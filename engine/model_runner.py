@@ -74,7 +74,13 @@ class ModelRunner:
         # A speculating request's last token and drafts are such queries too, one per position (each sees the
         # keys up to its own position: every K/V of the step is written before attention), so verification
         # reads the paged cache in place like any decode instead of taking the per-sequence prefill path.
-        seqs = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1 and not s.draft_token_ids)
+        # A prompt's chunk of one token (its last, after a prefix-cache hit or a token budget that cut it there) stays
+        # a prefill entry: the decode kernel rounds otherwise than the prefill kernel, and that token's K/V in later
+        # layers would depend on how the prompt was chunked (greedy tokens too).
+        def decode_like(s) -> bool:
+            return bool(s.draft_token_ids) or (len(s.token_ids) == 1 and
+                                               s.start_pos >= requests[s.request_id].num_prompt_tokens)
+        seqs = sorted(out.scheduled, key=lambda s: not decode_like(s))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -95,7 +101,7 @@ class ModelRunner:
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             split = bool(s.draft_token_ids)
-            if (n == 1 or split) and num_decode == len(seq_lens):
+            if decode_like(s) and num_decode == len(seq_lens):
                 for j in range(n if split else 1):
                     qsl.append(qsl[-1] + 1)
                     seq_lens.append(s.start_pos + j + 1)

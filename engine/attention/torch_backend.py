@@ -198,7 +198,10 @@ def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, 
     (value pairs) with the extra key at either end masked like any invisible one."""
     n = q.shape[0]
     start = seq_len - n
-    base = _first_key(start, window)
+    # value pairs at even positions whatever the chunk: vdpbf16ps sums each pair before the running total, so a pair
+    # boundary that moved with the chunk's start changed a query's rounding (the same prompt chunked otherwise
+    # gave other greedy tokens); the key before an odd first one is masked like any invisible key
+    base = _first_key(start, window) // 2 * 2
     kp, vp = cpu_kernels.pack_kv(k_cache, v_cache, table, base, seq_len)   # from the cache (k/v written already)
     qs = (q * scale).to(torch.bfloat16).contiguous()
     return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out)
