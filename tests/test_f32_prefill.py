@@ -39,8 +39,8 @@ def test_fused_f32_prefill_equals_float32_attention(libs, build, hq, hkv, d, win
 
 
 def test_prefill_routes_float32_chunks_to_the_kernel(monkeypatch):
-    """Chunks of FUSED_F32_MIN_TOKENS queries and more take the C kernel where it serves them, shorter ones the
-    torch tiles; both give the same attention."""
+    """Every chunk, one token included, takes the C kernel where it serves it (the torch tiles order their sums
+    otherwise, so a prompt's tokens would depend on where it was cut); its attention is the reference's."""
     if not cpu_kernels.prefill_f32_ok(torch.empty(1, 1, 64)):
         pytest.skip("this build has no float32 prefill kernel")
     calls = []
@@ -55,7 +55,7 @@ def test_prefill_routes_float32_chunks_to_the_kernel(monkeypatch):
     k_cache, v_cache = torch.randn(40, bs, hkv, d, generator=g), torch.randn(40, bs, hkv, d, generator=g)
     table = torch.arange(40, dtype=torch.int32)
     flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
-    for n in (tb.FUSED_F32_MIN_TOKENS - 1, tb.FUSED_F32_MIN_TOKENS, 300):
+    for n in (1, 63, 64, 300):
         seq_len = 200 + n
         q = torch.randn(n, 4, d, generator=g)
         got = tb._prefill(q, flat_k[200:seq_len], flat_v[200:seq_len], k_cache, v_cache, table, seq_len, 64, 0.125,
@@ -63,4 +63,4 @@ def test_prefill_routes_float32_chunks_to_the_kernel(monkeypatch):
         ref = _reference(q * 0.125, flat_k[:seq_len], flat_v[:seq_len], torch.arange(200, seq_len),
                          torch.arange(seq_len), 64, 1.0)
         assert (got - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
-    assert calls == [tb.FUSED_F32_MIN_TOKENS, 300]
+    assert calls == [1, 63, 64, 300]

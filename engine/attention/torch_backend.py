@@ -24,10 +24,11 @@ from engine.attention.metadata import AttentionMetadata
 # thread): ~3.5x faster than SDPA with an explicit band mask for a 512 window over a 1,900-token prompt, and
 # faster than SDPA's causal kernel on the global layers.
 PREFILL_TILE = 128
-# Chunks from which the float32 C kernel (csrc/prefill.c) takes over: it transposes and pads the chunk's keys
-# once, which for 37 queries over 1,540 keys cost more than it saved (0.83-0.87x, avx2 build; 1.4-2.3x from
-# 400 queries up on Zen 4, 1.1-2x on the avx2 build).
-FUSED_F32_MIN_TOKENS = 64
+# The float32 C kernel (csrc/prefill.c) takes every chunk where it builds, one token included: chunks under 64
+# tokens went through the torch tiles below (the kernel's key transpose cost 0.83-0.87x for 37 queries over 1,540
+# keys), whose sums are ordered otherwise, so a prompt's tokens depended on where it was cut (2 of 48 shared-prefix
+# sequences between budgets 4096 and 2048, avx2 build; 0 with the kernel everywhere, and no measurable cost end
+# to end: 44.3-47.2 s vs 41.1-47.2 s in four interleaved runs each).
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -156,7 +157,7 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     hkv = keys.shape[1]
     g = hq // hkv
     qs = q * scale                                               # fold the scale into q once
-    if native and n >= FUSED_F32_MIN_TOKENS and cpu_kernels.prefill_f32_ok(q):   # every head and tile in one C call
+    if native and cpu_kernels.prefill_f32_ok(q):                 # every head and tile in one C call
         return cpu_kernels.prefill_attention_f32(qs, keys, vals, start, base, window)   # (converts a bf16 cache)
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     fused_softmax = native and cpu_kernels.elementwise_ok(q)
