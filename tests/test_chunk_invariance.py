@@ -71,8 +71,9 @@ def first_hidden(monkeypatch):
 # the float32 kernel over the converted cache on other builds). Our int8 matmul computes each row alone; float32
 # and bf16 weights go through torch's matmul, whose rows can depend on how many there are (float32 did here on
 # the tiny model: other bits for the same prompt chunked otherwise), so only int8 is held to the bit.
-ENGINES = [dict(quantization="int8", kv_cache_dtype="bfloat16")]
-IDS = ["int8"]
+ENGINES = [dict(quantization="int8", kv_cache_dtype="bfloat16"),
+           dict(quantization="int8", kv_cache_dtype="int8")]        # the opt-in int8 cache: the same kernels' pairs
+IDS = ["int8", "int8-int8kv"]
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=IDS)

@@ -109,17 +109,17 @@ def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, wind
     if nd:
         out[:nd] = decode(q[:nd])
     wide = fast and cpu_kernels.bf16_gemm_ok()
+
+    def pack(kc, vc, table, lo, hi):
+        return cpu_kernels.pack_kv_i8(kc, vc, table, lo, hi, bs, hkv, d)
     qsl = meta.query_start_loc
     for i in range(nd, meta.num_seqs):
         s, e = qsl[i], qsl[i + 1]
         seq_len, table = meta.seq_lens[i], meta.block_tables[i]
-        start = seq_len - (e - s)
-        base = _first_key(start, window)
         if wide:
-            kp, vp = cpu_kernels.pack_kv_i8(k_cache, v_cache, table, base, seq_len, bs, hkv, d)
-            qs = (q[s:e] * scale).to(torch.bfloat16).contiguous()
-            cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out[s:e])
+            _prefill_wide(q[s:e], k_cache, v_cache, table, seq_len, window, scale, bs, out=out[s:e], pack=pack)
             continue
+        base = _first_key(seq_len - (e - s), window)
         chunk = (int8_kv.gather_range(k_cache, table, base, seq_len, bs, hkv, d),
                  int8_kv.gather_range(v_cache, table, base, seq_len, bs, hkv, d), base)
         out[s:e] = _prefill(q[s:e], None, None, None, None, table, seq_len, window, scale, bs, native=native,
@@ -189,21 +189,22 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
 
 
 def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
-                  out: torch.Tensor | None = None):
+                  out: torch.Tensor | None = None, pack=cpu_kernels.pack_kv):
     """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.prefill_attention``: bf16 dot
     products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16 once),
     keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype, into ``out`` when
     given). The visible
-    keys and values are packed once, straight from the cache (``cpu_kernels.pack_kv``: the chunk's own keys and
-    values are already written there); the kernel tiles the queries, each tile's keys starting at an even offset
-    (value pairs) with the extra key at either end masked like any invisible one."""
+    keys and values are packed once, straight from the cache (``pack(k_cache, v_cache, table, lo, hi)``: by default
+    ``cpu_kernels.pack_kv``, an int8 cache passes ``pack_kv_i8``; the chunk's own keys and values are already
+    written there); the kernel tiles the queries, each tile's keys starting at an even offset (value pairs) with the
+    extra key at either end masked like any invisible one."""
     n = q.shape[0]
     start = seq_len - n
     # value pairs at even positions whatever the chunk: vdpbf16ps sums each pair before the running total, so a pair
     # boundary that moved with the chunk's start changed a query's rounding (the same prompt chunked otherwise
     # gave other greedy tokens); the key before an odd first one is masked like any invisible key
     base = _first_key(start, window) // 2 * 2
-    kp, vp = cpu_kernels.pack_kv(k_cache, v_cache, table, base, seq_len)   # from the cache (k/v written already)
+    kp, vp = pack(k_cache, v_cache, table, base, seq_len)
     qs = (q * scale).to(torch.bfloat16).contiguous()
     return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out)
 
