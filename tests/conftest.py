@@ -111,6 +111,8 @@ class FakeLLM:
         self.pin_calls = 0
         self.steps = 0
         self.added: list[str] = []
+        self.model_config = None
+        self.step_stats: list = []
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -121,9 +123,6 @@ class FakeLLM:
         return EngineInfo(name="fake", identity="fake-identity", architecture="Fake", dtype="float32", device="cpu",
                           max_model_len=self.max_model_len, block_size=self.block_size,
                           max_num_seqs=self.config.max_num_seqs, load_time_s=0.01)
-
-    model_config = None
-    step_stats: list = []
 
     def _chain(self, ids):
         h, out = "", []

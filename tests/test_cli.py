@@ -72,13 +72,6 @@ def test_datasets_input_and_sharded_output(tmp_path, fake_engine):
 
 
 # ---- the real engine on a tiny random Llama ---------------------------------------------------------
-def _real_engine():
-    try:
-        from engine import LLM  # noqa: F401
-    except Exception as e:     # NOTE: the engine door lands in parallel; skip until it imports
-        pytest.skip(f"engine.LLM not importable yet ({e})")
-
-
 ENGINE = "engine:\n  dtype: float32\n  block_size: 16\n  max_num_seqs: 4\n  max_num_batched_tokens: 512\n"
 
 
@@ -88,7 +81,6 @@ def _real_job(tmp_path, name, data, model):
 
 
 def test_real_engine_predicted_equals_achieved(tmp_path, make_docs_dataset, tiny_llama_dir):
-    _real_engine()
     data = make_docs_dataset(n=12)
     job = _real_job(tmp_path, "real", data, tiny_llama_dir)
     res = CliRunner().invoke(main, ["submit", "-q", str(job)])
@@ -102,7 +94,6 @@ def test_real_engine_predicted_equals_achieved(tmp_path, make_docs_dataset, tiny
 
 
 def test_real_engine_shuffled_equals_sorted(tmp_path, make_docs_dataset, tiny_llama_dir):
-    _real_engine()
     a = make_docs_dataset("sorted.parquet", n=12)
     b = make_docs_dataset("shuffled.parquet", n=12, shuffle=True)
     ja, jb = _real_job(tmp_path, "sa", a, tiny_llama_dir), _real_job(tmp_path, "sb", b, tiny_llama_dir)

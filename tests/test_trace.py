@@ -183,16 +183,13 @@ def test_read_run_names_missing_dir(tmp_path):
         read_run(tmp_path)
 
 
-# ---- a real engine run on a tiny model, when the engine can run one here ------------------------------
+# ---- a real engine run on a tiny model ------------------------------
 def _tiny_llm(tmp_path):
-    try:
-        from engine import LLM
-        from tests.model_utils import save_tiny, tiny_hf_model
-        path = tmp_path / "tiny_llama"
-        save_tiny(tiny_hf_model("llama"), path)
-        return LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
-    except (ImportError, AttributeError) as e:   # engine pieces still being built by others
-        pytest.skip(f"engine cannot run a tiny model here yet: {e}")
+    from engine import LLM
+    from tests.model_utils import save_tiny, tiny_hf_model
+    path = tmp_path / "tiny_llama"
+    save_tiny(tiny_hf_model("llama"), path)
+    return LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
 
 
 def test_real_engine_run_is_consistent(tmp_path):
