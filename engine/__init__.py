@@ -6,7 +6,7 @@ exports.
 """
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import BatchgenError, ConfigError, ModelLoadError
-from engine.interface import Engine, EngineInfo
+from engine.interface import Engine, EngineInfo, Tokenizer
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
 
@@ -26,5 +26,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "PlanningEngine", "SamplingParams", "EngineConfig", "DEFAULT_MODEL", "Engine", "EngineInfo",
-           "RequestOutput", "RequestMetrics", "StepStats", "BatchgenError", "ConfigError", "ModelLoadError",
-           "choose_dtype", "resolve_model", "load_model_config"]
+           "Tokenizer", "RequestOutput", "RequestMetrics", "StepStats", "BatchgenError", "ConfigError",
+           "ModelLoadError", "choose_dtype", "resolve_model", "load_model_config"]

@@ -1,15 +1,18 @@
-"""The typed door between pipeline/ and engine/: what an engine says about itself (``EngineInfo``) and what the
-pipeline may call on it (``Engine``). ``engine.LLM`` implements it; so does the tests' fake engine, and so will a
-remote replica. Nothing in pipeline/ reaches past this.
+"""The typed door between pipeline/ and engine/: what an engine says about itself (``EngineInfo``), what the
+pipeline may call on it (``Engine``) and on its tokenizer (``Tokenizer``). ``engine.LLM`` implements it; so do
+``engine.PlanningEngine``, the tests' fake engine and a Ray replica's proxy. Nothing in pipeline/ reaches past this.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
 from engine.outputs import RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:                  # the model code pulls in torch; the door stays cheap to import
+    from engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,27 @@ class EngineInfo:
     quantization_reason: str = ""
     weight_bytes: int = 0              # resident bytes of the loaded weights (int8 packs included)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """JSON-ready (manifests, traces, the report)."""
         return dataclasses.asdict(self)
+
+
+class Tokenizer(Protocol):
+    """What the pipeline asks of a model's tokenizer (a transformers fast tokenizer satisfies it).
+
+    ``backend_tokenizer`` (the Rust ``tokenizers.Tokenizer`` underneath, when there is one) lets the pipeline
+    batch-encode documents and count tokens without transformers' per-call overhead; None where absent."""
+    bos_token: str | None
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> Mapping[str, list[list[int]]]: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], tokenize: bool = False,
+                            add_generation_prompt: bool = True) -> str: ...
 
 
 @runtime_checkable
@@ -48,12 +69,12 @@ class Engine(Protocol):
     def info(self) -> EngineInfo: ...
 
     @property
-    def model_config(self) -> Any: ...          # engine.models.ModelConfig, or None (FLOP/byte counts)
+    def model_config(self) -> ModelConfig | None: ...   # the model's shape (FLOP/byte counts); None for a fake
 
     @property
     def step_stats(self) -> list[StepStats]: ...
 
-    def get_tokenizer(self) -> Any: ...
+    def get_tokenizer(self) -> Tokenizer: ...
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     priority: int = 0) -> None: ...
@@ -71,4 +92,4 @@ class Engine(Protocol):
     def unpin_prefix(self, pin_id: int) -> None: ...
 
 
-__all__ = ["Engine", "EngineInfo"]
+__all__ = ["Engine", "EngineInfo", "Tokenizer"]

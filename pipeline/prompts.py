@@ -157,7 +157,7 @@ class PromptRenderer:
 
     def _encodings(self, documents: list[str]):
         """The Rust tokenizer's encodings of many documents, or None when the tokenizer is not a Rust one."""
-        backend = getattr(self.tokenizer, "_tokenizer", None)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, _RustTokenizer):
             return None
         # NOTE: straight to the Rust tokenizer (what transformers' fast tokenizer calls underneath): the same

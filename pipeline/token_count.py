@@ -47,7 +47,7 @@ class TokenCounter:
     @classmethod
     def for_tokenizer(cls, tokenizer) -> "TokenCounter | None":
         """A counter for this (transformers fast) tokenizer, or None when its structure is not the one above."""
-        backend = getattr(tokenizer, "_tokenizer", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
         try:
             model, norm, pre = backend.model, backend.normalizer, backend.pre_tokenizer
             norm = json.loads(norm.__getstate__()) if norm is not None else None

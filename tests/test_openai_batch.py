@@ -83,7 +83,7 @@ def _check_shape(line: dict) -> None:
     u = b["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert 0 <= u["prompt_tokens_details"]["cached_tokens"] <= u["prompt_tokens"]
-    from openai.types.chat import ChatCompletion     # the test extra installs openai: a missing one fails
+    from openai.types.chat import ChatCompletion  # the test extra installs openai: a missing one fails
     ChatCompletion.model_validate(b)
 
 
