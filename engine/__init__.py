@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 
 # Imported on first use, so `import engine` stays cheap (these pull in torch or the model code).
 _LAZY = {"LLM": ("engine.llm", "LLM"), "PlanningEngine": ("engine.setup", "PlanningEngine"),
+         "setup_engine": ("engine.setup", "setup_engine"),
          "choose_dtype": ("engine.dtype_policy", "choose_dtype"),
          "resolve_model": ("engine.loader.resolve", "resolve_model"),
          "load_model_config": ("engine.loader", "load_model_config")}
@@ -27,4 +28,4 @@ def __getattr__(name):
 
 __all__ = ["LLM", "PlanningEngine", "SamplingParams", "EngineConfig", "DEFAULT_MODEL", "Engine", "EngineInfo",
            "Tokenizer", "RequestOutput", "RequestMetrics", "StepStats", "BatchgenError", "ConfigError",
-           "ModelLoadError", "choose_dtype", "resolve_model", "load_model_config"]
+           "ModelLoadError", "choose_dtype", "setup_engine", "resolve_model", "load_model_config"]

@@ -1,6 +1,7 @@
 """EngineConfig: one frozen config for the engine, validated once, passed down."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
@@ -42,6 +43,16 @@ class EngineConfig:
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,
                                              # attention in bf16 (engine.attention.torch_backend) | int8: int8 +
                                              # a scale per 32 values, 0.56x bf16's bytes (attention.int8_kv; CPU)
+
+    @classmethod
+    def from_options(cls, model: str = DEFAULT_MODEL, **options) -> EngineConfig:
+        """The config for keyword options by their vLLM names (``LLM(model, **options)``, a job's ``engine:``
+        section). An unknown name is a ConfigError naming it and the known ones; a bad value, the field's own."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **options)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

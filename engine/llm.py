@@ -20,10 +20,11 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import key_shift
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_policy import log_choice
+from engine.errors import ConfigError
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.models import weight_bytes
@@ -37,10 +38,17 @@ from engine.tokenizer import load_tokenizer
 log = logging.getLogger("batchgen.engine")
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args):
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", *, config: EngineConfig | None = None,
+                 **engine_args):
+        """``LLM(model, dtype, **engine_args)``: every ``EngineConfig`` field by its (vLLM) name; or
+        ``LLM(config=EngineConfig(...))``, the config whole (its model and dtype win)."""
         t0 = time.monotonic()
         marks = _Marks()
-        setup = setup_engine(model, dtype, **engine_args)      # every automatic setting, resolved once
+        if config is None:
+            config = EngineConfig.from_options(model, dtype=dtype, **engine_args)
+        elif engine_args:
+            raise ConfigError(f"LLM(config=...) takes no further options, got {', '.join(sorted(engine_args))}")
+        setup = setup_engine(config)                            # every automatic setting, resolved once
         log_choice(setup.dtype_choice)                          # once per engine (validation stays quiet)
         # The one resolved config: the scheduler, runner, info and manifest all see this one.
         self.config = cfg = setup.config

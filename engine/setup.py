@@ -62,15 +62,9 @@ class EngineSetup:
             **extra)
 
 
-def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args) -> EngineSetup:
-    """Validate the options, resolve the model and every automatic setting; ConfigError / ModelLoadError
-    name what is wrong."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(engine_args) - fields)
-    if unknown:
-        raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    cfg = EngineConfig(model=model, dtype=dtype, **engine_args)
-    source = resolve_model(model)                          # a bad model spec is the first thing to report
+def setup_engine(cfg: EngineConfig) -> EngineSetup:
+    """Resolve the model and every automatic setting of ``cfg``; ConfigError / ModelLoadError name what is wrong."""
+    source = resolve_model(cfg.model)                          # a bad model spec is the first thing to report
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
     quantized_source = source.kind == "gguf"
@@ -113,11 +107,11 @@ def setup_engine(model: str = DEFAULT_MODEL, dtype: str = "auto", **engine_args)
 class PlanningEngine:
     """The ``engine.Engine`` door for dry runs: settings, model shape and tokenizer; no weights, no KV pool."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", setup: EngineSetup | None = None,
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", *, setup: EngineSetup | None = None,
                  **engine_args):
-        """``setup``: one already resolved for these arguments (validation's), else resolved here."""
+        """``setup``: one already resolved (validation's), else resolved here from ``LLM``'s arguments."""
         from engine.tokenizer import load_tokenizer
-        self.setup = setup or setup_engine(model, dtype, **engine_args)
+        self.setup = setup or setup_engine(EngineConfig.from_options(model, dtype=dtype, **engine_args))
         log_choice(self.setup.dtype_choice)
         self.config = self.setup.config
         self.model_config = self.setup.model_config

@@ -144,8 +144,8 @@ def kv_pool_problem(num_blocks: int | None, block_size: int, max_num_seqs: int) 
 @functools.lru_cache(maxsize=16)
 def engine_setup(model: str, engine_json: str):
     """Jobs on one model with the same engine settings resolve once per process (validation and the plan)."""
-    from engine.setup import setup_engine
-    return setup_engine(model, **json.loads(engine_json))
+    from engine import EngineConfig, setup_engine  # NOTE: here, not at the top: resolving imports torch
+    return setup_engine(EngineConfig.from_options(model, **json.loads(engine_json)))
 
 
 def validate_files(paths: list[str]) -> tuple[list[Job], list[Problem]]:

@@ -44,6 +44,21 @@ def test_unknown_engine_option_is_named(tmp_path):
         LLM(str(tmp_path), max_num_seq=4)
 
 
+def test_options_by_name_and_a_whole_config_build_the_same_engine(tmp_path):
+    """LLM(model, **options) and LLM(config=EngineConfig(...)) are one door: the same resolved config."""
+    from engine import LLM
+    from tests.model_utils import save_tiny, tiny_hf_model
+    save_tiny(tiny_hf_model("llama"), tmp_path)
+    options = dict(dtype="float32", max_num_batched_tokens=512, speculative_config="off", kv_cache_memory=1 << 20)
+    by_name = LLM(str(tmp_path), **options)
+    whole = LLM(config=EngineConfig.from_options(str(tmp_path), **options))
+    assert by_name.config == whole.config and whole.config.speculative_config == "off"
+    with pytest.raises(ConfigError, match="no further options, got max_num_seqs"):
+        LLM(config=EngineConfig(str(tmp_path)), max_num_seqs=4)
+    with pytest.raises(ConfigError, match="unknown engine option.*\\bblocksize\\b"):
+        EngineConfig.from_options(str(tmp_path), blocksize=16)
+
+
 def test_kv_budget_beyond_machine_memory_is_a_clear_error(tmp_path):
     from engine import LLM
     from tests.model_utils import save_tiny, tiny_hf_model

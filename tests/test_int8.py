@@ -470,17 +470,17 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     assert EngineConfig().quantization == "auto"
     vnni = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
     avx2 = kernel_q8_isa() == "avx2" and kernel_isa() == "avx2"
-    s = setup_engine("gemma-3-270m", kv_cache_memory=8 << 20)
+    s = setup_engine(EngineConfig("gemma-3-270m", kv_cache_memory=8 << 20))
     assert s.config.quantization == ("int8" if vnni or avx2 else "none")
     assert s.quant_choice.reason.startswith("auto")
     if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quantization's measurements)
         assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
-    explicit = setup_engine("gemma-3-270m", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
+    explicit = setup_engine(EngineConfig("gemma-3-270m", kv_cache_dtype="float32", kv_cache_memory=8 << 20))
     assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins
-    hf = setup_engine(str(tiny_dir), quantization="auto", kv_cache_memory=8 << 20)
+    hf = setup_engine(EngineConfig(str(tiny_dir), quantization="auto", kv_cache_memory=8 << 20))
     assert hf.config.quantization == "none" and "float checkpoint" in hf.quant_choice.reason
     # quantization: int8 asked for by name gets the same KV cache as auto's int8 where that was measured
-    named = setup_engine(str(tiny_dir), quantization="int8", kv_cache_memory=8 << 20)
+    named = setup_engine(EngineConfig(str(tiny_dir), quantization="int8", kv_cache_memory=8 << 20))
     assert named.config.quantization == "int8" and named.config.dtype == "float32"
     assert named.config.kv_cache_dtype == ("bfloat16" if vnni or avx2 else "float32")
 

@@ -26,13 +26,14 @@ def test_values_checked():
 
 def test_auto_follows_the_activations_and_bf16_doubles_the_blocks(tiny_dir):
     mem = 8 << 20
-    f32 = setup_engine(str(tiny_dir), "float32", kv_cache_memory=mem)
-    bf16kv = setup_engine(str(tiny_dir), "float32", kv_cache_memory=mem, kv_cache_dtype="bfloat16")
+    f32 = setup_engine(EngineConfig(str(tiny_dir), "float32", kv_cache_memory=mem))
+    bf16kv = setup_engine(EngineConfig(str(tiny_dir), "float32", kv_cache_memory=mem, kv_cache_dtype="bfloat16"))
     assert f32.config.kv_cache_dtype == "float32" and f32.kv_dtype == torch.float32
     assert bf16kv.config.kv_cache_dtype == "bfloat16" and bf16kv.kv_dtype == torch.bfloat16
     assert bf16kv.config.dtype == "float32"
     assert bf16kv.num_kv_blocks // 2 == f32.num_kv_blocks          # floor(budget / half the bytes)
-    assert setup_engine(str(tiny_dir), "bfloat16", kv_cache_memory=mem).config.kv_cache_dtype == "bfloat16"
+    bf16 = setup_engine(EngineConfig(str(tiny_dir), "bfloat16", kv_cache_memory=mem))
+    assert bf16.config.kv_cache_dtype == "bfloat16"
 
 
 def test_bf16_cache_close_to_float32_in_prefill_chunks_and_decode(tiny_dir, monkeypatch, tmp_path):
