@@ -1,8 +1,5 @@
-"""Measurement tools beside the engine and the pipeline; nothing here runs during inference.
+"""Measurement tools beside the engine and the pipeline (the cost model: costmodel/); none runs in inference.
 
-    flops.py       model FLOPs and bytes per step (window-limited attention, sampled-rows LM head)
-    calibrate.py   this device's matmul FLOP/s and memory bandwidth, cached (``batchgen calibrate``)
-    roofline.py    per-step MFU/MBU from flops + a calibration: one model for the report, the bench and the plan
     bench.py       batchgen vs transformers on synthetic workloads, side by side (``batchgen bench``)
     bench_plan.py  planner orders (planned / input / shuffled) on real jobs
     quality.py     teacher-forced agreement of bf16 / int8 with float32 (``batchgen bench --quality``)

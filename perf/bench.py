@@ -32,9 +32,9 @@ A prompt is ``[BOS] + prefix[group] + document[i]``:
 Numbers are only meaningful as ratios inside one run: this machine's cores (and its AMX unit) are shared,
 so absolute speeds drift between runs. The run notes the load average before and after.
 
-MFU counts the model FLOPs each system had to compute (``perf.flops``: window-limited attention, LM head
+MFU counts the model FLOPs each system had to compute (``costmodel.flops``: window-limited attention, LM head
 only on sampled rows; padding and masked work are not counted) against the calibrated matmul peak
-(``perf.calibrate``); decode MBU counts weight + KV bytes of decode steps against calibrated bandwidth.
+(``costmodel.calibrate``); decode MBU counts weight + KV bytes of decode steps against calibrated bandwidth.
 """
 from __future__ import annotations
 
@@ -54,12 +54,12 @@ from pathlib import Path
 
 import torch
 
+from costmodel.roofline import Roofline
+from costmodel.stats import percentiles
 from engine.config import DEFAULT_MODEL
 from engine.errors import ConfigError
 from perf import BENCH_EXTRA_SYSTEMS, BENCH_SHAPES, BENCH_SYSTEMS
 from perf.breakdown import format_bound, format_breakdown, kernel_breakdown
-from perf.roofline import Roofline
-from perf.stats import percentiles
 
 # ---- workloads ---------------------------------------------------------------------------------------
 
@@ -204,7 +204,7 @@ class SystemResult:
     output_tokens: int = 0
     ttft_s: list[float] | None = None
     tpot_s: list[float] | None = None
-    flops: float | None = None        # model FLOPs this system computed (perf.flops)
+    flops: float | None = None        # model FLOPs this system computed (costmodel.flops)
     mfu: float | None = None          # flops / wall / calibrated peak
     prefill_mfu: float | None = None  # over the time spent in steps (batches) with prompt work
     decode_mbu: float | None = None   # decode-only steps: bytes moved / time / calibrated bandwidth
@@ -539,7 +539,7 @@ def _git_commit() -> str | None:
 
 
 def _calibration(opts: BenchOptions, device: str):
-    from perf.calibrate import get_calibration
+    from costmodel.calibrate import get_calibration
     return get_calibration(device, opts.dtype, quick=opts.quick)
 
 

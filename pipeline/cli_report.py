@@ -49,8 +49,8 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
     """Measure this device's matmul FLOP/s and memory bandwidth; cache them for report's roofline."""
     import torch
 
+    from costmodel.calibrate import cache_path, calibrate, load_calibration
     from engine import choose_dtype
-    from perf.calibrate import cache_path, calibrate, load_calibration
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,7 +3,7 @@
     summary = analyze(read_run(run_dir))          # plain dict of numbers; the HTML and the tests read it
     render_report([run_dir], "report.html")       # one run; two run dirs -> side-by-side comparison
 
-Roofline accounting (MFU/MBU per stage, per step): ``perf.roofline``.
+Roofline accounting (MFU/MBU per stage, per step): ``costmodel.roofline``.
 """
 from __future__ import annotations
 
@@ -16,9 +16,52 @@ from typing import Any
 
 import numpy as np
 
-from perf.roofline import column_array, roofline, warmup_mask
-from perf.stats import percentiles
+from costmodel import flops as F
+from costmodel.roofline import DTYPE_BYTES, column_array, stage_roofline
+from costmodel.stats import percentiles
 from pipeline.trace import TraceData, check_trace, read_run
+
+
+# ---- the roofline of a recorded run: run.json's meta picks config, calibration, dtype, warm-up -------------
+def model_config_of(run: TraceData):
+    d = run.meta.get("model_config")
+    if d:
+        return F.from_dict(d)
+    path = (run.meta.get("model_info") or {}).get("path")
+    if not path:
+        return None
+    try:   # NOTE: older runs without a stored config: read it from the checkpoint if it is still there
+        from engine import load_model_config, resolve_model
+        return load_model_config(resolve_model(path))
+    except Exception:
+        return None
+
+
+def warmup_mask(run: TraceData) -> np.ndarray:
+    """True for warm-up steps: the first ``warmup_steps`` of each session."""
+    sessions = column_array(run.steps["session"], int) if run.num_steps else np.zeros(0, int)
+    sess_meta = run.meta.get("sessions") or [{}]
+    k = int(sess_meta[0].get("warmup_steps", 1))
+    mask = np.zeros(len(sessions), bool)
+    for s in np.unique(sessions):
+        idx = np.flatnonzero(sessions == s)[:k]
+        mask[idx] = True
+    return mask
+
+
+def roofline(run: TraceData, config=None, calibration: dict | None = None, warmup_steps: bool = False) -> dict | None:
+    """Prefill and decode stages of a recorded run (``costmodel.roofline.stage_roofline``): time, FLOPs, bytes,
+    achieved FLOP/s and bytes/s, intensity, MFU, MBU.
+
+    None when the model's config is unknown. MFU/MBU are None without a calibration.
+    """
+    config = config or model_config_of(run)
+    if config is None or not run.num_steps:
+        return None
+    cal = calibration if calibration is not None else (run.meta.get("calibration") or None)
+    dtype_bytes = DTYPE_BYTES.get((run.meta.get("model_info") or {}).get("dtype", "bfloat16"), 2)
+    keep = np.ones(run.num_steps, bool) if warmup_steps else ~warmup_mask(run)
+    return stage_roofline(run.steps, run.requests, config, dtype_bytes, cal, keep)
 
 PROMPT_THRESHOLD = 512      # tokens: a "long" prompt
 OUTPUT_THRESHOLD = 128      # tokens: a "long" output

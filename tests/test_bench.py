@@ -7,6 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from costmodel.stats import percentile
 from perf.bench import (
     SYSTEMS,
     BenchOptions,
@@ -19,7 +20,6 @@ from perf.bench import (
     run_bench,
     save_json,
 )
-from perf.stats import percentile
 from tests.model_utils import save_tiny, tiny_hf_model, tiny_tokenizer
 
 

@@ -487,7 +487,7 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
 
 def test_int8_calibration_for_predictions():
     """`batchgen calibrate --dtype int8` measures our int8 linear; int8 engines' predictions use it."""
-    from perf.calibrate import calibrate
+    from costmodel.calibrate import calibrate
     cal = calibrate("cpu", "int8", quick=True, save=False)
     assert cal.dtype == "int8" and cal.matmul_flops > 0 and cal.small_m_flops > 0
     with pytest.raises(ValueError, match="int8"):
