@@ -421,8 +421,8 @@ def test_tiny_model_close_to_float32(tiny_dir, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_default_model_quality_bar():
     """The bar on gemma-3-270m over 2,000+ positions of the sample documents: int8's top-1 agreement with float32
-    >= bf16's and its mean KL(fp32 || int8) <= 2x bf16's (perf.quality; printed by ``batchgen bench --quality``)."""
-    from perf import quality
+    >= bf16's and its mean KL(fp32 || int8) <= 2x bf16's (bench.quality; printed by ``batchgen bench --quality``)."""
+    from bench import quality
     res = quality.measure("gemma-3-270m", positions=2000, variants=quality.VARIANTS[:3], log=print)
     assert all(r["positions"] >= 2000 for r in res.values())
     assert quality.meets_bar(res), res

@@ -2,7 +2,7 @@
 engine's prefix cache on and off. Every run goes to a fresh output directory; numbers are side by side in one
 process run, so ratios (not absolute times) are what to read.
 
-    python -m perf.bench_plan jobs/*.yaml [--orders planned,input,shuffled] [--kv-cache-memory BYTES]
+    python -m bench.plan_orders jobs/*.yaml [--orders planned,input,shuffled] [--kv-cache-memory BYTES]
 """
 from __future__ import annotations
 

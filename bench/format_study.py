@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.quality import sample_sequences, sequence_logits
 from engine.models.int8 import QK, quantize_rows, unpack
-from perf.quality import sample_sequences, sequence_logits
 
 # (name, linear weights, linear activations, LM-head weights, LM-head activations, SmoothQuant alpha)
 # weights: "group" (today's int8, as loaded) | "row"; activations: "group" (per token and 32) | "token"
