@@ -122,7 +122,7 @@ def test_unknown_shape_and_system_are_errors():
 
 
 def test_cli_bench(tiny_dir, tmp_path):
-    from pipeline.cli import main
+    from batchgen.cli import main
     out = tmp_path / "bench.json"
     res = CliRunner().invoke(main, ["bench", "--quick", "--model", tiny_dir, "--dtype", "float32",
                                     "--systems", "batchgen,hf-generate", "--no-roofline", "--n", "4",

@@ -1,4 +1,4 @@
-"""``batchgen report`` and ``batchgen calibrate`` (plugged into the ``batchgen`` group by pipeline/cli.py)."""
+"""``batchgen report`` and ``batchgen calibrate`` (plugged into the ``batchgen`` group by batchgen/cli.py)."""
 from __future__ import annotations
 
 import click

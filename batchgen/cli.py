@@ -3,7 +3,7 @@
 User mistakes (bad job files, unreadable inputs, a held lock, a full disk) print one clear message and exit
 with code 2, never a traceback. An interrupted run (SIGTERM / Ctrl-C) exits 130 and says how to resume.
 
-Plug-ins: a module ``pipeline.cli_<name>`` in ``PLUGINS`` that exists and has a ``commands`` list of click
+Plug-ins: a module ``batchgen.<name>`` in ``PLUGINS`` that exists and has a ``commands`` list of click
 commands gets them added to the group; nothing here needs editing for that.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import click
 
 from engine import BatchgenError
 
-# NOTE: cli_schedule owns `cron` and `status`, cli_report owns `report` and `calibrate`; a name registered twice
+# NOTE: schedule_cmd owns `cron` and `status`, report_cmd owns `report` and `calibrate`; a name registered twice
 # is refused with a warning (the first module wins).
-PLUGINS = ("cli_schedule", "cli_report", "cli_bench")
+PLUGINS = ("schedule_cmd", "report_cmd", "bench_cmd")
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -169,7 +169,7 @@ def _pct(a: int, b: int) -> str:
 
 def _load_plugins() -> None:
     for name in PLUGINS:
-        modname = f"pipeline.{name}"
+        modname = f"batchgen.{name}"
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as e:
@@ -189,6 +189,3 @@ def _load_plugins() -> None:
 
 _load_plugins()
 
-
-if __name__ == "__main__":
-    main()

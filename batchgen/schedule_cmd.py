@@ -1,6 +1,6 @@
 """The scheduling commands: ``batchgen cron install|list|remove`` and ``batchgen status``.
 
-``pipeline.cli`` adds ``commands`` to the ``batchgen`` group. The commands are thin: crontab work is in
+``batchgen.cli`` adds ``commands`` to the ``batchgen`` group. The commands are thin: crontab work is in
 ``pipeline.cron``, run history in ``pipeline.history``.
 """
 from __future__ import annotations
@@ -39,12 +39,12 @@ def _load_jobs(files: list[str]):
     return jobs
 
 
-EXIT_USER_ERROR = 2     # as pipeline.cli
+EXIT_USER_ERROR = 2     # as batchgen.cli
 
 
 @contextmanager
 def _user_errors():
-    """Show batchgen's errors as one message on stderr and exit 2, without a traceback (as pipeline.cli)."""
+    """Show batchgen's errors as one message on stderr and exit 2, without a traceback (as batchgen.cli)."""
     try:
         yield
     except BatchgenError as e:

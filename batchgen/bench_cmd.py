@@ -1,4 +1,4 @@
-"""``batchgen bench`` (plugged into the ``batchgen`` group by pipeline/cli.py): the engine benchmark.
+"""``batchgen bench`` (plugged into the ``batchgen`` group by batchgen/cli.py): the engine benchmark.
 
 The one bench CLI; the work happens in ``bench`` (bench/run.py).
 """
