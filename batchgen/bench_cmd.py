@@ -51,6 +51,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
               quality, formats, positions, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
+    # NOTE: lazy: the bench modules import torch; the CLI starts (and lists systems and shapes) without it
     from bench.options import options_from
     from bench.run import run_bench
     from bench.table import format_table, save_json

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from bench.systems.registry import BENCH_SYSTEMS
 from bench.workloads import DEFAULT_HF_BATCH_SIZES, QUICK_HF_BATCH_SIZES, Workload, make_workload
 from engine.config import DEFAULT_MODEL
+from engine.dtype_policy import choose_dtype
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,5 @@ def options_from(shape: str, quick: bool, n=None, groups=None, prefix_tokens=Non
     if hf_batch_sizes is None:
         hf_batch_sizes = QUICK_HF_BATCH_SIZES if quick else DEFAULT_HF_BATCH_SIZES
     if kw.get("dtype", "auto") == "auto":      # what the engine would choose on this CPU, for every system
-        from engine.dtype_policy import choose_dtype
         kw["dtype"] = choose_dtype("auto", "cpu").dtype
     return BenchOptions(workload=w, quick=quick, hf_batch_sizes=tuple(hf_batch_sizes), **kw)

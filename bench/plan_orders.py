@@ -14,6 +14,9 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.runner import RunOptions, run_jobs
+from pipeline.validate import load_valid_jobs
+
 
 def _rewrite(job_file: str, out_dir: Path, caching: bool, kv_bytes: int | None) -> Path:
     job = yaml.safe_load(Path(job_file).read_text())
@@ -31,8 +34,6 @@ def _rewrite(job_file: str, out_dir: Path, caching: bool, kv_bytes: int | None) 
 
 
 def run_config(job_files: list[str], order: str, caching: bool, kv_bytes: int | None, root: Path) -> dict:
-    from pipeline.runner import RunOptions, run_jobs
-    from pipeline.validate import load_valid_jobs
 
     out_dir = root / f"{order}-{'cache' if caching else 'nocache'}"
     out_dir.mkdir(parents=True)

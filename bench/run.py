@@ -19,8 +19,13 @@ from bench.systems.registry import SYSTEMS
 from bench.systems.transformers import hf_continuous_batching_available, load_hf_model, run_hf_cb, run_hf_generate
 from bench.table import agreement, ratios
 from bench.workloads import build_prompts
+from costmodel.calibrate import get_calibration
 from costmodel.roofline import Roofline
+from engine.config import EngineConfig
+from engine.dtype_policy import DTYPES
 from engine.errors import ConfigError
+from engine.loader import load_model_config, resolve_model
+from engine.tokenizer import load_tokenizer
 
 
 def _loadavg() -> list[float] | None:
@@ -39,7 +44,6 @@ def _git_commit() -> str | None:
 
 
 def _calibration(opts: BenchOptions, device: str):
-    from costmodel.calibrate import get_calibration
     return get_calibration(device, opts.dtype, quick=opts.quick)
 
 
@@ -56,7 +60,7 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
     w = opts.workload
     env = {"commit": _git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": opts.dtype, "model": opts.model, "loadavg_before": _loadavg(), "started": time.time()}
-    try:
+    try:   # NOTE: only its version here; bench/systems/transformers.py says why it is imported late
         import transformers
         env["transformers"] = transformers.__version__
     except ImportError:
@@ -79,8 +83,6 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         """The prompts (and roofline), built once from the model's tokenizer and config, before any system."""
         nonlocal prompts, tokenizer, roof
         if prompts is None:
-            from engine.loader import load_model_config, resolve_model
-            from engine.tokenizer import load_tokenizer
             src = resolve_model(opts.model)
             tok = tokenizer = load_tokenizer(src)
             mcfg = load_model_config(src)
@@ -96,7 +98,6 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
     for name in BATCHGEN_VARIANTS:
         if name not in opts.systems:
             continue
-        from engine.llm import LLM  # noqa: F401  (import errors surface before any timing)
         say(opts, f"{name}: loading {opts.model}")
         llm = None
         try:
@@ -112,12 +113,10 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
             say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
         add(res)
 
-    from engine.config import EngineConfig
     hf_systems = [s for s in ("hf-generate", "hf-cb") if s in opts.systems]
     if hf_systems:
         say(opts, f"transformers: loading {opts.model}")
         t = time.monotonic()
-        from engine.dtype_policy import DTYPES
         hf_dtype = DTYPES[opts.dtype]
         try:
             hf = load_hf_model(opts.model, hf_dtype)

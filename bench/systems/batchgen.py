@@ -10,6 +10,8 @@ from bench.options import BenchOptions, say
 from bench.result import SystemResult
 from bench.workloads import BenchPrompt, warmup_prompts
 from costmodel.roofline import Roofline
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache": (False, "none", None, "auto"),
                      "batchgen-int8": (True, "int8", None, "auto"),
@@ -21,9 +23,6 @@ BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache
 
 def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
     """One LLM per setting (a fresh prefix cache), a short warm-up, then the whole workload in one generate."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-
     prefix_caching, quantization, spec, kv_dtype = BATCHGEN_VARIANTS[name]
     t = time.monotonic()
     # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway

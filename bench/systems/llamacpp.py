@@ -8,11 +8,12 @@ import torch
 from bench.options import BenchOptions, say
 from bench.result import SystemResult
 from bench.workloads import BenchPrompt
+from engine.loader import resolve_model
 
 
 def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResult:
     """llama.cpp through llama-cpp-python: its best configuration measured on this workload (module docstring)."""
-    try:
+    try:   # NOTE: an optional dependency (the peer extra): without it the system is reported skipped
         import llama_cpp
         from llama_cpp import Llama
     except ImportError:
@@ -20,7 +21,6 @@ def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResul
                             skipped="llama-cpp-python not installed (pip install -e '.[peer]')")
     # which build runs (its instruction sets): a peer built for another CPU kind is not the same peer
     say(opts, f"llama.cpp {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}")
-    from engine.loader import resolve_model
     src = resolve_model(opts.model)
     if src.kind != "gguf":
         return SystemResult(system="llama.cpp", label="llama.cpp", skipped="the model is not a GGUF file")

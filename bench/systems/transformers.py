@@ -1,6 +1,8 @@
 """The transformers baselines: ``generate`` on left-padded batches (hf-generate) and continuous batching (hf-cb).
 
 The module's name is this system's; ``from transformers import ...`` below is the library (absolute imports).
+NOTE: transformers is imported inside the functions: it takes seconds, and a bench of batchgen systems alone
+never needs it; some names (GgufConfig, ContinuousBatchingConfig) exist only in some versions.
 """
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import torch
 
 from bench.result import SystemResult
 from bench.workloads import BenchPrompt
+from engine.loader.resolve import resolve_model
 
 
 def load_hf_model(model: str, dtype: torch.dtype):
     """The same checkpoint through transformers: the GGUF (dequantized) or the HF directory; SDPA attention."""
     from transformers import AutoModelForCausalLM
 
-    from engine.loader.resolve import resolve_model
     src = resolve_model(model)
     path = Path(src.path)
     if src.kind == "gguf":

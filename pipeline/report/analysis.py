@@ -15,6 +15,7 @@ import numpy as np
 from costmodel import flops as F
 from costmodel.roofline import DTYPE_BYTES, column_array, stage_roofline
 from costmodel.stats import percentiles
+from engine import load_model_config, resolve_model
 from pipeline.trace import TraceData, check_trace
 
 
@@ -27,7 +28,6 @@ def model_config_of(run: TraceData):
     if not path:
         return None
     try:   # NOTE: older runs without a stored config: read it from the checkpoint if it is still there
-        from engine import load_model_config, resolve_model
         return load_model_config(resolve_model(path))
     except Exception:
         return None

@@ -6,6 +6,7 @@ of pipeline/report/analysis.py (plots inline as PNG).
 from __future__ import annotations
 
 import base64
+import datetime
 import html
 import io
 import math
@@ -45,7 +46,6 @@ def _fmt(x, unit: str = "") -> str:
 
 
 def _when(unix: float | None) -> str:
-    import datetime
     if not unix:
         return "at an unknown time"
     return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M")
@@ -58,7 +58,7 @@ def _table(headers: list[str], rows: list[list]) -> str:
 
 
 def _img(fig) -> str:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # NOTE: lazy, as in _plt: matplotlib only when a page is drawn
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=72)   # NOTE: not bbox_inches="tight": that draws the figure twice
@@ -67,7 +67,7 @@ def _img(fig) -> str:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # NOTE: lazy: matplotlib is slow to import; only `batchgen report` draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
