@@ -20,12 +20,11 @@ import numpy as np
 from costmodel import flops as F
 from costmodel.roofline import DTYPE_BYTES, matmul_rate
 
-# Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (measured: a few ms on
-# the CPU dev VM for a decode step; part of every step).
+# Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (part of every step;
+# measured: docs/perf/code-notes-perf.md).
 STEP_OVERHEAD_S = 0.004
 # The fraction of the calibrated matmul rate whole engine steps reach: norms, activations, RoPE, softmax and
-# K/V writes run between the matmuls, memory-bound. Measured: prefill steps at 78 % model-FLOP utilization
-# (`batchgen bench shared-prefix`, AMD EPYC Zen 4, bf16, 2 threads).
+# K/V writes run between the matmuls, memory-bound (measured: docs/perf/code-notes-perf.md).
 ENGINE_EFFICIENCY = 0.8
 
 

@@ -6,6 +6,7 @@ never needs it; some names (GgufConfig, ContinuousBatchingConfig) exist only in 
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -123,17 +124,17 @@ def run_hf_cb(model, prompts: list[BenchPrompt], T: int, pad_id: int, max_batch_
 
     NOTE: on CPU the cache size cannot be inferred from device memory, so it is sized to hold every request.
     """
-    import logging
-
     from transformers import ContinuousBatchingConfig
+
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     page = 256
     # NOTE: transformers sizes its activations (full-vocab logits for every batched token) from max_batch_tokens
-    # and refuses to start when that exceeds free memory (4096 wanted ~14 GB here); 512 fits and still batches.
+    # and refuses to start when that exceeds free memory (4096 did here); 512 fits and still batches.
     max_batch_tokens = min(max_batch_tokens, 512)
     num_blocks = sum(-(-(len(p.token_ids) + T) // page) for p in prompts) + 2
     # NOTE: on CPU transformers budgets a fraction (max_memory_percent) of total RAM minus what torch holds;
-    # its default left ~5.8 GB here, just short of what this workload needs. The KV cache itself is small.
+    # its default left just short of what this workload needs (docs/perf/code-notes-perf.md). The KV cache itself
+    # is small.
     cfg = lambda: ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks,  # noqa: E731
                                            max_batch_tokens=max_batch_tokens, max_memory_percent=0.8)
     gen_cfg = _hf_gen_config(T, pad_id)
