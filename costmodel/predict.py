@@ -168,7 +168,7 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     dtype, measuring a quick one (about a second) the first time."""
     if model_config is None or not plan.num_requests:
         return None
-    # NOTE: lazy: calibrate imports torch, and pipeline.runner (which imports this module) loads without it
+    # NOTE: lazy: calibrate pulls in torch; the runner (pipeline.runner) loads this module without torch
     from costmodel.calibrate import get_calibration
     # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration), their weights stream
     # at int8's bytes (INT8_WEIGHT_BYTES), KV at kv_cache_dtype's.
