@@ -141,7 +141,7 @@ def _field_ok(fields: list[str], i: int) -> bool:
 
 def batchgen_executable() -> list[str]:
     """How cron should start batchgen: the ``batchgen`` script this process runs as (or the one next to this
-    interpreter), else this interpreter importing ``pipeline.cli``. Absolute paths; venv symlinks are kept (not
+    interpreter), else this interpreter running ``-m batchgen``. Absolute paths; venv symlinks are kept (not
     resolved), so the venv's interpreter and packages are used."""
     argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     if argv0 is not None and argv0.name == "batchgen" and argv0.exists():
@@ -149,7 +149,7 @@ def batchgen_executable() -> list[str]:
     sibling = Path(sys.executable).parent / "batchgen"
     if sibling.is_file() and os.access(sibling, os.X_OK):
         return [str(sibling)]
-    return [os.path.abspath(sys.executable), "-c", "from pipeline.cli import main; main()"]
+    return [os.path.abspath(sys.executable), "-m", "batchgen"]
 
 
 def entry_line(names: str | Sequence[str], schedule: str, job_files: str | Path | Sequence[str | Path], *,

@@ -61,7 +61,7 @@ class JobRun:
     deleted_kept: int = 0                      # rows no longer in the input, kept (output.keep_deleted_rows)
     deleted_dropped: int = 0                   # ... dropped from the output
     tails: dict = field(default_factory=dict)  # rendered prompt tail (token ids) -> its id in the spill file
-    predicted_engine_s: float | None = None    # perf.predict, this job's requests as if run alone
+    predicted_engine_s: float | None = None    # costmodel.predict, this job's requests as if run alone
     draft_tokens: int = 0                      # speculation: drafts proposed for this job's requests ...
     accepted_tokens: int = 0                   # ... and accepted
     spec_steps: int = 0                        # request-steps that verified drafts (mean accepted length)

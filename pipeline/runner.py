@@ -4,7 +4,7 @@
       1. prepare  (pipeline/prepare.py) stream each job's input; render + tokenize rows; skip rows whose
                   row_key is committed; bad rows become error results at once; the rest go to a spill file
       2. plan     (pipeline/planner.py) prefix tree over all prompt heads of all jobs -> order, predicted
-                  hits, providers; perf/predict.py prices it in seconds
+                  hits, providers; costmodel/predict.py prices it in seconds
       3. execute  (pipeline/feeder.py + here) keep a bounded window of requests in the engine (priority =
                   plan position), followers released with their provider, heads pinned while needed;
                   finished rows are committed as parts every couple of seconds
@@ -41,8 +41,8 @@ from typing import Callable
 
 import numpy as np
 
+from costmodel.predict import Prediction, predict_plan
 from engine import BatchgenError, Engine, EngineInfo
-from perf.predict import Prediction, predict_plan
 from pipeline.admission import MachineLock
 from pipeline.assemble import assemble
 from pipeline.errors import RunError
@@ -84,7 +84,7 @@ class RunReport:
     plan: Plan | None
     wall_s: float
     engine_info: EngineInfo
-    prediction: Prediction | None = None       # predicted engine time of the whole plan (perf.predict)
+    prediction: Prediction | None = None       # predicted engine time of the whole plan (costmodel.predict)
     engine_s: float | None = None              # achieved: from model loaded to last step
     summary: str = ""
     trace_dir: Path | None = None

@@ -59,7 +59,7 @@ class RunTrace:
         model_info: ``llm.info.to_dict()`` (name, identity, dtype, device, ...; stored as run.json's model_info).
         load_time_s: ``llm.info.load_time_s``.
         model_config: ``llm.model_config``; stored so the report can count FLOPs and bytes.
-        calibration: an ``perf.calibrate.Calibration``; None -> the cached one for the model's device/dtype.
+        calibration: an ``costmodel.calibrate.Calibration``; None -> the cached one for the model's device/dtype.
         start_time: ``time.monotonic()`` of the run start; None -> now.
     """
 
@@ -71,7 +71,7 @@ class RunTrace:
         self.load_time_s = float(load_time_s)
         self.model_config = model_config
         self.calibration = calibration
-        self.prediction: dict | None = None     # perf.predict for this run's plan, when there is one
+        self.prediction: dict | None = None     # costmodel.predict for this run's plan, when there is one
         self.start = time.monotonic() if start_time is None else start_time
         self.started_at_unix = time.time() - (time.monotonic() - self.start)
         prev = _read_json(self.run_dir / RUN_FILE)
@@ -167,7 +167,7 @@ class RunTrace:
         cal = self.calibration
         if cal is None:
             try:
-                from perf.calibrate import load_calibration
+                from costmodel.calibrate import load_calibration
                 cal = load_calibration(self.model_info.get("device", "cpu"), self.model_info.get("dtype", "bfloat16"))
             except Exception:   # NOTE: a trace must never fail a run; no calibration just means no roofline
                 cal = None
@@ -275,7 +275,7 @@ def _config_dict(config) -> dict | None:
         return None
     if isinstance(config, dict):
         return config
-    from perf.flops import to_dict
+    from costmodel.flops import to_dict
     return to_dict(config)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from bench import quality
 from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.loader.resolve import ModelSource
@@ -10,7 +11,6 @@ from engine.loader.safetensors_loader import load_safetensors_weights
 from engine.model_runner import bind_kv_caches
 from engine.models import build_model
 from engine.models.config import ModelConfig
-from perf import quality
 
 
 def tiny_hf_model(arch: str, **overrides):
@@ -89,6 +89,6 @@ def load_ours(source: ModelSource, dtype=torch.float32):
     return build_model(mcfg, load_safetensors_weights(source.path, dtype), dtype, torch.device("cpu"))
 
 
-# The teacher-forced helpers live in perf.quality (the quality measurement uses them too).
+# The teacher-forced helpers live in bench.quality (the quality measurement uses them too).
 bind_cache = quality.bind_cache
 run_chunks = quality.sequence_logits

@@ -92,7 +92,7 @@ def test_two_submits_queue_and_match_a_combined_run(tmp_path, make_docs_dataset,
     together = {n: write_job(tmp_path / "comb", n, data, out=tmp_path / f"comb/{n}.parquet", extra=extra)
                 for n in ("a", "b")}
     env = {**os.environ, "BATCHGEN_STATE_DIR": str(state), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-c", "from pipeline.cli import main; main()", "submit", "-q"]
+    cmd = [sys.executable, "-c", "from batchgen.cli import main; main()", "submit", "-q"]
 
     blocker = MachineLock(["test"], state)                     # the machine is busy when both start
     blocker.acquire()

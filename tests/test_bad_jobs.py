@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import pipeline.runner
-from pipeline.cli import main
+from batchgen.cli import main
 from tests.test_pipeline import write_job
 
 REAL_FACTORY = pipeline.runner.default_llm_factory

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from batchgen.cli import main
 from tests.conftest import make_docs
 from tests.test_cli import _real_engine
 from tests.test_pipeline import write_job

@@ -1,4 +1,4 @@
-"""perf.bench / `batchgen bench`: the quick preset on a tiny random Llama runs every system and gives a
+"""bench (`batchgen bench`): the quick preset on a tiny random Llama runs every system and gives a
 well-formed table and JSON with consistent token counts. No timing assertions: speeds here are noise."""
 from __future__ import annotations
 
@@ -7,19 +7,13 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from perf.bench import (
-    SYSTEMS,
-    BenchOptions,
-    SystemResult,
-    build_prompts,
-    format_table,
-    make_workload,
-    options_from,
-    ratios,
-    run_bench,
-    save_json,
-)
-from perf.stats import percentile
+from bench.options import BenchOptions, options_from
+from bench.result import SystemResult
+from bench.run import run_bench
+from bench.systems.registry import SYSTEMS
+from bench.table import format_table, ratios, save_json
+from bench.workloads import build_prompts, make_workload
+from costmodel.stats import percentile
 from tests.model_utils import save_tiny, tiny_hf_model, tiny_tokenizer
 
 
@@ -128,7 +122,7 @@ def test_unknown_shape_and_system_are_errors():
 
 
 def test_cli_bench(tiny_dir, tmp_path):
-    from pipeline.cli import main
+    from batchgen.cli import main
     out = tmp_path / "bench.json"
     res = CliRunner().invoke(main, ["bench", "--quick", "--model", tiny_dir, "--dtype", "float32",
                                     "--systems", "batchgen,hf-generate", "--no-roofline", "--n", "4",

@@ -1,12 +1,12 @@
-"""perf.breakdown (`batchgen bench --breakdown`): per-family timers over a real engine run on a tiny Gemma 3 —
+"""bench.breakdown (`batchgen bench --breakdown`): per-family timers over a real engine run on a tiny Gemma 3 —
 exact call and operation counts, step kinds as the engine recorded them, the patched calls restored. No timing
 assertions beyond "the parts fit in the whole"."""
 from __future__ import annotations
 
 import pytest
 
-from perf.bench import format_table
-from perf.breakdown import FAMILIES, kernel_breakdown
+from bench.breakdown import FAMILIES, kernel_breakdown
+from bench.table import format_table
 from tests.model_utils import save_tiny, tiny_hf_model
 
 N_SEQ, PROMPT, OUT = 3, 21, 5
@@ -107,7 +107,7 @@ def _bd(mm_s: float, ops: float, rest_s: float, kind: str = "prefill") -> dict:
 def test_matmul_bound_arithmetic():
     """float: 8 s of matmuls + 2 s else; int8: 4 s (4e12 ops) + 2 s: 1.67x, 2x if nothing else took time; 1.8x
     needs the int8 matmuls in 10 / 1.8 - 2 = 3.56 s: 2.25x the float matmuls' speed, at 4e12 / 3.56 s."""
-    from perf.breakdown import format_bound, matmul_bound
+    from bench.breakdown import format_bound, matmul_bound
     b = matmul_bound(_bd(8.0, 2e12, 2.0), _bd(4.0, 4e12, 2.0), None, 1.8)
     need = 10 / 1.8 - 2
     assert b["ratio"] == pytest.approx(10 / 6) and b["matmul_only"] == pytest.approx(2.0)

@@ -1,10 +1,10 @@
-"""perf.calibrate: quick calibration gives positive, plausible numbers and round-trips through the cache."""
+"""costmodel.calibrate: quick calibration gives positive, plausible numbers and round-trips through the cache."""
 from __future__ import annotations
 
 import json
 
+from costmodel import calibrate as cal_mod
 from engine.dtype_policy import choose_dtype
-from perf import calibrate as cal_mod
 
 
 def test_quick_calibration_is_plausible_and_cached(tmp_path):

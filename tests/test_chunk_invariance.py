@@ -9,10 +9,10 @@ logits through the attention backend, and the engine's hidden state behind each 
 import pytest
 import torch
 
+from bench.quality import sequence_logits
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.model_runner import ModelRunner
 from engine.models.layers import CausalLM
-from perf.quality import sequence_logits
 from tests.model_utils import save_tiny, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or cpu_kernels.has_amx(),

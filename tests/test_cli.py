@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 import pipeline.runner
-from pipeline.cli import main
+from batchgen.cli import main
 from tests.test_pipeline import COLUMNS, write_job
 
 

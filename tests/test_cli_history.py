@@ -8,8 +8,8 @@ import os
 from click.testing import CliRunner
 
 import pipeline.runner
+from batchgen.cli import PLUGINS, main
 from pipeline import history
-from pipeline.cli import PLUGINS, main
 from pipeline.state import job_dir_for
 from tests.test_pipeline import write_job
 
@@ -73,7 +73,7 @@ def test_fail_fast_row_error_is_a_failed_run(tmp_path, make_docs_dataset, fake_l
 
 
 def test_plugins_register_each_command_once():
-    assert "cli_bench" in PLUGINS and "cli_status" not in PLUGINS
+    assert "bench_cmd" in PLUGINS and "status_cmd" not in PLUGINS
     names = list(main.commands)
     assert len(names) == len(set(names))
     for cmd in ("submit", "plan", "validate", "status", "cron", "report", "calibrate"):

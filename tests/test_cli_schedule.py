@@ -8,8 +8,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from batchgen.schedule_cmd import commands
 from pipeline import cron, history
-from pipeline.cli_schedule import commands
 from tests.test_cron import FOREIGN, crontab, crontab_user  # noqa: F401  (fixtures)
 
 JOB = """\
@@ -27,7 +27,7 @@ output:
 
 @click.group()
 def batchgen():
-    """Stands in for pipeline.cli's group, which adds the same commands."""
+    """Stands in for batchgen.cli's group, which adds the same commands."""
 
 
 for _command in commands:
@@ -122,7 +122,7 @@ def test_status_lists_runs_with_counts_and_errors(run, tmp_path):
 
 
 def test_plugged_into_batchgen():
-    from pipeline.cli import main
+    from batchgen.cli import main
 
     assert main.commands["cron"] is commands[0] and main.commands["status"] is commands[1]
 

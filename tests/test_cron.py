@@ -181,7 +181,7 @@ def test_entry_runs_in_a_cron_like_environment(tmp_path):
 def test_default_executable_is_absolute():
     exe = cron.batchgen_executable()
     assert Path(exe[0]).is_absolute() and Path(exe[0]).exists()
-    assert exe[1:] in ([], ["-c", "from pipeline.cli import main; main()"])
+    assert exe[1:] in ([], ["-m", "batchgen"])
 
 
 def test_same_schedule_jobs_share_one_entry(crontab, tmp_path, monkeypatch):

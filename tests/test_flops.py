@@ -1,10 +1,10 @@
-"""FLOP/byte counts of perf.flops against hand-computed cases and MACHINE.md's gemma-3-270m figures."""
+"""FLOP/byte counts of costmodel.flops against hand-computed cases and MACHINE.md's gemma-3-270m figures."""
 from __future__ import annotations
 
 import pytest
 
+from costmodel import flops
 from engine.models.config import ModelConfig
-from perf import flops
 
 
 def gemma_270m() -> ModelConfig:

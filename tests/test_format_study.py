@@ -1,12 +1,12 @@
-"""perf.format_study: its simulated formats are the kernel's arithmetic (activation quants equal csrc/qlinear.c's,
+"""bench.format_study: its simulated formats are the kernel's arithmetic (activation quants equal csrc/qlinear.c's,
 today's format equals the int8 engine's logits), and the study measures every format."""
 import pytest
 import torch
 
+from bench import format_study as fs
+from bench.quality import sequence_logits
 from engine import LLM, cpu_kernels
 from engine.models.int8 import Int8Linear, quantize_rows
-from perf import format_study as fs
-from perf.quality import sequence_logits
 from tests.model_utils import save_tiny, tiny_hf_model
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C kernels")

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import pipeline.runner
-from pipeline.cli import main
+from batchgen.cli import main
 from pipeline.trace import read_run
 from tests.conftest import make_docs
 from tests.test_pipeline import write_job

@@ -421,8 +421,8 @@ def test_tiny_model_close_to_float32(tiny_dir, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_default_model_quality_bar():
     """The bar on gemma-3-270m over 2,000+ positions of the sample documents: int8's top-1 agreement with float32
-    >= bf16's and its mean KL(fp32 || int8) <= 2x bf16's (perf.quality; printed by ``batchgen bench --quality``)."""
-    from perf import quality
+    >= bf16's and its mean KL(fp32 || int8) <= 2x bf16's (bench.quality; printed by ``batchgen bench --quality``)."""
+    from bench import quality
     res = quality.measure("gemma-3-270m", positions=2000, variants=quality.VARIANTS[:3], log=print)
     assert all(r["positions"] >= 2000 for r in res.values())
     assert quality.meets_bar(res), res
@@ -487,7 +487,7 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
 
 def test_int8_calibration_for_predictions():
     """`batchgen calibrate --dtype int8` measures our int8 linear; int8 engines' predictions use it."""
-    from perf.calibrate import calibrate
+    from costmodel.calibrate import calibrate
     cal = calibrate("cpu", "int8", quick=True, save=False)
     assert cal.dtype == "int8" and cal.matmul_flops > 0 and cal.small_m_flops > 0
     with pytest.raises(ValueError, match="int8"):

@@ -157,8 +157,8 @@ def test_engine_tokens_batched_equal_alone_and_near_a_float_cache(gemma_dir, qua
 def test_engine_int8_cache_native_equals_the_torch_reference(gemma_dir, monkeypatch):
     """The same logits from the C kernels and from the pure-torch path over the same int8 cache (prefill in chunks,
     then decode)."""
+    from bench.quality import sequence_logits
     from engine.llm import LLM
-    from perf.quality import sequence_logits
 
     llm = LLM(gemma_dir, dtype="float32", kv_cache_dtype="int8", block_size=4, kv_cache_memory=8 << 20)
     tokens = [1 + (5 * j) % 60 for j in range(40)]
@@ -194,8 +194,8 @@ def test_head_dim_off_the_group_is_refused_by_name(tmp_path):
 
 def test_a_key_shift_leaves_attention_unchanged(gemma_dir):
     """softmax(q.(k - m)) = softmax(q.k): a float32 cache with every layer's keys shifted gives the same logits."""
+    from bench.quality import sequence_logits
     from engine.llm import LLM
-    from perf.quality import sequence_logits
 
     llm = LLM(gemma_dir, dtype="float32", kv_cache_dtype="float32", block_size=4, kv_cache_memory=8 << 20)
     attns = [layer.self_attn for layer in llm.model.model.layers]

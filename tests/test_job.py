@@ -3,7 +3,7 @@
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from batchgen.cli import main
 from pipeline.errors import JobError
 from pipeline.job import DEFAULT_TEMPLATE, load_job
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from batchgen.cli import main
 from pipeline.trace import check_trace, read_run
 from tests.test_cli import _real_engine, _real_job
 

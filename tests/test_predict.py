@@ -1,9 +1,9 @@
-"""perf.predict: the plan's time prediction replays the scheduler's step loop (steps, chunking, decode waves)
+"""costmodel.predict: the plan's time prediction replays the scheduler's step loop (steps, chunking, decode waves)
 and prices steps on the calibrated roofline."""
 import numpy as np
 import pytest
 
-from perf import predict as P
+from costmodel import predict as P
 from tests.test_flops import gemma_270m, tiny
 
 FAST = dict(matmul_flops=1e12, memory_bandwidth=1e18)          # compute-bound, known rate
@@ -18,7 +18,7 @@ def test_one_request_steps_and_price():
     pr = _run([10], [0], [3])
     assert pr.steps == 3 and pr.output_tokens == 3          # prefill (samples token 1), then 2 decodes
     rate = 1e12 * P.ENGINE_EFFICIENCY
-    from perf import flops as F
+    from costmodel import flops as F
     lin, head = F.linear_flops(cfg, 1), F.lm_head_flops(cfg, 1)
     per_key = 4 * cfg.num_attention_heads * cfg.head_dim
     # 10 tokens of M=10 rows run at the small-M rate (no small_m_flops given: the large rate)

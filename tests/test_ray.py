@@ -162,7 +162,7 @@ def test_sigkill_of_the_driver_then_rerun_resumes(tmp_path, tiny_llama_dir, loca
     data, ref = local_reference
     job = write_job(tmp_path, "k", data, extra=f"model: {tiny_llama_dir}\n" + ENGINE)
     env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHGEN_RAY_FAULT": "step-delay:0.02"}
-    cmd = [sys.executable, "-c", "from pipeline.cli import main; main()", "submit", "-q", "--commit-every", "0",
+    cmd = [sys.executable, "-c", "from batchgen.cli import main; main()", "submit", "-q", "--commit-every", "0",
            "--ray", "--replicas", "2", "--replica-cpus", "1", str(job)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -185,7 +185,7 @@ def test_sigkill_of_the_driver_then_rerun_resumes(tmp_path, tiny_llama_dir, loca
 def test_ray_flag_without_ray_says_how_to_get_it(tmp_path, make_docs_dataset, monkeypatch):
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from batchgen.cli import main
     job = write_job(tmp_path, "x", make_docs_dataset(n=2))
     monkeypatch.setitem(sys.modules, "ray", None)           # as if not installed
     r = CliRunner().invoke(main, ["submit", "--ray", str(job)])

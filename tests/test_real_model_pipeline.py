@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from batchgen.cli import main
 from pipeline.trace import check_trace, read_run
 
 pytestmark = pytest.mark.slow

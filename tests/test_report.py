@@ -1,4 +1,4 @@
-"""pipeline.report: MFU/MBU from perf.flops counts (hand-checked), the diagnosis, the HTML and the CLI."""
+"""pipeline.report: MFU/MBU from costmodel.flops counts (hand-checked), the diagnosis, the HTML and the CLI."""
 from __future__ import annotations
 
 import re
@@ -6,9 +6,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from batchgen.report_cmd import calibrate_cmd, commands, report_cmd
+from costmodel import flops
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
-from perf import flops
-from pipeline.cli_report import calibrate_cmd, commands, report_cmd
 from pipeline.report import analyze, diagnose, render_report, roofline, shape_warnings
 from pipeline.trace import RunTrace, read_run
 from tests.test_flops import gemma_270m, tiny

@@ -49,7 +49,7 @@ DRIVER = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return real_write(table, path)
     pipeline.state.write_parquet_atomic = write
-    from pipeline.cli import main
+    from batchgen.cli import main
     main(sys.argv[1:])
 """)
 

@@ -3,7 +3,7 @@
 User mistakes (bad job files, unreadable inputs, a held lock, a full disk) print one clear message and exit
 with code 2, never a traceback. An interrupted run (SIGTERM / Ctrl-C) exits 130 and says how to resume.
 
-Plug-ins: a module ``pipeline.cli_<name>`` in ``PLUGINS`` that exists and has a ``commands`` list of click
+Plug-ins: a module ``batchgen.<name>`` in ``PLUGINS`` that exists and has a ``commands`` list of click
 commands gets them added to the group; nothing here needs editing for that.
 """
 from __future__ import annotations
@@ -17,10 +17,13 @@ from pathlib import Path
 import click
 
 from engine import BatchgenError
+from pipeline.ray_exec import RayOptions, import_ray
+from pipeline.runner import Interrupted, RunOptions, run_jobs
+from pipeline.validate import load_valid_jobs, load_valid_jobs_recorded, validate_files
 
-# NOTE: cli_schedule owns `cron` and `status`, cli_report owns `report` and `calibrate`; a name registered twice
+# NOTE: schedule_cmd owns `cron` and `status`, report_cmd owns `report` and `calibrate`; a name registered twice
 # is refused with a warning (the first module wins).
-PLUGINS = ("cli_schedule", "cli_report", "cli_bench")
+PLUGINS = ("schedule_cmd", "report_cmd", "bench_cmd")
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -30,7 +33,6 @@ def _user_errors(fn):
     """Turn BatchgenError (ours and the engine's) into one message on stderr and exit code 2."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from pipeline.runner import Interrupted
         try:
             return fn(*args, **kwargs)
         except Interrupted as e:
@@ -61,7 +63,6 @@ job_files = click.argument("job_files", nargs=-1, required=True, type=click.Path
 @job_files
 def validate(job_files):
     """Check job files without running the model; report every problem with file, key and line."""
-    from pipeline.validate import validate_files
     jobs, problems = validate_files(list(job_files))
     if problems:
         click.echo(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found:", err=True)
@@ -77,8 +78,6 @@ def validate(job_files):
 @_user_errors
 def plan(job_files):
     """Dry run: documents, prompt tokens, tokens to compute after prefix sharing, predicted hit rate."""
-    from pipeline.runner import run_jobs
-    from pipeline.validate import load_valid_jobs
     jobs = load_valid_jobs(list(job_files))
     for report in run_jobs(jobs, dry_run=True):
         p = report.plan
@@ -133,9 +132,6 @@ def submit(job_files, quiet, fail_fast, commit_every, order, no_wait, ray_addres
 
     One run computes on a machine at a time: a run started while another computes waits for it (see
     `batchgen status`), since two at once slow each other down and share no prefix cache."""
-    from pipeline.ray_exec import RayOptions, import_ray
-    from pipeline.runner import RunOptions, run_jobs
-    from pipeline.validate import load_valid_jobs_recorded
     job_files = list(job_files)
     if ray_address and (ray_address.endswith((".yaml", ".yml")) or Path(ray_address).is_file()):
         job_files.insert(0, ray_address)        # `--ray jobs/a.yaml`: the flag without an address
@@ -169,7 +165,7 @@ def _pct(a: int, b: int) -> str:
 
 def _load_plugins() -> None:
     for name in PLUGINS:
-        modname = f"pipeline.{name}"
+        modname = f"batchgen.{name}"
         try:
             mod = importlib.import_module(modname)
         except ModuleNotFoundError as e:
@@ -189,6 +185,3 @@ def _load_plugins() -> None:
 
 _load_plugins()
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,10 @@
-"""``batchgen report`` and ``batchgen calibrate`` (plugged into the ``batchgen`` group by pipeline/cli.py)."""
+"""``batchgen report`` and ``batchgen calibrate`` (plugged into the ``batchgen`` group by batchgen/cli.py)."""
 from __future__ import annotations
 
 import click
+
+from pipeline.report import analyze, render_report, shape_warnings
+from pipeline.trace import read_run
 
 
 @click.command("report")
@@ -14,9 +17,6 @@ import click
               help="Outputs with at least this many tokens count as long.")
 def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
     """Render a self-contained HTML report of RUN_DIR (or compare two: RUN_DIR_A RUN_DIR_B)."""
-    from pipeline.report import analyze, render_report, shape_warnings
-    from pipeline.trace import read_run
-
     if len(run_dirs) > 2:
         raise click.UsageError("give one run directory, or two to compare")
     try:
@@ -47,10 +47,12 @@ def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
 @click.option("--show", is_flag=True, help="Print the cached calibration without measuring.")
 def calibrate_cmd(device, dtype, quick, cache_dir, show):
     """Measure this device's matmul FLOP/s and memory bandwidth; cache them for report's roofline."""
+    # NOTE: lazy: torch (here, in costmodel.calibrate and behind choose_dtype) only for this command, not at every
+    # `batchgen` start
     import torch
 
+    from costmodel.calibrate import cache_path, calibrate, load_calibration
     from engine import choose_dtype
-    from perf.calibrate import cache_path, calibrate, load_calibration
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

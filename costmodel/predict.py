@@ -4,8 +4,8 @@ The plan gives, per request in plan order, its prompt length and predicted cache
 ``max_tokens``. ``predict`` replays the scheduler's token-budget loop coarsely (decodes first, then prefill chunks
 of running requests, then new requests in plan order, under ``max_num_batched_tokens`` and ``max_num_seqs``; no
 preemption) and prices each step on the roofline: time = max(FLOPs / matmul FLOP/s, bytes / bandwidth), with
-this device's calibration (``perf.calibrate``) at the engine dtype. The per-step prices are ``perf.flops``'s counts
-(window-limited attention, LM head only where a token is sampled).
+this device's calibration (``costmodel.calibrate``) at the engine dtype. The per-step prices are
+``costmodel.flops``'s counts (window-limited attention, LM head only where a token is sampled).
 
 What it cannot know: outputs that stop early (EOS, stop strings) make the run shorter than predicted, since every
 request is assumed to generate ``max_tokens``; other processes on the cores make it longer.
@@ -17,15 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perf import flops as F
-from perf.roofline import DTYPE_BYTES, matmul_rate
+from costmodel import flops as F
+from costmodel.roofline import DTYPE_BYTES, matmul_rate
 
-# Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (measured: a few ms on
-# the CPU dev VM for a decode step; part of every step).
+# Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (part of every step;
+# measured: docs/perf/code-notes-perf.md).
 STEP_OVERHEAD_S = 0.004
 # The fraction of the calibrated matmul rate whole engine steps reach: norms, activations, RoPE, softmax and
-# K/V writes run between the matmuls, memory-bound. Measured: prefill steps at 78 % model-FLOP utilization
-# (`batchgen bench shared-prefix`, AMD EPYC Zen 4, bf16, 2 threads).
+# K/V writes run between the matmuls, memory-bound (measured: docs/perf/code-notes-perf.md).
 ENGINE_EFFICIENCY = 0.8
 
 
@@ -169,7 +168,8 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     dtype, measuring a quick one (about a second) the first time."""
     if model_config is None or not plan.num_requests:
         return None
-    from perf.calibrate import get_calibration
+    # NOTE: lazy: calibrate pulls in torch; the runner (pipeline.runner) loads this module without torch
+    from costmodel.calibrate import get_calibration
     # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration), their weights stream
     # at int8's bytes (INT8_WEIGHT_BYTES), KV at kv_cache_dtype's.
     int8 = getattr(info, "quantization", "none") == "int8" and str(info.device).startswith("cpu")

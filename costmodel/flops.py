@@ -18,6 +18,7 @@ Conventions (all counts are exact closed forms, no sampling):
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import numpy as np
@@ -159,14 +160,12 @@ def decode_step_bytes(config: ModelConfig, seq_context_lens: Iterable[int], dtyp
 
 def to_dict(config: ModelConfig) -> dict:
     """The fields of a ModelConfig as plain JSON values (for run.json)."""
-    import dataclasses
     return {f.name: (list(v) if isinstance(v := getattr(config, f.name), tuple) else v)
             for f in dataclasses.fields(config)}
 
 
 def from_dict(d: dict) -> ModelConfig:
     """Inverse of ``to_dict``."""
-    import dataclasses
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
     return ModelConfig(**kw)

@@ -1,6 +1,6 @@
 """The scheduling commands: ``batchgen cron install|list|remove`` and ``batchgen status``.
 
-``pipeline.cli`` adds ``commands`` to the ``batchgen`` group. The commands are thin: crontab work is in
+``batchgen.cli`` adds ``commands`` to the ``batchgen`` group. The commands are thin: crontab work is in
 ``pipeline.cron``, run history in ``pipeline.history``.
 """
 from __future__ import annotations
@@ -12,9 +12,12 @@ from datetime import datetime
 from pathlib import Path
 
 import click
+from croniter import croniter
 
 from engine import BatchgenError
-from pipeline import cron, history
+from pipeline import admission, cron, history
+from pipeline.errors import JobError
+from pipeline.job import load_jobs
 
 _user_option = click.option("--user", metavar="USER", default=None,
                             help="Edit USER's crontab instead of yours (root only, like `crontab -u`).")
@@ -23,9 +26,6 @@ _dry_run_option = click.option("--dry-run", is_flag=True, help="Print what would
 
 def _load_jobs(files: list[str]):
     """Parse job files, and check their schedules (each problem with its file and YAML line)."""
-    from pipeline.errors import JobError
-    from pipeline.job import load_jobs  # lazy: the job loader pulls in engine config
-
     jobs = load_jobs(files)
     problems = []
     for job in jobs:
@@ -39,12 +39,12 @@ def _load_jobs(files: list[str]):
     return jobs
 
 
-EXIT_USER_ERROR = 2     # as pipeline.cli
+EXIT_USER_ERROR = 2     # as batchgen.cli
 
 
 @contextmanager
 def _user_errors():
-    """Show batchgen's errors as one message on stderr and exit 2, without a traceback (as pipeline.cli)."""
+    """Show batchgen's errors as one message on stderr and exit 2, without a traceback (as batchgen.cli)."""
     try:
         yield
     except BatchgenError as e:
@@ -134,7 +134,6 @@ def _job_name(arg: str) -> str:
 
 
 def _next(entry: cron.CronEntry) -> str:
-    from croniter import croniter
 
     return datetime.fromtimestamp(croniter(entry.schedule, time.time()).get_next(float)).strftime("%Y-%m-%d %H:%M")
 
@@ -145,7 +144,6 @@ def _next(entry: cron.CronEntry) -> str:
               help="How many runs to show.")
 def status_cmd(job, limit):
     """Show this machine's computing and queued runs, then recent runs (newest first), of JOB or of every job."""
-    from pipeline import admission
     with _user_errors():
         runs = history.recent_runs(job, limit)
         busy, waiting = admission.holder(), admission.queue()

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.quality import sample_sequences, sequence_logits
+from engine import LLM
 from engine.models.int8 import QK, quantize_rows, unpack
-from perf.quality import sample_sequences, sequence_logits
 
 # (name, linear weights, linear activations, LM-head weights, LM-head activations, SmoothQuant alpha)
 # weights: "group" (today's int8, as loaded) | "row"; activations: "group" (per token and 32) | "token"
@@ -126,7 +127,6 @@ class Study:
     """A float32 model whose linears and LM head simulate the format in ``fmt`` (None: float32, calibrating)."""
 
     def __init__(self, model: str):
-        from engine import LLM
         self.ref = LLM(model, dtype="float32", quantization="none", kv_cache_memory=64 << 20)
         self.sim = LLM(model, dtype="float32", quantization="none", kv_cache_memory=64 << 20)
         q8 = LLM(model, dtype="float32", quantization="int8", kv_cache_memory=64 << 20)

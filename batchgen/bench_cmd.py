@@ -1,15 +1,15 @@
-"""``batchgen bench`` (plugged into the ``batchgen`` group by pipeline/cli.py): the engine benchmark.
+"""``batchgen bench`` (plugged into the ``batchgen`` group by batchgen/cli.py): the engine benchmark.
 
-The one bench CLI; the work happens in ``perf.bench``.
+The one bench CLI; the work happens in ``bench`` (bench/run.py).
 """
 from __future__ import annotations
 
 import click
 
+from bench.systems.registry import BENCH_EXTRA_SYSTEMS as _EXTRA
+from bench.systems.registry import BENCH_SYSTEMS as _SYSTEMS
+from bench.workloads import BENCH_SHAPES as _SHAPES
 from engine import DEFAULT_MODEL
-from perf import BENCH_EXTRA_SYSTEMS as _EXTRA
-from perf import BENCH_SHAPES as _SHAPES
-from perf import BENCH_SYSTEMS as _SYSTEMS
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -36,13 +36,13 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--kv-cache-memory", type=int, default=None, help="batchgen KV pool in bytes.")
 @click.option("--no-roofline", is_flag=True, help="Skip calibration and MFU/MBU.")
 @click.option("--breakdown", is_flag=True, help="Also time batchgen's kernel families (linears, LM head, attention, "
-              "norms) per step kind, with the linears' op rate: where the time went (perf.breakdown).")
+              "norms) per step kind, with the linears' op rate: where the time went (bench.breakdown).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt text.")
 @click.option("--quality", is_flag=True, help="Instead of a workload: top-1 agreement and KL of bf16 and int8 against "
               "float32, teacher-forced on the sample documents (the int8 quality bar).")
 @click.option("--formats", is_flag=True, help="With --quality: also the int8 formats that would drop the matmul's "
               "per-group float work (per-token activations, SmoothQuant, per-row weights), simulated in float32 "
-              "(perf.format_study).")
+              "(bench.format_study).")
 @click.option("--positions", type=int, default=2000, show_default=True, help="--quality: next-token positions.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
@@ -51,12 +51,15 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
               quality, formats, positions, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
-    from perf.bench import format_table, options_from, run_bench, save_json
+    # NOTE: lazy: the bench modules import torch; the CLI starts (and lists systems and shapes) without it
+    from bench.options import options_from
+    from bench.run import run_bench
+    from bench.table import format_table, save_json
 
     if formats and not quality:
         raise click.UsageError("--formats is a --quality measurement: add --quality")
     if quality:
-        from perf import quality as q
+        from bench import quality as q
         if threads:
             import torch
             torch.set_num_threads(threads)
@@ -65,7 +68,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
             verdict = "meets" if q.meets_bar(res, name) else "FAILS"
             click.echo(f"{name} {verdict} the bar: top-1 >= bf16's and KL <= 2x bf16's")
         if formats:
-            from perf import format_study
+            from bench import format_study
             bar = 2 * res["bfloat16"]["kl"]
             click.echo(f"int8 formats, simulated (bar: top-1 >= {res['bfloat16']['top1']:.4f}, KL <= {bar:.6f}):")
             res["formats"] = format_study.measure(model, positions=positions, log=click.echo)

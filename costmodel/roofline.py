@@ -1,9 +1,10 @@
-"""The roofline, in one place: FLOPs and bytes of engine work (``perf.flops``) against this device's calibrated
-peaks (``perf.calibrate``), as MFU (achieved FLOP/s / matmul peak) and MBU (achieved bytes/s / bandwidth).
+"""The roofline, in one place: FLOPs and bytes of engine work (``costmodel.flops``) against this device's calibrated
+peaks (``costmodel.calibrate``), as MFU (achieved FLOP/s / matmul peak) and MBU (achieved bytes/s / bandwidth).
 
-Used by ``batchgen report`` (per step of a recorded run: ``step_work``, ``roofline``), by ``batchgen bench``
+Used by ``batchgen report`` (per step of a recorded run: ``step_work``, ``stage_roofline``; pipeline/report reads
+the trace and hands its columns here), by ``batchgen bench``
 (per request of a system's run: ``Roofline``) and, for time rather than utilization, by ``batchgen plan``
-(``perf.predict`` prices steps with ``matmul_rate`` and the same ``perf.flops`` counts).
+(``costmodel.predict`` prices steps with ``matmul_rate`` and the same ``costmodel.flops`` counts).
 
 Per recorded step (each step is one forward pass):
 
@@ -20,14 +21,11 @@ bandwidth). Warm-up steps (the first of each session) are left out of both.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from perf import flops as F
-
-if TYPE_CHECKING:
-    from pipeline.trace import TraceData
+from costmodel import flops as F
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -83,41 +81,20 @@ class Roofline:
         return mbu(nbytes, secs, self.cal)
 
 
-# ---- a recorded run (pipeline.trace) ------------------------------------------------------------------
+# ---- a recorded run, as columns ---------------------------------------------------------------------------
+# The trace's tables as column dicts (name -> list, one entry per step / per request), as pipeline.trace reads
+# them; the caller (pipeline/report) picks the config, calibration, dtype and warm-up steps from the run's meta.
+Columns = Mapping[str, Sequence]
+
+
 def column_array(col, dtype=float) -> np.ndarray:
     return np.asarray([np.nan if x is None else x for x in col], dtype=dtype)
 
 
-def model_config_of(run: TraceData):
-    d = run.meta.get("model_config")
-    if d:
-        return F.from_dict(d)
-    path = (run.meta.get("model_info") or {}).get("path")
-    if not path:
-        return None
-    try:   # NOTE: older runs without a stored config: read it from the checkpoint if it is still there
-        from engine import load_model_config, resolve_model
-        return load_model_config(resolve_model(path))
-    except Exception:
-        return None
-
-
-def warmup_mask(run: TraceData) -> np.ndarray:
-    """True for warm-up steps: the first ``warmup_steps`` of each session."""
-    sessions = column_array(run.steps["session"], int) if run.num_steps else np.zeros(0, int)
-    sess_meta = run.meta.get("sessions") or [{}]
-    k = int(sess_meta[0].get("warmup_steps", 1))
-    mask = np.zeros(len(sessions), bool)
-    for s in np.unique(sessions):
-        idx = np.flatnonzero(sessions == s)[:k]
-        mask[idx] = True
-    return mask
-
-
-def step_work(run: TraceData, config, dtype_bytes: int) -> dict[str, np.ndarray]:
+def step_work(steps: Columns, requests: Columns, config, dtype_bytes: int) -> dict[str, np.ndarray]:
     """Per-step FLOPs and bytes (see the module docstring), plus decode contexts summed per step."""
-    s, r = run.steps, run.requests
-    n = run.num_steps
+    s, r = steps, requests
+    n = len(s.get("step", []))
     pre, dec = column_array(s["num_prefill_tokens"]), column_array(s["num_decode_tokens"])
     sampled = column_array(s["num_sampled"])
     starts = column_array(s["start"])
@@ -149,20 +126,13 @@ def step_work(run: TraceData, config, dtype_bytes: int) -> dict[str, np.ndarray]
     return {"flops": flops, "bytes": nbytes, "decode_keys": dec_keys}
 
 
-def roofline(run: TraceData, config=None, calibration: dict | None = None, warmup_steps: bool = False) -> dict | None:
-    """Prefill and decode stages: time, FLOPs, bytes, achieved FLOP/s and bytes/s, intensity, MFU, MBU.
-
-    None when the model's config is unknown. MFU/MBU are None without a calibration.
-    """
-    config = config or model_config_of(run)
-    if config is None or not run.num_steps:
-        return None
-    cal = calibration if calibration is not None else (run.meta.get("calibration") or None)
-    dtype_bytes = DTYPE_BYTES.get((run.meta.get("model_info") or {}).get("dtype", "bfloat16"), 2)
-    work = step_work(run, config, dtype_bytes)
-    dur = column_array(run.steps["duration_s"])
-    pre, dec = column_array(run.steps["num_prefill_tokens"]), column_array(run.steps["num_decode_tokens"])
-    keep = np.ones(run.num_steps, bool) if warmup_steps else ~warmup_mask(run)
+def stage_roofline(steps: Columns, requests: Columns, config, dtype_bytes: int, cal, keep: np.ndarray) -> dict:
+    """Prefill and decode stages: time, FLOPs, bytes, achieved FLOP/s and bytes/s, intensity, MFU, MBU, over the
+    steps ``keep`` selects (steps holding prefill tokens: prefill; decode tokens only: decode). MFU/MBU are None
+    without a calibration (``cal``: a Calibration or its dict)."""
+    work = step_work(steps, requests, config, dtype_bytes)
+    dur = column_array(steps["duration_s"])
+    pre, dec = column_array(steps["num_prefill_tokens"]), column_array(steps["num_decode_tokens"])
     stages = {"prefill": keep & (pre > 0), "decode": keep & (pre == 0) & (dec > 0)}
     out = {"stages": {}, "calibration": cal or None, "dtype_bytes": dtype_bytes,
            "per_step": {"flops": work["flops"], "bytes": work["bytes"], "duration": dur,
@@ -172,7 +142,7 @@ def roofline(run: TraceData, config=None, calibration: dict | None = None, warmu
         st = {"steps": int(m.sum()), "time_s": t, "flops": fl, "bytes": by,
               "tokens": float((pre + dec)[m].sum()), "flops_per_s": fl / t if t else None,
               "bytes_per_s": by / t if t else None, "intensity": fl / by if by else None,
-              "mean_decode_seqs": float(column_array(run.steps["num_decode_seqs"])[m].mean()) if m.any() else None,
+              "mean_decode_seqs": float(column_array(steps["num_decode_seqs"])[m].mean()) if m.any() else None,
               "mean_prefill_tokens": float(pre[m].mean()) if m.any() else None, "mfu": None, "mbu": None}
         st["mfu"], st["mbu"] = mfu(fl, t, cal), mbu(by, t, cal)
         out["stages"][name] = st

@@ -14,9 +14,11 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
+from engine import LLM
 from engine.attention import AttentionMetadata, int8_kv
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import bind_kv_caches
@@ -73,7 +75,6 @@ def sequence_logits(model, token_ids: list[int], chunks: list[int], block_size: 
 
 def sample_sequences(tokenizer, positions: int, max_len: int = 700) -> list[list[int]]:
     """Sample documents under their system prompt and reference, each cut at max_len tokens, >= positions."""
-    import pyarrow.parquet as pq
     seqs, total = [], 0
     for r in pq.read_table(SAMPLE).to_pylist():
         text = f"{r['system']}\n\nReference:\n{r['reference']}\n\nDocument:\n{r['document']}\n\nSummary:"
@@ -90,7 +91,6 @@ def measure(model: str = "gemma-3-270m", positions: int = 2000, variants=VARIANT
     Every variant's engine is loaded at once and each sequence goes through all of them before the next, so
     memory holds one sequence's distributions (~0.7 GB at 700 positions of a 262k vocabulary), not all of them
     (~1 GB per 1,000 positions): 20,000+ positions fit."""
-    from engine import LLM
     llms = [LLM(model, dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_memory=64 << 20)
             for _, dtype, quant, kv in variants]
     seqs = sample_sequences(llms[0].get_tokenizer(), positions)

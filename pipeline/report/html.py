@@ -1,229 +1,22 @@
-"""``batchgen report``: turn a run's traces (pipeline.trace) into numbers, a diagnosis and a self-contained HTML page.
+"""``batchgen report``, the page: a self-contained HTML report of one run, or two side by side, from the numbers
+of pipeline/report/analysis.py (plots inline as PNG).
 
-    summary = analyze(read_run(run_dir))          # plain dict of numbers; the HTML and the tests read it
     render_report([run_dir], "report.html")       # one run; two run dirs -> side-by-side comparison
-
-Roofline accounting (MFU/MBU per stage, per step): ``perf.roofline``.
 """
 from __future__ import annotations
 
 import base64
+import datetime
 import html
 import io
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from perf.roofline import column_array, roofline, warmup_mask
-from perf.stats import percentiles
-from pipeline.trace import TraceData, check_trace, read_run
-
-PROMPT_THRESHOLD = 512      # tokens: a "long" prompt
-OUTPUT_THRESHOLD = 128      # tokens: a "long" output
-
-
-def _bucket(prompt: int, output: int, pt: int, ot: int) -> str:
-    return f"{'long' if prompt >= pt else 'short'} prompt / {'long' if output >= ot else 'short'} output"
-
-
-def analyze(run: TraceData, prompt_threshold: int = PROMPT_THRESHOLD, output_threshold: int = OUTPUT_THRESHOLD) -> dict:
-    """Every number the report shows, as a plain dict (no HTML)."""
-    r, s, meta = run.requests, run.steps, run.meta
-    phases = meta.get("phases") or {}
-    wall = float(phases.get("wall_s") or 0.0)
-    n = run.num_requests
-    prompt, cached = int(sum(r["prompt_tokens"])), int(sum(r["cached_tokens"]))
-    out_tokens = int(sum(r["output_tokens"]))
-    errors = sum(1 for e, f in zip(r["error"], r["finish_reason"]) if e or f == "error")
-    totals = {"documents": n, "errors": errors, "prompt_tokens": prompt, "cached_tokens": cached,
-              "computed_tokens": prompt - cached, "output_tokens": out_tokens, "wall_s": wall,
-              "docs_per_s": n / wall if wall else None, "output_tokens_per_s": out_tokens / wall if wall else None,
-              "tokens_per_s": (prompt + out_tokens) / wall if wall else None,
-              "cache_hit_rate": cached / prompt if prompt else None,
-              "preemptions": int(sum(s["num_preemptions"])) if run.num_steps else 0,
-              "steps": run.num_steps}
-
-    # Time split, request view: seconds each request spent waiting, in prefill and in decode.
-    queue = column_array(r["queue_s"])
-    prefill = column_array(r["prefill_end"]) - column_array(r["first_scheduled"])
-    decode = column_array(r["finish"]) - column_array(r["first_token"])
-    jobs = sorted(set(r["job"]))
-
-    def split(mask) -> dict:
-        q, p, d = (float(np.nansum(x[mask])) for x in (queue, prefill, decode))
-        tot = q + p + d
-        return {"requests": int(mask.sum()), "queue_s": q, "prefill_s": p, "decode_s": d,
-                "queue_share": q / tot if tot else None, "prefill_share": p / tot if tot else None,
-                "decode_share": d / tot if tot else None,
-                "prompt_tokens": int(np.asarray(r["prompt_tokens"])[mask].sum()) if n else 0,
-                "cached_tokens": int(np.asarray(r["cached_tokens"])[mask].sum()) if n else 0,
-                "output_tokens": int(np.asarray(r["output_tokens"])[mask].sum()) if n else 0}
-
-    job_arr = np.asarray(r["job"], dtype=object)
-    time_split = {"overall": split(np.ones(n, bool)), "per_job": {j: split(job_arr == j) for j in jobs}}
-
-    # Engine view: wall time spent in prefill steps, decode-only steps, and outside steps.
-    dur = column_array(s["duration_s"]) if run.num_steps else np.zeros(0)
-    pre = column_array(s["num_prefill_tokens"]) if run.num_steps else np.zeros(0)
-    dec = column_array(s["num_decode_tokens"]) if run.num_steps else np.zeros(0)
-    warm = warmup_mask(run)
-    engine = {"warmup_s": float(dur[warm].sum()),
-              "prefill_steps_s": float(dur[~warm & (pre > 0)].sum()),
-              "mixed_steps_s": float(dur[~warm & (pre > 0) & (dec > 0)].sum()),
-              "decode_steps_s": float(dur[~warm & (pre == 0) & (dec > 0)].sum()),
-              "load_s": float(phases.get("load_s") or 0.0), "setup_s": float(phases.get("setup_s") or 0.0)}
-    engine["outside_steps_s"] = max(wall - float(dur.sum()) - engine["setup_s"], 0.0)
-
-    latency = {"ttft_s": percentiles(r["ttft_s"]), "tpot_s": percentiles(r["tpot_s"]),
-               "itl_s": percentiles([b - a for tt in r["token_times"] for a, b in zip(tt or [], (tt or [])[1:])]),
-               "queue_s": percentiles(r["queue_s"]), "e2e_s": percentiles(r["e2e_s"])}
-
-    buckets: dict[str, Any] = {}
-    keys = [_bucket(p, o, prompt_threshold, output_threshold) for p, o in zip(r["prompt_tokens"], r["output_tokens"])]
-    for b in sorted(set(keys)):
-        m = np.asarray([k == b for k in keys])
-        sel = lambda col: [x for x, k in zip(r[col], m) if k]   # noqa: E731
-        p_sum = sum(sel("prompt_tokens"))
-        buckets[b] = {"requests": int(m.sum()), "share": float(m.mean()),
-                      "mean_prompt_tokens": float(np.mean(sel("prompt_tokens"))),
-                      "mean_output_tokens": float(np.mean(sel("output_tokens"))),
-                      "cache_hit_rate": sum(sel("cached_tokens")) / p_sum if p_sum else None,
-                      "ttft_s": percentiles(sel("ttft_s")), "tpot_s": percentiles(sel("tpot_s")),
-                      "e2e_s": percentiles(sel("e2e_s"))}
-
-    steady = {}
-    if run.num_steps:
-        decode_only = ~warm & (pre == 0) & (dec > 0)
-        kv_total = column_array(s["kv_blocks_total"])
-        kv_frac = np.divide(column_array(s["kv_blocks_used"]), kv_total, out=np.zeros(run.num_steps),
-                            where=kv_total > 0)
-        steady = {"peak_kv_usage": float(kv_frac.max()), "mean_kv_usage": float(kv_frac.mean()),
-                  "max_waiting": int(max(s["num_waiting"])), "max_running": int(max(s["num_running"])),
-                  "mean_decode_seqs": float(column_array(s["num_decode_seqs"])[~warm & (dec > 0)].mean())
-                  if (~warm & (dec > 0)).any() else None,
-                  "waiting_during_decode": float(np.mean(column_array(s["num_waiting"])[decode_only] > 0))
-                  if decode_only.any() else None}
-        q = float(sum(s["prefix_cache_queries"]))
-        steady["step_cache_hit_rate"] = float(sum(s["prefix_cache_hits"])) / q if q else None
-
-    roof = roofline(run)
-    summary = {"run": str(run.path), "model_info": meta.get("model_info") or {}, "phases": phases,
-               "totals": totals, "time_split": time_split, "engine_time": engine, "latency": latency,
-               "buckets": buckets, "steady": steady, "roofline": roof,
-               "thresholds": {"prompt": prompt_threshold, "output": output_threshold},
-               "checks": check_trace(run) if n or run.num_steps else []}
-    summary["diagnosis"] = diagnose(summary)
-    return summary
-
-
-# ---- diagnosis -----------------------------------------------------------------------------------------
-def diagnose(sm: dict) -> list[str]:
-    """Plain-language findings, most important first: which stage dominated and what to try."""
-    t, eng, lat, st, roof = sm["totals"], sm["engine_time"], sm["latency"], sm["steady"], sm["roofline"]
-    out: list[str] = []
-    if not t["documents"]:
-        return ["No finished requests in this trace; nothing to diagnose."]
-    if t["errors"]:
-        out.append(f"{t['errors']} of {t['documents']} requests ended in an error; see the requests table "
-                   "(error column) before trusting any speed numbers.")
-    stages = {"prefill (steps with prompt tokens)": eng["prefill_steps_s"],
-              "decode (steps with only generated tokens)": eng["decode_steps_s"],
-              "outside engine steps (tokenizing, planning, writing, Python overhead)": eng["outside_steps_s"]
-              + eng["setup_s"],
-              "model load and warm-up": eng["load_s"] + eng["warmup_s"]}
-    total = sum(stages.values()) or 1.0
-    top, top_s = max(stages.items(), key=lambda kv: kv[1])
-    out.append(f"Time went mostly to {top}: {top_s:.2f} s of {total:.2f} s "
-               f"({100 * top_s / total:.0f}%). Split: " + ", ".join(f"{k.split(' (')[0]} {100 * v / total:.0f}%"
-                                                                  for k, v in stages.items()) + ".")
-    if (eng["load_s"] + eng["warmup_s"]) > 0.3 * total:
-        out.append("Start-up (model load + first step) is a large share of this run: it is short, so its "
-                   "throughput understates a long job's. Compare steady-state numbers, or run more documents.")
-    if (eng["outside_steps_s"] + eng["setup_s"]) > 0.2 * total:
-        out.append("Much of the wall time is outside engine steps: the engine waits on the pipeline "
-                   "(tokenization, prompt building, writing output). Profile the runner; feed requests earlier.")
-    hit = t["cache_hit_rate"]
-    if hit is not None and t["documents"] > 1 and hit < 0.2:
-        out.append(f"Low prefix-cache hit rate ({100 * hit:.0f}% of prompt tokens). If prompts share an "
-                   "instruction or template, check that the shared text comes first and is byte-identical "
-                   "(prompt order / template), and that documents sharing it are scheduled together.")
-    if t["preemptions"]:
-        out.append(f"{t['preemptions']} preemption(s): the KV cache ran out and work was recomputed. "
-                   "Give the engine more KV memory (kv_cache_memory) or lower max_num_seqs.")
-    elif st.get("peak_kv_usage", 0) > 0.95:
-        out.append(f"KV cache peaked at {100 * st['peak_kv_usage']:.0f}% full: close to preempting; more KV "
-                   "memory would allow larger batches.")
-    if roof:
-        d, p = roof["stages"]["decode"], roof["stages"]["prefill"]
-        dec_heavy = eng["decode_steps_s"] >= eng["prefill_steps_s"]
-        if dec_heavy and d["mean_decode_seqs"] is not None and d["mean_decode_seqs"] < 16:
-            if (st.get("waiting_during_decode") or 0) > 0.2:
-                out.append(f"Decode-bound at a small batch ({d['mean_decode_seqs']:.1f} sequences per decode "
-                           "step) while requests waited: raise max_num_seqs (weights are read once per step, "
-                           "so more sequences per step are nearly free).")
-            else:
-                out.append(f"Decode-bound at a small batch ({d['mean_decode_seqs']:.1f} sequences per decode "
-                           "step) and nothing was waiting: submit more documents at once so decode steps fill up.")
-        if p["mfu"] is not None and p["time_s"] > 0:
-            if p["mfu"] > 1.05:
-                out.append(f"Prefill MFU above 100% ({100 * p['mfu']:.0f}%): the calibration was measured under "
-                           "load or on other settings; run `batchgen calibrate` again on an idle machine.")
-            elif p["mfu"] < 0.3:
-                hint = (" Prefill chunks are small (mean {:.0f} tokens per step): raise max_num_batched_tokens."
-                        .format(p["mean_prefill_tokens"]) if (p["mean_prefill_tokens"] or 0) < 512 else
-                        " Check attention over long contexts and per-step overhead.")
-                out.append(f"Prefill reaches {100 * p['mfu']:.0f}% of the calibrated matmul peak (MFU)." + hint)
-        slow = (d["time_s"] / (d["bytes"] / roof["calibration"]["memory_bandwidth"])
-                if roof["calibration"] and d["bytes"] and d["time_s"] else None)
-        if slow is not None and slow > 10 and (d["mean_decode_seqs"] or 0) >= 8:
-            out.append(f"Decode steps take {slow:.0f}x longer than reading their weights and K/V at the calibrated "
-                       f"bandwidth, even at {d['mean_decode_seqs']:.0f} sequences per step: the step time is not "
-                       "memory traffic. Profile the model runner (weight dequantization, attention over the paged "
-                       "cache, per-sequence Python loops, LM head over more rows than sampled).")
-        elif d["mbu"] is not None and d["time_s"] > 0 and d["mbu"] < 0.3:
-            out.append(f"Decode moves {100 * d['mbu']:.0f}% of the calibrated memory bandwidth (MBU): per-step "
-                       "overhead (Python, scheduling, small kernels) dominates the weight reads; larger decode "
-                       "batches amortize it.")
-        if roof["calibration"] is None:
-            out.append("No calibration for this device/dtype was found: run `batchgen calibrate` to get MFU/MBU.")
-    else:
-        out.append("The model config is unknown to this trace, so no roofline (FLOP/byte counts) is shown.")
-    itl = lat["itl_s"]
-    if itl["n"] >= 20 and itl["p50"] and itl["p99"] > 5 * itl["p50"]:
-        out.append(f"Token stalls: inter-token p99 {1e3 * itl['p99']:.0f} ms vs p50 {1e3 * itl['p50']:.0f} ms — "
-                   "long prefill chunks share steps with decode. Lower max_num_batched_tokens for steadier "
-                   "decode, or accept it for throughput (offline batch jobs usually should).")
-    if sm["checks"]:
-        out.append(f"{len(sm['checks'])} trace consistency problem(s) — see 'Data checks'.")
-    return out
-
-
-# ---- comparison --------------------------------------------------------------------------------------
-def shape_warnings(a: dict, b: dict) -> list[str]:
-    """Why two runs' numbers may not be comparable."""
-    w = []
-    ma, mb = a["model_info"], b["model_info"]
-    for key in ("identity", "dtype", "device"):
-        if ma.get(key) != mb.get(key):
-            w.append(f"different {key}: {ma.get(key)} vs {mb.get(key)}")
-    ta, tb = a["totals"], b["totals"]
-    for key, label in (("documents", "documents"),):
-        if ta[key] and tb[key] and abs(ta[key] - tb[key]) > 0.1 * max(ta[key], tb[key]):
-            w.append(f"different number of {label}: {ta[key]} vs {tb[key]}")
-    for key, label in (("prompt_tokens", "mean prompt length"), ("output_tokens", "mean output length")):
-        xa = ta[key] / ta["documents"] if ta["documents"] else 0
-        xb = tb[key] / tb["documents"] if tb["documents"] else 0
-        if max(xa, xb) and abs(xa - xb) > 0.2 * max(xa, xb):
-            w.append(f"different {label}: {xa:.0f} vs {xb:.0f} tokens")
-    keys = set(a["buckets"]) | set(b["buckets"])
-    tv = 0.5 * sum(abs(a["buckets"].get(k, {}).get("share", 0) - b["buckets"].get(k, {}).get("share", 0))
-                   for k in keys)
-    if tv > 0.2:
-        w.append(f"different mix of shape buckets ({100 * tv:.0f}% of requests in a different bucket)")
-    return w
-
+from costmodel.roofline import column_array
+from pipeline.report.analysis import OUTPUT_THRESHOLD, PROMPT_THRESHOLD, analyze, shape_warnings
+from pipeline.trace import TraceData, read_run
 
 # ---- HTML ----------------------------------------------------------------------------------------------
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
@@ -253,7 +46,6 @@ def _fmt(x, unit: str = "") -> str:
 
 
 def _when(unix: float | None) -> str:
-    import datetime
     if not unix:
         return "at an unknown time"
     return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M")
@@ -266,7 +58,7 @@ def _table(headers: list[str], rows: list[list]) -> str:
 
 
 def _img(fig) -> str:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # NOTE: lazy, as in _plt: matplotlib only when a page is drawn
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=72)   # NOTE: not bbox_inches="tight": that draws the figure twice
@@ -275,7 +67,7 @@ def _img(fig) -> str:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # NOTE: lazy: matplotlib is slow to import; only `batchgen report` draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

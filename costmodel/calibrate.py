@@ -114,7 +114,7 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
         by_shape[f"{m}x{k}x{n}"] = measure(dev, m=m, k=k, n=n, reps=reps)
     m, k, n = SMALL_M_SHAPE
     small_m = measure(dev, m=m, k=k, n=n, reps=reps * 4)
-    # NOTE: well beyond the last-level cache (MACHINE.md: < ~64 MB stays in cache at ~2x the DRAM speed).
+    # NOTE: well beyond the last-level cache, which would read faster than DRAM (docs/perf/code-notes-perf.md).
     buf_bytes = (192 << 20) if quick else ((2 << 30) if dev.type == "cuda" else (1 << 30))
     read_bw, copy_bw = _bandwidth(dev, buf_bytes, reps)
     key, name = device_key(dev)

@@ -2,7 +2,7 @@
 engine's prefix cache on and off. Every run goes to a fresh output directory; numbers are side by side in one
 process run, so ratios (not absolute times) are what to read.
 
-    python -m perf.bench_plan jobs/*.yaml [--orders planned,input,shuffled] [--kv-cache-memory BYTES]
+    python -m bench.plan_orders jobs/*.yaml [--orders planned,input,shuffled] [--kv-cache-memory BYTES]
 """
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 
 import yaml
+
+from pipeline.runner import RunOptions, run_jobs
+from pipeline.validate import load_valid_jobs
 
 
 def _rewrite(job_file: str, out_dir: Path, caching: bool, kv_bytes: int | None) -> Path:
@@ -31,8 +34,6 @@ def _rewrite(job_file: str, out_dir: Path, caching: bool, kv_bytes: int | None) 
 
 
 def run_config(job_files: list[str], order: str, caching: bool, kv_bytes: int | None, root: Path) -> dict:
-    from pipeline.runner import RunOptions, run_jobs
-    from pipeline.validate import load_valid_jobs
 
     out_dir = root / f"{order}-{'cache' if caching else 'nocache'}"
     out_dir.mkdir(parents=True)

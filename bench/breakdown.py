@@ -150,6 +150,8 @@ class _Clock:
 @contextlib.contextmanager
 def kernel_breakdown() -> Iterator[Breakdown]:
     """Time the engine's kernel families for the duration of the block (one engine at a time in this process)."""
+    # NOTE: lazy: torch and the engine load only for --breakdown (bench/table.py imports this module for its
+    # formatting, and the CLI lists systems without torch)
     import torch.nn.functional as F
 
     from engine import cpu_kernels

@@ -1,0 +1,4 @@
+"""``python -m batchgen``: the same as the ``batchgen`` script."""
+from batchgen.cli import main
+
+main()

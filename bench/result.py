@@ -1,0 +1,51 @@
+"""One system's numbers in a bench run."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from costmodel.stats import percentiles
+
+
+@dataclass
+class SystemResult:
+    system: str                       # batchgen | batchgen-nocache | hf-generate | hf-cb
+    label: str                        # e.g. "hf-generate bs=8"
+    wall_s: float | None = None
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0            # prompt tokens served from a prefix cache (known for batchgen only)
+    output_tokens: int = 0
+    ttft_s: list[float] | None = None
+    tpot_s: list[float] | None = None
+    flops: float | None = None        # model FLOPs this system computed (costmodel.flops)
+    mfu: float | None = None          # flops / wall / calibrated peak
+    prefill_mfu: float | None = None  # over the time spent in steps (batches) with prompt work
+    decode_mbu: float | None = None   # decode-only steps: bytes moved / time / calibrated bandwidth
+    match_rate: float | None = None   # fraction of requests whose output ids equal batchgen-nocache's
+    skipped: str | None = None
+    extra: dict = field(default_factory=dict)
+    outputs: list[list[int]] | None = field(default=None, repr=False)   # per planned prompt; not saved
+
+    @property
+    def output_tps(self) -> float | None:
+        return self.output_tokens / self.wall_s if self.wall_s else None
+
+    @property
+    def total_tps(self) -> float | None:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if not self.prompt_tokens or not self.system.startswith("batchgen"):
+            return None
+        return self.cached_tokens / self.prompt_tokens
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("outputs")
+        for name in ("ttft_s", "tpot_s"):
+            vals = d.pop(name)
+            d[name.replace("_s", "")] = percentiles(vals) if vals else None
+        d.update(output_tokens_per_s=self.output_tps, total_tokens_per_s=self.total_tps, hit_rate=self.hit_rate)
+        return d

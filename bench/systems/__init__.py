@@ -1,0 +1,1 @@
+"""The systems the bench runs: one module each; ``registry`` names them."""

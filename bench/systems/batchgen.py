@@ -1,0 +1,112 @@
+"""The batchgen systems: our engine, one LLM per variant (prefix caching, quantization, speculation, KV dtype)."""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+
+from bench.breakdown import kernel_breakdown
+from bench.options import BenchOptions, say
+from bench.result import SystemResult
+from bench.workloads import BenchPrompt, warmup_prompts
+from costmodel.roofline import Roofline
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache": (False, "none", None, "auto"),
+                     "batchgen-int8": (True, "int8", None, "auto"),
+                     "batchgen-int8-bf16kv": (True, "int8", None, "bfloat16"),
+                     "batchgen-int8-int8kv": (True, "int8", None, "int8"),
+                     "batchgen-spec": (True, "none", "auto", "auto"),
+                     "batchgen-default": (True, "auto", "auto", "auto")}
+
+
+def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
+    """One LLM per setting (a fresh prefix cache), a short warm-up, then the whole workload in one generate."""
+    prefix_caching, quantization, spec, kv_dtype = BATCHGEN_VARIANTS[name]
+    t = time.monotonic()
+    # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway
+    dtype = opts.dtype if quantization == "none" or opts.dtype == "float32" else "auto"
+    llm = LLM(opts.model, dtype=dtype, enable_prefix_caching=prefix_caching, quantization=quantization,
+              speculative_config=spec, kv_cache_dtype=kv_dtype, **opts.engine_args())
+    say(opts, f"{name}: loaded in {time.monotonic() - t:.1f} s; warming up")
+    T = opts.workload.output_tokens
+    llm.generate(warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
+    first_step = len(llm.step_stats)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T)
+    timers = kernel_breakdown() if opts.breakdown else contextlib.nullcontext()
+    with timers as bd:
+        t0 = time.monotonic()
+        outs = llm.generate([list(p.token_ids) for p in prompts], params, priorities=range(len(prompts)))
+        wall = time.monotonic() - t0
+    steps = llm.step_stats[first_step:]
+    res = SystemResult(
+        system=name, label=name, wall_s=wall, num_requests=len(outs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+        cached_tokens=sum(o.num_cached_tokens for o in outs), output_tokens=sum(len(o.token_ids) for o in outs),
+        ttft_s=[o.metrics.ttft_s for o in outs if o.metrics.ttft_s is not None],
+        tpot_s=[o.metrics.tpot_s for o in outs if o.metrics.tpot_s is not None],
+        outputs=[list(o.token_ids) for o in outs])
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        res.extra["errors"] = errors[:3]
+    res.extra.update(_step_summary(steps))
+    if bd is not None:
+        res.extra["breakdown"] = bd.to_dict()
+    res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
+    res.extra["quantization"] = llm.info.quantization          # what auto resolved to (batchgen-default)
+    drafts = sum(o.metrics.num_draft_tokens for o in outs)
+    if drafts:
+        acc = sum(o.metrics.num_accepted_tokens for o in outs)
+        spec_steps = sum(1 for s in steps if s.num_draft_tokens)
+        res.extra.update(draft_tokens=drafts, accepted_tokens=acc, acceptance_rate=acc / drafts,
+                         speculating_steps=spec_steps,
+                         mean_accepted_per_spec_step_seq=acc / max(sum(s.num_decode_seqs for s in steps
+                                                                       if s.num_draft_tokens), 1))
+    if roof is not None:
+        _batchgen_roofline(res, outs, steps, roof)
+    return res, llm
+
+
+def _step_summary(steps) -> dict:
+    pre = [s for s in steps if s.num_prefill_tokens]
+    dec = [s for s in steps if not s.num_prefill_tokens and s.num_decode_tokens]
+    dur = lambda ss: sum(s.end_time - s.start_time for s in ss)  # noqa: E731
+    widest = max((s.num_decode_seqs for s in dec), default=0)
+    decode_tokens = sum(s.num_decode_seqs + s.num_accepted_tokens for s in dec)      # tokens emitted
+    full = [s for s in dec if s.num_decode_seqs == widest]
+    return {"steps": len(steps), "prefill_steps": len(pre), "decode_only_steps": len(dec),
+            "widest_decode_batch": widest,
+            "decode_step_ms_widest": (1e3 * dur(full) / len(full)) if full else None,
+            # decode time / decode tokens (not per step): speculation emits several tokens a step
+            "decode_tokens_per_s": decode_tokens / dur(dec) if dec and dur(dec) > 0 else None,
+            "prefill_step_s": dur(pre), "decode_only_step_s": dur(dec),
+            "mean_decode_batch": (sum(s.num_decode_seqs for s in dec) / len(dec)) if dec else None,
+            "mean_prefill_tokens_per_step": (sum(s.num_prefill_tokens for s in pre) / len(pre)) if pre else None}
+
+
+def _batchgen_roofline(res: SystemResult, outs, steps, roof: Roofline) -> None:
+    """Assign each decode token to its step by time, so each step's context lengths are exact."""
+    starts = [s.start_time for s in steps]
+    ctx_by_step: dict[int, list[int]] = {}
+    total = 0.0
+    for o in outs:
+        L = len(o.prompt_token_ids)
+        total += roof.request_flops(L, o.num_cached_tokens, 1)     # prefill + first token
+        for k, t in enumerate(o.metrics.token_times[1:], start=1):
+            ctx_by_step.setdefault(bisect.bisect_right(starts, t) - 1, []).append(L + k)
+    pre_flops, pre_s, dec_bytes, dec_s = total, 0.0, 0.0, 0.0
+    for i, s in enumerate(steps):
+        ctx = ctx_by_step.get(i, [])
+        d = s.end_time - s.start_time
+        if s.num_prefill_tokens:
+            pre_s += d
+            pre_flops += roof.decode_flops(ctx) if ctx else 0
+        elif ctx:
+            dec_s += d
+            dec_bytes += roof.decode_bytes(ctx)
+        total += roof.decode_flops(ctx) if ctx else 0
+    res.flops = total
+    res.mfu = roof.mfu(total, res.wall_s)
+    res.prefill_mfu = roof.mfu(pre_flops, pre_s)
+    res.decode_mbu = roof.mbu(dec_bytes, dec_s)

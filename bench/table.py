@@ -1,0 +1,158 @@
+"""The bench's numbers across systems: output agreement, throughput ratios, the printed table and the JSON."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from bench.breakdown import format_bound, format_breakdown
+from bench.result import SystemResult
+from bench.systems.registry import INT8_SYSTEMS
+
+
+def agreement(results: list[SystemResult]) -> None:
+    """match_rate: per system, fraction of requests whose greedy output equals batchgen-nocache's (or batchgen's)."""
+    ref = next((r for r in results if r.system == "batchgen-nocache" and r.outputs), None) \
+        or next((r for r in results if r.system == "batchgen" and r.outputs), None)
+    if ref is None:
+        return
+    for r in results:
+        if r.outputs is not None and len(r.outputs) == len(ref.outputs):
+            r.match_rate = sum(a == b for a, b in zip(r.outputs, ref.outputs)) / len(ref.outputs)
+
+
+def ratios(results: list[SystemResult]) -> dict:
+    """Throughput ratios (same work, so wall-time ratios): batchgen (cache on/off) vs the best transformers."""
+    # NOTE: a system that failed (errors, or fewer output tokens than the workload asks) did not do the same
+    # work, so it is never "the best": its wall time would be meaningless.
+    most = max((r.output_tokens for r in results if not r.skipped), default=0)
+    ok = [r for r in results if r.wall_s and not r.skipped and not r.extra.get("errors")
+          and r.output_tokens == most]
+    by = {r.system: r for r in ok if r.system.startswith("batchgen")}
+    hf = [r for r in ok if r.system.startswith("hf-")]
+    best = min(hf, key=lambda r: r.wall_s) if hf else None
+    out = {"best_transformers": best.label if best else None}
+    on, off = by.get("batchgen"), by.get("batchgen-nocache")
+    if on and best:
+        out["batchgen_vs_best_transformers"] = best.wall_s / on.wall_s
+    if off and best:
+        out["batchgen_nocache_vs_best_transformers"] = best.wall_s / off.wall_s
+    if on and off:
+        out["batchgen_vs_batchgen_nocache"] = off.wall_s / on.wall_s
+    for r in hf:
+        if on:
+            out[f"batchgen_vs_{r.label.replace(' ', '_')}"] = r.wall_s / on.wall_s
+    sp = by.get("batchgen-spec")
+    if sp and on:
+        out["batchgen_spec_vs_batchgen"] = on.wall_s / sp.wall_s
+        a, b = sp.extra.get("decode_tokens_per_s"), on.extra.get("decode_tokens_per_s")
+        if a and b:
+            out["spec_vs_nospec_decode_tokens_per_s"] = a / b
+    peer = next((r for r in ok if r.system == "llama.cpp"), None)
+    for q8 in filter(None, (by.get(n) for n in INT8_SYSTEMS)):
+        key = q8.system.replace("batchgen-", "").replace("-", "_")           # int8, int8_bf16kv
+        if on:
+            out[f"batchgen_{key}_vs_batchgen"] = on.wall_s / q8.wall_s
+            a, b = q8.extra.get("decode_step_ms_widest"), on.extra.get("decode_step_ms_widest")
+            if a and b:
+                out[f"{key}_vs_float_decode_step"] = b / a
+    dflt = by.get("batchgen-default")
+    if dflt and on:
+        out["batchgen_default_vs_batchgen"] = on.wall_s / dflt.wall_s
+    if peer:
+        for r in filter(None, (on, *(by.get(n) for n in INT8_SYSTEMS), dflt)):
+            out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
+    return out
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+def _f(v, fmt: str, scale: float = 1.0) -> str:
+    """``v * scale`` formatted; "n/a" right-aligned to the same width when unknown."""
+    width = int(re.match(r"\d*", fmt).group() or 0)
+    return format("n/a", f">{width}") if v is None else format(v * scale, fmt)
+
+
+def format_table(result: dict) -> str:
+    """The printed table: one row per system configuration, then the ratios."""
+    w, env = result["workload"], result["env"]
+    lines = [f"workload {w['shape']}: n={w['n']} groups={w['groups']} prefix={w['prefix_tokens']} "
+             f"doc={w['doc_tokens']} out={w['output_tokens']} | model {env['model']} {env['dtype']} "
+             f"threads={env['threads']} | load avg {env.get('loadavg_before')} -> {env.get('loadavg_after')}"]
+    head = (f"{'system':<20} {'wall s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT50 s':>9} {'TTFT90 s':>9} "
+            f"{'TPOT50ms':>9} {'TPOT90ms':>9} {'hit %':>6} {'MFU %':>6} {'preMFU%':>7} {'decMBU%':>7} {'match':>6}")
+    lines += [head, "-" * len(head)]
+    for s in result["systems"]:
+        if s["skipped"]:
+            lines.append(f"{s['label']:<20} skipped: {s['skipped']}")
+            continue
+        if s["extra"].get("errors"):       # did not do the workload: its rates would be meaningless
+            first = " ".join(str(s["extra"]["errors"][0]).split())
+            lines.append(f"{s['label']:<20} failed after {_f(s['wall_s'], '.1f')} s: {first[:100]}")
+            continue
+        tt, tp = s["ttft"] or {}, s["tpot"] or {}
+        lines.append(
+            f"{s['label']:<20} {_f(s['wall_s'], '8.2f')} {_f(s['output_tokens_per_s'], '10.1f')} "
+            f"{_f(s['total_tokens_per_s'], '10.1f')} {_f(tt.get('p50'), '9.2f')} {_f(tt.get('p90'), '9.2f')} "
+            f"{_f(tp.get('p50'), '9.1f', 1e3)} {_f(tp.get('p90'), '9.1f', 1e3)} "
+            f"{_f(s['hit_rate'], '6.1f', 100)} {_f(s['mfu'], '6.1f', 100)} {_f(s['prefill_mfu'], '7.1f', 100)} "
+            f"{_f(s['decode_mbu'], '7.1f', 100)} {_f(s['match_rate'], '6.2f')}")
+    lines.append("")
+    r = result["ratios"]
+    best = r.get("best_transformers")
+    if "batchgen_vs_best_transformers" in r:
+        lines.append(f"batchgen (prefix cache on) vs best transformers ({best}): "
+                     f"{r['batchgen_vs_best_transformers']:.2f}x")
+    if "batchgen_nocache_vs_best_transformers" in r:
+        lines.append(f"batchgen (prefix cache off) vs best transformers ({best}): "
+                     f"{r['batchgen_nocache_vs_best_transformers']:.2f}x")
+    if "batchgen_vs_batchgen_nocache" in r:
+        lines.append(f"batchgen cache on vs cache off: {r['batchgen_vs_batchgen_nocache']:.2f}x")
+    for key, label in (("int8", "int8"), ("int8_bf16kv", "int8 (bf16 KV)"), ("int8_int8kv", "int8 (int8 KV)")):
+        if f"batchgen_{key}_vs_batchgen" in r:
+            lines.append(f"batchgen {label} vs batchgen {env['dtype']}: {r[f'batchgen_{key}_vs_batchgen']:.2f}x wall"
+                         + (f", {r[f'{key}_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
+                            if f"{key}_vs_float_decode_step" in r else ""))
+    if "batchgen_default_vs_batchgen" in r:
+        dl = next((x for x in result["systems"] if x["system"] == "batchgen-default"), {})
+        q = (dl.get("extra") or {}).get("quantization")
+        lines.append(f"batchgen defaults{f' (quantization {q})' if q else ''} vs batchgen {env['dtype']}: "
+                     f"{r['batchgen_default_vs_batchgen']:.2f}x wall")
+    if "batchgen_spec_vs_batchgen" in r:
+        sp = next((x for x in result["systems"] if x["system"] == "batchgen-spec"), {})
+        rate = sp.get("extra", {}).get("acceptance_rate")
+        lines.append(f"batchgen speculation (auto) vs off: {r['batchgen_spec_vs_batchgen']:.2f}x wall"
+                     + (f", {r['spec_vs_nospec_decode_tokens_per_s']:.2f}x decode tokens/s"
+                        if "spec_vs_nospec_decode_tokens_per_s" in r else "")
+                     + (f"; acceptance {rate:.0%} of {sp['extra']['draft_tokens']} drafts" if rate is not None
+                        else "; gating kept it off"))
+    for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8"),
+                       ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)"),
+                       ("batchgen_int8_int8kv_vs_llama_cpp", "batchgen int8 (int8 KV)"),
+                       ("batchgen_default_vs_llama_cpp", "batchgen defaults")):
+        if key in r:
+            lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
+    for s in result["systems"]:
+        if s["extra"].get("breakdown"):
+            lines += ["", *format_breakdown(s["label"], s["extra"]["breakdown"])]
+    float_sys = next((s for s in result["systems"] if s["system"] == "batchgen" and not s["skipped"]
+                      and s["extra"].get("breakdown")), None)
+    bounds = [line for s in result["systems"] if float_sys and s["system"] in INT8_SYSTEMS and not s["skipped"]
+              and s["extra"].get("breakdown")
+              for line in format_bound(s["label"], float_sys["label"], float_sys["extra"]["breakdown"],
+                                       s["extra"]["breakdown"])]
+    if bounds:
+        lines += ["", "int8's matmul bound (bench.breakdown.matmul_bound):", *bounds]
+    if env.get("calibration"):
+        c = env["calibration"]
+        lines.append(f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+                     f"{c['memory_bandwidth'] / 1e9:.1f} GB/s{' (quick)' if c['quick'] else ''}; "
+                     "MFU counts model FLOPs each system computed (no padding, window-limited attention)")
+    return "\n".join(lines)
+
+
+def save_json(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path
