@@ -441,7 +441,7 @@ def has_amx() -> bool:
     tiles there (oneDNN), several times faster than float32 and than our bf16 kernel."""
     global _amx
     if _amx is None:
-        from engine import dtype_policy
+        import engine.dtype_policy as dtype_policy
         _amx = "amx_bf16" in dtype_policy._cpuinfo_flags()
     return _amx
 

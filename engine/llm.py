@@ -18,8 +18,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from engine import cpu_kernels
-from engine.attention import key_shift
+import engine.attention.key_shift as key_shift
+import engine.cpu_kernels as cpu_kernels
 from engine.config import DEFAULT_MODEL
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer

@@ -12,7 +12,8 @@ import mmap
 
 import torch
 
-from engine.attention import AttentionMetadata, int8_kv
+import engine.attention.int8_kv as int8_kv
+from engine.attention.metadata import AttentionMetadata
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata, greedy, make_generator
 from engine.scheduler_output import SchedulerOutput

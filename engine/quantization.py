@@ -111,18 +111,18 @@ def _bf16_kv_measured(q8_isa: str | None, bf16_attention: bool, kernel_isa: str 
 
 
 def kernel_q8_isa() -> str | None:
-    from engine import cpu_kernels
+    import engine.cpu_kernels as cpu_kernels
     lib = cpu_kernels.load()
     return cpu_kernels.q8_isa(lib) if lib is not None else None
 
 
 def kernel_bf16_attention() -> bool:
-    from engine import cpu_kernels
+    import engine.cpu_kernels as cpu_kernels
     return cpu_kernels.bf16_gemm_ok()
 
 
 def kernel_isa() -> str | None:
-    from engine import cpu_kernels
+    import engine.cpu_kernels as cpu_kernels
     lib = cpu_kernels.load()
     return cpu_kernels.isa(lib) if lib is not None else None
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend, get_backend, int8_kv
+import engine.attention.int8_kv as int8_kv
+from engine.attention.backend import AttentionBackend
+from engine.attention.selector import get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.dtype_policy import DTYPES, DtypeChoice, choose_dtype, log_choice
 from engine.errors import ConfigError

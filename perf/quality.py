@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, int8_kv
+import engine.attention.int8_kv as int8_kv
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import bind_kv_caches
 

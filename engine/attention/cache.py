@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import cpu_kernels
-from engine.attention import int8_kv
+import engine.attention.int8_kv as int8_kv
+import engine.cpu_kernels as cpu_kernels
 
 
 def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,

@@ -68,7 +68,7 @@ def store(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch
           slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hkv, D] into their slots, quantized: one C pass (``cpu_kernels.kv_write_i8``) where the kernels
     load, else ``write`` (the same bytes)."""
-    from engine import cpu_kernels
+    import engine.cpu_kernels as cpu_kernels
     bs = block_size_of(kv_cache[0], k.shape[1], k.shape[2])
     if cpu_kernels.int8_kv_ok(k):
         cpu_kernels.kv_write_i8(kv_cache, k, v, slot_mapping, bs)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.attention import int8_kv
+import engine.attention.int8_kv as int8_kv
+import engine.cpu_kernels as cpu_kernels
 from engine.attention.backend import AttentionBackend
 from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import cpu_kernels
+import engine.cpu_kernels as cpu_kernels
 
 QK = 32
 

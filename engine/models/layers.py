@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata, write_kv
+import engine.cpu_kernels as cpu_kernels
+from engine.attention.cache import write_kv
+from engine.attention.metadata import AttentionMetadata
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import cpu_kernels
+import engine.cpu_kernels as cpu_kernels
 
 
 def propose_reference(context: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
