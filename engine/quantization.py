@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import engine.kernels.gemm as gemm
+import engine.kernels.library as library
 from engine.errors import ConfigError
 
 
@@ -64,9 +66,9 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                         bf16_attention: bool = False, dtype: str = "auto",
                         kernel_isa: str | None = None, quantized_source: bool = True) -> QuantChoice:
     """q8_isa: the loaded kernel build's int8 path, or None when no kernel library is available.
-    bf16_attention: the build multiplies bf16 into float32 for attention (``cpu_kernels.bf16_gemm_ok``:
+    bf16_attention: the build multiplies bf16 into float32 for attention (``engine.kernels.gemm.bf16_gemm_ok``:
     AVX512-BF16, no AMX). dtype: the requested activation dtype (int8 under bf16 activations fails the bar).
-    kernel_isa: the build's vector ISA (``cpu_kernels.isa``): avx2 means no AVX-512 at all.
+    kernel_isa: the build's vector ISA (``engine.kernels.library.isa``): avx2 means no AVX-512 at all.
     quantized_source: the weights come quantized (a GGUF file), which is where int8's quality was measured;
     ``auto`` keeps a float checkpoint's weights in float."""
     if requested == "none":
@@ -111,20 +113,17 @@ def _bf16_kv_measured(q8_isa: str | None, bf16_attention: bool, kernel_isa: str 
 
 
 def kernel_q8_isa() -> str | None:
-    import engine.cpu_kernels as cpu_kernels
-    lib = cpu_kernels.load()
-    return cpu_kernels.q8_isa(lib) if lib is not None else None
+    lib = library.load()
+    return library.q8_isa(lib) if lib is not None else None
 
 
 def kernel_bf16_attention() -> bool:
-    import engine.cpu_kernels as cpu_kernels
-    return cpu_kernels.bf16_gemm_ok()
+    return gemm.bf16_gemm_ok()
 
 
 def kernel_isa() -> str | None:
-    import engine.cpu_kernels as cpu_kernels
-    lib = cpu_kernels.load()
-    return cpu_kernels.isa(lib) if lib is not None else None
+    lib = library.load()
+    return library.isa(lib) if lib is not None else None
 
 
 __all__ = ["QuantChoice", "choose_quantization", "kernel_bf16_attention", "kernel_isa", "kernel_q8_isa"]

@@ -159,11 +159,11 @@ def _timed(dev: torch.device, fn, reps: int) -> float:
 
 @torch.inference_mode()
 def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
-    from engine import cpu_kernels
+    import engine.kernels.qlinear as qlinear
     from engine.models import int8
     w, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(n, k)))
     x = torch.randn(m, k)
-    secs = _timed(dev, lambda: cpu_kernels.q8_linear(x, w, sw, cw, n), reps)
+    secs = _timed(dev, lambda: qlinear.q8_linear(x, w, sw, cw, n), reps)
     return 2.0 * m * k * n / secs
 
 

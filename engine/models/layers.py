@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import engine.cpu_kernels as cpu_kernels
+import engine.kernels.elementwise as elementwise
+import engine.kernels.gemm as gemm
 from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.errors import ModelLoadError
@@ -49,8 +50,8 @@ class RMSNorm(nn.Module):
         return self._w32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.elementwise_ok(x):        # CPU (bf16/fp32): one fused pass, float32 math (as HF's Gemma)
-            return cpu_kernels.rms_norm(x, self.kernel_weight(), self.eps)
+        if elementwise.elementwise_ok(x):        # CPU (bf16/fp32): one fused pass, float32 math (as HF's Gemma)
+            return elementwise.rms_norm(x, self.kernel_weight(), self.eps)
         ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).pow_(2).div_(x.shape[-1])
         inv = torch.rsqrt(ms.add_(self.eps)).to(x.dtype)
         w = (self.weight.float() + self.offset).to(x.dtype) if self.offset else self.weight
@@ -60,10 +61,11 @@ class RMSNorm(nn.Module):
 def residual_norm(x: torch.Tensor, h: torch.Tensor, h_norm: RMSNorm | None,
                   out_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The residual stream's add with the norms around it: ``x + h_norm(h)`` (``x + h`` without one), and
-    ``out_norm`` of that sum (None without one). On the CPU one fused pass (``cpu_kernels.add_rms_norm``: the same
-    values as the three separate passes); elsewhere those passes."""
-    if cpu_kernels.elementwise_ok(x) and h.dtype == x.dtype and x.dim() == 2 and (h_norm or out_norm):
-        return cpu_kernels.add_rms_norm(x, h, h_norm.kernel_weight() if h_norm else None,
+    ``out_norm`` of that sum (None without one). On the CPU one fused pass
+    (``engine.kernels.elementwise.add_rms_norm``: the same values as the three separate passes); elsewhere those
+    passes."""
+    if elementwise.elementwise_ok(x) and h.dtype == x.dtype and x.dim() == 2 and (h_norm or out_norm):
+        return elementwise.add_rms_norm(x, h, h_norm.kernel_weight() if h_norm else None,
                                         h_norm.eps if h_norm else 0.0,
                                         out_norm.kernel_weight() if out_norm else None,
                                         out_norm.eps if out_norm else 0.0)
@@ -151,12 +153,12 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         cos, sin = meta.rope_cache(self.rotary, positions, q.dtype)
-        if cpu_kernels.elementwise_ok(q):        # CPU: norm + RoPE fused, one pass each for q and k
+        if elementwise.elementwise_ok(q):        # CPU: norm + RoPE fused, one pass each for q and k
             if self.q_norm is not None:
-                q = cpu_kernels.rms_norm(q, self.q_norm.kernel_weight(), self.q_norm.eps, cos, sin)
-                k = cpu_kernels.rms_norm(k, self.k_norm.kernel_weight(), self.k_norm.eps, cos, sin)
+                q = elementwise.rms_norm(q, self.q_norm.kernel_weight(), self.q_norm.eps, cos, sin)
+                k = elementwise.rms_norm(k, self.k_norm.kernel_weight(), self.k_norm.eps, cos, sin)
             else:                                # in place inside this step's fresh qkv output
-                q, k = cpu_kernels.rope_(q, cos, sin), cpu_kernels.rope_(k, cos, sin)
+                q, k = elementwise.rope_(q, cos, sin), elementwise.rope_(k, cos, sin)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -193,7 +195,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.fused_act = None                    # name for cpu_kernels.glu, where a fused kernel exists
+        self.fused_act = None                    # name for elementwise.glu, where a fused kernel exists
         if act in ("silu", "swish"):
             self.act, self.fused_act = F.silu, "silu"
         elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -208,8 +210,8 @@ class GatedMLP(nn.Module):
         if self.fused_act and fused is not None:
             return self.down_proj(fused(x, self.fused_act))
         gate_up = self.gate_up_proj(x)
-        if self.fused_act and cpu_kernels.elementwise_ok(gate_up):
-            return self.down_proj(cpu_kernels.glu(gate_up, self.fused_act))
+        if self.fused_act and elementwise.elementwise_ok(gate_up):
+            return self.down_proj(elementwise.glu(gate_up, self.fused_act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -258,8 +260,8 @@ class CausalLM(nn.Module):
         head = self._head()
         if hasattr(head, "qweight"):           # engine.models.int8: integer dot products
             return head.linear(hidden)
-        if cpu_kernels.small_m_ok(hidden, head.weight):   # decode: a few rows, memory-bound C kernel
-            return cpu_kernels.small_m_linear(hidden, head.weight)
+        if gemm.small_m_ok(hidden, head.weight):   # decode: a few rows, memory-bound C kernel
+            return gemm.small_m_linear(hidden, head.weight)
         return hidden @ head.weight.t()
 
 

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 static inline void put_row(const void *src, int src_bf16, void *dst, int dst_bf16, int64_t n) {
     if (src_bf16 == dst_bf16) {
