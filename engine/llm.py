@@ -18,8 +18,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-import engine.attention.key_shift as key_shift
 import engine.kernels.library as library
+import engine.quant.key_shift as key_shift
 from engine.config import DEFAULT_MODEL
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer

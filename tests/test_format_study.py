@@ -6,7 +6,7 @@ import torch
 import engine.kernels.library as library
 import engine.kernels.qlinear as qlinear
 from engine import LLM
-from engine.models.int8 import Int8Linear, quantize_rows
+from engine.quant.int8 import Int8Linear, quantize_rows
 from perf import format_study as fs
 from perf.quality import sequence_logits
 from tests.model_utils import save_tiny, tiny_hf_model

@@ -8,11 +8,11 @@ import engine.kernels.build as kbuild
 import engine.kernels.elementwise as elementwise
 import engine.kernels.library as library
 import engine.kernels.qlinear as qlinear
+import engine.quant.int8 as int8
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.models import int8
-from engine.quantization import choose_quantization
+from engine.quant.policy import choose_quantization
 from tests.model_utils import VOCAB, run_chunks, save_tiny, tiny_hf_model
 from tests.test_cpu_kernels import BUILDS, _lib, _x86_with, build_libs
 
@@ -469,7 +469,7 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     """quantization: auto (the default) resolves from this machine's kernel build and the weights' source: a GGUF
     file (the default model) gets int8 with float32 activations and a bf16 KV cache where that was measured faster
     within the bar; a float checkpoint keeps float weights. The reason says which."""
-    from engine.quantization import kernel_bf16_attention, kernel_isa, kernel_q8_isa
+    from engine.quant.policy import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
     assert EngineConfig().quantization == "auto"
     vnni = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
@@ -477,7 +477,7 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     s = setup_engine("gemma-3-270m", kv_cache_memory=8 << 20)
     assert s.config.quantization == ("int8" if vnni or avx2 else "none")
     assert s.quant_choice.reason.startswith("auto")
-    if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quantization's measurements)
+    if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quant.policy's measurements)
         assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
     explicit = setup_engine("gemma-3-270m", kv_cache_dtype="float32", kv_cache_memory=8 << 20)
     assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins

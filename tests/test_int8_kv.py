@@ -1,4 +1,4 @@
-"""kv_cache_dtype: int8 (engine/attention/int8_kv.py): the C writer gives the torch reference's bytes, decode and
+"""kv_cache_dtype: int8 (engine/quant/int8_kv.py): the C writer gives the torch reference's bytes, decode and
 prefill attention over an int8 cache equal the torch path over the dequantized rows in every build, shared blocks
 give each sequence its own result, and the engine's greedy tokens are batch-invariant and near a float cache's."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import engine.kernels.attention as kernel_attention
 import engine.kernels.build as kbuild
 import engine.kernels.kv_write as kv_kernels
 import engine.kernels.library as library
-from engine.attention import int8_kv
+import engine.quant.int8_kv as int8_kv
 from engine.attention.torch_backend import _decode
 from tests.model_utils import save_tiny, tiny_hf_model
 from tests.test_cpu_kernels import BUILDS, LENS, SHAPES, _case, _lib, _shared_prefix_case, build_libs
@@ -213,7 +213,7 @@ def test_a_key_shift_leaves_attention_unchanged(gemma_dir):
 
 
 def test_int8_engines_calibrate_the_same_shifts(gemma_dir):
-    from engine.attention import key_shift
+    import engine.quant.key_shift as key_shift
     from engine.llm import LLM
 
     shifts = []

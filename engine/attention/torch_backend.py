@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import engine.attention.int8_kv as int8_kv
 import engine.kernels.attention as kernel_attention
 import engine.kernels.cpu_features as cpu_features
 import engine.kernels.elementwise as elementwise
 import engine.kernels.gemm as gemm
+import engine.quant.int8_kv as int8_kv
 from engine.attention.backend import AttentionBackend
 from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
@@ -86,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None,
                   scale: float) -> torch.Tensor:
-    """``forward`` over an int8 cache (engine.attention.int8_kv). Every key and value is read back quantized, this
+    """``forward`` over an int8 cache (engine.quant.int8_kv). Every key and value is read back quantized, this
     step's too, so a sequence attends to the same values whether its prefix was cached, chunked or computed now.
     Decode: the C kernel reads the int8 rows in place (each group of 32 dequantized into the bf16 dot products on
     AVX512-BF16, into a float32 tile elsewhere). Prefill: the chunk's visible rows dequantized into the bf16

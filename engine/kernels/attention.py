@@ -13,7 +13,7 @@ _FUNCS = {(torch.bfloat16, torch.bfloat16): "paged_decode_bf16", (torch.float32,
           (torch.float32, torch.bfloat16): "paged_decode_bf16kv_f32"}
 
 
-# query/output dtype -> decode kernel over an int8 cache (kv_cache_dtype: int8; engine.attention.int8_kv)
+# query/output dtype -> decode kernel over an int8 cache (kv_cache_dtype: int8; engine.quant.int8_kv)
 _I8_DECODE = {torch.float32: "paged_decode_i8kv_f32", torch.bfloat16: "paged_decode_i8kv_bf16"}
 
 

@@ -31,7 +31,7 @@ def _q8_activations(lib: KernelLibrary, x: torch.Tensor):
 
 def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, wmax: int = 127,
               lib: KernelLibrary | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp32) @ W^T for packed int8 W (``engine.models.int8.pack``) -> [M, n] in x's dtype.
+    """x [M, K] (bf16/fp32) @ W^T for packed int8 W (``engine.quant.int8.pack``) -> [M, n] in x's dtype.
 
     x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
     integer dot products. wmax: a bound on max|w| (``Int8Linear.wmax``); the avx2 build has a faster path for
@@ -53,7 +53,7 @@ _Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # qlinear.c's GLU_GELU_TANH, GLU_
 def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, act: str,
                   wmax: int = 127, lib: KernelLibrary | None = None) -> torch.Tensor:
     """act(gate) * up from one int8 matmul: W packed from gate_up rows interleaved in blocks of 16
-    (``engine.models.int8.glu_interleave``), n = 2I rows, I a multiple of 16 -> [M, I] in x's dtype. The same bits
+    (``engine.quant.int8.glu_interleave``), n = 2I rows, I a multiple of 16 -> [M, I] in x's dtype. The same bits
     as ``glu`` of the un-interleaved ``q8_linear`` (tested), without its [M, 2I] intermediate."""
     if n % 32:
         raise ValueError(f"q8_linear_glu needs 2I a multiple of 32, got {n}")

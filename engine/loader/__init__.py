@@ -32,7 +32,7 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
 
     GGUF files go through the converted-weights cache (``weights_cache``): the first load dequantizes and
     stores the final tensors, later loads map them. Checkpoint directories are already safetensors and load
-    directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.models.int8``); GGUF
+    directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.quant.int8``); GGUF
     Q8_0/Q5_0/Q4_0 tensors keep their quants, the others are quantized from their float values; the int8 model is
     cached like the float one (its own cache entry), for GGUF and checkpoint directories alike.
     """
@@ -67,8 +67,8 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
 def _quantize(model, source: ModelSource, config: ModelConfig):
     """int8 in place: a GGUF file's Q8_0 / Q5_0 / Q4_0 tensors exactly as stored, the rest (Q4_K, Q6_K, float)
     quantized from their float values."""
-    from engine.models.int8 import quantize_model
     from engine.models.layers import STACKED_PARAMS
+    from engine.quant.int8 import quantize_model
 
     direct = {}
     if source.kind == "gguf":

@@ -49,10 +49,10 @@ def build_model(config: ModelConfig, weights: dict, dtype, device, source: str =
 def build_model_from_state(config: ModelConfig, state: dict, device, int8_dtype=None):
     """Build around an existing ``state_dict`` (our names, final layout), using its tensors as they are
     (memory-mapped ones stay mapped on the CPU). ``int8_dtype``: the state is an int8 model
-    (``engine.models.int8``) whose activations run in that dtype."""
+    (``engine.quant.int8``) whose activations run in that dtype."""
     model = _on_meta(config)
     if int8_dtype is not None:
-        from engine.models.int8 import int8_structure
+        from engine.quant.int8 import int8_structure
         model = int8_structure(model, int8_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     if str(device) != "cpu":

@@ -140,7 +140,7 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, c.layer_rope_theta(layer_idx), c.layer_rope_scaling(layer_idx))
         self.backend = None                    # set by the model runner (engine.attention.get_backend)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
-        # [Hkv, D] subtracted from every key before it is stored: an int8 cache's (engine.attention.key_shift)
+        # [Hkv, D] subtracted from every key before it is stored: an int8 cache's (engine.quant.key_shift)
         self.key_shift: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
@@ -206,7 +206,7 @@ class GatedMLP(nn.Module):
             raise ModelLoadError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh, gelu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "glu", None)      # int8 (engine.models.int8.Int8GluLinear): one call
+        fused = getattr(self.gate_up_proj, "glu", None)      # int8 (engine.quant.int8.Int8GluLinear): one call
         if self.fused_act and fused is not None:
             return self.down_proj(fused(x, self.fused_act))
         gate_up = self.gate_up_proj(x)
@@ -258,7 +258,7 @@ class CausalLM(nn.Module):
 
     def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self._head()
-        if hasattr(head, "qweight"):           # engine.models.int8: integer dot products
+        if hasattr(head, "qweight"):           # engine.quant.int8: integer dot products
             return head.linear(hidden)
         if gemm.small_m_ok(hidden, head.weight):   # decode: a few rows, memory-bound C kernel
             return gemm.small_m_linear(hidden, head.weight)

@@ -36,7 +36,7 @@
 const char *batchgen_kernel_isa(void) { return KERNEL_ISA; }
 
 /* The cache's element kind. KV_I8 (kv_cache_dtype: int8): a block is its bs x Hkv rows of D int8 (D a multiple of
- * 32), then their float32 scales, one per row and group of 32 (value = quant * scale; engine/attention/int8_kv.py),
+ * 32), then their float32 scales, one per row and group of 32 (value = quant * scale; engine/quant/int8_kv.py),
  * so rows stay 64-byte aligned. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 

@@ -201,7 +201,7 @@ static inline void store_row(const float *acc, void *out, int is_bf16, size_t of
 
 /* ---- the gated MLP's gate_up projection with its GLU fused in ------------------------------------------
  * With the weight rows interleaved in blocks of 16 (gate rows 16b..16b+15, then up rows 16b..16b+15: a tile's two
- * 16-column blocks; engine.models.int8.glu_interleave), a tile's 32 results per row are 16 gates and their 16 ups,
+ * 16-column blocks; engine.quant.int8.glu_interleave), a tile's 32 results per row are 16 gates and their 16 ups,
  * and out[m, 16 * pair + j] = act(gate_j) * up_j is written instead of the [M, 2I] gate_up product: the GLU's
  * read-back of that product and its separate pass are gone. A bf16 output rounds gate and up to bf16 first, as
  * the unfused path (q8_linear_bf16, then elementwise.c's GLU on its bf16 output) does: the same bits either way. */

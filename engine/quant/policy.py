@@ -24,7 +24,7 @@ shared-prefix`` in one run:
     int8, float32 activations and KV     top-1 0.9850, KL 0.00083: meets the bar       1.03x bf16's speed
     int8, float32 activations, bf16 KV   top-1 0.9869, KL 0.00088: meets the bar       1.35x (decode step 1.48x)
     int8, float32 activations, int8 KV   top-1 0.9871, KL 0.00104: meets the bar       ~int8 + bf16 KV's
-                                         (2,100 positions; kv_cache_dtype: int8, opt-in: engine.attention.int8_kv)
+                                         (2,100 positions; kv_cache_dtype: int8, opt-in: engine.quant.int8_kv)
     int8, bf16 activations               top-1 0.9786, KL 0.00146: fails               -
 
 The int8 matmuls run at 500-570 GOP/s against torch bf16's 380-410. A bf16 KV cache costs little because
@@ -92,18 +92,18 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
         return QuantChoice("none", "auto: a float checkpoint keeps float weights (int8's quality bar was measured on "
                                    "GGUF-quantized weights; quantization: int8 quantizes at load)")
     if dtype == "bfloat16":
-        return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quantization)")
+        return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quant.policy)")
     if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa):
         reason = ("auto: int8 weights (avx512_vnni) with a bf16 KV cache: measured faster than bf16 end to end and "
-                  "within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs without AMX (engine.quantization)"
+                  "within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs without AMX (engine.quant.policy)"
                   if q8_isa == "avx512_vnni" else
                   "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and a bf16 KV cache: measured "
                   "faster than float32 end to end and within the quality bar on AVX2-only CPUs "
-                  "(engine.quantization)")
+                  "(engine.quant.policy)")
         return QuantChoice("int8", reason, kv_cache_dtype="bfloat16")
     return QuantChoice("none", f"auto: int8 not measured faster than float weights on this CPU (int8 path "
                                f"{q8_isa or 'unavailable'}{'' if bf16_attention else ', no bf16 attention kernel'}; "
-                               "engine.quantization)")
+                               "engine.quant.policy)")
 
 
 def _bf16_kv_measured(q8_isa: str | None, bf16_attention: bool, kernel_isa: str | None) -> bool:
