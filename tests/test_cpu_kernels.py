@@ -15,6 +15,8 @@ import engine.kernels.kv_write as kv_kernels
 import engine.kernels.library as library
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import _decode
+from engine.models.ops import TorchOps
+from engine.models.select_ops import bind_ops
 
 pytestmark = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 
@@ -373,7 +375,8 @@ def test_model_with_kernels_matches_the_torch_path(arch, dtype, tmp_path, monkey
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     chunks = [7, 20, 1, 1, 10, 1]
     with_kernels = run_chunks(ours, ids, chunks).float()
-    monkeypatch.setattr(elementwise, "elementwise_ok", lambda x: False)
+    monkeypatch.setattr(elementwise, "elementwise_ok", lambda x: False)      # the attention backend's softmax
+    bind_ops(ours, ops=TorchOps())
     torch_only = run_chunks(ours, ids, chunks, native=False).float()
     if dtype == torch.float32:
         assert (with_kernels - torch_only).abs().max().item() <= 1e-4 * torch_only.abs().max().item()

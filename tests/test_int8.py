@@ -272,14 +272,17 @@ def test_gated_mlp_takes_the_fused_glu_only_where_it_fits(act, monkeypatch):
     from torch import nn
 
     from engine.models.layers import GatedMLP
+    from engine.models.ops import CpuKernelOps
     g = torch.Generator().manual_seed(2)
     x = torch.randn(9, 40, generator=g)
     mlp = GatedMLP(40, 32, act)
     q, s = int8.quantize_rows(torch.randn(64, 40, generator=g) * 0.1)
     mlp.down_proj = int8.Int8Linear.from_quantized(*int8.quantize_rows(torch.randn(40, 32, generator=g) * 0.1), 32)
     mlp.gate_up_proj = int8.Int8Linear.from_quantized(q, s, 40)
+    mlp.ops = CpuKernelOps(int8_glu=False)                   # what engine.models.select_ops chooses for each
     plain = mlp(x)
     mlp.gate_up_proj = int8.Int8GluLinear.from_quantized(*int8.glu_interleave(q, s), 40)
+    mlp.ops = CpuKernelOps(int8_glu=True)
     calls = []
     fused = qlinear.q8_linear_glu
     monkeypatch.setattr(qlinear, "q8_linear_glu", lambda *a, **k: calls.append(a[5]) or fused(*a, **k))

@@ -30,6 +30,17 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
                quantization: str = "none"):
     """The model with its weights, and how it got them: ``(model, "converted" | "cached" | "direct")``.
 
+    The finished model's ops (``engine.models.select_ops``) are chosen here, once, after any int8 swap.
+    """
+    from engine.models.select_ops import bind_ops
+
+    model, how = _load_model(source, config, dtype, device, identity, quantization)
+    return bind_ops(model, device), how
+
+
+def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identity: str | None, quantization: str):
+    """``load_model`` before the ops are chosen.
+
     GGUF files go through the converted-weights cache (``weights_cache``): the first load dequantizes and
     stores the final tensors, later loads map them. Checkpoint directories are already safetensors and load
     directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.quant.int8``); GGUF

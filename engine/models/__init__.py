@@ -29,12 +29,14 @@ def _on_meta(config: ModelConfig):
 
 
 def _reset_buffers(model, device):
+    """Rebuild the buffers to_empty/assign lose and choose the model's ops (``engine.models.select_ops``)."""
     from engine.models.layers import RotaryEmbedding
+    from engine.models.select_ops import bind_ops
 
     for mod in model.modules():           # non-persistent float32 buffers are lost by to_empty/assign: rebuild
         if isinstance(mod, RotaryEmbedding):
             mod.reset_buffers(device)
-    return model.eval()
+    return bind_ops(model.eval(), device)
 
 
 def build_model(config: ModelConfig, weights: dict, dtype, device, source: str = "checkpoint"):
