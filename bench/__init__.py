@@ -9,12 +9,12 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
 
     batchgen          prefix caching on, prompts submitted in planned order (grouped by shared prefix), float
                       weights (``quantization: none``: the float path the int8 systems are compared with; a job's
-                      default, ``auto``, is int8 on the CPUs engine.quantization names)
+                      default, ``auto``, is int8 on the CPUs engine.quant.policy names)
     batchgen-nocache  prefix caching off, same order, float weights
-    batchgen-int8     prefix caching on, ``quantization: int8`` (engine.models.int8; KV cache auto: bf16 where
-                      engine.quantization measured it faster, else the activation dtype)
+    batchgen-int8     prefix caching on, ``quantization: int8`` (engine.quant.int8; KV cache auto: bf16 where
+                      engine.quant.policy measured it faster, else the activation dtype)
     batchgen-int8-bf16kv  the same with ``kv_cache_dtype: bfloat16`` (not in the default systems)
-    batchgen-int8-int8kv  the same with ``kv_cache_dtype: int8`` (engine.attention.int8_kv; not in the defaults)
+    batchgen-int8-int8kv  the same with ``kv_cache_dtype: int8`` (engine.quant.int8_kv; not in the defaults)
     batchgen-spec     prefix caching on, ``speculative_config: auto`` (n-gram drafts where gating says they pay)
     batchgen-default  a job's defaults: ``quantization: auto``, ``speculative_config: auto``, KV cache auto (what a
                       user gets without an engine section; not in the default systems)

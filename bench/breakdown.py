@@ -94,7 +94,7 @@ def _linear_ops(args, kwargs) -> float:
     x = args[0]
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    if len(args) >= 5 and isinstance(args[4], int):         # cpu_kernels.q8_linear*: n is the fifth argument
+    if len(args) >= 5 and isinstance(args[4], int):         # qlinear.q8_linear*: n is the fifth argument
         n = args[4]
     else:
         w = args[1] if len(args) > 1 else kwargs["weight"]
@@ -154,7 +154,8 @@ def kernel_breakdown() -> Iterator[Breakdown]:
     # formatting, and the CLI lists systems without torch)
     import torch.nn.functional as F
 
-    from engine import cpu_kernels
+    import engine.kernels.elementwise as elementwise
+    import engine.kernels.qlinear as qlinear
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.model_runner import ModelRunner
     from engine.models.layers import CausalLM
@@ -170,14 +171,14 @@ def kernel_breakdown() -> Iterator[Breakdown]:
     try:
         patch(ModelRunner, "execute", clock.step(ModelRunner.execute))
         for name in ("q8_linear", "q8_linear_glu"):
-            patch(cpu_kernels, name, clock.timed(getattr(cpu_kernels, name), "linears", _linear_ops))
+            patch(qlinear, name, clock.timed(getattr(qlinear, name), "linears", _linear_ops))
         patch(F, "linear", clock.timed(F.linear, "linears", _linear_ops))
         for name in ("greedy_tokens", "compute_logits"):
             patch(CausalLM, name, clock.timed(getattr(CausalLM, name), "LM head", _head_ops))
         patch(TorchAttentionBackend, "forward", clock.timed(TorchAttentionBackend.forward, "attention"))
         for name in ("rms_norm", "add_rms_norm"):
-            patch(cpu_kernels, name, clock.timed(getattr(cpu_kernels, name), "norms"))
-        patch(cpu_kernels, "glu", clock.timed(cpu_kernels.glu, "activations"))
+            patch(elementwise, name, clock.timed(getattr(elementwise, name), "norms"))
+        patch(elementwise, "glu", clock.timed(elementwise.glu, "activations"))
         yield bd
     finally:
         for owner, name, old in reversed(patches):

@@ -30,7 +30,7 @@ from torch import nn
 
 from bench.quality import sample_sequences, sequence_logits
 from engine import LLM
-from engine.models.int8 import QK, quantize_rows, unpack
+from engine.quant.int8 import QK, quantize_rows, unpack
 
 # (name, linear weights, linear activations, LM-head weights, LM-head activations, SmoothQuant alpha)
 # weights: "group" (today's int8, as loaded) | "row"; activations: "group" (per token and 32) | "token"
@@ -68,7 +68,7 @@ def quantize_per_row(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_per_group(w: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 per row and group of 32 (engine.models.int8.quantize_rows), dequantized."""
+    """Symmetric int8 per row and group of 32 (engine.quant.int8.quantize_rows), dequantized."""
     q, s = quantize_rows(w)
     n, k = w.shape
     return (q.float().view(n, -1, QK) * s[..., None]).view(n, -1)[:, :k]

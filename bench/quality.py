@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
+import engine.quant.int8_kv as int8_kv
 from engine import LLM
-from engine.attention import AttentionMetadata, int8_kv
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import bind_kv_caches
 
@@ -36,7 +37,7 @@ def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, nat
     """A fresh zeroed paged KV cache for ``model`` (tests and teacher-forced measurements)."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    if dtype == torch.int8:                       # kv_cache_dtype: int8 (engine.attention.int8_kv)
+    if dtype == torch.int8:                       # kv_cache_dtype: int8 (engine.quant.int8_kv)
         shape = int8_kv.pool_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
     bind_kv_caches(model, caches, TorchAttentionBackend(native))

@@ -105,7 +105,7 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
     if dtype not in (*DTYPES, "int8"):
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or int8, got {dtype!r}")
     if dtype == "int8" and dev.type != "cpu":
-        raise ValueError("int8 (engine.models.int8) runs on the CPU only")
+        raise ValueError("int8 (engine.quant.int8) runs on the CPU only")
     # int8: our integer-dot-product linear (csrc/qlinear.c) with float32 activations, as quantization: int8 runs
     measure = _int8_flops if dtype == "int8" else partial(_matmul_flops, dtype=DTYPES[dtype])
     reps = 3 if quick else 7
@@ -159,11 +159,11 @@ def _timed(dev: torch.device, fn, reps: int) -> float:
 
 @torch.inference_mode()
 def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
-    from engine import cpu_kernels
-    from engine.models import int8
+    import engine.kernels.qlinear as qlinear
+    import engine.quant.int8 as int8
     w, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(n, k)))
     x = torch.randn(m, k)
-    secs = _timed(dev, lambda: cpu_kernels.q8_linear(x, w, sw, cw, n), reps)
+    secs = _timed(dev, lambda: qlinear.q8_linear(x, w, sw, cw, n), reps)
     return 2.0 * m * k * n / secs
 
 

@@ -42,7 +42,7 @@ class Prediction:
                 "output_tokens": int(self.output_tokens)}
 
 
-# engine.models.int8's packed format: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
+# engine.quant.int8's packed format: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
 INT8_WEIGHT_BYTES = 1.25
 
 

@@ -35,14 +35,14 @@ class EngineConfig:
     speculative_config: dict | str | None = "auto"  # n-gram speculation (engine.spec_decode.speculator): None /
                                              # "off", "auto", or {method: ngram, num_speculative_tokens, ...}
     quantization: str = "auto"               # auto: int8 for GGUF weights on CPUs where measured faster within
-                                             # the quality bar, else none (engine.quantization) | none: weights in
+                                             # the quality bar, else none (engine.quant.policy) | none: weights in
                                              # `dtype` (GGUF dequantized at load) | int8: int8 weights, integer
                                              # dot products (CPU)
     kv_cache_dtype: str = "auto"             # auto: the activation dtype (int8 weights: bf16 where measured
-                                             # faster, engine.quantization) | bfloat16 | float32 (vLLM's name).
+                                             # faster, engine.quant.policy) | bfloat16 | float32 (vLLM's name).
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,
                                              # attention in bf16 (engine.attention.torch_backend) | int8: int8 +
-                                             # a scale per 32 values, 0.56x bf16's bytes (attention.int8_kv; CPU)
+                                             # a scale per 32 values, 0.56x bf16's bytes (engine.quant.int8_kv; CPU)
 
     @classmethod
     def from_options(cls, model: str = DEFAULT_MODEL, **options) -> EngineConfig:

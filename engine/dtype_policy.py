@@ -12,16 +12,17 @@
 Measured with torch 2.13, 2 threads, a 2048x640 @ 640x2048 matmul: on a Zen 4 EPYC (AVX512-BF16) bf16
 ~359 GFLOP/s vs float32 ~145; on a Zen 3 EPYC (AVX2 + FMA only, shared/MACHINE.md) bf16 ~0.5 vs float32 ~110.
 
-CPU features come from torch's own probes (``torch.cpu._is_amx_tile_supported`` and friends, the ones its
-kernels dispatch on), with ``/proc/cpuinfo`` flags as a second source where torch lacks a probe.
+CPU features come from ``engine.kernels.cpu_features`` (torch's own probes, the ones its kernels dispatch on, with
+``/proc/cpuinfo`` flags as a second source where torch lacks a probe).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from engine.kernels.cpu_features import cpu_features
 
 log = logging.getLogger("batchgen.engine")
 
@@ -37,32 +38,6 @@ class DtypeChoice:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-
-def _cpuinfo_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_features() -> frozenset[str]:
-    """The CPU features that decide the dtype: a subset of {amx_bf16, avx512_bf16, avx512f, avx2, fma}."""
-    flags = _cpuinfo_flags()
-    found = {f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags}
-    probes = {"amx_bf16": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported",
-              "avx512f": "_is_avx512_supported", "avx2": "_is_avx2_supported"}
-    for feature, probe in probes.items():
-        fn = getattr(torch.cpu, probe, None)
-        try:
-            if fn is not None and fn():
-                found.add(feature)
-        except Exception:          # noqa: BLE001 - a probe that fails only means "unknown"
-            pass
-    return frozenset(found)
 
 
 def cpu_has_bf16_matmul(features: frozenset[str] | None = None) -> bool:
@@ -104,4 +79,4 @@ def log_choice(choice: DtypeChoice) -> None:
     (log.warning if choice.slow else log.info)("dtype: %s", choice.reason)
 
 
-__all__ = ["DtypeChoice", "DTYPES", "choose_dtype", "log_choice", "cpu_features", "cpu_has_bf16_matmul"]
+__all__ = ["DtypeChoice", "DTYPES", "choose_dtype", "log_choice", "cpu_has_bf16_matmul"]

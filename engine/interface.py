@@ -34,7 +34,7 @@ class EngineInfo:
     load_time_s: float = 0.0
     load_breakdown: dict = field(default_factory=dict)   # phase -> seconds, plus "weights_from"
     config: dict = field(default_factory=dict)           # the resolved EngineConfig, as a dict
-    quantization: str = "none"         # resolved: none | int8 (engine.quantization)
+    quantization: str = "none"         # resolved: none | int8 (engine.quant.policy)
     quantization_reason: str = ""
     weight_bytes: int = 0              # resident bytes of the loaded weights (int8 packs included)
 

@@ -18,8 +18,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from engine import cpu_kernels
-from engine.attention import key_shift
+import engine.kernels.library as library
+import engine.quant.key_shift as key_shift
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
@@ -71,7 +71,7 @@ class LLM:
         self.eos_token_ids = _eos_ids(self.model_config, self.tokenizer)
         marks("tokenizer_wait_s")
         if self.device.type == "cpu":
-            cpu_kernels.load()                     # built once per CPU and source version, then cached
+            library.load()                     # built once per CPU and source version, then cached
         marks("kernels_s")
         num_blocks = setup.num_kv_blocks
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, setup.kv_dtype, self.device, self.backend,
@@ -82,7 +82,7 @@ class LLM:
         marks("kv_cache_s")
         self.step_stats: list[StepStats] = []
         self.load_time_s = time.monotonic() - t0
-        self.info = setup.info(cpu_kernels=cpu_kernels.describe() if self.device.type == "cpu" else "",
+        self.info = setup.info(cpu_kernels=library.describe() if self.device.type == "cpu" else "",
                                load_time_s=round(self.load_time_s, 3), weight_bytes=weight_bytes(self.model),
                                load_breakdown={**marks.spans, "weights_from": self.weights_from})
         log.info("engine loaded in %.2fs (%s); weights %.0f MB, %s", self.load_time_s,

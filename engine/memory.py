@@ -31,8 +31,8 @@ def available_memory_bytes() -> int | None:
 def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block over all layers (K and V)."""
     m = model_config
-    if dtype == torch.int8:                       # int8 quants + a float32 scale per 32 (attention.int8_kv)
-        from engine.attention.int8_kv import block_bytes
+    if dtype == torch.int8:                       # int8 quants + a float32 scale per 32 (engine.quant.int8_kv)
+        from engine.quant.int8_kv import block_bytes
         return 2 * m.num_hidden_layers * block_bytes(block_size, m.num_key_value_heads, m.head_dim)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * elem

@@ -12,7 +12,8 @@ import mmap
 
 import torch
 
-from engine.attention import AttentionMetadata, int8_kv
+import engine.quant.int8_kv as int8_kv
+from engine.attention.metadata import AttentionMetadata
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata, greedy, make_generator
 from engine.scheduler_output import SchedulerOutput
@@ -39,7 +40,7 @@ class ModelRunner:
         self.backend = backend
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        if dtype == torch.int8:                   # kv_cache_dtype: int8: [num_blocks, block bytes] (attention.int8_kv)
+        if dtype == torch.int8:                   # kv_cache_dtype: int8 (engine.quant.int8_kv)
             shape = int8_kv.pool_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device))
                           for _ in range(cfg.num_hidden_layers)]

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend, get_backend, int8_kv
+import engine.quant.int8_kv as int8_kv
+from engine.attention.backend import AttentionBackend
+from engine.attention.selector import get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.dtype_policy import DTYPES, DtypeChoice, choose_dtype, log_choice
 from engine.errors import ConfigError
@@ -23,11 +25,11 @@ from engine.loader import ModelSource, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
 from engine.memory import num_kv_blocks
 from engine.models.config import ModelConfig
-from engine.quantization import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_isa, kernel_q8_isa
+from engine.quant.policy import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_isa, kernel_q8_isa
 
 log = logging.getLogger("batchgen.engine")
 
-# kv_cache_dtype -> the pool's torch dtype (int8: engine.attention.int8_kv's byte layout)
+# kv_cache_dtype -> the pool's torch dtype (int8: engine.quant.int8_kv's byte layout)
 KV_DTYPES = {**DTYPES, "int8": torch.int8}
 
 

@@ -9,7 +9,6 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from tests.conftest import make_docs
-from tests.test_cli import _real_engine
 from tests.test_pipeline import write_job
 
 ENGINE = ("engine:\n  dtype: float32\n  block_size: 16\n  max_num_seqs: 4\n  max_num_batched_tokens: 256\n"
@@ -17,7 +16,6 @@ ENGINE = ("engine:\n  dtype: float32\n  block_size: 16\n  max_num_seqs: 4\n  max
 
 
 def test_mixed_good_and_bad_rows(tmp_path, tiny_llama_dir):
-    _real_engine()
     docs = make_docs(12)
     rows = [{"id": d["id"], "category": d["category"], "reference": d["reference"],
              "document": d["document"].encode()} for d in docs]

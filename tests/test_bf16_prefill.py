@@ -8,11 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+import engine.kernels.attention as kernel_attention
+import engine.kernels.build as kbuild
+import engine.kernels.elementwise as elementwise
+import engine.kernels.gemm as gemm
+import engine.kernels.library as library
 from engine.attention import torch_backend as tb
 from tests.test_cpu_kernels import BUILDS, _lib, build_libs
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +48,11 @@ def test_gemm_matches_float32_products(libs, build):
         a = torch.randn(m, k, generator=g).bfloat16()
         b = torch.randn(k, n, generator=g).bfloat16()
         ref = a.float() @ b.float()
-        got = cpu_kernels.bf16_gemm(a, cpu_kernels.pack_pairs(b), lib=lib)
+        got = gemm.bf16_gemm(a, gemm.pack_pairs(b), lib=lib)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         assert (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
-        wide = cpu_kernels.pack_pairs(torch.cat([b, b], 1))          # a column slice keeps the row stride
-        assert torch.equal(cpu_kernels.bf16_gemm(a, wide[:, n:], n, lib=lib), got)
+        wide = gemm.pack_pairs(torch.cat([b, b], 1))          # a column slice keeps the row stride
+        assert torch.equal(gemm.bf16_gemm(a, wide[:, n:], n, lib=lib), got)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (8, 2)])
@@ -90,9 +94,9 @@ def _composed(qs, kp, vp, q_start, k_start, window, tile=128):
             j0 = (lo - k_start) & ~1
             j1 = te - k_start + ((te - k_start - j0) & 1)
             qt = qs[t0:t0 + te - ts, h * g:(h + 1) * g].reshape(-1, d)
-            scores = cpu_kernels.bf16_gemm(qt, kp[h][:, j0:j1])
-            probs = cpu_kernels.masked_softmax_(scores, te - ts, g, ts, k_start + j0, window).to(torch.bfloat16)
-            o = cpu_kernels.bf16_gemm(probs, vp[h][j0 // 2:j1 // 2])
+            scores = gemm.bf16_gemm(qt, kp[h][:, j0:j1])
+            probs = elementwise.masked_softmax_(scores, te - ts, g, ts, k_start + j0, window).to(torch.bfloat16)
+            o = gemm.bf16_gemm(probs, vp[h][j0 // 2:j1 // 2])
             out[t0:t0 + te - ts, h * g:(h + 1) * g] = o.view(te - ts, g, d)
     return out
 
@@ -111,13 +115,13 @@ def test_fused_prefill_equals_its_composed_tiles(libs, build, hq, hkv, window, k
     S += S & 1
     keys = torch.randn(S, hkv, d, generator=g).bfloat16()
     vals = torch.randn(S, hkv, d, generator=g).bfloat16()
-    kp = torch.stack([cpu_kernels.pack_pairs(keys[:, h].t()) for h in range(hkv)])
-    vp = torch.stack([cpu_kernels.pack_pairs(vals[:, h]) for h in range(hkv)])
+    kp = torch.stack([gemm.pack_pairs(keys[:, h].t()) for h in range(hkv)])
+    vp = torch.stack([gemm.pack_pairs(vals[:, h]) for h in range(hkv)])
     qs = (torch.randn(n, hq, d, generator=g) * 0.5).bfloat16()
-    with mock.patch.object(cpu_kernels, "_lib", lib), mock.patch.object(cpu_kernels, "_tried", True):
+    with mock.patch.object(library, "_lib", lib), mock.patch.object(library, "_tried", True):
         ref = _composed(qs, kp, vp, q_start, k_start, window)
-        got = cpu_kernels.prefill_attention(qs, kp, vp, q_start, k_start, window, torch.float32, lib=lib)
-        half = cpu_kernels.prefill_attention(qs, kp, vp, q_start, k_start, window, torch.bfloat16, lib=lib)
+        got = kernel_attention.prefill_attention(qs, kp, vp, q_start, k_start, window, torch.float32, lib=lib)
+        half = kernel_attention.prefill_attention(qs, kp, vp, q_start, k_start, window, torch.bfloat16, lib=lib)
     assert torch.equal(got, ref)
     assert torch.equal(half, ref.bfloat16())
 
@@ -139,6 +143,6 @@ def test_pack_kv_equals_pack_pairs_of_the_gathered_keys(libs, build, hkv, lo, hi
     vals = v_cache[table.long()].reshape(-1, hkv, d)[lo:hi]
     if keys.shape[0] & 1:
         keys, vals = F.pad(keys, (0, 0, 0, 0, 0, 1)), F.pad(vals, (0, 0, 0, 0, 0, 1))
-    kp, vp = cpu_kernels.pack_kv(k_cache, v_cache, table, lo, hi, lib=lib)
-    assert torch.equal(kp, torch.stack([cpu_kernels.pack_pairs(keys[:, h].t()) for h in range(hkv)]))
-    assert torch.equal(vp, torch.stack([cpu_kernels.pack_pairs(vals[:, h]) for h in range(hkv)]))
+    kp, vp = kernel_attention.pack_kv(k_cache, v_cache, table, lo, hi, lib=lib)
+    assert torch.equal(kp, torch.stack([gemm.pack_pairs(keys[:, h].t()) for h in range(hkv)]))
+    assert torch.equal(vp, torch.stack([gemm.pack_pairs(vals[:, h]) for h in range(hkv)]))

@@ -62,18 +62,19 @@ def test_counts_follow_the_engine(gemma_dir, quantization):
 def test_patches_are_restored(gemma_dir):
     import torch.nn.functional as F
 
-    from engine import cpu_kernels
+    import engine.kernels.elementwise as elementwise
+    import engine.kernels.qlinear as qlinear
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.model_runner import ModelRunner
     from engine.models.layers import CausalLM
 
-    before = (F.linear, cpu_kernels.q8_linear, cpu_kernels.rms_norm, ModelRunner.execute, CausalLM.greedy_tokens,
+    before = (F.linear, qlinear.q8_linear, elementwise.rms_norm, ModelRunner.execute, CausalLM.greedy_tokens,
               TorchAttentionBackend.forward)
     with pytest.raises(RuntimeError):
         with kernel_breakdown():
             assert F.linear is not before[0]
             raise RuntimeError("stop")
-    assert (F.linear, cpu_kernels.q8_linear, cpu_kernels.rms_norm, ModelRunner.execute, CausalLM.greedy_tokens,
+    assert (F.linear, qlinear.q8_linear, elementwise.rms_norm, ModelRunner.execute, CausalLM.greedy_tokens,
             TorchAttentionBackend.forward) == before
 
 

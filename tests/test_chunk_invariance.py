@@ -9,13 +9,15 @@ logits through the attention backend, and the engine's hidden state behind each 
 import pytest
 import torch
 
+import engine.kernels.cpu_features as cpu_features
+import engine.kernels.library as library
 from bench.quality import sequence_logits
-from engine import LLM, SamplingParams, cpu_kernels
+from engine import LLM, SamplingParams
 from engine.model_runner import ModelRunner
 from engine.models.layers import CausalLM
 from tests.model_utils import save_tiny, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or cpu_kernels.has_amx(),
+pytestmark = pytest.mark.skipif(library.load() is None or cpu_features.has_amx(),
                                 reason="the C attention kernels (AMX CPUs attend in torch bf16)")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -5,11 +5,20 @@ import shutil
 import pytest
 import torch
 
-from engine import cpu_kernels, dtype_policy
+import engine.kernels.attention as kernel_attention
+import engine.kernels.binding as binding
+import engine.kernels.build as kbuild
+import engine.kernels.cpu_features as cpu_features
+import engine.kernels.elementwise as elementwise
+import engine.kernels.gemm as gemm
+import engine.kernels.kv_write as kv_kernels
+import engine.kernels.library as library
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import _decode
+from engine.models.ops import TorchOps
+from engine.models.select_ops import bind_ops
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 
 
 def _case(dtype, lens, hq, hkv, d, bs, seed=0):
@@ -38,7 +47,7 @@ LENS = [1, 2, 15, 16, 17, 100, 531]
 
 
 def _x86_with(flag: str) -> bool:
-    return platform.machine() in ("x86_64", "AMD64") and flag in dtype_policy._cpuinfo_flags()
+    return platform.machine() in ("x86_64", "AMD64") and flag in cpu_features.cpuinfo_flags()
 
 
 # Every build a CPU may get, forced by compile flags so each path is tested on any machine that can run it:
@@ -53,15 +62,15 @@ BUILDS = {
 }
 
 
-def build_libs(builds: dict, isa=cpu_kernels.isa) -> dict:
+def build_libs(builds: dict, isa=library.isa) -> dict:
     """name -> library for every build this CPU can run; each build's ``isa(lib)`` is checked."""
-    native = cpu_kernels.load()
-    assert native is not None, cpu_kernels.unavailable_reason()
+    native = library.load()
+    assert native is not None, library.unavailable_reason()
     out = {"native": native}
     for name, (flags, want, runnable) in builds.items():
         if flags is None or not runnable:
             continue
-        lib = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(flags,)))
+        lib = binding.open_library(kbuild.build(kbuild.compiler(), flag_sets=(flags,)))
         assert isa(lib) == want, (name, isa(lib))
         out[name] = lib
     return out
@@ -82,15 +91,15 @@ def _lib(libs, build):
 def use_build(libs, monkeypatch):
     """Route the module-level kernel calls (glu, rms_norm, ...) to one build."""
     def use(build):
-        monkeypatch.setattr(cpu_kernels, "_lib", _lib(libs, build))
-        monkeypatch.setattr(cpu_kernels, "_tried", True)
+        monkeypatch.setattr(library, "_lib", _lib(libs, build))
+        monkeypatch.setattr(library, "_tried", True)
     return use
 
 
 def test_native_build_matches_this_cpu(libs):
     """-march=native picks the widest path this CPU has."""
-    isa = cpu_kernels.isa(libs["native"])
-    flags = dtype_policy._cpuinfo_flags()
+    isa = library.isa(libs["native"])
+    flags = cpu_features.cpuinfo_flags()
     if platform.machine() not in ("x86_64", "AMD64"):
         assert isa == "portable"
     elif "avx512f" in flags:
@@ -112,13 +121,13 @@ def test_kernel_equals_torch_gather_path(libs, build, dtype, shape, window):
     scale = d ** -0.5
     lens = torch.tensor(LENS, dtype=torch.int32)
     ref = _decode(q, k, v, meta, window, scale, native=False).float()
-    got = cpu_kernels.call(lib, q, k, v, meta.block_tables, lens, window, scale).float()
+    got = kernel_attention.call(lib, q, k, v, meta.block_tables, lens, window, scale).float()
     # float32: same math up to summation order. bf16: the torch path rounds q*scale and the probabilities to
     # bf16 before its matmuls; the kernel keeps float32 probabilities.
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     if dtype == torch.float32:      # ... and every vector build against the portable C loops, the reference
-        port = cpu_kernels.call(libs["portable"], q, k, v, meta.block_tables, lens, window, scale).float()
+        port = kernel_attention.call(libs["portable"], q, k, v, meta.block_tables, lens, window, scale).float()
         assert (got - port).abs().max().item() <= 2e-5 * max(1.0, port.abs().max().item())
 
 
@@ -132,10 +141,10 @@ def test_float32_queries_over_a_bf16_cache(libs, build, window):
     q = q.float() * 1.5
     lens = torch.tensor(LENS, dtype=torch.int32)
     ref = _decode(q, k, v, meta, window, 0.0625, native=False)
-    got = cpu_kernels.call(lib, q, k, v, meta.block_tables, lens, window, 0.0625)
+    got = kernel_attention.call(lib, q, k, v, meta.block_tables, lens, window, 0.0625)
     assert got.dtype == torch.float32
     # the kernel's AVX512-BF16 scores round q to bf16 once; elsewhere it widens the cache like the torch path
-    tol = 1e-2 if cpu_kernels.isa(lib) == "avx512_bf16" else 2e-5
+    tol = 1e-2 if library.isa(lib) == "avx512_bf16" else 2e-5
     assert (got - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
 
 
@@ -143,12 +152,12 @@ def test_rows_are_independent_of_the_batch(libs):
     """A sequence's output does not depend on which other sequences share the call (or on thread count)."""
     q, k, v, meta = _case(torch.bfloat16, LENS, 4, 1, 256, 16, seed=3)
     lens = torch.tensor(LENS, dtype=torch.int32)
-    full = cpu_kernels.call(libs["native"], q, k, v, meta.block_tables, lens, 64, 0.0625)
+    full = kernel_attention.call(libs["native"], q, k, v, meta.block_tables, lens, 64, 0.0625)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         for i in (0, 4, 6):
-            one = cpu_kernels.call(libs["native"], q[i:i + 1], k, v, meta.block_tables[i:i + 1], lens[i:i + 1],
+            one = kernel_attention.call(libs["native"], q[i:i + 1], k, v, meta.block_tables[i:i + 1], lens[i:i + 1],
                                    64, 0.0625)
             assert torch.equal(one[0], full[i])
     finally:
@@ -182,17 +191,17 @@ def _shared_prefix_case(dtype, bs=16, seed=5):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40, 512])
 def test_shared_blocks_give_each_sequence_its_own_result(libs, build, dtype, window):
-    """Sequences that share prefix blocks are walked block by block together (csrc/attention.c group_item):
+    """Sequences that share prefix blocks are walked block by block together (csrc/paged_decode.c group_item):
     each one's output is bit-identical to computing it alone, at any thread count, and matches the torch path."""
     lib = _lib(libs, build)
     q, k, v, tables, lens = _shared_prefix_case(dtype)
-    full = cpu_kernels.call(lib, q, k, v, tables, lens, window, 0.0625)
+    full = kernel_attention.call(lib, q, k, v, tables, lens, window, 0.0625)
     threads = torch.get_num_threads()
     try:
         for nt in (1, 2):
             torch.set_num_threads(nt)
             for i in range(len(lens)):
-                one = cpu_kernels.call(lib, q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], window, 0.0625)
+                one = kernel_attention.call(lib, q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], window, 0.0625)
                 assert torch.equal(one[0], full[i]), (nt, i)
     finally:
         torch.set_num_threads(threads)
@@ -206,20 +215,21 @@ def test_shared_blocks_give_each_sequence_its_own_result(libs, build, dtype, win
 def test_unsupported_shapes_are_refused(libs):
     q, k, v, meta = _case(torch.float32, [5], 3, 2, 32, 4)          # 3 heads over 2 KV heads
     with pytest.raises(ValueError, match="unsupported shape"):
-        cpu_kernels.call(libs["native"], q, k, v, meta.block_tables, torch.tensor([5], dtype=torch.int32), None, 1.0)
+        kernel_attention.call(libs["native"], q, k, v, meta.block_tables, torch.tensor([5], dtype=torch.int32), None,
+                              1.0)
 
 
 def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     """A broken compiler leaves the engine on the torch path with a reason, never a crash."""
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(library, "_lib", None)
+    monkeypatch.setattr(library, "_tried", False)
+    monkeypatch.setattr(library, "_error", None)
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", shutil.which("false") or "false")
-    assert cpu_kernels.load() is None
-    assert "build failed" in cpu_kernels.unavailable_reason()
+    assert library.load() is None
+    assert "build failed" in library.unavailable_reason()
     q, k, _, _ = _case(torch.float32, [5], 4, 1, 32, 4)
-    assert not cpu_kernels.supports(q, k)
+    assert not kernel_attention.supports(q, k)
 
 
 def test_forced_flags_the_compiler_rejects_fall_back_with_a_warning(monkeypatch, tmp_path, caplog):
@@ -227,11 +237,11 @@ def test_forced_flags_the_compiler_rejects_fall_back_with_a_warning(monkeypatch,
     portable fallback flags build instead."""
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("BATCHGEN_KERNEL_FLAGS", "-O2 -mno-such-flag")
-    sets = cpu_kernels.default_flag_sets()
-    assert sets[0] == ["-O2", "-mno-such-flag"] and sets[1:] == cpu_kernels._FLAG_SETS[1:]
+    sets = kbuild.default_flag_sets()
+    assert sets[0] == ["-O2", "-mno-such-flag"] and sets[1:] == kbuild.FLAG_SETS[1:]
     with caplog.at_level("WARNING", logger="batchgen.engine"):
-        lib = cpu_kernels.open_library(cpu_kernels.build(cpu_kernels._compiler(), flag_sets=(sets[0], ["-O2"])))
-    assert cpu_kernels.isa(lib) == "portable"
+        lib = binding.open_library(kbuild.build(kbuild.compiler(), flag_sets=(sets[0], ["-O2"])))
+    assert library.isa(lib) == "portable"
     assert any("-mno-such-flag" in r.getMessage() and "trying -O2" in r.getMessage() for r in caplog.records)
 
 
@@ -262,7 +272,7 @@ def test_glu_kernel(use_build, build, dtype, act):
     x = torch.randn(37, 2 * 96, generator=torch.Generator().manual_seed(0)).mul(3).to(dtype)
     gate, up = x.float().chunk(2, dim=-1)
     fn = (lambda t: torch.nn.functional.gelu(t, approximate="tanh")) if act == "gelu_tanh" else torch.nn.functional.silu
-    _close(cpu_kernels.glu(x, act), fn(gate) * up, dtype)
+    _close(elementwise.glu(x, act), fn(gate) * up, dtype)
 
 
 @EVERY_BUILD
@@ -274,16 +284,16 @@ def test_rms_norm_kernel_on_strided_heads_with_and_without_rope(use_build, build
     q = qkv[:, :192].view(9, 3, 64)                                  # strided rows, as inside the fused qkv output
     w = torch.randn(64, generator=g)
     ref = q.float() * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w
-    _close(cpu_kernels.rms_norm(q, w, 1e-6), ref, dtype)
+    _close(elementwise.rms_norm(q, w, 1e-6), ref, dtype)
     pos = torch.arange(100, 109, dtype=torch.float32)
     freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))[None]
     emb = torch.cat((freqs, freqs), -1)[:, None, :]
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     r = ref.to(dtype).float()
     rot = torch.cat((-r[..., 32:], r[..., :32]), -1)
-    _close(cpu_kernels.rms_norm(q, w, 1e-6, cos, sin), r * cos.float() + rot * sin.float(), dtype)
+    _close(elementwise.rms_norm(q, w, 1e-6, cos, sin), r * cos.float() + rot * sin.float(), dtype)
     before = qkv.clone()
-    cpu_kernels.rope_(q, cos, sin)                                   # in place, only q's columns
+    elementwise.rope_(q, cos, sin)                                   # in place, only q's columns
     xf = before[:, :192].view(9, 3, 64).float()
     _close(q, xf * cos.float() + torch.cat((-xf[..., 32:], xf[..., :32]), -1) * sin.float(), dtype)
     assert torch.equal(qkv[:, 192:], before[:, 192:])
@@ -304,7 +314,7 @@ def test_kv_write_equals_index_copy(use_build, build, src, cache, tokens):
     v = qkv[:, 384:].reshape(tokens, 2, 64).clone()                 # dense
     kc, vc = torch.zeros(40, 16, 2, 64, dtype=cache), torch.zeros(40, 16, 2, 64, dtype=cache)
     slots = torch.randperm(640, generator=g)[:tokens]
-    assert cpu_kernels.kv_write_ok(k, v, kc, slots)
+    assert kv_kernels.kv_write_ok(k, v, kc, slots)
     want_k, want_v = kc.clone(), vc.clone()
     want_k.view(-1, 2, 64).index_copy_(0, slots, k.to(cache))
     want_v.view(-1, 2, 64).index_copy_(0, slots, v.to(cache))
@@ -328,13 +338,13 @@ def test_add_rms_norm_equals_norm_add_norm(use_build, build, dtype, h_norm, out_
     x = torch.randn(13, 96, generator=g).to(dtype)
     h = torch.randn(13, 96, generator=g).mul(7).to(dtype)
     wh, wo = torch.randn(96, generator=g), torch.randn(96, generator=g)
-    xo, out = cpu_kernels.add_rms_norm(x, h, wh if h_norm else None, 1e-6, wo if out_norm else None, 1e-5)
-    hn = cpu_kernels.rms_norm(h, wh, 1e-6) if h_norm else h
+    xo, out = elementwise.add_rms_norm(x, h, wh if h_norm else None, 1e-6, wo if out_norm else None, 1e-5)
+    hn = elementwise.rms_norm(h, wh, 1e-6) if h_norm else h
     assert torch.equal(xo, x + hn)
     if not out_norm:
         assert out is None
         return
-    assert torch.equal(out, cpu_kernels.rms_norm(x + hn, wo, 1e-5))
+    assert torch.equal(out, elementwise.rms_norm(x + hn, wo, 1e-5))
     s = (x + hn).float()
     _close(out, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * wo, dtype)
 
@@ -351,7 +361,7 @@ def test_masked_softmax_kernel(use_build, build, dtype, window, outer):
     kp = torch.arange(k_start, k_start + S)[None, None, :]
     hide = (kp > qp) | ((kp <= qp - window) if window else torch.zeros_like(kp > qp))
     ref = torch.softmax(scores.float().masked_fill(hide, float("-inf")), dim=-1)
-    got = cpu_kernels.masked_softmax_(scores.clone(), t, g, q_start, k_start, window)
+    got = elementwise.masked_softmax_(scores.clone(), t, g, q_start, k_start, window)
     assert torch.equal(got.float()[hide.expand_as(got)], torch.zeros(int(hide.expand_as(got).sum())))
     _close(got, ref, dtype, ulps=1)
 
@@ -365,7 +375,8 @@ def test_model_with_kernels_matches_the_torch_path(arch, dtype, tmp_path, monkey
     ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     chunks = [7, 20, 1, 1, 10, 1]
     with_kernels = run_chunks(ours, ids, chunks).float()
-    monkeypatch.setattr(cpu_kernels, "elementwise_ok", lambda x: False)
+    monkeypatch.setattr(elementwise, "elementwise_ok", lambda x: False)      # the attention backend's softmax
+    bind_ops(ours, ops=TorchOps())
     torch_only = run_chunks(ours, ids, chunks, native=False).float()
     if dtype == torch.float32:
         assert (with_kernels - torch_only).abs().max().item() <= 1e-4 * torch_only.abs().max().item()
@@ -384,7 +395,7 @@ def test_small_m_linear_every_build(libs, build, dtype, m, k, n):
     lib = _lib(libs, build)
     g = torch.Generator().manual_seed(m * 31 + k + n)
     x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
-    y = cpu_kernels.small_m_linear(x, w, lib=lib)
+    y = gemm.small_m_linear(x, w, lib=lib)
     ref = x.double() @ w.double().t()
     mag = x.double().abs() @ w.double().abs().t()
     bound = 1e-6 * mag + (2.0 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0)

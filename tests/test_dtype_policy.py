@@ -6,6 +6,7 @@ import torch
 
 from engine import dtype_policy
 from engine.dtype_policy import choose_dtype
+from engine.kernels.cpu_features import cpu_features
 
 AMX = frozenset({"amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma"})        # Sapphire Rapids
 ZEN4 = frozenset({"avx512_bf16", "avx512f", "avx2", "fma"})                   # AVX512-BF16, no AMX
@@ -48,7 +49,7 @@ def test_explicit_bfloat16_without_bf16_units_is_kept_but_flagged_slow(features)
 
 
 def test_this_machine_features_agree_with_torch():
-    feats = dtype_policy.cpu_features()
+    feats = cpu_features()
     assert feats <= {"amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma"}
     if torch.cpu._is_avx512_bf16_supported():
         assert "avx512_bf16" in feats and choose_dtype("auto", "cpu").dtype == "bfloat16"

@@ -56,12 +56,13 @@ def test_batched_greedy_equals_single(llama_dir, reference, budget, caching):
 
 def test_engine_without_the_c_kernels_gives_the_same_tokens(llama_dir, reference, monkeypatch):
     """No C compiler (or BATCHGEN_CPU_KERNELS=0): the engine runs on the torch path, same greedy tokens."""
-    from engine import cpu_kernels
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", True)
-    monkeypatch.setattr(cpu_kernels, "_error", "disabled for this test")
+    import engine.kernels.attention as kernel_attention
+    import engine.kernels.library as library
+    monkeypatch.setattr(library, "_lib", None)
+    monkeypatch.setattr(library, "_tried", True)
+    monkeypatch.setattr(library, "_error", "disabled for this test")
     llm = _llm(llama_dir, max_num_batched_tokens=32)
-    assert not cpu_kernels.supports(torch.zeros(1, 4, 16), torch.zeros(1, 4, 2, 16))
+    assert not kernel_attention.supports(torch.zeros(1, 4, 16), torch.zeros(1, 4, 2, 16))
     assert [o.token_ids for o in llm.generate(_prompts(), GREEDY)] == reference
 
 

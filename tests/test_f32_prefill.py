@@ -1,15 +1,16 @@
-"""float32 prefill attention in one C call (csrc/prefill.c, ``cpu_kernels.prefill_attention_f32``): every vector
+"""float32 prefill attention in one C call (csrc/prefill.c, ``kernel_attention.prefill_attention_f32``): every vector
 build against float32 attention computed by torch, for MQA and GQA, windows that cut tiles, chunks after cached
 context and key counts that are not a multiple of the kernel's column tile; and the engine's routing to it."""
 import pytest
 import torch
 
-from engine import cpu_kernels
+import engine.kernels.attention as kernel_attention
+import engine.kernels.build as kbuild
 from engine.attention import torch_backend as tb
 from tests.test_bf16_prefill import _reference
 from tests.test_cpu_kernels import BUILDS, _lib, build_libs
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_fused_f32_prefill_equals_float32_attention(libs, build, hq, hkv, d, win
     S = q_start + n - k_start
     keys, vals = torch.randn(S, hkv, d, generator=g), torch.randn(S, hkv, d, generator=g)
     qs = torch.randn(n, hq, d, generator=g) * 0.5
-    got = cpu_kernels.prefill_attention_f32(qs, keys, vals, q_start, k_start, window, lib=lib)
+    got = kernel_attention.prefill_attention_f32(qs, keys, vals, q_start, k_start, window, lib=lib)
     ref = _reference(qs, keys, vals, torch.arange(q_start, q_start + n), torch.arange(k_start, k_start + S),
                      window, 1.0)
     assert got.dtype == torch.float32 and got.shape == qs.shape
@@ -41,15 +42,15 @@ def test_fused_f32_prefill_equals_float32_attention(libs, build, hq, hkv, d, win
 def test_prefill_routes_float32_chunks_to_the_kernel(monkeypatch):
     """Every chunk, one token included, takes the C kernel where it serves it (the torch tiles order their sums
     otherwise, so a prompt's tokens would depend on where it was cut); its attention is the reference's."""
-    if not cpu_kernels.prefill_f32_ok(torch.empty(1, 1, 64)):
+    if not kernel_attention.prefill_f32_ok(torch.empty(1, 1, 64)):
         pytest.skip("this build has no float32 prefill kernel")
     calls = []
-    real = cpu_kernels.prefill_attention_f32
+    real = kernel_attention.prefill_attention_f32
 
     def spy(*a, **k):
         calls.append(a[0].shape[0])
         return real(*a, **k)
-    monkeypatch.setattr(cpu_kernels, "prefill_attention_f32", spy)
+    monkeypatch.setattr(kernel_attention, "prefill_attention_f32", spy)
     g = torch.Generator().manual_seed(3)
     bs, hkv, d = 16, 1, 64
     k_cache, v_cache = torch.randn(40, bs, hkv, d, generator=g), torch.randn(40, bs, hkv, d, generator=g)

@@ -3,13 +3,15 @@ today's format equals the int8 engine's logits), and the study measures every fo
 import pytest
 import torch
 
+import engine.kernels.library as library
+import engine.kernels.qlinear as qlinear
 from bench import format_study as fs
 from bench.quality import sequence_logits
-from engine import LLM, cpu_kernels
-from engine.models.int8 import Int8Linear, quantize_rows
+from engine import LLM
+from engine.quant.int8 import Int8Linear, quantize_rows
 from tests.model_utils import save_tiny, tiny_hf_model
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C kernels")
+needs_kernels = pytest.mark.skipif(library.load() is None, reason="no C kernels")
 
 
 @needs_kernels
@@ -19,7 +21,7 @@ def test_group_activations_are_the_kernels(k):
     group included: its min and max over its real values)."""
     x = torch.randn(7, k) * torch.linspace(0.1, 8, k)
     x[2, 5] = 90.0                                          # an outlier channel
-    q, sa, mn, kp = cpu_kernels._q8_activations(cpu_kernels.load(), x)
+    q, sa, mn, kp = qlinear._q8_activations(library.load(), x)
     g = kp // 32
     deq = (q.view(7, g, 32).float() * sa.view(7, g, 1) + mn.view(7, g, 1)).view(7, kp)[:, :k]
     assert torch.equal(fs.simulate_activations(x, "group"), deq)

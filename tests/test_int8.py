@@ -4,15 +4,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams, cpu_kernels
+import engine.kernels.build as kbuild
+import engine.kernels.elementwise as elementwise
+import engine.kernels.library as library
+import engine.kernels.qlinear as qlinear
+import engine.quant.int8 as int8
+from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.models import int8
-from engine.quantization import choose_quantization
+from engine.quant.policy import choose_quantization
 from tests.model_utils import VOCAB, run_chunks, save_tiny, tiny_hf_model
 from tests.test_cpu_kernels import BUILDS, _lib, _x86_with, build_libs
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 
 # The int8 path of each build: VNNI needs AVX512-VNNI; an AVX-512 build without it uses the AVX2 code.
 Q8_BUILDS = {
@@ -26,7 +30,7 @@ Q8_BUILDS = {
 
 @pytest.fixture(scope="module")
 def libs():
-    return build_libs(Q8_BUILDS, isa=cpu_kernels.q8_isa)
+    return build_libs(Q8_BUILDS, isa=library.q8_isa)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int):
@@ -73,7 +77,7 @@ def test_int8_linear_every_build(libs, build, dtype, m, k, n, wmax):
     w = torch.randn(n, k, generator=g) * 0.05
     q, s = int8.quantize_rows(w)
     pw, sw, cw = int8.pack(_narrowed(q, wmax), s * 127 / wmax)
-    y = cpu_kernels.q8_linear(x, pw, sw, cw, n, wmax, lib=lib)
+    y = qlinear.q8_linear(x, pw, sw, cw, n, wmax, lib=lib)
     assert y.shape == (m, n) and y.dtype == dtype
     ref, mag = _reference(x, pw, sw, cw, n)
     out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0
@@ -104,12 +108,12 @@ def test_int8_linear_exact_at_the_extremes(libs, build, wmax):
     q[4, :] = 1
     s = torch.full((n, k // 32), 0.01)
     pw, sw, cw = int8.pack(q, s)
-    y = cpu_kernels.q8_linear(x, pw, sw, cw, n, wmax, lib=lib)
+    y = qlinear.q8_linear(x, pw, sw, cw, n, wmax, lib=lib)
     ref, mag = _reference(x, pw, sw, cw, n)
     assert ((y.double() - ref).abs() <= 1e-5 * mag + 1e-7).all()
     exact_rows = [0, 1, 2, 4, 5]                        # values 0 and +-1 quantize without error
     assert torch.allclose(y[exact_rows], (x @ int8.unpack(pw, sw, n, k).t())[exact_rows], rtol=1e-4, atol=1e-4)
-    idx, val = cpu_kernels.q8_argmax(x, pw, sw, cw, n, wmax, lib=lib)
+    idx, val = qlinear.q8_argmax(x, pw, sw, cw, n, wmax, lib=lib)
     assert torch.equal(val, y.max(-1).values)
 
 
@@ -132,10 +136,10 @@ def test_int8_short_sums_match_the_direct_path(libs, build, m):
     x = torch.randn(m, 640, generator=g) + 0.3
     q, s = int8.quantize_rows(torch.randn(96, 640, generator=g))
     pw, sw, cw = int8.pack(_narrowed(q, 16), s)
-    assert torch.equal(cpu_kernels.q8_linear(x, pw, sw, cw, 96, 16, lib=lib),
-                       cpu_kernels.q8_linear(x, pw, sw, cw, 96, 64, lib=lib))
-    i16, v16 = cpu_kernels.q8_argmax(x, pw, sw, cw, 96, 16, lib=lib)
-    i64, v64 = cpu_kernels.q8_argmax(x, pw, sw, cw, 96, 64, lib=lib)
+    assert torch.equal(qlinear.q8_linear(x, pw, sw, cw, 96, 16, lib=lib),
+                       qlinear.q8_linear(x, pw, sw, cw, 96, 64, lib=lib))
+    i16, v16 = qlinear.q8_argmax(x, pw, sw, cw, 96, 16, lib=lib)
+    i64, v64 = qlinear.q8_argmax(x, pw, sw, cw, 96, 64, lib=lib)
     assert torch.equal(i16, i64) and torch.equal(v16, v64)
 
 
@@ -149,8 +153,8 @@ def test_int8_builds_agree_with_portable(libs, build, wmax):
     x = torch.randn(37, 640, generator=g)
     q, s = int8.quantize_rows(torch.randn(96, 640, generator=g))
     pw, sw, cw = int8.pack(_narrowed(q, wmax), s)
-    a = cpu_kernels.q8_linear(x, pw, sw, cw, 96, wmax, lib=lib)
-    b = cpu_kernels.q8_linear(x, pw, sw, cw, 96, wmax, lib=ref)
+    a = qlinear.q8_linear(x, pw, sw, cw, 96, wmax, lib=lib)
+    b = qlinear.q8_linear(x, pw, sw, cw, 96, wmax, lib=ref)
     _, mag = _reference(x, pw, sw, cw, 96)
     assert ((a.double() - b.double()).abs() <= 1e-5 * mag + 1e-6).all()
 
@@ -170,8 +174,8 @@ def test_int8_argmax_equals_argmax_of_the_linear(libs, build, m, n, dtype, wmax)
     x[0] = 0                                                        # all-equal logits: index 0
     q, s = int8.quantize_rows(w)
     pw, sw, cw = int8.pack(_narrowed(q, wmax), s)
-    y = cpu_kernels.q8_linear(x.float(), pw, sw, cw, n, wmax, lib=lib)
-    idx, val = cpu_kernels.q8_argmax(x.float(), pw, sw, cw, n, wmax, lib=lib)
+    y = qlinear.q8_linear(x.float(), pw, sw, cw, n, wmax, lib=lib)
+    idx, val = qlinear.q8_argmax(x.float(), pw, sw, cw, n, wmax, lib=lib)
     best = y.max(dim=-1)
     assert torch.equal(idx, best.indices) and torch.equal(val, best.values)
     assert idx[0] == 0
@@ -217,10 +221,10 @@ def test_one_call_linear_equals_quantize_then_gemm(libs, build, dtype, wmax):
     x = wide[:, 10:110]                                      # [13, 100], row stride 130
     q, s = int8.quantize_rows(torch.randn(70, 100, generator=g) * 0.05)
     pw, sw, cw = int8.pack(_narrowed(q, wmax), s * 127 / wmax)
-    got = cpu_kernels.q8_linear(x, pw, sw, cw, 70, wmax, lib=lib)
-    qa, sa, mn, kp = cpu_kernels._q8_activations(lib, x)
+    got = qlinear.q8_linear(x, pw, sw, cw, 70, wmax, lib=lib)
+    qa, sa, mn, kp = qlinear._q8_activations(lib, x)
     two = torch.empty(13, 70, dtype=dtype)
-    getattr(lib, f"q8_gemm_{cpu_kernels._SUFFIX[dtype]}")(qa.data_ptr(), sa.data_ptr(), mn.data_ptr(), 13, kp,
+    getattr(lib, f"q8_gemm_{library.SUFFIX[dtype]}")(qa.data_ptr(), sa.data_ptr(), mn.data_ptr(), 13, kp,
                                                           pw.data_ptr(), sw.data_ptr(), cw.data_ptr(),
                                                           pw.numel() // kp, 70, wmax, two.data_ptr(), 70, 2)
     assert torch.equal(got, two)
@@ -240,11 +244,11 @@ def test_fused_glu_equals_linear_then_glu(libs, build, dtype, act, m, k, inter, 
     x = (torch.randn(m, k, generator=g) * 2 + 0.3).to(dtype)
     q, s = int8.quantize_rows(torch.randn(2 * inter, k, generator=g) * 0.05)
     q, s = _narrowed(q, wmax), s * 127 / wmax
-    gate_up = cpu_kernels.q8_linear(x, *int8.pack(q, s), 2 * inter, wmax, lib=lib)
+    gate_up = qlinear.q8_linear(x, *int8.pack(q, s), 2 * inter, wmax, lib=lib)
     want = torch.empty(m, inter, dtype=dtype)
-    glu_fn = getattr(lib, f"{cpu_kernels._GLU[act]}_{cpu_kernels._SUFFIX[dtype]}")
+    glu_fn = getattr(lib, f"{elementwise._GLU[act]}_{library.SUFFIX[dtype]}")
     glu_fn(gate_up.data_ptr(), m, inter, want.data_ptr(), 2)
-    got = cpu_kernels.q8_linear_glu(x, *int8.pack(*int8.glu_interleave(q, s)), 2 * inter, act, wmax, lib=lib)
+    got = qlinear.q8_linear_glu(x, *int8.pack(*int8.glu_interleave(q, s)), 2 * inter, act, wmax, lib=lib)
     assert torch.equal(got, want)
 
 
@@ -258,7 +262,7 @@ def test_int8_glu_linear_keeps_gate_up_order():
     plain = int8.Int8Linear.from_quantized(q, s, 40)
     inter = int8.Int8GluLinear.from_quantized(*int8.glu_interleave(q, s), 40)
     assert torch.equal(inter.linear(x), plain.linear(x))
-    assert torch.equal(inter.glu(x, "silu"), cpu_kernels.glu(plain.linear(x), "silu"))
+    assert torch.equal(inter.glu(x, "silu"), elementwise.glu(plain.linear(x), "silu"))
 
 
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
@@ -268,17 +272,20 @@ def test_gated_mlp_takes_the_fused_glu_only_where_it_fits(act, monkeypatch):
     from torch import nn
 
     from engine.models.layers import GatedMLP
+    from engine.models.ops import CpuKernelOps
     g = torch.Generator().manual_seed(2)
     x = torch.randn(9, 40, generator=g)
     mlp = GatedMLP(40, 32, act)
     q, s = int8.quantize_rows(torch.randn(64, 40, generator=g) * 0.1)
     mlp.down_proj = int8.Int8Linear.from_quantized(*int8.quantize_rows(torch.randn(40, 32, generator=g) * 0.1), 32)
     mlp.gate_up_proj = int8.Int8Linear.from_quantized(q, s, 40)
+    mlp.ops = CpuKernelOps(int8_glu=False)                   # what engine.models.select_ops chooses for each
     plain = mlp(x)
     mlp.gate_up_proj = int8.Int8GluLinear.from_quantized(*int8.glu_interleave(q, s), 40)
+    mlp.ops = CpuKernelOps(int8_glu=True)
     calls = []
-    fused = cpu_kernels.q8_linear_glu
-    monkeypatch.setattr(cpu_kernels, "q8_linear_glu", lambda *a, **k: calls.append(a[5]) or fused(*a, **k))
+    fused = qlinear.q8_linear_glu
+    monkeypatch.setattr(qlinear, "q8_linear_glu", lambda *a, **k: calls.append(a[5]) or fused(*a, **k))
     assert torch.equal(mlp(x), plain)
     assert calls == [{"silu": "silu"}.get(act, "gelu_tanh")]          # one fused call, with the MLP's activation
     assert int8._is_gate_up("model.layers.0.mlp.gate_up_proj", nn.Linear(40, 64, bias=False))
@@ -292,7 +299,7 @@ def test_embedding_rows_dequantized(libs, dtype):
     w = torch.randn(100, 72)
     pw, sw, _ = int8.pack(*int8.quantize_rows(w))
     ids = torch.tensor([0, 99, 17, 17, 50])
-    rows = cpu_kernels.q8_embed(ids, pw, sw, 72, dtype)
+    rows = qlinear.q8_embed(ids, pw, sw, 72, dtype)
     assert torch.equal(rows, int8.unpack(pw, sw, 100, 72)[ids].to(dtype))
 
 
@@ -465,7 +472,7 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     """quantization: auto (the default) resolves from this machine's kernel build and the weights' source: a GGUF
     file (the default model) gets int8 with float32 activations and a bf16 KV cache where that was measured faster
     within the bar; a float checkpoint keeps float weights. The reason says which."""
-    from engine.quantization import kernel_bf16_attention, kernel_isa, kernel_q8_isa
+    from engine.quant.policy import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
     assert EngineConfig().quantization == "auto"
     vnni = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
@@ -473,7 +480,7 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     s = setup_engine(EngineConfig("gemma-3-270m", kv_cache_memory=8 << 20))
     assert s.config.quantization == ("int8" if vnni or avx2 else "none")
     assert s.quant_choice.reason.startswith("auto")
-    if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quantization's measurements)
+    if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quant.policy's measurements)
         assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
     explicit = setup_engine(EngineConfig("gemma-3-270m", kv_cache_dtype="float32", kv_cache_memory=8 << 20))
     assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins

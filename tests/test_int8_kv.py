@@ -1,4 +1,4 @@
-"""kv_cache_dtype: int8 (engine/attention/int8_kv.py): the C writer gives the torch reference's bytes, decode and
+"""kv_cache_dtype: int8 (engine/quant/int8_kv.py): the C writer gives the torch reference's bytes, decode and
 prefill attention over an int8 cache equal the torch path over the dequantized rows in every build, shared blocks
 give each sequence its own result, and the engine's greedy tokens are batch-invariant and near a float cache's."""
 from __future__ import annotations
@@ -6,13 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.attention import int8_kv
+import engine.kernels.attention as kernel_attention
+import engine.kernels.build as kbuild
+import engine.kernels.kv_write as kv_kernels
+import engine.kernels.library as library
+import engine.quant.int8_kv as int8_kv
 from engine.attention.torch_backend import _decode
 from tests.model_utils import save_tiny, tiny_hf_model
 from tests.test_cpu_kernels import BUILDS, LENS, SHAPES, _case, _lib, _shared_prefix_case, build_libs
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +64,11 @@ def test_writer_equals_the_torch_reference(libs, build, src, hkv, d, bs):
     shape = int8_kv.pool_shape(nblocks, bs, hkv, d)
     got = (torch.full(shape, 7, dtype=torch.int8), torch.full(shape, 7, dtype=torch.int8))
     ref = (got[0].clone(), got[1].clone())
-    cpu_kernels.kv_write_i8(got, k, v, slots, bs, lib=lib)
+    kv_kernels.kv_write_i8(got, k, v, slots, bs, lib=lib)
     int8_kv.write(ref, k, v, slots, bs)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     with pytest.raises(IndexError):
-        cpu_kernels.kv_write_i8(got, k, v, torch.full((t,), nblocks * bs), bs, lib=lib)
+        kv_kernels.kv_write_i8(got, k, v, torch.full((t,), nblocks * bs), bs, lib=lib)
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -83,11 +86,11 @@ def test_decode_equals_the_torch_path_over_dequantized_rows(libs, build, qdtype,
     scale = d ** -0.5
     lens = torch.tensor(LENS, dtype=torch.int32)
     ref = _decode(q.float(), kd, vd, meta, window, scale, native=False)
-    got = cpu_kernels.paged_decode_i8(q, k8, v8, meta.block_tables, lens, window, scale, hkv, bs, lib=lib)
+    got = kernel_attention.paged_decode_i8(q, k8, v8, meta.block_tables, lens, window, scale, hkv, bs, lib=lib)
     assert got.dtype == qdtype
     # the AVX512-BF16 paths round q and the probabilities to bf16 (the quants are exact in bf16); bf16 outputs
     # round once more
-    exact = cpu_kernels.isa(lib) != "avx512_bf16" and qdtype == torch.float32
+    exact = library.isa(lib) != "avx512_bf16" and qdtype == torch.float32
     tol = 2e-5 if exact else 3e-2
     assert (got.float() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
     # the torch path of the backend reads an int8 pair the same way
@@ -102,10 +105,10 @@ def test_shared_blocks_give_each_sequence_its_own_result(libs, build, window):
     lib = _lib(libs, build)
     q, k, v, tables, lens = _shared_prefix_case(torch.float32)
     (k8, v8), _ = _to_int8(k, v)
-    full = cpu_kernels.paged_decode_i8(q, k8, v8, tables, lens, window, 0.0625, 1, 16, lib=lib)
+    full = kernel_attention.paged_decode_i8(q, k8, v8, tables, lens, window, 0.0625, 1, 16, lib=lib)
     for i in range(len(lens)):
-        one = cpu_kernels.paged_decode_i8(q[i:i + 1], k8, v8, tables[i:i + 1], lens[i:i + 1], window, 0.0625, 1, 16,
-                                          lib=lib)
+        one = kernel_attention.paged_decode_i8(q[i:i + 1], k8, v8, tables[i:i + 1], lens[i:i + 1], window, 0.0625,
+                                               1, 16, lib=lib)
         assert torch.equal(one[0], full[i]), i
 
 
@@ -118,8 +121,8 @@ def test_pack_equals_dequantize_then_round_to_bf16(libs, build):
     (k8, v8), (kd, vd) = _to_int8(k, v)
     table = meta.block_tables[0]
     for lo, hi in ((0, 531), (17, 530), (100, 101)):
-        got = cpu_kernels.pack_kv_i8(k8, v8, table, lo, hi, 16, 2, 64, lib=lib)
-        want = cpu_kernels.pack_kv(kd.to(torch.bfloat16).contiguous(), vd.to(torch.bfloat16).contiguous(), table,
+        got = kernel_attention.pack_kv_i8(k8, v8, table, lo, hi, 16, 2, 64, lib=lib)
+        want = kernel_attention.pack_kv(kd.to(torch.bfloat16).contiguous(), vd.to(torch.bfloat16).contiguous(), table,
                                    lo, hi, lib=lib)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (lo, hi)
 
@@ -210,7 +213,7 @@ def test_a_key_shift_leaves_attention_unchanged(gemma_dir):
 
 
 def test_int8_engines_calibrate_the_same_shifts(gemma_dir):
-    from engine.attention import key_shift
+    import engine.quant.key_shift as key_shift
     from engine.llm import LLM
 
     shifts = []

@@ -66,16 +66,17 @@ def test_float32_queries_read_a_bf16_cache_as_float32_without_bf16_units(tiny_di
     """Without the bf16 attention kernel (AVX2-only CPUs: no bf16 matmul units) float32 queries read the bf16
     cache as float32 and multiply in float32; only AMX CPUs (fast bf16 matmul) compute attention in bf16. The
     float32 path rounds only the stored keys/values, so it is closer to the float32 cache than the bf16 one."""
-    from engine import cpu_kernels
+    import engine.kernels.cpu_features as cpu_features
+    import engine.kernels.gemm as gemm
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "bf16_gemm_ok", lambda: False)
+    monkeypatch.setattr(gemm, "bf16_gemm_ok", lambda: False)
     llm = LLM(str(tiny_dir), dtype="float32", kv_cache_memory=8 << 20)
     seq = torch.randint(3, VOCAB, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     chunks = [60, 40, 1, 1, 1, 47]
     ref = F.log_softmax(run_chunks(llm.model, seq, chunks, block_size=16), -1)
 
     def kl(amx: bool) -> torch.Tensor:
-        monkeypatch.setattr(cpu_kernels, "has_amx", lambda: amx)
+        monkeypatch.setattr(cpu_features, "has_amx", lambda: amx)
         low = run_chunks(llm.model, seq, chunks, block_size=16, dtype=torch.bfloat16)
         assert low.dtype == torch.float32
         return (ref.exp() * (ref - F.log_softmax(low, -1))).sum(-1)

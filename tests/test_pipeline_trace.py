@@ -10,11 +10,10 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from pipeline.trace import check_trace, read_run
-from tests.test_cli import _real_engine, _real_job
+from tests.test_cli import _real_job
 
 
 def test_submit_writes_consistent_trace_and_report_renders(tmp_path, make_docs_dataset, tiny_llama_dir):
-    _real_engine()
     data = make_docs_dataset(n=10)
     job = _real_job(tmp_path, "traced", data, tiny_llama_dir)
     res = CliRunner().invoke(main, ["submit", "-q", str(job)])

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from engine import cpu_kernels
+import engine.kernels.build as kbuild
 from engine.spec_decode import gating, ngram
 from engine.spec_decode.rejection import rejection_sample, verify_greedy
 
-needs_kernels = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+needs_kernels = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 
 
 def test_reference_rule():

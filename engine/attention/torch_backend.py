@@ -13,8 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.attention import int8_kv
+import engine.kernels.attention as kernel_attention
+import engine.kernels.cpu_features as cpu_features
+import engine.kernels.elementwise as elementwise
+import engine.kernels.gemm as gemm
+import engine.quant.int8_kv as int8_kv
 from engine.attention.backend import AttentionBackend
 from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
@@ -32,7 +35,7 @@ PREFILL_TILE = 128
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """``native=None`` (default): decode attention uses the C kernel (``engine.cpu_kernels``) when it can run the
+    """``native=None`` (default): decode attention uses the C kernel (``engine.kernels.attention``) when it can run the
     tensors and builds here; ``False``: always the pure-torch gather path (tests compare the two)."""
 
     name = "torch"
@@ -50,12 +53,12 @@ class TorchAttentionBackend(AttentionBackend):
         low = k_cache.dtype
         # bf16 caches: prefill tiles multiply bf16 into float32 (csrc/bf16_gemm.c) where that kernel is fast, so
         # scores and outputs are not rounded to bf16; float32 activations then keep a float32 output too.
-        wide = self.native and low == torch.bfloat16 and q.device.type == "cpu" and cpu_kernels.bf16_gemm_ok()
+        wide = self.native and low == torch.bfloat16 and q.device.type == "cpu" and gemm.bf16_gemm_ok()
         # Elsewhere on the CPU float32 queries read a bf16 cache as float32 (the chunk's keys converted once,
         # float32 matmuls; decode reads the bf16 cache in place): torch's bf16 matmul is ~200x slower than
         # float32 without bf16 units. Only AMX CPUs, whose bf16 matmul beats float32 several times, compute in bf16.
         upcast = (not wide and low == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
-                  and not cpu_kernels.has_amx())
+                  and not cpu_features.has_amx())
         if low != q.dtype and not (wide or upcast):   # attention in the cache's dtype, output cast back
             return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
         write_kv(kv_cache, k, v, meta.slot_mapping)      # converts to the cache's dtype as it stores
@@ -83,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None,
                   scale: float) -> torch.Tensor:
-    """``forward`` over an int8 cache (engine.attention.int8_kv). Every key and value is read back quantized, this
+    """``forward`` over an int8 cache (engine.quant.int8_kv). Every key and value is read back quantized, this
     step's too, so a sequence attends to the same values whether its prefix was cached, chunked or computed now.
     Decode: the C kernel reads the int8 rows in place (each group of 32 dequantized into the bf16 dot products on
     AVX512-BF16, into a float32 tile elsewhere). Prefill: the chunk's visible rows dequantized into the bf16
@@ -91,14 +94,14 @@ def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, wind
     torch's tiles)."""
     k_cache, v_cache = kv_cache
     hkv, d, bs = k.shape[1], k.shape[2], meta.block_size
-    fast = native and cpu_kernels.int8_kv_ok(q)
+    fast = native and kernel_attention.int8_kv_ok(q)
     write_kv(kv_cache, k, v, meta.slot_mapping)               # int8_kv.store: the same bytes from C or torch
     nd = meta.num_decode_seqs
 
     def decode(qd):
         if fast:
             lens = meta.memo(("decode_lens",), lambda: torch.tensor(meta.seq_lens[:nd], dtype=torch.int32))
-            return cpu_kernels.paged_decode_i8(qd, k_cache, v_cache, meta.block_tables[:nd], lens, window, scale,
+            return kernel_attention.paged_decode_i8(qd, k_cache, v_cache, meta.block_tables[:nd], lens, window, scale,
                                                hkv, bs)
         return _decode(qd, k_cache, v_cache, meta, window, scale, hkv=hkv,
                        fetch=lambda cache, blocks: int8_kv.dequantize_blocks(cache, blocks, bs, hkv, d))
@@ -108,10 +111,10 @@ def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, wind
     out = torch.empty_like(q)
     if nd:
         out[:nd] = decode(q[:nd])
-    wide = fast and cpu_kernels.bf16_gemm_ok()
+    wide = fast and gemm.bf16_gemm_ok()
 
     def pack(kc, vc, table, lo, hi):
-        return cpu_kernels.pack_kv_i8(kc, vc, table, lo, hi, bs, hkv, d)
+        return kernel_attention.pack_kv_i8(kc, vc, table, lo, hi, bs, hkv, d)
     qsl = meta.query_start_loc
     for i in range(nd, meta.num_seqs):
         s, e = qsl[i], qsl[i + 1]
@@ -157,10 +160,10 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     hkv = keys.shape[1]
     g = hq // hkv
     qs = q * scale                                               # fold the scale into q once
-    if native and cpu_kernels.prefill_f32_ok(q):                 # every head and tile in one C call
-        return cpu_kernels.prefill_attention_f32(qs, keys, vals, start, base, window)   # (converts a bf16 cache)
+    if native and kernel_attention.prefill_f32_ok(q):                 # every head and tile in one C call
+        return kernel_attention.prefill_attention_f32(qs, keys, vals, start, base, window)   # (converts a bf16 cache)
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
-    fused_softmax = native and cpu_kernels.elementwise_ok(q)
+    fused_softmax = native and elementwise.elementwise_ok(q)
     out = torch.empty_like(q)
     for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)
         te = min(ts + PREFILL_TILE, seq_len)
@@ -174,7 +177,7 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
             qt = qs[ts - start:te - start].view(t, hkv, g, d).transpose(0, 1).reshape(hkv, t * g, d)
             scores = torch.bmm(qt, kk.permute(1, 2, 0)).view(hkv, t, g, -1)
         if fused_softmax:
-            probs = cpu_kernels.masked_softmax_(scores, t, g, ts, lo, window)
+            probs = elementwise.masked_softmax_(scores, t, g, ts, lo, window)
         else:
             hide = memo(("hide", window, ts), lambda: _tile_mask(ts, te, lo, window, q.device))  # shared by layers
             scores.masked_fill_(hide, float("-inf"))
@@ -189,15 +192,14 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
 
 
 def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
-                  out: torch.Tensor | None = None, pack=cpu_kernels.pack_kv):
-    """``_prefill`` for a bf16 cache with both products in float32 (``cpu_kernels.prefill_attention``: bf16 dot
-    products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16 once),
-    keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype, into ``out`` when
-    given). The visible
-    keys and values are packed once, straight from the cache (``pack(k_cache, v_cache, table, lo, hi)``: by default
-    ``cpu_kernels.pack_kv``, an int8 cache passes ``pack_kv_i8``; the chunk's own keys and values are already
-    written there); the kernel tiles the queries, each tile's keys starting at an even offset (value pairs) with the
-    extra key at either end masked like any invisible one."""
+                  out: torch.Tensor | None = None, pack=kernel_attention.pack_kv):
+    """``_prefill`` for a bf16 cache with both products in float32 (``engine.kernels.attention.prefill_attention``:
+    bf16 dot products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16
+    once), keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype, into ``out``
+    when given). The visible keys and values are packed once, straight from the cache (``pack(k_cache, v_cache,
+    table, lo, hi)``: by default ``engine.kernels.attention.pack_kv``, an int8 cache passes ``pack_kv_i8``; the
+    chunk's own keys and values are already written there); the kernel tiles the queries, each tile's keys starting
+    at an even offset (value pairs) with the extra key at either end masked like any invisible one."""
     n = q.shape[0]
     start = seq_len - n
     # value pairs at even positions whatever the chunk: vdpbf16ps sums each pair before the running total, so a pair
@@ -206,7 +208,7 @@ def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, 
     base = _first_key(start, window) // 2 * 2
     kp, vp = pack(k_cache, v_cache, table, base, seq_len)
     qs = (q * scale).to(torch.bfloat16).contiguous()
-    return cpu_kernels.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out)
+    return kernel_attention.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out)
 
 
 def _tile_mask(ts: int, te: int, lo: int, window: int | None, device) -> torch.Tensor:
@@ -255,9 +257,9 @@ def _decode(q, k_cache, v_cache, meta, window, scale, native: bool = False, hkv:
     -> [len(blocks), bs, Hkv, D]: how whole blocks are read (default: index_select; an int8 cache dequantizes).
     """
     bd, hq, d = q.shape
-    if native and cpu_kernels.supports(q, k_cache):   # reads K/V in place: no gather copy
+    if native and kernel_attention.supports(q, k_cache):   # reads K/V in place: no gather copy
         lens = meta.memo(("decode_lens",), lambda: torch.tensor(meta.seq_lens[:bd], dtype=torch.int32))
-        return cpu_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables[:bd], lens, window, scale)
+        return kernel_attention.paged_decode(q, k_cache, v_cache, meta.block_tables[:bd], lens, window, scale)
     blocks, valid = meta.memo(("decode", window), lambda: _decode_gather_index(meta, window, q.device))
     hkv = hkv or k_cache.shape[2]
     fetch = fetch or (lambda cache, idx: cache.index_select(0, idx))

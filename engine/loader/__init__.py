@@ -30,9 +30,20 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
                quantization: str = "none"):
     """The model with its weights, and how it got them: ``(model, "converted" | "cached" | "direct")``.
 
+    The finished model's ops (``engine.models.select_ops``) are chosen here, once, after any int8 swap.
+    """
+    from engine.models.select_ops import bind_ops
+
+    model, how = _load_model(source, config, dtype, device, identity, quantization)
+    return bind_ops(model, device), how
+
+
+def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identity: str | None, quantization: str):
+    """``load_model`` before the ops are chosen.
+
     GGUF files go through the converted-weights cache (``weights_cache``): the first load dequantizes and
     stores the final tensors, later loads map them. Checkpoint directories are already safetensors and load
-    directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.models.int8``); GGUF
+    directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.quant.int8``); GGUF
     Q8_0/Q5_0/Q4_0 tensors keep their quants, the others are quantized from their float values; the int8 model is
     cached like the float one (its own cache entry), for GGUF and checkpoint directories alike.
     """
@@ -67,8 +78,8 @@ def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", id
 def _quantize(model, source: ModelSource, config: ModelConfig):
     """int8 in place: a GGUF file's Q8_0 / Q5_0 / Q4_0 tensors exactly as stored, the rest (Q4_K, Q6_K, float)
     quantized from their float values."""
-    from engine.models.int8 import quantize_model
     from engine.models.layers import STACKED_PARAMS
+    from engine.quant.int8 import quantize_model
 
     direct = {}
     if source.kind == "gguf":

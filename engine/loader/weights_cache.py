@@ -59,7 +59,7 @@ def _code_hash() -> str:
 
 
 def cache_path(identity: str, dtype: torch.dtype, variant: str = "") -> Path:
-    """variant: "" for float weights, "int8" for the packed int8 model (engine.models.int8)."""
+    """variant: "" for float weights, "int8" for the packed int8 model (engine.quant.int8)."""
     key = hashlib.sha256("|".join((FORMAT, identity, str(dtype), torch.__version__, _code_hash(), variant))
                          .encode())
     return cache_dir() / f"{key.hexdigest()[:24]}.safetensors"

@@ -29,12 +29,14 @@ def _on_meta(config: ModelConfig):
 
 
 def _reset_buffers(model, device):
+    """Rebuild the buffers to_empty/assign lose and choose the model's ops (``engine.models.select_ops``)."""
     from engine.models.layers import RotaryEmbedding
+    from engine.models.select_ops import bind_ops
 
     for mod in model.modules():           # non-persistent float32 buffers are lost by to_empty/assign: rebuild
         if isinstance(mod, RotaryEmbedding):
             mod.reset_buffers(device)
-    return model.eval()
+    return bind_ops(model.eval(), device)
 
 
 def build_model(config: ModelConfig, weights: dict, dtype, device, source: str = "checkpoint"):
@@ -49,10 +51,10 @@ def build_model(config: ModelConfig, weights: dict, dtype, device, source: str =
 def build_model_from_state(config: ModelConfig, state: dict, device, int8_dtype=None):
     """Build around an existing ``state_dict`` (our names, final layout), using its tensors as they are
     (memory-mapped ones stay mapped on the CPU). ``int8_dtype``: the state is an int8 model
-    (``engine.models.int8``) whose activations run in that dtype."""
+    (``engine.quant.int8``) whose activations run in that dtype."""
     model = _on_meta(config)
     if int8_dtype is not None:
-        from engine.models.int8 import int8_structure
+        from engine.quant.int8 import int8_structure
         model = int8_structure(model, int8_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     if str(device) != "cpu":

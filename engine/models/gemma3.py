@@ -7,10 +7,10 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, residual_norm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, OpsModule, RMSNorm, run_layers
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(OpsModule):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         eps, off, h = config.rms_norm_eps, config.norm_offset, config.hidden_size
@@ -23,9 +23,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, x, meta, rows=None):
         h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
-        x, y = residual_norm(x if rows is None else x[rows], h, self.post_attention_layernorm,
+        x, y = self.ops.residual_norm(x if rows is None else x[rows], h, self.post_attention_layernorm,
                              self.pre_feedforward_layernorm)
-        return residual_norm(x, self.mlp(y), self.post_feedforward_layernorm, None)[0]
+        return self.ops.residual_norm(x, self.mlp(y), self.post_feedforward_layernorm, None)[0]
 
 
 class Gemma3Model(nn.Module):

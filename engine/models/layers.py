@@ -11,10 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata, write_kv
+from engine.attention.cache import write_kv
+from engine.attention.metadata import AttentionMetadata
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
+from engine.models.ops import TorchOps
+
+
+class OpsModule(nn.Module):
+    """A layer that computes through ``self.ops`` (``engine.models.ops``): set once on the finished model by
+    ``engine.models.select_ops.bind_ops``; until then plain torch."""
+
+    ops: TorchOps = TorchOps()
 
 
 class Embedding(nn.Embedding):
@@ -25,13 +33,8 @@ class Embedding(nn.Embedding):
         pass
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dim. ``offset=1`` is Gemma's ``(1 + w)`` form.
-
-    The mean square is accumulated in float32 straight from the input (no float32 copy of the activations),
-    then applied in the activation dtype: identical math to HF in float32, within an ulp or two in bfloat16,
-    and ~9x faster than the float32 round trip on [4096, 640] bf16 here.
-    """
+class RMSNorm(OpsModule):
+    """RMSNorm over the last dim. ``offset=1`` is Gemma's ``(1 + w)`` form; the math is ``ops.rms_norm``'s."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -48,26 +51,7 @@ class RMSNorm(nn.Module):
         return self._w32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.elementwise_ok(x):        # CPU (bf16/fp32): one fused pass, float32 math (as HF's Gemma)
-            return cpu_kernels.rms_norm(x, self.kernel_weight(), self.eps)
-        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).pow_(2).div_(x.shape[-1])
-        inv = torch.rsqrt(ms.add_(self.eps)).to(x.dtype)
-        w = (self.weight.float() + self.offset).to(x.dtype) if self.offset else self.weight
-        return x * inv * w
-
-
-def residual_norm(x: torch.Tensor, h: torch.Tensor, h_norm: RMSNorm | None,
-                  out_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The residual stream's add with the norms around it: ``x + h_norm(h)`` (``x + h`` without one), and
-    ``out_norm`` of that sum (None without one). On the CPU one fused pass (``cpu_kernels.add_rms_norm``: the same
-    values as the three separate passes); elsewhere those passes."""
-    if cpu_kernels.elementwise_ok(x) and h.dtype == x.dtype and x.dim() == 2 and (h_norm or out_norm):
-        return cpu_kernels.add_rms_norm(x, h, h_norm.kernel_weight() if h_norm else None,
-                                        h_norm.eps if h_norm else 0.0,
-                                        out_norm.kernel_weight() if out_norm else None,
-                                        out_norm.eps if out_norm else 0.0)
-    x = x + (h_norm(h) if h_norm is not None else h)
-    return x, (out_norm(x) if out_norm is not None else None)
+        return self.ops.rms_norm(x, self)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -111,14 +95,8 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; cos/sin: [T, 1, D]; rotate-half form, in x's dtype like HF.
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
-
-class Attention(nn.Module):
+class Attention(OpsModule):
     """QKV projection (fused), optional q/k RMSNorm, RoPE, then the attention backend over the paged cache."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -137,7 +115,7 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, c.layer_rope_theta(layer_idx), c.layer_rope_scaling(layer_idx))
         self.backend = None                    # set by the model runner (engine.attention.get_backend)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
-        # [Hkv, D] subtracted from every key before it is stored: an int8 cache's (engine.attention.key_shift)
+        # [Hkv, D] subtracted from every key before it is stored: an int8 cache's (engine.quant.key_shift)
         self.key_shift: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
@@ -150,16 +128,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         cos, sin = meta.rope_cache(self.rotary, positions, q.dtype)
-        if cpu_kernels.elementwise_ok(q):        # CPU: norm + RoPE fused, one pass each for q and k
-            if self.q_norm is not None:
-                q = cpu_kernels.rms_norm(q, self.q_norm.kernel_weight(), self.q_norm.eps, cos, sin)
-                k = cpu_kernels.rms_norm(k, self.k_norm.kernel_weight(), self.k_norm.eps, cos, sin)
-            else:                                # in place inside this step's fresh qkv output
-                q, k = cpu_kernels.rope_(q, cos, sin), cpu_kernels.rope_(k, cos, sin)
-        else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        q, k = self.ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, cos, sin)
         if self.key_shift is not None:           # softmax is unchanged by one shift of every key
             k = k - self.key_shift
         if rows is not None:                     # later steps need every token's K/V; this step only `rows`
@@ -185,14 +154,14 @@ def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor,
     return last(positions, x, meta, rows=meta.sample_rows)
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(OpsModule):
     """down(act(gate(x)) * up(x)), gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.fused_act = None                    # name for cpu_kernels.glu, where a fused kernel exists
+        self.fused_act = None                    # the fused kernels' name for act, where they have one
         if act in ("silu", "swish"):
             self.act, self.fused_act = F.silu, "silu"
         elif act in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -203,17 +172,10 @@ class GatedMLP(nn.Module):
             raise ModelLoadError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh, gelu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "glu", None)      # int8 (engine.models.int8.Int8GluLinear): one call
-        if self.fused_act and fused is not None:
-            return self.down_proj(fused(x, self.fused_act))
-        gate_up = self.gate_up_proj(x)
-        if self.fused_act and cpu_kernels.elementwise_ok(gate_up):
-            return self.down_proj(cpu_kernels.glu(gate_up, self.fused_act))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.ops.gated_mlp(x, self)
 
 
-class CausalLM(nn.Module):
+class CausalLM(OpsModule):
     """Decoder + LM head shared by every architecture; subclasses set ``model_cls`` (the decoder stack)."""
 
     model_cls: type[nn.Module]
@@ -245,21 +207,13 @@ class CausalLM(nn.Module):
         inside its kernel and never writes the [N, vocab] logits. The one possible difference from argmax over
         ``compute_logits``: two float32 logits that differ by less than the capped value's rounding tie there (the
         lower index wins) but not here."""
-        head = self._head()
-        if hasattr(head, "argmax"):
-            return head.argmax(hidden)
-        return self._raw_logits(hidden).max(dim=-1).indices     # max(dim) is ~4x faster than argmax on CPU
+        return self.ops.lm_argmax(hidden, self._head())
 
     def _head(self) -> nn.Module:
         return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
 
     def _raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self._head()
-        if hasattr(head, "qweight"):           # engine.models.int8: integer dot products
-            return head.linear(hidden)
-        if cpu_kernels.small_m_ok(hidden, head.weight):   # decode: a few rows, memory-bound C kernel
-            return cpu_kernels.small_m_linear(hidden, head.weight)
-        return hidden @ head.weight.t()
+        return self.ops.lm_logits(hidden, self._head())
 
 
 # Fused parameters: (our name, HF name, shard index). Shards are concatenated along dim 0 in index order.

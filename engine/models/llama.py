@@ -4,10 +4,10 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, RMSNorm, residual_norm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, OpsModule, RMSNorm, run_layers
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(OpsModule):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
@@ -17,7 +17,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, x, meta, rows=None):
         h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
-        x, y = residual_norm(x if rows is None else x[rows], h, None, self.post_attention_layernorm)
+        x, y = self.ops.residual_norm(x if rows is None else x[rows], h, None, self.post_attention_layernorm)
         return x + self.mlp(y)
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
-from engine import cpu_kernels
+import engine.kernels.library as library
+import engine.kernels.ngram as kernel_ngram
 
 
 def propose_reference(context: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -31,15 +30,7 @@ def propose_reference(context: Sequence[int], k: int, n_min: int, n_max: int) ->
 def propose_batch(contexts: Sequence[Sequence[int]], k: int, n_min: int = 2, n_max: int = 5,
                   lib=None) -> list[list[int]]:
     """One proposal (possibly empty) per context."""
-    lib = lib or cpu_kernels.load()
+    lib = lib or library.load()
     if lib is None or k <= 0:
         return [propose_reference(c, k, n_min, n_max) if k > 0 else [] for c in contexts]
-    lens = np.fromiter((len(c) for c in contexts), dtype=np.int64, count=len(contexts))
-    offsets = np.zeros(len(contexts) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    flat = np.concatenate([np.asarray(c, dtype=np.int32) for c in contexts]) if contexts else np.zeros(0, np.int32)
-    out = np.zeros((len(contexts), k), dtype=np.int32)
-    counts = np.zeros(len(contexts), dtype=np.int32)
-    lib.ngram_propose_batch(flat.ctypes.data, offsets.ctypes.data, len(contexts), n_min, n_max, k,
-                            out.ctypes.data, counts.ctypes.data)
-    return [out[i, :counts[i]].tolist() for i in range(len(contexts))]
+    return kernel_ngram.propose_batch(lib, contexts, k, n_min, n_max)

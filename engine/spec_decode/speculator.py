@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import engine.spec_decode.gating as gating
+import engine.spec_decode.ngram as ngram
 from engine.errors import ConfigError
-from engine.spec_decode import gating, ngram
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 static inline void put_row(const void *src, int src_bf16, void *dst, int dst_bf16, int64_t n) {
     if (src_bf16 == dst_bf16) {
@@ -55,7 +56,7 @@ KV_WRITE(kv_write_bf16_bf16, 1, 1)
  * Each (token, KV head) row of D values (D a multiple of 32) is stored as D int8 quants and one float32 scale per
  * group of 32, symmetric: scale = max|x| / 127, q = round-half-even(x * (127 / max|x|)) in [-127, 127] (0 for an
  * all-zero group). A block holds its bs x Hkv rows of D bytes, then their bs x Hkv x D/32 scales
- * (engine/attention/int8_kv.py, whose torch reference gives the same bytes). */
+ * (engine/quant/int8_kv.py, whose torch reference gives the same bytes). */
 static inline void quant_row(const void *src, int src_bf16, int64_t n, int8_t *dst, float *scale) {
     float amax = 0.0f;
 #pragma omp simd reduction(max:amax)

@@ -1,6 +1,6 @@
 """Int8 weights, executed with integer dot products (``quantization: int8``).
 
-Format (the kernel's, ``engine/csrc/qlinear.c``): each weight row is split into groups of 32 along K with one
+Format (the kernel's, ``engine/kernels/csrc/qlinear.c``): each weight row is split into groups of 32 along K with one
 float32 scale per group (llama.cpp's Q8_0 grouping; ``scale = max|w| / 127``, values in [-127, 127]).
 Activations are quantized per token and group of 32 on the fly, asymmetric uint8 (scale and minimum).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import cpu_kernels
+import engine.kernels.qlinear as qlinear
 
 QK = 32
 
@@ -103,7 +103,7 @@ class Int8Linear(nn.Module):
         return self._wmax
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_kernels.q8_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
+        y = qlinear.q8_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
                                   self.out_features, self.wmax)
         if self.bias is not None:
             y += self.bias.to(y.dtype)
@@ -117,7 +117,7 @@ class Int8Linear(nn.Module):
 
 def glu_interleave(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up rows [gate (I) | up (I)] -> blocks of 16: gate rows 16b..16b+15, then up rows 16b..16b+15, so each
-    of the kernel's 32-column tiles holds 16 gates and their 16 ups (``cpu_kernels.q8_linear_glu``)."""
+    of the kernel's 32-column tiles holds 16 gates and their 16 ups (``engine.kernels.qlinear.q8_linear_glu``)."""
     n = q.shape[0]
     order = torch.arange(n).view(2, n // 32, 16).transpose(0, 1).reshape(-1)
     return q[order], scale[order]
@@ -140,7 +140,7 @@ class Int8GluLinear(Int8Linear):
     forward = linear
 
     def glu(self, x: torch.Tensor, act: str) -> torch.Tensor:
-        y = cpu_kernels.q8_linear_glu(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
+        y = qlinear.q8_linear_glu(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
                                       self.out_features, act, self.wmax)
         return y.view(*x.shape[:-1], self.out_features // 2)
 
@@ -158,11 +158,11 @@ class Int8Embedding(Int8Linear):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head's greedy tokens: the index of each row's largest logit, no [rows, vocab] logits written."""
-        return cpu_kernels.q8_argmax(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
+        return qlinear.q8_argmax(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
                                      self.out_features, self.wmax)[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.q8_embed(ids.reshape(-1), self.qweight, self.scales, self.embedding_dim,
+        return qlinear.q8_embed(ids.reshape(-1), self.qweight, self.scales, self.embedding_dim,
                                     self.dtype).view(*ids.shape, self.embedding_dim)
 
 

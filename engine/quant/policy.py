@@ -24,7 +24,7 @@ shared-prefix`` in one run:
     int8, float32 activations and KV     top-1 0.9850, KL 0.00083: meets the bar       1.03x bf16's speed
     int8, float32 activations, bf16 KV   top-1 0.9869, KL 0.00088: meets the bar       1.35x (decode step 1.48x)
     int8, float32 activations, int8 KV   top-1 0.9871, KL 0.00104: meets the bar       ~int8 + bf16 KV's
-                                         (2,100 positions; kv_cache_dtype: int8, opt-in: engine.attention.int8_kv)
+                                         (2,100 positions; kv_cache_dtype: int8, opt-in: engine.quant.int8_kv)
     int8, bf16 activations               top-1 0.9786, KL 0.00146: fails               -
 
 The int8 matmuls run at 500-570 GOP/s against torch bf16's 380-410. A bf16 KV cache costs little because
@@ -50,6 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import engine.kernels.gemm as gemm
+import engine.kernels.library as library
 from engine.errors import ConfigError
 
 
@@ -64,9 +66,9 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                         bf16_attention: bool = False, dtype: str = "auto",
                         kernel_isa: str | None = None, quantized_source: bool = True) -> QuantChoice:
     """q8_isa: the loaded kernel build's int8 path, or None when no kernel library is available.
-    bf16_attention: the build multiplies bf16 into float32 for attention (``cpu_kernels.bf16_gemm_ok``:
+    bf16_attention: the build multiplies bf16 into float32 for attention (``engine.kernels.gemm.bf16_gemm_ok``:
     AVX512-BF16, no AMX). dtype: the requested activation dtype (int8 under bf16 activations fails the bar).
-    kernel_isa: the build's vector ISA (``cpu_kernels.isa``): avx2 means no AVX-512 at all.
+    kernel_isa: the build's vector ISA (``engine.kernels.library.isa``): avx2 means no AVX-512 at all.
     quantized_source: the weights come quantized (a GGUF file), which is where int8's quality was measured;
     ``auto`` keeps a float checkpoint's weights in float."""
     if requested == "none":
@@ -90,18 +92,18 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
         return QuantChoice("none", "auto: a float checkpoint keeps float weights (int8's quality bar was measured on "
                                    "GGUF-quantized weights; quantization: int8 quantizes at load)")
     if dtype == "bfloat16":
-        return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quantization)")
+        return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quant.policy)")
     if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa):
         reason = ("auto: int8 weights (avx512_vnni) with a bf16 KV cache: measured faster than bf16 end to end and "
-                  "within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs without AMX (engine.quantization)"
+                  "within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs without AMX (engine.quant.policy)"
                   if q8_isa == "avx512_vnni" else
                   "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and a bf16 KV cache: measured "
                   "faster than float32 end to end and within the quality bar on AVX2-only CPUs "
-                  "(engine.quantization)")
+                  "(engine.quant.policy)")
         return QuantChoice("int8", reason, kv_cache_dtype="bfloat16")
     return QuantChoice("none", f"auto: int8 not measured faster than float weights on this CPU (int8 path "
                                f"{q8_isa or 'unavailable'}{'' if bf16_attention else ', no bf16 attention kernel'}; "
-                               "engine.quantization)")
+                               "engine.quant.policy)")
 
 
 def _bf16_kv_measured(q8_isa: str | None, bf16_attention: bool, kernel_isa: str | None) -> bool:
@@ -111,20 +113,17 @@ def _bf16_kv_measured(q8_isa: str | None, bf16_attention: bool, kernel_isa: str 
 
 
 def kernel_q8_isa() -> str | None:
-    from engine import cpu_kernels
-    lib = cpu_kernels.load()
-    return cpu_kernels.q8_isa(lib) if lib is not None else None
+    lib = library.load()
+    return library.q8_isa(lib) if lib is not None else None
 
 
 def kernel_bf16_attention() -> bool:
-    from engine import cpu_kernels
-    return cpu_kernels.bf16_gemm_ok()
+    return gemm.bf16_gemm_ok()
 
 
 def kernel_isa() -> str | None:
-    from engine import cpu_kernels
-    lib = cpu_kernels.load()
-    return cpu_kernels.isa(lib) if lib is not None else None
+    lib = library.load()
+    return library.isa(lib) if lib is not None else None
 
 
 __all__ = ["QuantChoice", "choose_quantization", "kernel_bf16_attention", "kernel_isa", "kernel_q8_isa"]

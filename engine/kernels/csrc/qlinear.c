@@ -31,6 +31,7 @@
 #endif
 
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -200,7 +201,7 @@ static inline void store_row(const float *acc, void *out, int is_bf16, size_t of
 
 /* ---- the gated MLP's gate_up projection with its GLU fused in ------------------------------------------
  * With the weight rows interleaved in blocks of 16 (gate rows 16b..16b+15, then up rows 16b..16b+15: a tile's two
- * 16-column blocks; engine.models.int8.glu_interleave), a tile's 32 results per row are 16 gates and their 16 ups,
+ * 16-column blocks; engine.quant.int8.glu_interleave), a tile's 32 results per row are 16 gates and their 16 ups,
  * and out[m, 16 * pair + j] = act(gate_j) * up_j is written instead of the [M, 2I] gate_up product: the GLU's
  * read-back of that product and its separate pass are gone. A bf16 output rounds gate and up to bf16 first, as
  * the unfused path (q8_linear_bf16, then elementwise.c's GLU on its bf16 output) does: the same bits either way. */
@@ -663,29 +664,4 @@ void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, i
     free(bv);
     free(bi);
     free(owned);
-}
-
-/* Embedding lookup from the packed int8 weights: y[t, :K] = sw[row, g] * W[row, k] for row = ids[t]. Only the
- * rows read are dequantized (a tied LM head / embedding is stored once, in int8). */
-static void embed(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, void *y, int is_bf16,
-                  int nt) {
-    const int K4 = Kp / 4, G = Kp / QK;
-#pragma omp parallel for schedule(static) num_threads(nt) if (T > 16)
-    for (int t = 0; t < T; t++) {
-        const int64_t row = ids[t];
-        const int8_t *wb = w + (size_t)(row / 16) * K4 * 64 + (row % 16) * 4;
-        const float *s = sw + (size_t)(row / 16) * G * 16 + row % 16;
-        for (int k = 0; k < K; k++) {
-            const float v = (float)wb[(size_t)(k / 4) * 64 + k % 4] * s[(size_t)(k / QK) * 16];
-            if (is_bf16) ((uint16_t *)y)[(size_t)t * K + k] = f32_to_bf16(v);
-            else ((float *)y)[(size_t)t * K + k] = v;
-        }
-    }
-}
-
-void q8_embed_f32(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt) {
-    embed(w, sw, Kp, ids, T, K, y, 0, nt);
-}
-void q8_embed_bf16(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt) {
-    embed(w, sw, Kp, ids, T, K, y, 1, nt);
 }

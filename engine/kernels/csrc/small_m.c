@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "kernels.h"
 #include "simd.h"
 
 #define RB 8          /* x rows per pass over a weight row: 8 independent accumulation chains */

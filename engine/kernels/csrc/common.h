@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* int8 KV cache (kv_cache_dtype: int8): values per float32 scale along a row (engine/attention/int8_kv.py) */
+/* int8 KV cache (kv_cache_dtype: int8): values per float32 scale along a row (engine/quant/int8_kv.py) */
 #define I8_GROUP 32
 
 static inline float bf16_to_f32(uint16_t x) {

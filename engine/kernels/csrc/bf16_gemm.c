@@ -23,6 +23,7 @@
 
 #include "bf16_gemm.h"
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

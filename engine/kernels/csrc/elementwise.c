@@ -14,6 +14,7 @@
  * AVX2 + FMA; without it, baseline SSE2). Rows are split across OpenMP threads.
  */
 #include "common.h"
+#include "kernels.h"
 
 /* Element access for the two activation dtypes: bf16 (uint16_t, rounded to nearest even on store) and float32.
  * Each kernel below is stamped out once per dtype; the math is the same float32 code. */

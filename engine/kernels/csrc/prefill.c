@@ -11,7 +11,7 @@
  * caches and the threads never wait on each other inside a tile.
  *
  * The arithmetic is the old tiles', bit for bit: the same bf16 x bf16 -> float32 micro-kernel (bf16_gemm.c)
- * over the same dot products, the same softmax (attention.c's masked_softmax_f32), probabilities rounded to bf16
+ * over the same dot products, the same softmax (masked_softmax.c's masked_softmax_f32), probabilities rounded to bf16
  * once. A tile's key columns
  * start at an even offset (value pairs) and the extra keys are invisible: probability 0, which adds exact zeros.
  *
@@ -28,14 +28,13 @@
 
 #include "bf16_gemm.h"
 #include "common.h"
+#include "kernels.h"
 #include "simd.h"
 
 #define TILE_ROWS 128   /* query rows (token x head-in-group) per work item: a 128 x S' float32 score tile */
 
-/* The causal / sliding-window softmax of a score tile, in place (attention.c: the same function the torch-driven
- * tiles call; inside a work item it runs on the calling thread). */
-void masked_softmax_f32(float *scores, int64_t outer, int64_t t, int64_t g, int64_t S, int64_t q_start,
-                        int64_t k_start, int64_t window, int32_t num_threads);
+/* masked_softmax_f32 (kernels.h, masked_softmax.c): the same function the torch-driven tiles call; inside a work
+ * item it runs on the calling thread. */
 
 /* ---- float32 operands: c[M, N] = a[M, K] @ b[K, N], row-major, on the calling thread ----------------------- */
 

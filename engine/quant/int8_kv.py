@@ -5,14 +5,14 @@ scale per group of 32 (llama.cpp's q8_0 grouping), symmetric: ``scale = max|x| /
 ``q = round_half_even(x * (127 / max|x|))`` (an all-zero group: zeros, scale 0); the group stands for
 ``q * scale``. Groups, not one scale per row: gemma-3-270m's keys have channels far larger than the rest, and one
 scale per 256-value row tripled the model's KL against float32 (``batchgen bench --quality``: per row 0.0049,
-per 32 0.0012, with a bf16 cache 0.0009). Keys are stored minus their layer's mean key (engine.attention.key_shift:
+per 32 0.0012, with a bf16 cache 0.0009). Keys are stored minus their layer's mean key (engine.quant.key_shift:
 KL 0.00104). 288 bytes per row of 256 where bf16 takes 512: decode attention reads
 0.56x the bytes.
 
 Layout: one int8 tensor per layer for K and one for V, ``[num_blocks, block_bytes]``; a block holds its
 ``block_size x Hkv`` rows of ``head_dim`` bytes (slot-major, then head), then their ``block_size x Hkv x
 head_dim/32`` float32 scales. With head_dim a multiple of 64 every row starts on a cache line. Writing:
-``csrc/kv_write.c`` (``kv_write_*_i8``); decode: ``csrc/attention.c`` (``paged_decode_i8kv_*``: on AVX512-BF16 each
+``csrc/kv_write.c`` (``kv_write_*_i8``); decode: ``csrc/paged_decode.c`` (``paged_decode_i8kv_*``: on AVX512-BF16 each
 group dequantized and rounded to bf16 into the bf16 dot products, elsewhere widened to float32); prefill:
 ``csrc/prefill.c`` (``pack_kv_i8``: the same bf16 values into the bf16 kernel's operands) or the float32 gather
 below.
@@ -20,6 +20,9 @@ below.
 from __future__ import annotations
 
 import torch
+
+import engine.kernels.attention as kernel_attention
+import engine.kernels.kv_write as kv_kernels
 
 SCALE_BYTES = 4
 GROUP = 32          # values per scale along a row
@@ -66,12 +69,11 @@ def block_size_of(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
 
 def store(kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
           slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] into their slots, quantized: one C pass (``cpu_kernels.kv_write_i8``) where the kernels
-    load, else ``write`` (the same bytes)."""
-    from engine import cpu_kernels
+    """k, v [T, Hkv, D] into their slots, quantized: one C pass (``engine.kernels.kv_write.kv_write_i8``) where
+    the kernels load, else ``write`` (the same bytes)."""
     bs = block_size_of(kv_cache[0], k.shape[1], k.shape[2])
-    if cpu_kernels.int8_kv_ok(k):
-        cpu_kernels.kv_write_i8(kv_cache, k, v, slot_mapping, bs)
+    if kernel_attention.int8_kv_ok(k):
+        kv_kernels.kv_write_i8(kv_cache, k, v, slot_mapping, bs)
     else:
         write(kv_cache, k, v, slot_mapping, bs)
 

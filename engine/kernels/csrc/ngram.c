@@ -3,8 +3,10 @@
  * over int32 token ids; O(len * n_max) worst case per call, a few microseconds for a 2k-token context. */
 #include <stdint.h>
 
+#include "kernels.h"
+
 /* ctx[0..len): prompt + output tokens. Writes up to k tokens to out; returns how many (0: no match). */
-int ngram_propose(const int32_t *ctx, int64_t len, int32_t n_min, int32_t n_max, int32_t k, int32_t *out) {
+static int ngram_propose(const int32_t *ctx, int64_t len, int32_t n_min, int32_t n_max, int32_t k, int32_t *out) {
     if (k <= 0 || n_min < 1 || n_max < n_min || len < 2) return 0;
     for (int32_t n = n_max < len - 1 ? n_max : (int32_t)(len - 1); n >= n_min; n--) {
         const int32_t *suffix = ctx + len - n;

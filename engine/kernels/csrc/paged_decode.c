@@ -1,8 +1,7 @@
 /* Attention kernels for the CPU.
  *
  * paged_decode_{bf16,f32}: decode attention, one query token per sequence, keys/values read in place from
- * the paged KV cache (no gather copy), online softmax in float32. masked_softmax_bf16 (at the end): the
- * causal / sliding-window softmax of a prefill tile in one pass.
+ * the paged KV cache (no gather copy), online softmax in float32 (the prefill tile's softmax is masked_softmax.c).
  *
  * Why: the torch path gathers every decode sequence's visible blocks into a contiguous copy, then runs two
  * batched matmuls with M = heads-per-KV-head (4 for gemma-3): the KV bytes move three times at a poor rate.
@@ -25,18 +24,19 @@
  * caches take the vector path (bf16 scores and P.V with AVX512-BF16 dot products where the CPU has them);
  * everything else takes the portable loops, which are also the reference.
  *
- * Built on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); plain C, no torch
+ * Built on first use by engine/kernels/build.py (cc -O3 -march=native -fopenmp); plain C, no torch
  * headers, builds in about a second.
  */
 #include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 #include "simd.h"
 
 const char *batchgen_kernel_isa(void) { return KERNEL_ISA; }
 
 /* The cache's element kind. KV_I8 (kv_cache_dtype: int8): a block is its bs x Hkv rows of D int8 (D a multiple of
- * 32), then their float32 scales, one per row and group of 32 (value = quant * scale; engine/attention/int8_kv.py),
+ * 32), then their float32 scales, one per row and group of 32 (value = quant * scale; engine/quant/int8_kv.py),
  * so rows stay 64-byte aligned. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 
@@ -674,47 +674,3 @@ ENTRY(paged_decode_f32, float, float, group_item_f32)
 ENTRY(paged_decode_bf16kv_f32, float, uint16_t, group_item_bf16kv_f32)
 ENTRY(paged_decode_i8kv_f32, float, int8_t, group_item_i8kv_f32)
 ENTRY(paged_decode_i8kv_bf16, uint16_t, int8_t, group_item_i8kv_bf16)
-
-/* ---- prefill: causal / sliding-window softmax over a tile of scores ------------------------------------- */
-
-/* In place on scores [outer, t, g, S] (bf16 or float32; rows = outer * t * g, each of S keys): row r belongs to
- * query position q = q_start + (r / g) % t, column j to key position k = k_start + j. Keys with k > q, or with
- * k <= q - window when window > 0, get probability 0; the rest a float32 softmax (rounded to bf16 once).
- * One pass where torch makes four (mask fill, float32 softmax, cast, plus the mask itself). */
-#define MASKED_SOFTMAX(NAME, T, LOAD, STORE)                                                                 \
-    void NAME(T *scores, int64_t outer, int64_t t, int64_t g, int64_t S, int64_t q_start, int64_t k_start,    \
-              int64_t window, int32_t num_threads) {                                                         \
-        (void)num_threads;                                                                                   \
-        const int64_t rows = outer * t * g;                                                                  \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                              \
-        for (int64_t r = 0; r < rows; r++) {                                                                 \
-            T *row = scores + r * S;                                                                         \
-            const int64_t q = q_start + (r / g) % t;                                                         \
-            int64_t j0 = window > 0 ? q - window + 1 - k_start : 0;     /* visible columns [j0, j1) */       \
-            int64_t j1 = q - k_start + 1;                                                                    \
-            j0 = j0 < 0 ? 0 : j0;                                                                            \
-            j1 = j1 > S ? S : j1;                                                                            \
-            float mx = -INFINITY;                                                                            \
-            _Pragma("omp simd reduction(max:mx)")     /* exact in any order: vectorized */                  \
-            for (int64_t j = j0; j < j1; j++) {                                                              \
-                const float v = LOAD(row[j]);                                                                \
-                mx = v > mx ? v : mx;                                                                        \
-            }                                                                                                \
-            float sum = 0.0f;                                                                                \
-            float e[j1 > j0 ? j1 - j0 : 1];                                                                  \
-            _Pragma("omp simd reduction(+:sum)")                                                             \
-            for (int64_t j = j0; j < j1; j++) {                                                              \
-                e[j - j0] = exp_clamped(LOAD(row[j]) - mx);                                                  \
-                sum += e[j - j0];                                                                            \
-            }                                                                                                \
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;                                                \
-            for (int64_t j = 0; j < j0; j++) row[j] = 0;                                                     \
-            _Pragma("omp simd")                                                                              \
-            for (int64_t j = j0; j < j1; j++) row[j] = STORE(e[j - j0] * inv);                               \
-            for (int64_t j = j1 > j0 ? j1 : j0; j < S; j++) row[j] = 0;                                      \
-        }                                                                                                    \
-    }
-
-static inline float same_f32(float x) { return x; }
-MASKED_SOFTMAX(masked_softmax_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-MASKED_SOFTMAX(masked_softmax_f32, float, same_f32, same_f32)

@@ -1,0 +1,86 @@
+"""Building the kernel library: the compiler, the flag sets, and the build cache.
+
+The build takes a second or two, has no torch headers, and is cached per source + flags + CPU under
+``$BATCHGEN_CACHE_DIR`` (default ``~/.cache/batchgen/kernels``). ``BATCHGEN_KERNEL_FLAGS`` replaces
+``-march=native`` (e.g. ``"-O3 -mavx2 -mfma -fopenmp"``: the AVX2 build on an AVX-512 machine, to measure it, or
+one build for a mixed fleet).
+
+The library links OpenMP (``-fopenmp``). torch's CPU wheels ship ``libgomp.so.1``; loading ours after torch
+reuses that runtime (same soname), so both share one thread pool.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from engine.cache_root import cache_root
+from engine.kernels.cpu_features import cpu_signature
+
+log = logging.getLogger("batchgen.engine")
+
+CSRC = Path(__file__).parent / "csrc"
+HEADER = CSRC / "kernels.h"
+SOURCES = sorted(CSRC.glob("*.c"))
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-fopenmp"],
+    ["-O3"],                                   # no OpenMP: single-threaded, still gather-free
+)
+# Every build: -fno-trapping-math lets GCC if-convert the float selects in exp's clamp and the softmax masks,
+# without which it vectorizes none of the elementwise loops for AVX2 (AVX-512 masks hide the problem): GeGLU ran
+# far slower in an AVX2 build. Values do not change (no rounding or NaN semantics are relaxed).
+COMMON_FLAGS = ("-fno-trapping-math", "-shared", "-fPIC", "-std=c11")
+
+
+def cache_dir() -> Path:
+    return cache_root() / "kernels"
+
+
+def compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def default_flag_sets() -> tuple[list[str], ...]:
+    """The compile flag sets tried in order. ``BATCHGEN_KERNEL_FLAGS`` (e.g. ``"-O3 -mavx2 -mfma -fopenmp"``)
+    replaces ``-march=native``: a build for an older CPU kind than this one (one build for a mixed fleet, or
+    measuring the AVX2 path on an AVX-512 machine); the portable fallbacks stay."""
+    forced = os.environ.get("BATCHGEN_KERNEL_FLAGS", "").split()
+    return (forced, *FLAG_SETS[1:]) if forced else FLAG_SETS
+
+
+def build(cc: str, flag_sets=None) -> Path:
+    """Compile the kernels with the first flag set that works (or reuse the cached build); the .so path."""
+    flag_sets = flag_sets or default_flag_sets()
+    src = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))   # headers are part of the key
+    errors = []
+    for flags in flag_sets:
+        key = hashlib.sha256(src + repr((cc, flags, COMMON_FLAGS, cpu_signature())).encode()).hexdigest()[:16]
+        out = cache_dir() / f"batchgen_kernels-{key}.so"
+        if errors:   # the previous flags failed (e.g. BATCHGEN_KERNEL_FLAGS the compiler rejects): say so
+            log.warning("CPU kernels: the build with %s; trying %s", errors[-1], " ".join(flags))
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        cmd = [cc, *flags, *COMMON_FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                os.replace(tmp, out)           # atomic: concurrent builders never see a partial file
+                return out
+            errors.append(f"{' '.join(flags)}: {r.stderr.strip()[-300:]}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            errors.append(f"{' '.join(flags)}: {e}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise OSError("; ".join(errors))

@@ -1,0 +1,64 @@
+"""Matmuls torch does slowly on some CPUs: bf16 x bf16 -> float32 with AVX512-BF16 dot products (csrc/bf16_gemm.c,
+bf16 prefill attention with float32 scores) and few-row x @ W^T streaming W once (csrc/small_m.c, the decode-time
+LM head)."""
+from __future__ import annotations
+
+import torch
+
+import engine.kernels.cpu_features as cpu_features
+import engine.kernels.library as library
+from engine.kernels.binding import KernelLibrary
+from engine.kernels.library import SUFFIX
+
+
+def bf16_gemm_ok() -> bool:
+    """True when this build multiplies bf16 with AVX512-BF16 dot products into float32 (``bf16_gemm``), and the
+    CPU has no AMX: there torch's bf16 matmul is faster, and stays."""
+    lib = library.load()
+    return lib is not None and bool(lib.bf16_gemm_fast()) and not cpu_features.has_amx()
+
+
+def pack_pairs(b: torch.Tensor) -> torch.Tensor:
+    """b [K, N] bf16 (any strides) -> the kernel's operand [ceil(K/2), N] int32: word (j, n) holds b[2j, n] and
+    b[2j+1, n]. K is zero-padded to an even count."""
+    k, n = b.shape
+    kp = k + (k & 1)
+    if kp != k:
+        b = torch.cat([b, b.new_zeros(kp - k, n)])
+    return b.reshape(kp // 2, 2, n).transpose(1, 2).reshape(kp // 2, 2 * n).view(torch.int32)
+
+
+def bf16_gemm(a: torch.Tensor, bp: torch.Tensor, n: int | None = None,
+              lib: KernelLibrary | None = None) -> torch.Tensor:
+    """a [M, K] bf16 (rows dense, K even) @ the packed operand bp [K/2, >= n] -> float32 [M, n]; ``bp`` may be a
+    column slice of a wider packed matrix (its row stride is kept)."""
+    lib = lib or library.load()
+    m, k = a.shape
+    n = bp.shape[1] if n is None else n
+    assert a.dtype == torch.bfloat16 and a.stride(1) == 1 and k % 2 == 0 and bp.shape[0] == k // 2
+    assert bp.dtype == torch.int32 and bp.stride(1) == 1 and bp.shape[1] >= n
+    c = torch.empty(m, n, dtype=torch.float32)
+    lib.bf16_gemm(a.data_ptr(), a.stride(0), bp.data_ptr(), bp.stride(0), c.data_ptr(), n, m, n, k // 2,
+                  torch.get_num_threads())
+    return c
+
+
+# Rows up to which the kernel beats torch on the 262k x 640 head (measured: docs/perf/code-notes-kernels.md).
+SMALL_M_MAX = {torch.bfloat16: 12, torch.float32: 16}
+
+
+def small_m_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when ``small_m_linear`` serves x [M, K] @ w[N, K]^T (CPU, bf16 or float32, few rows)."""
+    return (x.device.type == "cpu" and x.dtype in SUFFIX and w.dtype == x.dtype and x.dim() == 2
+            and 1 <= x.shape[0] <= SMALL_M_MAX[x.dtype] and w.is_contiguous() and library.load() is not None)
+
+
+def small_m_linear(x: torch.Tensor, w: torch.Tensor, lib: KernelLibrary | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, streaming w once (memory-bound at small M)."""
+    lib = lib or library.load()
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, w.shape[0], dtype=x.dtype)
+    getattr(lib, f"small_m_linear_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr(),
+                                                      torch.get_num_threads())
+    return y

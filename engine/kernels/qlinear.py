@@ -1,0 +1,93 @@
+"""int8 linear layers with integer dot products (csrc/qlinear.c) and int8 embedding rows (csrc/q8_embed.c); the
+weight format is ``engine.quant.int8``'s."""
+from __future__ import annotations
+
+import torch
+
+import engine.kernels.library as library
+from engine.kernels.binding import KernelLibrary
+from engine.kernels.library import SUFFIX
+
+
+def _q8_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x [M, K] as the int8 kernels read it (dense rows, any row stride): (x, M, K, K padded to the group of 32)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    return x, m, k, -(-k // 32) * 32
+
+
+def _q8_activations(lib: KernelLibrary, x: torch.Tensor):
+    """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded)."""
+    x, m, k, kp = _q8_rows(x)
+    g = kp // 32
+    q = torch.empty(m * kp, dtype=torch.uint8)
+    sa = torch.empty(m * g, dtype=torch.float32)
+    mn = torch.empty(m * g, dtype=torch.float32)
+    getattr(lib, f"q8_quant_act_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), kp, q.data_ptr(),
+                                                     sa.data_ptr(), mn.data_ptr(), torch.get_num_threads())
+    return q, sa, mn, kp
+
+
+def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, wmax: int = 127,
+              lib: KernelLibrary | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp32) @ W^T for packed int8 W (``engine.quant.int8.pack``) -> [M, n] in x's dtype.
+
+    x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
+    integer dot products. wmax: a bound on max|w| (``Int8Linear.wmax``); the avx2 build has a faster path for
+    wmax <= 64, and a smaller bound than the truth would saturate it. ``lib``: a specific build (tests); default
+    the loaded one."""
+    lib = lib or library.load()
+    x, m, k, kp = _q8_rows(x)
+    y = torch.empty(m, n, dtype=x.dtype)
+    # one call: the kernel quantizes x into its own scratch (the same quants as _q8_activations), then multiplies
+    getattr(lib, f"q8_linear_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
+                                                  cw.data_ptr(), w.numel() // kp, n, wmax, y.data_ptr(), n,
+                                                  torch.get_num_threads())
+    return y
+
+
+_Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # qlinear.c's GLU_GELU_TANH, GLU_SILU
+
+
+def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, act: str,
+                  wmax: int = 127, lib: KernelLibrary | None = None) -> torch.Tensor:
+    """act(gate) * up from one int8 matmul: W packed from gate_up rows interleaved in blocks of 16
+    (``engine.quant.int8.glu_interleave``), n = 2I rows, I a multiple of 16 -> [M, I] in x's dtype. The same bits
+    as ``glu`` of the un-interleaved ``q8_linear`` (tested), without its [M, 2I] intermediate."""
+    if n % 32:
+        raise ValueError(f"q8_linear_glu needs 2I a multiple of 32, got {n}")
+    lib = lib or library.load()
+    x, m, k, kp = _q8_rows(x)
+    y = torch.empty(m, n // 2, dtype=x.dtype)
+    getattr(lib, f"q8_linear_glu_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
+                                                      cw.data_ptr(), w.numel() // kp, n, wmax, _Q8_GLU_ACT[act],
+                                                      y.data_ptr(), n // 2, torch.get_num_threads())
+    return y
+
+
+def q8_argmax(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, wmax: int = 127,
+              lib: KernelLibrary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax over n of ``q8_linear(x, ...)`` without materializing it: (indices int64 [M], values float32 [M]).
+    The values compared are exactly q8_linear's (float32); ties go to the lower index."""
+    lib = lib or library.load()
+    m = x.shape[0]
+    q, sa, mn, kp = _q8_activations(lib, x)
+    idx = torch.empty(m, dtype=torch.int64)
+    val = torch.empty(m, dtype=torch.float32)
+    lib.q8_gemm_argmax(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(), sw.data_ptr(),
+                       cw.data_ptr(), w.numel() // kp, n, wmax, idx.data_ptr(), val.data_ptr(),
+                       torch.get_num_threads())
+    return idx, val
+
+
+def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype: torch.dtype,
+             lib: KernelLibrary | None = None) -> torch.Tensor:
+    """Rows ``ids`` of a packed int8 matrix, dequantized: [T] int64 -> [T, k] in ``dtype``."""
+    lib = lib or library.load()
+    ids = ids.to(torch.int64).contiguous()
+    kp = -(-k // 32) * 32
+    y = torch.empty(ids.numel(), k, dtype=dtype)
+    getattr(lib, f"q8_embed_{SUFFIX[dtype]}")(w.data_ptr(), sw.data_ptr(), kp, ids.data_ptr(), ids.numel(), k,
+                                               y.data_ptr(), torch.get_num_threads())
+    return y

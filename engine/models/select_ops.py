@@ -1,0 +1,36 @@
+"""Choosing a finished model's ops (``engine.models.ops``) once, and setting them on its layers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import engine.kernels.library as library
+from engine.errors import ModelLoadError
+from engine.models.layers import GatedMLP, OpsModule
+from engine.models.ops import CpuKernelOps, TorchOps
+from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
+
+
+def choose_ops(model: nn.Module, device) -> TorchOps:
+    """The ops for a finished model (weights loaded, int8 swapped in) on ``device``: the C kernels on a CPU where
+    the library loads, torch otherwise; the weight format read from the model's modules once."""
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    glu = {isinstance(m.gate_up_proj, Int8GluLinear) for m in model.modules() if isinstance(m, GatedMLP)}
+    if len(glu) > 1:
+        raise ModelLoadError("some gated MLPs have an int8 GLU projection and some do not")
+    kind = CpuKernelOps if torch.device(device).type == "cpu" and library.load() is not None else TorchOps
+    return kind(int8_head=isinstance(head, Int8Linear), int8_argmax=isinstance(head, Int8Embedding),
+                int8_glu=glu == {True})
+
+
+def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None) -> nn.Module:
+    """Set ``ops`` (default: ``choose_ops`` for ``device``, default where the model's weights are) on every layer."""
+    if ops is None:
+        if device is None:
+            device = next(model.parameters(), None)
+            device = device.device if device is not None else next(model.buffers()).device
+        ops = choose_ops(model, device)
+    for mod in model.modules():
+        if isinstance(mod, OpsModule):
+            mod.ops = ops
+    return model
