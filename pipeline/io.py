@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import RunError
-from pipeline.job import is_uri
+from pipeline.paths import is_uri
 
 
 class InputError(Exception):
@@ -238,16 +238,6 @@ def write_output(batches: Iterator[pa.Table], path: str | Path, directory: bool)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return rows
-
-
-def local_output_path(uri: str) -> Path:
-    """Where an output named by a URI is assembled (and its run state kept) on this machine: the state dir
-    (``pipeline.history.resolve_state_dir``), ``outputs/<name>-<hash of the URI>/<name>``."""
-    import hashlib
-
-    from pipeline.history import resolve_state_dir
-    name = uri.rstrip("/").rpartition("/")[2] or "output"
-    return resolve_state_dir() / "outputs" / f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}" / name
 
 
 def output_filesystem(uri: str):
