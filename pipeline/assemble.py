@@ -133,7 +133,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
                                                          if jr.draft_tokens else None),
                                      "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
                                                               if jr.spec_steps else None)},
-                     "distributed": distributed},     # a Ray run (pipeline.ray_exec): replicas, prefills
+                     "distributed": distributed},     # a Ray run (pipeline.ray.driver): replicas, prefills
         "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                    "hit_rate": hit_rate(all_cached, all_prompt)},
         "keys_digest": jr.keys_digest, "layout": layout,

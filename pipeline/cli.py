@@ -133,7 +133,7 @@ def submit(job_files, quiet, fail_fast, commit_every, order, no_wait, ray_addres
 
     One run computes on a machine at a time: a run started while another computes waits for it (see
     `batchgen status`), since two at once slow each other down and share no prefix cache."""
-    from pipeline.ray_exec import RayOptions, import_ray
+    from pipeline.ray.driver import RayOptions, import_ray
     from pipeline.runner import RunOptions, run_jobs
     from pipeline.validate import load_valid_jobs_recorded
     job_files = list(job_files)

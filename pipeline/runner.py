@@ -51,7 +51,7 @@ from pipeline.io import InputError
 from pipeline.job import Job
 from pipeline.planner import Plan, make_plan, unplanned
 from pipeline.prepare import JobRun, Spill, new_job_run, prepare
-from pipeline.ray_exec import RayExecution, RayOptions
+from pipeline.ray.driver import RayExecution, RayOptions
 from pipeline.recorder import RunRecorder, warn
 from pipeline.state import RunState
 from pipeline.summary import summarize
@@ -75,7 +75,7 @@ class RunOptions:
     state_dir: str | None = None       # history's state dir (None: $BATCHGEN_STATE_DIR or ~/.local/state/batchgen)
     order: str = "planned"             # planned | input | shuffled (the last two: baselines for benchmarks)
     wait_for_machine: bool = True      # another run computing on this machine: queue behind it (False: fail)
-    ray: "RayOptions | None" = None     # compute on Ray engine replicas (pipeline.ray_exec) instead of in-process
+    ray: "RayOptions | None" = None     # compute on Ray engine replicas (pipeline.ray.driver) instead of in-process
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Step 3 on Ray (``batchgen submit --ray``): engine replicas as Ray actors, fed whole prefix groups by this driver.
 
-    driver (this process)                          actors (pipeline/ray_replica.py, one engine.LLM each)
+    driver (this process)                          actors (pipeline/ray/replica.py, one engine.LLM each)
       prepare + plan, as a local run                  work(units, max_s) -> finished outputs + steps
-      pipeline.distribute: units -> replicas  ──►     ...
+      pipeline.ray.assign: units -> replicas  ──►     ...
       results -> RunSink (commit, trace, bar)  ◄──
 
 Only the driver commits (the same part-file protocol as a local run), so a dead actor costs at most its
@@ -27,9 +27,10 @@ import numpy as np
 
 from engine import EngineInfo
 from engine.outputs import RequestMetrics, RequestOutput
-from pipeline.distribute import Assigner, make_units
 from pipeline.errors import RunError
 from pipeline.planner import Plan
+from pipeline.ray.assign import Assigner, make_units
+from pipeline.ray.replica import Replica
 
 RAY_HINT = "pip install -e '.[ray]'  (Ray 2.60, an optional extra)"
 
@@ -53,6 +54,7 @@ class RayOptions:
 
 
 def import_ray():
+    # NOTE: imported here, not at module level: Ray is an optional extra and slow to import.
     try:
         import ray
     except ImportError:
@@ -163,7 +165,6 @@ class RayExecution:
             self.ray.shutdown()
 
     def _start_actor(self, index: int, incarnation: int) -> _Slot:
-        from pipeline.ray_replica import Replica
         cls = self.ray.remote(Replica)
         # NOTE: named (this driver's pid, replica, incarnation) so an operator or a test can find one to kill.
         # NOTE: the runtime_env goes on the actors, so it applies on a Ray instance someone else started too.
