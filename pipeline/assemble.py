@@ -25,8 +25,9 @@ from pipeline.io import (
     write_bytes_atomic,
     write_output,
 )
-from pipeline.prepare import JobRun
-from pipeline.state import RESULT_COLUMNS, manifest_path_for
+from pipeline.jobrun import JobRun
+from pipeline.rows import RESULT_COLUMNS
+from pipeline.state import manifest_path_for
 
 
 def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None,
@@ -113,7 +114,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         "job": job.name, "job_file": job.file, "output": uri or str(out_path),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
-        "generation": dataclasses.asdict(jr.params), "versions": _versions(),
+        "generation": dataclasses.asdict(jr.prompts.params), "versions": _versions(),
         "rows": jr.num_rows + jr.deleted_kept, "rows_with_error": all_errors,
         "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped},
         "this_run": {"computed": jr.computed, "reused": jr.reused, "changed": jr.changed,
