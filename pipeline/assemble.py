@@ -10,10 +10,12 @@ import dataclasses
 import json
 import platform
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from engine import EngineInfo
 from pipeline.errors import RunError
@@ -26,6 +28,7 @@ from pipeline.io import (
     write_output,
 )
 from pipeline.jobrun import JobRun
+from pipeline.openai_batch import write_output as write_jsonl
 from pipeline.rows import RESULT_COLUMNS
 from pipeline.state import manifest_path_for
 
@@ -97,7 +100,6 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         raise RunError(f"job {job.name!r}: {missing} rows have no result; run again to resume")
     directory = not str(out_path).endswith(".parquet")
     if openai:
-        from pipeline.openai_batch import write_output as write_jsonl
         write_jsonl(tables(), out_path, job.input.id_column or "", info.name)
     elif jr.num_rows == 0:
         empty = results_cols.slice(0, 0)
@@ -151,7 +153,6 @@ def _deleted_rows(jr: JobRun, out_path: Path) -> pa.Table | None:
     keeps them (``output.keep_deleted_rows``); None when there are none or they are dropped."""
     if not out_path.exists():
         return None
-    import pyarrow.parquet as pq
     try:
         prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
     except (pa.ArrowException, OSError, KeyError):
@@ -190,7 +191,6 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def _versions() -> dict:
-    from importlib import metadata
     out = {"python": platform.python_version()}
     for pkg in ("batchgen", "torch", "transformers", "pyarrow", "tokenizers"):
         try:

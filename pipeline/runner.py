@@ -59,7 +59,7 @@ from pipeline.recorder import RunRecorder, warn
 from pipeline.rows import ResultRow
 from pipeline.state import RunState
 from pipeline.summary import summarize
-from pipeline.validate import kv_pool_problem
+from pipeline.validate import engine_setup, kv_pool_problem
 
 
 @dataclass
@@ -91,14 +91,13 @@ class RunReport:
 
 
 def default_llm_factory(model: str, engine_args: dict) -> Engine:
-    from engine import LLM
+    from engine import LLM  # NOTE: here, not at module level: engine.LLM imports torch and the model code
     return LLM(model=model, **engine_args)
 
 
 def planning_llm_factory(model: str, engine_args: dict) -> Engine:
     """Dry runs (``batchgen plan``): settings, model shape and tokenizer only; no weights, no KV pool."""
-    from engine import PlanningEngine
-    from pipeline.validate import engine_setup
+    from engine import PlanningEngine  # NOTE: lazy for the same reason (torch)
     # the setup validation resolved for these settings (cached per process): not resolved a second time
     return PlanningEngine(setup=engine_setup(model, json.dumps(engine_args, sort_keys=True, default=str)))
 
