@@ -91,7 +91,8 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
     keyer = RowKeyer(prompts.fingerprint)          # = row_key(rid, rendered text, fingerprint)
     row_idx = 0
     gc_was_on = gc.isenabled()
-    gc.disable()    # millions of small id lists: the cyclic collector's passes cost ~15% of a large plan
+    gc.disable()    # millions of small id lists: the cyclic collector would walk them all, again and again
+    # (cost: docs/perf/code-notes-pipe.md)
 
     def render_rows(rows: list[dict], row_idx: int) -> list:
         rendered: list = []

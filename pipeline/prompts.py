@@ -161,8 +161,9 @@ class PromptRenderer:
         if not isinstance(backend, _RustTokenizer):
             return None
         # NOTE: straight to the Rust tokenizer (what transformers' fast tokenizer calls underneath): the same
-        # ids without transformers' per-encoding Python conversion, ~half of a large plan's time.
-        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read: ~25% faster.
+        # ids without transformers' per-encoding Python conversion (a large share of a large plan's time).
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read. Numbers:
+        # docs/perf/code-notes-pipe.md.
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
         return encode(documents, add_special_tokens=False)
 
