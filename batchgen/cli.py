@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from engine import BatchgenError
-from pipeline.ray_exec import RayOptions, import_ray
+from pipeline.ray.driver import RayOptions, import_ray
 from pipeline.runner import Interrupted, RunOptions, run_jobs
 from pipeline.validate import load_valid_jobs, load_valid_jobs_recorded, validate_files
 

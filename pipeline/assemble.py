@@ -10,10 +10,12 @@ import dataclasses
 import json
 import platform
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from engine import EngineInfo
 from pipeline.errors import RunError
@@ -25,8 +27,10 @@ from pipeline.io import (
     write_bytes_atomic,
     write_output,
 )
-from pipeline.prepare import JobRun
-from pipeline.state import RESULT_COLUMNS, manifest_path_for
+from pipeline.jobrun import JobRun
+from pipeline.openai_batch import write_output as write_jsonl
+from pipeline.rows import RESULT_COLUMNS
+from pipeline.state import manifest_path_for
 
 
 def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None,
@@ -96,7 +100,6 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         raise RunError(f"job {job.name!r}: {missing} rows have no result; run again to resume")
     directory = not str(out_path).endswith(".parquet")
     if openai:
-        from pipeline.openai_batch import write_output as write_jsonl
         write_jsonl(tables(), out_path, job.input.id_column or "", info.name)
     elif jr.num_rows == 0:
         empty = results_cols.slice(0, 0)
@@ -113,7 +116,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         "job": job.name, "job_file": job.file, "output": uri or str(out_path),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
-        "generation": dataclasses.asdict(jr.params), "versions": _versions(),
+        "generation": dataclasses.asdict(jr.prompts.params), "versions": _versions(),
         "rows": jr.num_rows + jr.deleted_kept, "rows_with_error": all_errors,
         "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped},
         "this_run": {"computed": jr.computed, "reused": jr.reused, "changed": jr.changed,
@@ -133,7 +136,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
                                                          if jr.draft_tokens else None),
                                      "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
                                                               if jr.spec_steps else None)},
-                     "distributed": distributed},     # a Ray run (pipeline.ray_exec): replicas, prefills
+                     "distributed": distributed},     # a Ray run (pipeline.ray.driver): replicas, prefills
         "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                    "hit_rate": hit_rate(all_cached, all_prompt)},
         "keys_digest": jr.keys_digest, "layout": layout,
@@ -150,7 +153,6 @@ def _deleted_rows(jr: JobRun, out_path: Path) -> pa.Table | None:
     keeps them (``output.keep_deleted_rows``); None when there are none or they are dropped."""
     if not out_path.exists():
         return None
-    import pyarrow.parquet as pq
     try:
         prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
     except (pa.ArrowException, OSError, KeyError):
@@ -189,7 +191,6 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def _versions() -> dict:
-    from importlib import metadata
     out = {"python": platform.python_version()}
     for pkg in ("batchgen", "torch", "transformers", "pyarrow", "tokenizers"):
         try:

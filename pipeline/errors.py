@@ -29,3 +29,7 @@ class JobError(BatchgenError):
 
 class RunError(BatchgenError):
     """A run cannot go on (lock held, disk full, fail-fast row error); what is committed stays valid."""
+
+
+class Interrupted(RunError):
+    """SIGTERM / Ctrl-C: committed work is kept; running the same command again resumes."""

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.errors import RunError
-from pipeline.job import is_uri
+from pipeline.openai_batch import READ_SCHEMA, count_requests, iter_request_batches
+from pipeline.paths import is_uri
 
 
 class InputError(Exception):
@@ -27,7 +29,6 @@ class InputError(Exception):
 
 def _uri_files(uri: str) -> list[str]:
     """The Parquet files under a ``pyarrow.fs`` URI (a file, or every .parquet below a prefix), sorted."""
-    import pyarrow.fs as pafs
     scheme = uri.split("://", 1)[0]
     try:
         fs, base = pafs.FileSystem.from_uri(uri)
@@ -102,7 +103,6 @@ def input_schema(path: str, fmt: str, split: str | None = None) -> pa.Schema:
         return _open_dataset(path, split).data.schema
     if fmt == "openai_batch":
         _jsonl_file(path)
-        from pipeline.openai_batch import READ_SCHEMA
         return READ_SCHEMA
     files = input_files(path)
     try:
@@ -115,7 +115,6 @@ def count_rows(path: str, fmt: str, split: str | None = None, limit: int | None 
     if fmt == "datasets":
         n = _open_dataset(path, split).num_rows
     elif fmt == "openai_batch":
-        from pipeline.openai_batch import count_requests
         n = count_requests(_jsonl_file(path))
     else:
         n = 0
@@ -135,7 +134,6 @@ def iter_batches(path: str, fmt: str, columns: list[str], batch_size: int = 1024
         table = _open_dataset(path, split).data.table.select(columns)   # memory-mapped Arrow, not loaded
         sources = [table.to_batches(max_chunksize=batch_size)]
     elif fmt == "openai_batch":
-        from pipeline.openai_batch import iter_request_batches
         sources = [(b.select(columns) for b in iter_request_batches(_jsonl_file(path), batch_size))]
     else:
         sources = (_parquet_batches(f, columns, batch_size) for f in input_files(path))
@@ -240,19 +238,8 @@ def write_output(batches: Iterator[pa.Table], path: str | Path, directory: bool)
     return rows
 
 
-def local_output_path(uri: str) -> Path:
-    """Where an output named by a URI is assembled (and its run state kept) on this machine: the state dir
-    (``pipeline.history.resolve_state_dir``), ``outputs/<name>-<hash of the URI>/<name>``."""
-    import hashlib
-
-    from pipeline.history import resolve_state_dir
-    name = uri.rstrip("/").rpartition("/")[2] or "output"
-    return resolve_state_dir() / "outputs" / f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}" / name
-
-
 def output_filesystem(uri: str):
     """(pyarrow filesystem, path in it) for an output URI; ``RunError`` naming it when pyarrow cannot open it."""
-    import pyarrow.fs as pafs
     try:
         return pafs.FileSystem.from_uri(uri)
     except (pa.ArrowException, OSError, ValueError) as e:
@@ -260,7 +247,6 @@ def output_filesystem(uri: str):
 
 
 def remote_exists(uri: str) -> bool:
-    import pyarrow.fs as pafs
     fs, path = output_filesystem(uri)
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
@@ -269,7 +255,6 @@ def publish_output(local: Path, uri: str, manifest: Path) -> None:
     """Copy an assembled output (a file, or a directory of shards: its old shards are removed first) and then
     its manifest (which marks it complete) to ``uri``. Object stores write each object whole; a directory is
     not swapped atomically, so a reader may see it half-copied until the manifest is there."""
-    import pyarrow.fs as pafs
     fs, path = output_filesystem(uri)
     local_fs = pafs.LocalFileSystem()
     try:

@@ -20,16 +20,12 @@ import yaml
 
 from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams
 from pipeline.errors import JobError, Problem
+from pipeline.paths import is_uri, local_output_path
 
 DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
 DEFAULT_REDUCE_TEMPLATE = "Summaries of the consecutive parts of one long document:\n\n{summaries}"
 DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSummarize the document."
 BUILTIN_PLACEHOLDERS = ("system", "reference", "document")
-
-
-def is_uri(path: str) -> bool:
-    """An input or output path that names a ``pyarrow.fs`` URI (``s3://...``, ``file://...``), not a local path."""
-    return "://" in str(path)
 
 
 class _Enum(tuple):
@@ -109,7 +105,7 @@ class PromptSpec:
     document_column: str = "document"
     template: str = DEFAULT_TEMPLATE
     chat_template: bool = False
-    on_too_long: str = "error"      # or truncate_document, or map_reduce (pipeline.map_reduce)
+    on_too_long: str = "error"      # or truncate_document, or map_reduce (pipeline.long_docs)
     reduce_template: str = DEFAULT_REDUCE_TEMPLATE   # map_reduce: the document of a reduce request
     kind: str = "template"          # "openai_batch": the prompt is each request's messages (pipeline.openai_batch)
 
@@ -137,7 +133,6 @@ class OutputSpec:
         directory under the state dir, published to the URI after each run (``pipeline.io.publish_output``)."""
         if not self.is_uri:
             return self.path
-        from pipeline.io import local_output_path
         return str(local_output_path(self.path))
 
 

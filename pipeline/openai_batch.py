@@ -153,7 +153,7 @@ def parse_body(body_json: str, problem: str | None) -> tuple[list[dict], dict]:
 
 # ---- writing ---------------------------------------------------------------------------------------------
 def response_line(custom_id: str | None, row: dict, model: str, created: int) -> dict:
-    """One output line from a committed result row (``state.RESULT_COLUMNS``). ``created``: the output file's
+    """One output line from a committed result row (``rows.RESULT_COLUMNS``). ``created``: the output file's
     write time, one value per file (committed results keep no clock, so a reused row gets the rerun's)."""
     key = row.get("row_key") or ""
     if custom_id is None:

@@ -20,6 +20,8 @@ from functools import lru_cache
 from tokenizers import Tokenizer as _RustTokenizer
 
 from pipeline.job import BUILTIN_PLACEHOLDERS, PromptSpec
+from pipeline.openai_batch import COLUMNS, RequestError, parse_body
+from pipeline.token_count import counter_for
 
 _SENTINEL = "\x00BATCHGEN_DOCUMENT\x00"
 
@@ -47,7 +49,6 @@ def template_columns(spec: PromptSpec) -> list[str]:
 
 def needed_columns(spec: PromptSpec) -> list[str]:
     if spec.kind == "openai_batch":
-        from pipeline.openai_batch import COLUMNS
         return list(COLUMNS)
     cols = [spec.document_column]
     cols += [c for c in (spec.system_column, spec.reference_column) if c]
@@ -133,7 +134,6 @@ class PromptRenderer:
 
     def _render_request(self, row: dict) -> RenderedRow:
         """An OpenAI Batch request: its messages through the chat template, split at the last user message."""
-        from pipeline.openai_batch import RequestError, parse_body
         try:
             messages, overrides = parse_body(row.get("body"), row.get("problem"))
         except RequestError as e:
@@ -161,8 +161,9 @@ class PromptRenderer:
         if not isinstance(backend, _RustTokenizer):
             return None
         # NOTE: straight to the Rust tokenizer (what transformers' fast tokenizer calls underneath): the same
-        # ids without transformers' per-encoding Python conversion, ~half of a large plan's time.
-        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read: ~25% faster.
+        # ids without transformers' per-encoding Python conversion (a large share of a large plan's time).
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never read. Numbers:
+        # docs/perf/code-notes-pipe.md.
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
         return encode(documents, add_special_tokens=False)
 
@@ -180,7 +181,6 @@ class PromptRenderer:
         (``pipeline.token_count``), else the Rust encodings' lengths, never turned into lists."""
         if not documents:
             return []
-        from pipeline.token_count import counter_for
         counter = counter_for(self.tokenizer)
         if counter is not None:
             return counter.lengths(documents)

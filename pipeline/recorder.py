@@ -11,7 +11,7 @@ from pathlib import Path
 from pipeline import history
 from pipeline.assemble import hit_rate
 from pipeline.job import Job
-from pipeline.prepare import JobRun
+from pipeline.jobrun import JobRun
 from pipeline.state import RunState, manifest_path_for
 from pipeline.trace import RunTrace, prune_runs
 

@@ -28,23 +28,7 @@ import pyarrow.parquet as pq
 
 from pipeline.errors import RunError
 from pipeline.io import write_parquet_atomic
-
-RESULT_SCHEMA = pa.schema([
-    ("row_key", pa.string()),
-    ("summary", pa.string()),
-    ("finish_reason", pa.string()),
-    ("prompt_tokens", pa.int64()),
-    ("cached_tokens", pa.int64()),
-    ("output_tokens", pa.int64()),
-    ("queue_s", pa.float64()),
-    ("prefill_s", pa.float64()),
-    ("ttft_s", pa.float64()),
-    ("tpot_s", pa.float64()),
-    ("e2e_s", pa.float64()),
-    ("error", pa.string()),
-    ("num_chunks", pa.int64()),        # on_too_long: map_reduce: the parts a long document was summarized in
-])
-RESULT_COLUMNS = [f.name for f in RESULT_SCHEMA]
+from pipeline.rows import RESULT_SCHEMA, ResultRow, results_table
 
 
 def job_dir_for(output_path: str | Path) -> Path:
@@ -141,12 +125,12 @@ class RunState:
             table = table.take(keep)
         return table
 
-    def commit(self, rows: list[dict]) -> None:
-        """Make ``rows`` (dicts with RESULT_COLUMNS) durable as one part file."""
+    def commit(self, rows: list[ResultRow]) -> None:
+        """Make ``rows`` durable as one part file."""
         if not rows:
             return
         self._seq += 1
-        table = pa.Table.from_pylist(rows, schema=RESULT_SCHEMA)
+        table = results_table(rows)
         write_parquet_atomic(table, self.parts / f"part-{time.time_ns():020d}-{self._seq:06d}.parquet")
 
     def compact(self, table: pa.Table) -> None:

@@ -82,7 +82,7 @@ class RunTrace:
         self._requests: list[dict] = []
         self._steps: list[dict] = []
         self._last_step_start: dict[int, float] = {}      # per source
-        self.distributed: dict | None = None     # a Ray run: replicas, prefix prefills (pipeline.ray_exec)
+        self.distributed: dict | None = None     # a Ray run: replicas, prefix prefills (pipeline.ray.driver)
         self._num_requests = self._num_steps = 0
         self._first_step: tuple[float, float] | None = None   # (start, end) monotonic
         self._warmup_end: float | None = None

@@ -18,7 +18,7 @@ from pipeline.errors import JobError, Problem
 from pipeline.io import InputError, count_rows, input_schema
 from pipeline.job import Job, cross_job_problems, load_job
 from pipeline.prompts import template_columns
-from pipeline.state import RESULT_COLUMNS
+from pipeline.rows import RESULT_COLUMNS
 
 
 def _is_text(t: pa.DataType) -> bool:

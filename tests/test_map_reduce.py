@@ -1,4 +1,4 @@
-"""on_too_long: map_reduce (pipeline/map_reduce.py): a document longer than the context is summarized in chunks under
+"""on_too_long: map_reduce (pipeline/long_docs.py): a document longer than the context is summarized in chunks under
 the row's cached head, then the chunk summaries are reduced (in levels when they do not fit at once); resumable."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.job import load_job
-from pipeline.map_reduce import pack, split_text
+from pipeline.long_docs import pack, split_text
 from pipeline.runner import Interrupted, RunOptions, run_jobs
 from pipeline.state import RunState
 from pipeline.trace import read_run

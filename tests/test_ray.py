@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.job import load_job
-from pipeline.ray_exec import RayOptions, replica_name
+from pipeline.ray.driver import RayOptions, replica_name
 from pipeline.runner import RunOptions, run_jobs
 from tests.test_pipeline import write_job
 
@@ -74,7 +74,7 @@ def test_two_replicas_equal_a_local_run_and_keep_groups_whole(ray_local, tmp_pat
     dist = manifest["this_run"]["distributed"]
     assert dist["replicas"] == 2 and dist["restarts"] == 0
     # every prefix group was prefilled on exactly one replica, unless an idle replica took some of its chunks
-    # (pipeline.distribute: "split"); and both replicas computed
+    # (pipeline.ray.assign: "split"); and both replicas computed
     for g, n in dist["prefix_prefills"].items():
         assert n == 1 or (int(g) in dist["split_groups"] and n == 2), dist
     assert dist["groups_on_more_than_one_replica"] <= len(dist["split_groups"])

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.job import load_job
-from pipeline.ray_exec import RayOptions
+from pipeline.ray.driver import RayOptions
 from pipeline.runner import RunOptions, run_jobs
 from tests.test_pipeline import write_job
 from tests.test_ray import ENGINE, SAME

@@ -175,7 +175,7 @@ def _roofline_plot(roof: dict) -> str:
 
 
 def _replicas_html(dist: dict) -> str:
-    """A Ray run (pipeline.ray_exec): one row per replica actor (a replacement is a row of its own)."""
+    """A Ray run (pipeline.ray.driver): one row per replica actor (a replacement is a row of its own)."""
     pre = dist.get("prefix_prefills") or {}
     head = (f"<h2>Ray replicas</h2><p class='small'>{dist.get('replicas')} replicas at "
             f"{html.escape(str(dist.get('address')))}, {dist.get('threads_per_replica')} thread(s) each; "

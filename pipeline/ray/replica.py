@@ -1,8 +1,8 @@
-"""One engine replica: the body of the Ray actor that ``pipeline.ray_exec`` starts (one ``engine.LLM`` each).
+"""One engine replica: the body of the Ray actor that ``pipeline.ray.driver`` starts (one ``engine.LLM`` each).
 
-Plain Python (no ``import ray`` at module level); ``ray_exec`` wraps the class with ``ray.remote``. The driver
-calls ``work`` with the units it hands this replica (``pipeline.distribute``); each call adds their requests
-(priority = plan position, as in a local run, so a group's provider computes the shared blocks first), pins
+Plain Python (no ``import ray`` at module level); ``pipeline.ray.driver`` wraps the class with ``ray.remote``.
+The driver calls ``work`` with the units it hands this replica (``pipeline.ray.assign``); each call adds their
+requests (priority = plan position, as in a local run, so a group's provider computes the shared blocks first), pins
 each unit's shared head while the unit runs, steps the engine for at most ``max_s`` seconds and returns what
 finished plus the steps it took. Results go back to the driver, which alone commits them.
 
@@ -22,7 +22,7 @@ import time
 class Replica:
     def __init__(self, index: int, incarnation: int, model: str, engine_args: dict, threads: int,
                  fault: str = ""):
-        import torch
+        import torch  # NOTE: in the actor only: the driver's process never needs torch for this module
         torch.set_num_threads(max(1, threads))          # before any torch op in this process
         t0 = time.monotonic()
         from engine import LLM
@@ -38,7 +38,7 @@ class Replica:
         self._unit_of: dict[str, int] = {}            # request id -> unit id
 
     def hello(self) -> dict:
-        import ray
+        import ray  # NOTE: runs inside a Ray actor; module level would make Ray a hard dependency
         return {"info": self.llm.info, "pid": os.getpid(), "host": socket.gethostname(),
                 "node": ray.get_runtime_context().get_node_id(), "load_s": self.load_s, "threads": self.threads,
                 "now": time.monotonic()}

@@ -1,9 +1,11 @@
 """Step 3 on Ray (``batchgen submit --ray``): engine replicas as Ray actors, fed whole prefix groups by this driver.
 
-    driver (this process)                          actors (pipeline/ray_replica.py, one engine.LLM each)
+    driver (this process)                          actors (pipeline/ray/replica.py, one engine.LLM each)
       prepare + plan, as a local run                  work(units, max_s) -> finished outputs + steps
-      pipeline.distribute: units -> replicas  ──►     ...
-      results -> RunSink (commit, trace, bar)  ◄──
+      pipeline.ray.assign: units -> replicas  ──►     ...
+      results -> Runner (commit, trace, bar)  ◄──
+
+``RayExecution`` is an ``execute.Execution``: the runner's one loop drives it as it drives a local engine.
 
 Only the driver commits (the same part-file protocol as a local run), so a dead actor costs at most its
 unfinished requests: they go back to the queue (``Assigner.lost``) and a replacement actor is started, up to
@@ -21,15 +23,15 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
-from engine import EngineInfo
-from engine.outputs import RequestMetrics, RequestOutput
-from pipeline.distribute import Assigner, make_units
+from engine import EngineInfo, RequestMetrics, RequestOutput, StepStats
 from pipeline.errors import RunError
-from pipeline.planner import Plan
+from pipeline.execute import Batch
+from pipeline.ray.assign import Assigner, make_units
+from pipeline.ray.replica import Replica
 
 RAY_HINT = "pip install -e '.[ray]'  (Ray 2.60, an optional extra)"
 
@@ -53,6 +55,7 @@ class RayOptions:
 
 
 def import_ray():
+    # NOTE: imported here, not at module level: Ray is an optional extra and slow to import.
     try:
         import ray
     except ImportError:
@@ -105,7 +108,7 @@ class _Slot:
 
 
 class RayExecution:
-    """Start the replicas, feed them the plan's units, hand every finished output to ``take``."""
+    """Start the replicas, feed them each batch's units, yield every finished output (``execute.Execution``)."""
 
     def __init__(self, opts: RayOptions, model: str, engine_args: dict, info: EngineInfo,
                  echo: Callable[[str], None] = print):
@@ -122,6 +125,8 @@ class RayExecution:
         self.slots: list[_Slot] = []
         self.first_assigner: Assigner | None = None    # the main plan's (the manifest's prefix prefills)
         self.plans = 0                                 # plans run (1 + reduce levels with map_reduce)
+        self.batch: Batch | None = None
+        self._steps: list[tuple[list[StepStats], int]] = []
 
     # ---- Ray itself ----
     def start(self) -> None:
@@ -150,7 +155,7 @@ class RayExecution:
         self.max_restarts = o.max_restarts if o.max_restarts is not None else \
             2 * self.replicas + self.info.max_num_seqs.bit_length() + o.max_tries
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Stop the actors (and the local Ray instance this started); safe to call twice."""
         slots, self.slots = self.slots, []
         for s in slots:
@@ -163,7 +168,6 @@ class RayExecution:
             self.ray.shutdown()
 
     def _start_actor(self, index: int, incarnation: int) -> _Slot:
-        from pipeline.ray_replica import Replica
         cls = self.ray.remote(Replica)
         # NOTE: named (this driver's pid, replica, incarnation) so an operator or a test can find one to kill.
         # NOTE: the runtime_env goes on the actors, so it applies on a Ray instance someone else started too.
@@ -177,80 +181,93 @@ class RayExecution:
         self.history.append(slot.stats)
         return slot
 
-    # ---- the loop ----
-    def run(self, plan: Plan, heads: list, prompt_of: Callable, max_tokens: np.ndarray,
-            take: Callable[[int, RequestOutput], None], add_steps: Callable[[list, int], None],
-            every_loop: Callable[[], bool]) -> None:
-        """Until every plan position has an output (``take``) or ``every_loop()`` says stop. The replicas stay up
-        for the next plan; ``shutdown`` stops them."""
-        ray = self.ray
-        window = max(1, 3 * self.info.max_num_seqs)
-        bs = plan.block_size
+    # ---- execute.Execution ----
+    def begin(self, batch: Batch) -> None:
+        """Cut the batch into units (``pipeline.ray.assign``). The replicas stay up for the next batch; ``close``
+        stops them."""
+        heads, bs = batch.heads, batch.plan.block_size
 
         def shared(a: int, b: int) -> int:             # prefix tokens two groups' heads share, in full blocks
             ha, hb = heads[a], heads[b]
             n = min(len(ha), len(hb))
             i = next((i for i in range(n) if ha[i] != hb[i]), n)
             return i // bs * bs
-        asg = self.assigner = Assigner(make_units(plan, max_tokens, self.info.max_num_seqs), self.replicas,
-                                       self.opts.max_tries, shared=shared)
+        self.batch = batch
+        asg = self.assigner = Assigner(make_units(batch.plan, batch.max_tokens(), self.info.max_num_seqs),
+                                       self.replicas, self.opts.max_tries, shared=shared)
         self.first_assigner = self.first_assigner or asg
         # NOTE: the replicas outlive one plan (map_reduce runs a plan per reduce level): loaded once, caches kept.
         if not self.slots:
             self.slots = [self._start_actor(r, 0) for r in range(self.replicas)]
-        slots = self.slots
         self.plans += 1
+
+    @property
+    def done(self) -> bool:
+        return self.assigner.done
+
+    def poll(self) -> Iterator[tuple[int, RequestOutput]]:
+        """Hand idle replicas their next units, wait (at most a second) for one call to return, yield what it
+        finished (or, when its replica died, the rows given up)."""
         try:
-            while not asg.done:
-                if every_loop():
-                    return
-                for s in slots:
-                    if s.ready and s.busy is None and s.index not in asg.retired:
-                        units = asg.take(s.index, window - asg.rows_in_flight(s.index))
-                        if units or asg.in_flight[s.index]:
-                            payload = [(u.uid, list(heads[u.group]), [(p, *prompt_of(p)) for p in u.positions])
-                                       for u in units]
-                            for u in units:
-                                s.stats.groups.add(u.group)
-                            s.busy = s.actor.work.remote(payload, self.opts.call_s)
-                calls = {s.busy: s for s in slots if s.busy is not None}
-                if not calls:
-                    if asg.done:
-                        break
-                    raise RunError("internal error: work is left but no replica has any; run again to resume")
-                done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
-                for ref in done:
-                    s = calls[ref]
-                    s.busy = None
-                    try:
-                        res = ray.get(ref)
-                    except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                            ray.exceptions.ObjectLostError) as e:
-                        slots[slots.index(s)] = self._lost(s, e, take)
-                        continue
-                    if not s.ready:
-                        self._hello(s, res)
-                        continue
-                    # this clock minus the replica's: monotonic clocks are per machine
-                    delta = 0.0 if s.stats.host == socket.gethostname() else time.monotonic() - res["now"]
-                    for out in res["outputs"]:
-                        out = _shifted(out, delta)
-                        p = int(out.request_id)
-                        asg.finished(s.index, p)
-                        st = s.stats
-                        st.rows += 1
-                        st.prompt_tokens += len(out.prompt_token_ids)
-                        st.cached_tokens += int(out.num_cached_tokens or 0)
-                        st.output_tokens += len(out.token_ids)
-                        take(p, out)
-                    steps = [dataclasses.replace(x, start_time=x.start_time + delta, end_time=x.end_time + delta)
-                             for x in res["steps"]]
-                    s.stats.steps += len(steps)
-                    s.stats.step_s += sum(x.end_time - x.start_time for x in steps)
-                    add_steps(steps, s.index * 1000 + s.incarnation)
+            yield from self._poll()
         except BaseException:
-            self.shutdown()
+            self.close()
             raise
+
+    def steps(self) -> list[tuple[list[StepStats], int]]:
+        out, self._steps = self._steps, []
+        return out
+
+    def engine_info(self) -> EngineInfo:
+        return self.first_info or self.info
+
+    def _poll(self) -> Iterator[tuple[int, RequestOutput]]:
+        ray, asg, batch, slots = self.ray, self.assigner, self.batch, self.slots
+        window = max(1, 3 * self.info.max_num_seqs)
+        for s in slots:
+            if s.ready and s.busy is None and s.index not in asg.retired:
+                units = asg.take(s.index, window - asg.rows_in_flight(s.index))
+                if units or asg.in_flight[s.index]:
+                    payload = [(u.uid, list(batch.heads[u.group]), [(p, *batch.prompt(p)) for p in u.positions])
+                               for u in units]
+                    for u in units:
+                        s.stats.groups.add(u.group)
+                    s.busy = s.actor.work.remote(payload, self.opts.call_s)
+        calls = {s.busy: s for s in slots if s.busy is not None}
+        if not calls:
+            if asg.done:
+                return
+            raise RunError("internal error: work is left but no replica has any; run again to resume")
+        done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
+        for ref in done:
+            s = calls[ref]
+            s.busy = None
+            try:
+                res = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                    ray.exceptions.ObjectLostError) as e:
+                yield from self._lost(slots.index(s), e)
+                continue
+            if not s.ready:
+                self._hello(s, res)
+                continue
+            # this clock minus the replica's: monotonic clocks are per machine
+            delta = 0.0 if s.stats.host == socket.gethostname() else time.monotonic() - res["now"]
+            for out in res["outputs"]:
+                out = _shifted(out, delta)
+                p = int(out.request_id)
+                asg.finished(s.index, p)
+                st = s.stats
+                st.rows += 1
+                st.prompt_tokens += len(out.prompt_token_ids)
+                st.cached_tokens += int(out.num_cached_tokens or 0)
+                st.output_tokens += len(out.token_ids)
+                yield p, out
+            steps = [dataclasses.replace(x, start_time=x.start_time + delta, end_time=x.end_time + delta)
+                     for x in res["steps"]]
+            s.stats.steps += len(steps)
+            s.stats.step_s += sum(x.end_time - x.start_time for x in steps)
+            self._steps.append((steps, s.index * 1000 + s.incarnation))
 
     def _hello(self, s: _Slot, res: dict) -> None:
         s.ready = True
@@ -264,9 +281,10 @@ class RayExecution:
         self.echo(f"replica {s.index}{f'.{s.incarnation}' if s.incarnation else ''}: {st.host} pid {st.pid}, "
                   f"{st.threads} thread(s), {info.dtype}, loaded in {st.load_s:.1f}s")
 
-    def _lost(self, s: _Slot, err: Exception, take: Callable) -> _Slot:
-        """A replica died: requeue its unfinished units (or give them up) and start a replacement if allowed."""
-        asg = self.assigner
+    def _lost(self, i: int, err: Exception) -> Iterator[tuple[int, RequestOutput]]:
+        """Replica slot ``i`` died: requeue its unfinished units (or give them up: their error outputs are yielded)
+        and start a replacement if allowed."""
+        asg, s = self.assigner, self.slots[i]
         why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         s.stats.died = why
         if not s.ready:
@@ -281,7 +299,7 @@ class RayExecution:
             msg = (f"gave up after its Ray replica died {u.tries} times while computing it (prefix group "
                    f"{u.group}); last: {why}")
             for p in u.positions:
-                take(p, error_output(p, msg))
+                yield p, error_output(p, msg)
         tail = "no replacement (restart limit reached)" if retire else \
             f"starting a replacement ({self.restarts + 1} of at most {self.max_restarts})"
         self.echo(f"replica {s.index} died ({why}); {rows} unfinished rows go back to the queue; {tail}")
@@ -289,9 +307,9 @@ class RayExecution:
             if len(asg.retired) == self.replicas and not asg.done:
                 raise RunError(f"every Ray replica died and the restart limit ({self.max_restarts}) is reached; "
                                f"last: {why}. Committed rows are kept; run again to resume.")
-            return s
+            return
         self.restarts += 1
-        return self._start_actor(s.index, s.incarnation + 1)
+        self.slots[i] = self._start_actor(s.index, s.incarnation + 1)
 
     def summary(self) -> dict:
         """The manifest's ``this_run.distributed`` (prefix prefills: of the main plan, not the reduce levels)."""

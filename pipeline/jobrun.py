@@ -1,0 +1,131 @@
+"""One job while it runs: how its requests become prompts (``JobPrompts``), and its record (``JobRun``): the
+counts the manifest, the history and ``batchgen submit``'s summary report, and the results waiting to be
+committed."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine import BatchgenError, EngineInfo, RequestOutput, SamplingParams
+from pipeline.job import Job
+from pipeline.long_docs import LongDocs
+from pipeline.prompts import PromptRenderer, RowError, fingerprint
+from pipeline.rows import Request, ResultRow
+from pipeline.state import RunState
+
+
+@dataclass
+class JobPrompts:
+    """What turns a job's ``rows.Request`` into token ids and parameters: the renderer, the parameter sets (0: the
+    job's own; more for rows whose OpenAI batch body overrides the generation) and the distinct prompt tails."""
+    job: Job
+    renderer: PromptRenderer
+    fingerprint: str                  # of everything but the row that determines a result (``prompts.row_key``)
+    params: SamplingParams            # the job's own
+    max_model_len: int
+    param_sets: list = field(default_factory=list)     # params id -> SamplingParams
+    tails: dict = field(default_factory=dict)          # tail token ids -> tail id
+    tail_ids: list = field(default_factory=list)       # tail id -> tail token ids
+    _param_index: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.param_sets = [self.params]
+        self._param_index = {(): 0}
+
+    def params_index(self, overrides: tuple) -> int:
+        """The params id of a row whose request overrides the job's generation (OpenAI batch bodies)."""
+        i = self._param_index.get(overrides)
+        if i is None:
+            try:
+                p = SamplingParams(**{**self.job.generation, **dict(overrides)})
+            except (BatchgenError, TypeError, ValueError) as e:
+                raise RowError(f"body: {e}") from None
+            i = self._param_index[overrides] = len(self.param_sets)
+            self.param_sets.append(p)
+        return i
+
+    def tail_index(self, tail: tuple[int, ...]) -> int:
+        i = self.tails.get(tail)
+        if i is None:
+            i = self.tails[tail] = len(self.tail_ids)
+            self.tail_ids.append(tail)
+        return i
+
+
+@dataclass
+class JobRun:
+    """One job's record of this run; ``take`` counts a finished request and queues its result for ``commit``."""
+    job: Job
+    state: RunState
+    prompts: JobPrompts
+    long_docs: LongDocs               # on_too_long: map_reduce
+    pending: list[ResultRow] = field(default_factory=list)     # results not committed yet
+    # input and reuse (``prepare``)
+    num_rows: int = 0
+    reused: int = 0
+    changed: int = 0
+    spill_rows: int = 0
+    keys_digest: str = ""
+    ids: set = field(default_factory=set)      # the current input's row ids
+    # computed this run
+    computed: int = 0
+    row_errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    draft_tokens: int = 0                      # speculation: drafts proposed for this job's requests ...
+    accepted_tokens: int = 0                   # ... and accepted
+    spec_steps: int = 0                        # request-steps that verified drafts (mean accepted length)
+    # predicted (planner, costmodel.predict)
+    predicted_cached: int = 0
+    planned_prompt_tokens: int = 0
+    predicted_engine_s: float | None = None    # this job's requests as if run alone
+    # assembled (``assemble``)
+    up_to_date: bool = False
+    manifest: dict | None = None
+    deleted_kept: int = 0                      # rows no longer in the input, kept (output.keep_deleted_rows)
+    deleted_dropped: int = 0                   # ... dropped from the output
+
+    def take(self, key: str, out: RequestOutput) -> ResultRow:
+        """A finished request: a row's result, a part of a long row's (map_reduce), or a long row's last."""
+        row = ResultRow.from_output(key, out)
+        self.prompt_tokens += row.prompt_tokens
+        self.cached_tokens += row.cached_tokens
+        self.output_tokens += row.output_tokens
+        self.draft_tokens += out.metrics.num_draft_tokens
+        self.accepted_tokens += out.metrics.num_accepted_tokens
+        self.spec_steps += out.metrics.num_spec_steps
+        if self.long_docs.finish(row) != "part":        # a part is committed, but is not a row
+            self.computed += 1
+            self.row_errors += row.error is not None
+        self.pending.append(row)
+        return row
+
+    def row_error(self, key: str, message: str) -> None:
+        """A row that cannot be computed (``prepare``): its error is its result."""
+        self.row_errors += 1
+        self.pending.append(ResultRow.failed(key, message))
+
+    def reduce_requests(self, job_index: int) -> list[Request]:
+        """The next reduce level's requests of this job's long rows; long rows that failed get their error row."""
+        requests, errors = self.long_docs.next_requests(job_index, self.state)
+        for row in errors:
+            self.pending.append(row)
+            self.computed += 1
+            self.row_errors += 1
+        return requests
+
+    def commit(self) -> None:
+        if self.pending:
+            rows, self.pending = self.pending, []
+            self.state.commit(rows)
+
+
+def new_job_run(job: Job, state: RunState, tokenizer, info: EngineInfo) -> JobRun:
+    params = job.sampling_params
+    fp = fingerprint(info.identity, dataclasses.asdict(params), job.prompt.on_too_long, job.prompt.chat_template)
+    prompts = JobPrompts(job, PromptRenderer(job.prompt, tokenizer), fp, params, info.max_model_len)
+    return JobRun(job=job, state=state, prompts=prompts, long_docs=LongDocs(prompts, job.prompt.reduce_template))
+
+
+__all__ = ["JobPrompts", "JobRun", "new_job_run"]
