@@ -475,8 +475,7 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     from engine.quant.policy import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
     assert EngineConfig().quantization == "auto"
-    vnni = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention()
-    avx2 = kernel_q8_isa() == "avx2" and kernel_isa() == "avx2"
+    vnni, avx2 = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention(), kernel_q8_isa() == kernel_isa() == "avx2"
     s = setup_engine(EngineConfig("gemma-3-270m", kv_cache_memory=8 << 20))
     assert s.config.quantization == ("int8" if vnni or avx2 else "none")
     assert s.quant_choice.reason.startswith("auto")
