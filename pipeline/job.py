@@ -146,7 +146,9 @@ class Job:
     model: str = DEFAULT_MODEL
     description: str | None = None
     generation: dict = field(default_factory=dict)   # SamplingParams fields, as written
-    engine: dict = field(default_factory=dict)       # EngineConfig overrides, as written
+    engine: EngineConfig = field(default_factory=EngineConfig)   # the engine: section, validated and built
+    engine_options: tuple[str, ...] = ()             # the engine: keys the job file wrote (jobs on one model merge
+                                                     # these; the rest stay the engine's defaults)
     schedule: str | None = None
     lines: dict = field(default_factory=dict, compare=False, repr=False)  # dotted key -> YAML line
 
@@ -310,10 +312,11 @@ def load_job(path: str | Path) -> Job:
         if out.get(key) is not None and out[key] < 1:
             problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
     gen, eng = d.get("generation") or {}, d.get("engine") or {}
+    built = {}
     for section, build in (("generation", lambda: SamplingParams(**gen)),
-                           ("engine", lambda: EngineConfig(model=d.get("model", DEFAULT_MODEL), **eng))):
+                           ("engine", lambda: EngineConfig.from_options(d.get("model", DEFAULT_MODEL), **eng))):
         try:
-            build()
+            built[section] = build()
         except (BatchgenError, TypeError, ValueError) as e:
             key = next((f"{section}.{k}" for k in (gen if section == "generation" else eng) if k in str(e)),
                        section)
@@ -332,7 +335,8 @@ def load_job(path: str | Path) -> Job:
                           rows_per_shard=out.get("rows_per_shard") or 100_000,
                           keep_deleted_rows=out.get("keep_deleted_rows", False),
                           keep_runs=out.get("keep_runs") or 20),
-        generation=gen, engine=eng, schedule=d.get("schedule"), lines=lines,
+        generation=gen, engine=built["engine"], engine_options=tuple(sorted(eng)), schedule=d.get("schedule"),
+        lines=lines,
     )
 
 

@@ -32,6 +32,7 @@ so one trace).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -43,7 +44,7 @@ from typing import Callable
 import numpy as np
 
 from costmodel.predict import Prediction, predict_plan
-from engine import BatchgenError, Engine, EngineInfo
+from engine import BatchgenError, Engine, EngineConfig, EngineInfo
 from pipeline.admission import MachineLock
 from pipeline.assemble import assemble
 from pipeline.errors import Interrupted, RunError
@@ -90,33 +91,36 @@ class RunReport:
     trace_dir: Path | None = None
 
 
-def default_llm_factory(model: str, engine_args: dict) -> Engine:
+def default_llm_factory(config: EngineConfig) -> Engine:
     from engine import LLM  # NOTE: here, not at module level: engine.LLM imports torch and the model code
-    return LLM(model=model, **engine_args)
+    return LLM(config=config)
 
 
-def planning_llm_factory(model: str, engine_args: dict) -> Engine:
+def planning_llm_factory(config: EngineConfig) -> Engine:
     """Dry runs (``batchgen plan``): settings, model shape and tokenizer only; no weights, no KV pool."""
     from engine import PlanningEngine  # NOTE: lazy for the same reason (torch)
     # the setup validation resolved for these settings (cached per process): not resolved a second time
-    return PlanningEngine(setup=engine_setup(model, json.dumps(engine_args, sort_keys=True, default=str)))
+    return PlanningEngine(setup=engine_setup(config))
 
 
-def merge_engine_args(jobs: list[Job]) -> dict:
+def engine_config_for(model: str, jobs: list[Job]) -> EngineConfig:
+    """The one engine config of the jobs on ``model``: what each job's engine: section wrote (they must agree
+    where two write the same key), the engine's defaults elsewhere."""
     merged: dict = {}
     for job in jobs:
-        for k, v in job.engine.items():
+        for k in job.engine_options:
+            v = getattr(job.engine, k)
             if k in merged and merged[k] != v:
                 raise RunError(f"{job.file}: engine.{k} is {v!r} but another job with model {job.model!r} "
                                f"sets {merged[k]!r}; jobs on one model share one engine, so their engine "
                                "settings must agree")
             merged[k] = v
-    return merged
+    return EngineConfig.from_options(model, **merged)
 
 
 class Runner:
-    def __init__(self, jobs: list[Job], llm_factory: Callable | None = None, options: RunOptions | None = None,
-                 echo: Callable[[str], None] = print):
+    def __init__(self, jobs: list[Job], llm_factory: Callable[[EngineConfig], Engine] | None = None,
+                 options: RunOptions | None = None, echo: Callable[[str], None] = print):
         self.jobs = jobs
         self.llm_factory = llm_factory          # None: the real engine, or the planning one for dry runs
         self.opts = options or RunOptions()
@@ -153,8 +157,8 @@ class Runner:
                     locked.append(st)
                 old_handlers = self._install_signal_handlers()
                 machine = self._admit(jobs, rec)
-            engine_args = merge_engine_args(jobs)
-            llm = self._start_engine(model, jobs, engine_args, dry_run)
+            config = engine_config_for(model, jobs)
+            llm = self._start_engine(config, jobs, dry_run)
             t_loaded = time.monotonic()
             info = llm.info
             _check_kv_pool(info, jobs)
@@ -183,7 +187,7 @@ class Runner:
             exe: Execution = LocalExecution(llm, max(1, self.opts.window_factor * info.max_num_seqs),
                                             self.opts.max_open_groups)
             if self.opts.ray is not None and work:
-                exe = RayExecution(self.opts.ray, model, engine_args, info, self.echo)
+                exe = RayExecution(self.opts.ray, config, info, self.echo)
             try:
                 exe.start()
                 if plan.num_requests:
@@ -223,18 +227,20 @@ class Runner:
             for st in locked:
                 st.unlock()
 
-    def _start_engine(self, model: str, jobs: list[Job], engine_args: dict, dry_run: bool) -> Engine:
+    def _start_engine(self, config: EngineConfig, jobs: list[Job], dry_run: bool) -> Engine:
         try:
             # NOTE: on Ray the replicas load the model; this process only plans and commits.
             planning = dry_run or self.opts.ray is not None
             factory = self.llm_factory or (planning_llm_factory if planning else default_llm_factory)
-            llm = factory(model, engine_args)
+            llm = factory(config)
             if not isinstance(llm, Engine):
                 raise TypeError(f"llm_factory returned {type(llm).__name__}, which lacks the engine.Engine door")
             return llm
         except BatchgenError as e:       # the engine's message, with the job files it comes from
-            raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: cannot start model {model!r}"
-                           f"{' with engine ' + json.dumps(engine_args) if engine_args else ''}: {e}") from None
+            written = {k: v for k, v in dataclasses.asdict(config).items()
+                       if any(k in job.engine_options for job in jobs)}
+            raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: cannot start model {config.model!r}"
+                           f"{' with engine ' + json.dumps(written) if written else ''}: {e}") from None
 
     def _admit(self, jobs: list[Job], rec: RunRecorder) -> MachineLock:
         """Wait for the machine (``pipeline.admission``): one run computes at a time, the others queue."""

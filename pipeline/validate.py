@@ -6,6 +6,7 @@ the key and its YAML line (see ``Job.problem``).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from engine import BatchgenError, ConfigError, EngineConfig
 from pipeline.errors import JobError, Problem
 from pipeline.io import InputError, count_rows, input_schema
 from pipeline.job import Job, cross_job_problems, load_job
@@ -119,9 +121,8 @@ def _output_problems(job: Job) -> list[Problem]:
 def _model_problems(job: Job) -> list[Problem]:
     """The model spec (the engine's resolver is the one source of truth for what it may be) and the engine
     settings as the engine would resolve them (dtype, backend, KV pool), without loading weights."""
-    from engine import BatchgenError, ConfigError
     try:
-        setup = engine_setup(job.model, json.dumps(job.engine, sort_keys=True, default=str))
+        setup = engine_setup(job.engine)
     except ConfigError as e:
         return [job.problem("engine", str(e))]
     except BatchgenError as e:
@@ -141,11 +142,15 @@ def kv_pool_problem(num_blocks: int | None, block_size: int, max_num_seqs: int) 
             "engine.kv_cache_memory (or num_gpu_blocks_override) or lower engine.max_num_seqs")
 
 
-@functools.lru_cache(maxsize=16)
-def engine_setup(model: str, engine_json: str):
+def engine_setup(config: EngineConfig):
     """Jobs on one model with the same engine settings resolve once per process (validation and the plan)."""
-    from engine import EngineConfig, setup_engine  # NOTE: here, not at the top: resolving imports torch
-    return setup_engine(EngineConfig.from_options(model, **json.loads(engine_json)))
+    return _engine_setup(json.dumps(dataclasses.asdict(config), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _engine_setup(config_json: str):       # keyed by the config's JSON: a speculative_config mapping is unhashable
+    from engine import setup_engine  # NOTE: here, not at the top: resolving imports torch
+    return setup_engine(EngineConfig(**json.loads(config_json)))
 
 
 def validate_files(paths: list[str]) -> tuple[list[Job], list[Problem]]:

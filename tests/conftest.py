@@ -175,13 +175,24 @@ class FakeLLM:
         return outs
 
 
+def changed_options(config) -> dict:
+    """The engine options a config sets apart from ``EngineConfig``'s defaults (what the jobs wrote, in effect):
+    the fake engine takes those and keeps its own small defaults for the rest."""
+    import dataclasses
+
+    from engine import EngineConfig
+    default = EngineConfig(model=config.model)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name != "model" and getattr(config, f.name) != getattr(default, f.name)}
+
+
 @pytest.fixture
 def fake_llm_factory(tiny_tokenizer):
-    """A factory ``(model, engine_args) -> FakeLLM``; the instances it made are in ``factory.made``."""
+    """A factory ``(EngineConfig) -> FakeLLM`` (the runner's); the instances it made are in ``factory.made``."""
     made = []
 
-    def factory(model, engine_args):
-        llm = FakeLLM(tiny_tokenizer, **engine_args)
+    def factory(config):
+        llm = FakeLLM(tiny_tokenizer, **changed_options(config))
         made.append(llm)
         return llm
     factory.made = made

@@ -92,7 +92,7 @@ def test_config_is_resolved_once_and_shared(tmp_path):
 
 def test_fake_engine_satisfies_the_door(fake_llm_factory):
     from engine.interface import Engine
-    assert isinstance(fake_llm_factory("m", {}), Engine)
+    assert isinstance(fake_llm_factory(EngineConfig("m")), Engine)
 
 
 def test_cpu_kv_pool_stable_under_memavailable_drift(monkeypatch):

@@ -120,7 +120,7 @@ def test_engine_switch_or_mapping_settings(good):
     for value, want in (("off", "off"), ("auto", "auto"), ("{num_speculative_tokens: 6, gating: always}",
                                                          {"num_speculative_tokens": 6, "gating": "always"})):
         job = load_job(write(tmp_path, text + f"engine:\n  speculative_config: {value}\n"))
-        assert job.engine["speculative_config"] == want
+        assert job.engine.speculative_config == want and job.engine_options == ("speculative_config",)
     with pytest.raises(JobError, match=r"engine.speculative_config: .*num_speculative_tokens must be in 1..16"):
         load_job(write(tmp_path, text + "engine:\n  speculative_config: {num_speculative_tokens: 40}\n"))
     with pytest.raises(JobError, match=r"engine.speculative_config: expected off, auto or a mapping"):

@@ -13,7 +13,7 @@ from pipeline.long_docs import pack, split_text
 from pipeline.runner import Interrupted, RunOptions, run_jobs
 from pipeline.state import RunState
 from pipeline.trace import read_run
-from tests.conftest import FakeLLM, _build_tiny_tokenizer
+from tests.conftest import FakeLLM, _build_tiny_tokenizer, changed_options
 
 TOK = _build_tiny_tokenizer(lite=True)
 SENTENCES = [f"Sentence {i} says the customer asked about a refund for an order that arrived late." for i in range(60)]
@@ -50,8 +50,8 @@ def _data(tmp_path, docs):
 
 
 def _factory(made):
-    def factory(model, args):
-        llm = FakeLLM(TOK, **args)
+    def factory(config):
+        llm = FakeLLM(TOK, **changed_options(config))
         made.append(llm)
         return llm
     return factory
@@ -151,7 +151,8 @@ def test_on_the_tiny_model_chunks_fit_and_reuse_the_head(tmp_path, tiny_llama_di
     chunk after the first hits the row's head in the prefix cache, and the row's metrics are the sums."""
     data = _data(tmp_path, [LONG, "A short document."])
     job = _job(tmp_path, "real", data, max_model_len=256)
-    job = dataclasses.replace(job, model=tiny_llama_dir, engine={**job.engine, "dtype": "float32", "block_size": 16})
+    job = dataclasses.replace(job, model=tiny_llama_dir, engine_options=(*job.engine_options, "dtype", "block_size"),
+                              engine=dataclasses.replace(job.engine, dtype="float32", block_size=16))
     [report] = run_jobs([job], options=RunOptions(quiet=True, record_history=False))
     long, short = pq.read_table(tmp_path / "out/real.parquet").to_pylist()
     assert long["num_chunks"] > 1 and long["error"] is None and short["num_chunks"] is None

@@ -111,7 +111,7 @@ def test_bad_rows_become_error_rows(tmp_path, make_docs_dataset, fake_llm_factor
     rows[5]["document"] = "word " * 3000           # too long for max_model_len 4096 - but fake has 4096
     data = make_docs_dataset(rows=rows)
     job = write_job(tmp_path, "bad", data, extra="engine:\n  max_model_len: 512\n")
-    [report] = run([job], lambda m, a: fake_llm_factory(m, {**a, "max_model_len": 512}))
+    [report] = run([job], fake_llm_factory)          # the fake takes the job's max_model_len: 512
     t = pq.read_table(tmp_path / "out/bad.parquet")
     errs = t.column("error").to_pylist()
     assert t.num_rows == 8

@@ -36,7 +36,7 @@ DRIVER = textwrap.dedent("""
             time.sleep(delay)
             return out
 
-    pipeline.runner.default_llm_factory = lambda model, args: Slow(TOK, max_num_seqs=2, **args)
+    pipeline.runner.default_llm_factory = lambda config: Slow(TOK, max_num_seqs=2, **conftest.changed_options(config))
     real_write = pipeline.state.write_parquet_atomic
     writes = [0]
     def write(table, path):
@@ -76,10 +76,10 @@ def _run(driver, job, env=None, check=True):
 
 def test_kill9_at_many_points_then_resume_equals_uninterrupted(tmp_path, make_docs_dataset, driver):
     data = make_docs_dataset(n=40)
-    from tests.conftest import FakeLLM, _build_tiny_tokenizer
+    from tests.conftest import FakeLLM, _build_tiny_tokenizer, changed_options
     from tests.test_pipeline import run
     tok = _build_tiny_tokenizer(lite=True)
-    run([write_job(tmp_path, "ref", data)], lambda m, a: FakeLLM(tok, max_num_seqs=2, **a))
+    run([write_job(tmp_path, "ref", data)], lambda config: FakeLLM(tok, max_num_seqs=2, **changed_options(config)))
     ref = pq.read_table(tmp_path / "out/ref.parquet").select(STABLE)
 
     job = write_job(tmp_path, "k", data, out=tmp_path / "out/k.parquet")

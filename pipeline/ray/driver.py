@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from engine import EngineInfo, RequestMetrics, RequestOutput, StepStats
+from engine import EngineConfig, EngineInfo, RequestMetrics, RequestOutput, StepStats
 from pipeline.errors import RunError
 from pipeline.execute import Batch
 from pipeline.ray.assign import Assigner, make_units
@@ -110,9 +110,9 @@ class _Slot:
 class RayExecution:
     """Start the replicas, feed them each batch's units, yield every finished output (``execute.Execution``)."""
 
-    def __init__(self, opts: RayOptions, model: str, engine_args: dict, info: EngineInfo,
+    def __init__(self, opts: RayOptions, config: EngineConfig, info: EngineInfo,
                  echo: Callable[[str], None] = print):
-        self.opts, self.model, self.engine_args, self.info, self.echo = opts, model, engine_args, info, echo
+        self.opts, self.config, self.info, self.echo = opts, config, info, echo
         self.ray = import_ray()
         self.started_ray = False
         self.replicas = self.num_cpus = self.threads = 0
@@ -174,7 +174,7 @@ class RayExecution:
         extra = {"runtime_env": self.opts.runtime_env} if self.opts.runtime_env else {}
         actor = cls.options(num_cpus=self.num_cpus, num_gpus=self.opts.num_gpus or 0, max_restarts=0,
                             max_task_retries=0, name=replica_name(index, incarnation), **extra)
-        actor = actor.remote(index, incarnation, self.model, self.engine_args, self.threads,
+        actor = actor.remote(index, incarnation, self.config, self.threads,
                              os.environ.get("BATCHGEN_RAY_FAULT", ""))
         slot = _Slot(index, incarnation, actor, ReplicaStats(index, incarnation))
         slot.busy = actor.hello.remote()

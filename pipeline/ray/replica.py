@@ -14,19 +14,21 @@ Test hook ``BATCHGEN_RAY_FAULT`` (read by the driver, passed here; several joine
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
 
+from engine import EngineConfig
+
 
 class Replica:
-    def __init__(self, index: int, incarnation: int, model: str, engine_args: dict, threads: int,
-                 fault: str = ""):
+    def __init__(self, index: int, incarnation: int, config: EngineConfig, threads: int, fault: str = ""):
         import torch  # NOTE: in the actor only: the driver's process never needs torch for this module
         torch.set_num_threads(max(1, threads))          # before any torch op in this process
         t0 = time.monotonic()
         from engine import LLM
-        self.llm = LLM(model=model, **{**engine_args, "num_threads": max(1, threads)})
+        self.llm = LLM(config=dataclasses.replace(config, num_threads=max(1, threads)))
         self.load_s = time.monotonic() - t0
         self.index, self.incarnation, self.threads = index, incarnation, threads
         self.faults = [f.strip() for f in fault.split(",") if f.strip()]
