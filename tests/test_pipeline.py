@@ -67,6 +67,30 @@ def test_shuffled_input_gets_same_hits(tmp_path, make_docs_dataset, fake_llm_fac
     assert tb.column("id").to_pylist() == pq.read_table(b).column("id").to_pylist()   # input order kept
 
 
+def test_jobs_on_one_model_merge_their_engine_sections(tmp_path, make_docs_dataset):
+    """The engine is built from one EngineConfig: what each job wrote (jobs agreeing where both write a key), the
+    defaults elsewhere; two jobs writing different values for one key are refused, naming it, before any load."""
+    from engine import EngineConfig
+    from pipeline.errors import RunError
+    data = make_docs_dataset(n=4)
+    seen = []
+    j1 = write_job(tmp_path, "one", data, extra="engine:\n  max_num_seqs: 4\n  block_size: 32\n")
+    j2 = write_job(tmp_path, "two", data, extra="engine:\n  block_size: 32\n  speculative_config: off\n")
+    class Seen(Exception):
+        pass
+
+    def factory(config):          # saw the config; stop there
+        seen.append(config)
+        raise Seen
+
+    with pytest.raises(Seen):
+        run([j1, j2], factory)
+    assert seen == [EngineConfig("gemma-3-270m", max_num_seqs=4, block_size=32, speculative_config="off")]
+    j3 = write_job(tmp_path, "three", data, extra="engine:\n  max_num_seqs: 8\n")
+    with pytest.raises(RunError, match="three.yaml: engine.max_num_seqs is 8 but another job .* sets 4"):
+        run([j1, j3], lambda config: pytest.fail("an engine was started"))
+
+
 def test_cross_job_sharing_one_engine(tmp_path, make_docs_dataset, fake_llm_factory):
     data = make_docs_dataset(n=12)
     j1, j2 = write_job(tmp_path, "one", data), write_job(tmp_path, "two", data)
