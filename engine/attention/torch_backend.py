@@ -23,15 +23,14 @@ from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 
 # Query rows per prefill tile. Small tiles keep a sliding layer's keys per tile near its window
-# (tile + window - 1) and let a causal tile skip every key after its last query. Measured here (bf16, one
-# thread): ~3.5x faster than SDPA with an explicit band mask for a 512 window over a 1,900-token prompt, and
-# faster than SDPA's causal kernel on the global layers.
+# (tile + window - 1) and let a causal tile skip every key after its last query: faster than SDPA with an
+# explicit band mask on the sliding layers and than SDPA's causal kernel on the global ones
+# (docs/perf/code-notes-kernels.md).
 PREFILL_TILE = 128
-# The float32 C kernel (csrc/prefill.c) takes every chunk where it builds, one token included: chunks under 64
-# tokens went through the torch tiles below (the kernel's key transpose cost 0.83-0.87x for 37 queries over 1,540
-# keys), whose sums are ordered otherwise, so a prompt's tokens depended on where it was cut (2 of 48 shared-prefix
-# sequences between budgets 4096 and 2048, avx2 build; 0 with the kernel everywhere, and no measurable cost end
-# to end: 44.3-47.2 s vs 41.1-47.2 s in four interleaved runs each).
+# The float32 C kernel (csrc/prefill.c) takes every chunk where it builds, one token included: short chunks once
+# went through the torch tiles below (for the kernel's key-transpose cost), whose sums are ordered otherwise, so a
+# prompt's tokens depended on where it was cut; with the kernel everywhere they do not, at no measurable cost end
+# to end (docs/perf/code-notes-kernels.md).
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -76,7 +76,7 @@ class TorchOps:
     def lm_argmax(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         if self.int8_argmax:                          # the maximum found inside the kernel: no [N, vocab] logits
             return head.argmax(hidden)
-        return self.lm_logits(hidden, head).max(dim=-1).indices     # max(dim) is ~4x faster than argmax on CPU
+        return self.lm_logits(hidden, head).max(dim=-1).indices     # max(dim) is faster than argmax on CPU
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,8 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 
 
 /* Software prefetch of n rows of `bytes` each (row stride in bytes), one per cache line, into L2 (prefetcht2): a
- * block's 16 KB of keys and values issued into L1 at once (prefetcht0) evicted the block being read; measured
- * 1.2-1.4x faster decode attention on Zen 4 with L2 as the target. */
+ * block's 16 KB of keys and values issued into L1 at once (prefetcht0) evicted the block being read (L2 as the
+ * target measured faster: docs/perf/code-notes-kernels.md). */
 static inline void prefetch_rows(const char *p, int64_t stride, int32_t n, int32_t bytes) {
     for (int32_t j = 0; j < n; j++)
         for (int32_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + j * stride + o, 0, 1);

@@ -227,8 +227,8 @@ void pack_kv_bf16(const uint16_t *k_cache, const uint16_t *v_cache, const int32_
 /* pack_kv_bf16's operands from an int8 cache (kv_cache_dtype: int8; block layout in kv_write.c): each value is
  * its quant times its group's scale, rounded to bf16 once (what the bf16 kernel multiplies; the decode kernel
  * rounds the same way). Its own loops, not pack_kv_bf16's with a
- * row-kind switch: that shared version ran pack_kv_bf16 2x slower (its word loads and vectorized value rows lost;
- * 140 -> 285 us for 1,900 keys, same words). */
+ * row-kind switch: that shared version ran pack_kv_bf16 slower (its word loads and vectorized value rows lost;
+ * docs/perf/code-notes-kernels.md). */
 static inline const int8_t *i8_row(const int8_t *cache, const int32_t *table, int bs, int Hkv, int h, int D,
                                    int64_t pos, int64_t hi, const float **scales) {
     if (pos >= hi) return NULL;

@@ -236,7 +236,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
         __m512i ia[MR][2];
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
         /* a constant trip count, unrolled: as a loop from g * 8 GCC copied all twelve int32 accumulators at every
-         * step (24 register moves per 12 vpdpbusd); unrolled, the VNNI tile ran 1.1-1.2x faster at M = 3,600 */
+         * step (24 register moves per 12 vpdpbusd); unrolled, the VNNI tile ran faster (docs/perf/code-notes-kernels.md) */
 #pragma GCC unroll 8
         for (int u = 0; u < QK / 4; u++) {
             const int k4 = g * (QK / 4) + u;
@@ -526,7 +526,7 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
     if (M <= 0) return;
     const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
     /* chunks of at most MC rows, of equal size (in whole tiles): with 48 rows and MC 30 a 30 + 18 split left one
-     * of two threads idle 40 % of each decode-step linear (avx2 build; measured 1.22x faster split evenly) */
+     * of two threads idle for part of each decode-step linear (docs/perf/code-notes-kernels.md) */
     const int chunks = (M + MC - 1) / MC, even = (M + chunks - 1) / chunks;
     const int mcr = (even + MR - 1) / MR * MR, nmc = (M + mcr - 1) / mcr;
     int wide, ldq;

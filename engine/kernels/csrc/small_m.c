@@ -1,6 +1,6 @@
 /* y[M, N] = x[M, K] @ w[N, K]^T for a few rows (M <= 16): the LM head of decode steps, which see one row per
- * running sequence. torch's matmul at M = 1..16 reaches only ~12-110 GFLOP/s on the 262,144 x 640 bf16 head
- * (measured on a Zen 4): far below both the memory and the compute limit. Here each weight row is read once,
+ * running sequence. torch's matmul at such M runs far below both the memory and the compute limit on the
+ * 262,144 x 640 head (docs/perf/code-notes-kernels.md). Here each weight row is read once,
  * from memory, and dotted with every x row (x stays in L1), so the head is memory-bound: about its bytes over
  * the bandwidth. bf16 (x, w, y bf16; float32 accumulation) or float32, per build:
  *   AVX512-BF16: vdpbf16ps on bf16 pairs; other vector builds: widen to float32 + FMA; portable: scalar. */
