@@ -7,28 +7,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pyarrow as pa
 
 from engine import RequestOutput
-
-RESULT_SCHEMA = pa.schema([
-    ("row_key", pa.string()),
-    ("summary", pa.string()),
-    ("finish_reason", pa.string()),
-    ("prompt_tokens", pa.int64()),
-    ("cached_tokens", pa.int64()),
-    ("output_tokens", pa.int64()),
-    ("queue_s", pa.float64()),
-    ("prefill_s", pa.float64()),
-    ("ttft_s", pa.float64()),
-    ("tpot_s", pa.float64()),
-    ("e2e_s", pa.float64()),
-    ("error", pa.string()),
-    ("num_chunks", pa.int64()),        # on_too_long: map_reduce: the parts a long document was summarized in
-])
-RESULT_COLUMNS = [f.name for f in RESULT_SCHEMA]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +41,7 @@ class ResultRow:
     tpot_s: float | None = None
     e2e_s: float | None = None
     error: str | None = None
-    num_chunks: int | None = None
+    num_chunks: int | None = None      # on_too_long: map_reduce: the parts a long document was summarized in
 
     @classmethod
     def from_output(cls, key: str, out: RequestOutput) -> ResultRow:
@@ -80,6 +64,12 @@ class ResultRow:
     def from_dict(cls, d: dict) -> ResultRow:
         """A row read back from the part files (``RunState.load_done().to_pylist()``)."""
         return cls(**{k: d.get(k) for k in RESULT_COLUMNS})
+
+
+# The part files' schema, derived from ResultRow's fields (one definition of the result row).
+_ARROW_TYPES = {"str": pa.string(), "int": pa.int64(), "float": pa.float64()}
+RESULT_SCHEMA = pa.schema([(f.name, _ARROW_TYPES[f.type.split(" | ")[0]]) for f in dataclasses.fields(ResultRow)])
+RESULT_COLUMNS = RESULT_SCHEMA.names
 
 
 def results_table(rows: list[ResultRow]) -> pa.Table:
