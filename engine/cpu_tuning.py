@@ -2,8 +2,8 @@
 
 glibc's malloc serves allocations above 128 KiB with fresh mmap()s and returns them on free, so every
 activation, KV gather and logits buffer of every step page-faults its memory in again. Raising the mmap and
-trim thresholds keeps freed memory in the heap for reuse (what tcmalloc/jemalloc do for CPU inference).
-Measured here: a batched decode attention over 48 sequences ran 1.6-2.3x faster. The process keeps its peak
+trim thresholds keeps freed memory in the heap for reuse (what tcmalloc/jemalloc do for CPU inference;
+measured faster: docs/perf/code-notes-engine.md). The process keeps its peak
 heap instead of returning it to the OS, which suits a batch job.
 """
 from __future__ import annotations

@@ -9,8 +9,7 @@
     cpu      anything else (AVX2-only x86, AVX-512 without BF16,    float32   torch's bf16 matmul falls back to scalar
              aarch64, ...)                                                     code there: ~200x slower than fp32
 
-Measured with torch 2.13, 2 threads, a 2048x640 @ 640x2048 matmul: on a Zen 4 EPYC (AVX512-BF16) bf16
-~359 GFLOP/s vs float32 ~145; on a Zen 3 EPYC (AVX2 + FMA only, shared/MACHINE.md) bf16 ~0.5 vs float32 ~110.
+The ratios in the table: docs/perf/code-notes-engine.md.
 
 CPU features come from ``engine.kernels.cpu_features`` (torch's own probes, the ones its kernels dispatch on, with
 ``/proc/cpuinfo`` flags as a second source where torch lacks a probe).

@@ -76,9 +76,8 @@ def setup_engine(cfg: EngineConfig) -> EngineSetup:
                                 kernel_bf16_attention() if needs_kernels else False, cfg.dtype,
                                 kernel_isa() if needs_kernels else None, quantized_source=quantized_source)
     if quant.name == "int8" and cfg.dtype == "auto":
-        # NOTE: measured on gemma-3-270m (bench.quality, 10,500 positions): int8 weights with float32 activations
-        # pass the bar (KL 0.00084, 0.00089 with a bf16 KV cache, vs bf16's 0.00060); bf16 activations do not
-        # (top-1 0.978 vs bf16's 0.979, KL 0.0015).
+        # NOTE: int8 weights pass the quality bar with float32 activations and fail it with bf16 ones (bench.quality
+        # on gemma-3-270m; figures in docs/perf/code-notes-engine.md).
         choice = DtypeChoice("float32", "auto with int8 weights: float32 activations (bf16 activations fail "
                                         "int8's quality bar)")
     else:

@@ -3,14 +3,12 @@
 Attention is unchanged by subtracting one vector m from every key: a query's scores q.(k_j - m) = q.k_j - q.m all
 move by the same amount, which the softmax removes (exact in real arithmetic; float rounding aside). What changes
 is what the int8 cache must hold: gemma-3-270m's keys carry large per-channel offsets shared by every token, and
-with them removed each group of 32 values spans less, so its int8 steps are finer. Measured with
-``batchgen bench --quality`` (int8 weights, 2,100 teacher-forced positions; bar: KL <= 0.00120, top-1 >= 0.9776):
-no shift KL 0.00118, top-1 0.9786; shifted by the mean over the paragraph once (~230 tokens) 0.00117 / 0.9862;
-over the paragraph three times (~700 positions, so RoPE's rotating components average out) 0.00104 / 0.9871.
+with them removed each group of 32 values spans less, so its int8 steps are finer (``batchgen bench --quality``:
+docs/perf/code-notes-engine.md). The text is read three times so RoPE's rotating components average out.
 
 m is each layer's mean key over a fixed calibration text (``CALIBRATION_TEXT``: one paragraph of English prose,
 three times), computed once when an engine with ``kv_cache_dtype: int8`` loads, by one prefill through float
-caches of its own (~0.6 s at load on the Zen 4): the same model gives the same shifts in every run, so results
+caches of its own: the same model gives the same shifts in every run, so results
 never depend on what was processed first.
 Every key an int8 cache stores, prompt or decode, is shifted by its layer's m (``Attention.key_shift``).
 """

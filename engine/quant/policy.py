@@ -16,35 +16,10 @@ measured on the default model's GGUF weights, and a float checkpoint's user aske
 say ``int8``.
 
 ``auto`` may choose int8 only where it was measured faster end to end *and* passes the quality bar (top-1
-agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). Measured on
-a 2-core AMD EPYC Zen 4 (AVX512-VNNI, AVX512-BF16, no AMX), 20,000+ positions and ``batchgen bench
-shared-prefix`` in one run:
-
-    bf16                                 top-1 0.9792, KL 0.00060                      1 (32.9 s)
-    int8, float32 activations and KV     top-1 0.9850, KL 0.00083: meets the bar       1.03x bf16's speed
-    int8, float32 activations, bf16 KV   top-1 0.9869, KL 0.00088: meets the bar       1.35x (decode step 1.48x)
-    int8, float32 activations, int8 KV   top-1 0.9871, KL 0.00104: meets the bar       ~int8 + bf16 KV's
-                                         (2,100 positions; kv_cache_dtype: int8, opt-in: engine.quant.int8_kv)
-    int8, bf16 activations               top-1 0.9786, KL 0.00146: fails               -
-
-The int8 matmuls run at 500-570 GOP/s against torch bf16's 380-410. A bf16 KV cache costs little because
-bf16 attention multiplies into float32 there (csrc/bf16_gemm.c); it halves decode's KV bytes.
-
-AVX2-only CPUs (the kernels built with ``BATCHGEN_KERNEL_FLAGS="-O3 -mavx2 -mfma -fopenmp"`` on the same Zen 4,
-whose float32 matmul has the FMA throughput of a Zen 3's): the avx2 int8 linear (vpmaddubsw) runs at 1.8-1.9x
-torch's float32 matmul per thread (1.4x on weights beyond +-64, which take the sign trick; weights within +-16, the
-default GGUF's Q5_0 tensors, sum four steps in int16: 1.07x end to end), and in five
-``--dtype float32`` shared-prefix runs int8 was 1.27-1.61x float32's wall time (decode steps 1.53-2.34x).
-Since prefill attention runs in one C call (csrc/prefill.c: keys converted to float32 once per chunk) a bf16
-KV cache is faster there too (one run: int8 + bf16 KV 1.55x float32's wall, decode step 2.25x; int8 + float32
-KV 1.42x / 1.90x; with the int16 sums, in a slower session: 1.71x, decode step 2.70x), and ``auto`` picks it;
-10,000+ positions: top-1 0.9824, KL 0.00086 (float32 KV 0.9843 / 0.00090) against bf16's 0.9765 / 0.00068.
-Weights within +-64 everywhere (so every avx2 linear takes the direct path) were measured and fail the bar:
-re-quantizing the Q4_K / Q6_K tensors to +-64 gave KL 0.00148, and Q8_0 (the tied LM head) too 0.00325, against
-the bar's 0.00136. Not chosen:
-AVX-512 without VNNI takes the avx2 int8 path against an AVX-512 float32 matmul (two FMA units on Intel's):
-not measured; on AMX CPUs torch's bf16 matmul runs on AMX tiles (750-2,000 GFLOP/s), which our VNNI kernels do
-not approach.
+agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). The builds
+above are those where it was (AVX512-VNNI with the bf16 attention kernel; AVX2-only builds); the measurements
+behind each row: docs/design/quantization.md and docs/perf/code-notes-engine.md. On AMX CPUs torch's bf16 matmul
+runs on AMX tiles, which our VNNI kernels do not approach; AVX-512 without VNNI is not measured.
 """
 from __future__ import annotations
 
@@ -84,7 +59,7 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                               "(no C compiler, or BATCHGEN_CPU_KERNELS=0)")
         if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa):
             # NOTE: the KV cache auto picks too: explicit int8 used to keep it in the activation dtype (float32),
-            # which on Zen 4 ran 1.03x bf16 against 1.35x with a bf16 cache (the table above)
+            # measured slower than with a bf16 cache (docs/perf/code-notes-engine.md)
             return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products; KV cache auto: bf16, measured "
                                        "faster here and within the quality bar)", kv_cache_dtype="bfloat16")
         return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products)")
