@@ -38,6 +38,9 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--breakdown", is_flag=True, help="Also time batchgen's kernel families (linears, LM head, attention, "
               "norms) per step kind, with the linears' op rate: where the time went (bench.breakdown).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt text.")
+@click.option("--contend", type=click.IntRange(0, 16), default=0, show_default=True,
+              help="Run each batchgen system again beside N busy-loop processes (a shared machine) and report "
+                   "how many times longer it took than quiet, and whether its tokens changed.")
 @click.option("--quality", is_flag=True, help="Instead of a workload: top-1 agreement and KL of bf16 and int8 against "
               "float32, teacher-forced on the sample documents (the int8 quality bar).")
 @click.option("--formats", is_flag=True, help="With --quality: also the int8 formats that would drop the matmul's "
@@ -48,7 +51,7 @@ def _csv(value: str | None) -> list[str] | None:
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
               hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, breakdown, seed,
-              quality, formats, positions, json_path):
+              contend, quality, formats, positions, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
     # NOTE: lazy: the bench modules import torch; the CLI starts (and lists systems and shapes) without it
@@ -90,7 +93,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
                             output_tokens=output_tokens, hf_batch_sizes=sizes, model=model, dtype=dtype,
                             threads=threads, systems=tuple(chosen), max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-                            roofline=not no_roofline, breakdown=breakdown, seed=seed)
+                            roofline=not no_roofline, breakdown=breakdown, seed=seed, contend=contend)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     progress = (lambda partial: save_json(partial, json_path)) if json_path else None

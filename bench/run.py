@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from bench.contend import contended_ratio, contention
 from bench.options import BenchOptions, say
 from bench.result import SystemResult
 from bench.systems.batchgen import BATCHGEN_VARIANTS, run_batchgen
@@ -104,6 +105,15 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
             ensure_prompts()
             res, llm = run_batchgen(opts, prompts, name, roof)
             model_info = model_info or llm.info.to_dict()
+            if opts.contend:
+                del llm
+                gc.collect()
+                say(opts, f"{name}: again beside {opts.contend} busy loop(s)")
+                with contention(opts.contend):
+                    busy, llm = run_batchgen(opts, prompts, name, roof)
+                res.extra.update(contend=opts.contend, contended_wall_s=busy.wall_s,
+                                 contention_ratio=contended_ratio(res.wall_s, busy.wall_s),
+                                 contended_same_tokens=busy.outputs == res.outputs)
         except ConfigError as e:        # a setting this model cannot take (an int8 KV cache off its head_dim)
             res = SystemResult(system=name, label=name, skipped=str(e))
         finally:
