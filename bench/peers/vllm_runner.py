@@ -1,0 +1,54 @@
+"""vLLM's CPU backend on one bench request; runs INSIDE the vllm peer venv (bench/peers/setup.sh vllm), so it
+imports only vllm and the standard library, never batchgen.
+
+    python vllm_runner.py REQUEST.json RESULT.json
+
+The request (bench/systems/peer.py writes it): ``model`` (an HF directory), ``prompts`` and ``warmup`` (lists of
+token id lists), ``max_tokens``, ``prefix_caching``, ``max_model_len``. The environment (threads bound, Intel
+OpenMP preloaded, KV space) is set by the caller, since vLLM reads it at import. The result: per prompt output
+token ids and cached prompt tokens (``RequestOutput.num_cached_tokens``), ``load_s`` (the LLM built: weights,
+compile, KV allocation), ``warmup_s``, ``generate_s`` (all prompts in one ``generate`` call).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(request_path: str, result_path: str) -> None:
+    with open(request_path) as f:
+        req = json.load(f)
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    t = time.monotonic()
+    llm = LLM(model=req["model"], dtype="bfloat16", enable_prefix_caching=bool(req["prefix_caching"]),
+              max_model_len=int(req.get("max_model_len") or 4096), seed=0)
+    load_s = time.monotonic() - t
+
+    def run(prompts: list[list[int]], n: int):
+        # greedy, exactly n tokens each (EOS ignored): the same work as the other systems
+        params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+
+    t = time.monotonic()
+    if req.get("warmup"):
+        run(req["warmup"], 2)
+    warmup_s = time.monotonic() - t
+    t = time.monotonic()
+    outs = run(req["prompts"], int(req["max_tokens"]))
+    generate_s = time.monotonic() - t
+    result = {
+        "peer": "vllm", "version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s,
+        "generate_s": generate_s,
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
+        "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+    }
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":      # NOTE: the guard matters: vLLM starts its engine core in child processes
+    main(*sys.argv[1:3])
