@@ -57,6 +57,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
     # NOTE: lazy: the bench modules import torch; the CLI starts (and lists systems and shapes) without it
     from bench.options import options_from
     from bench.run import run_bench
+    from bench.systems.peer import PeerMissing
     from bench.table import format_table, save_json
 
     if formats and not quality:
@@ -97,7 +98,10 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     progress = (lambda partial: save_json(partial, json_path)) if json_path else None
-    result = run_bench(opts, progress)
+    try:
+        result = run_bench(opts, progress)
+    except PeerMissing as e:            # a peer named in --systems that is not set up: before anything ran
+        raise click.UsageError(str(e)) from None
     click.echo(format_table(result))
     if json_path:
         click.echo(f"saved {save_json(result, json_path)}")

@@ -14,7 +14,7 @@ class SystemResult:
     wall_s: float | None = None
     num_requests: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0            # prompt tokens served from a prefix cache (known for batchgen only)
+    cached_tokens: int = 0            # prompt tokens served from a prefix cache (batchgen, and peers that report it)
     output_tokens: int = 0
     ttft_s: list[float] | None = None
     tpot_s: list[float] | None = None
@@ -37,7 +37,8 @@ class SystemResult:
 
     @property
     def hit_rate(self) -> float | None:
-        if not self.prompt_tokens or not self.system.startswith("batchgen"):
+        known = self.system.startswith("batchgen") or self.extra.get("cached_tokens_reported")
+        if not self.prompt_tokens or not known:
             return None
         return self.cached_tokens / self.prompt_tokens
 

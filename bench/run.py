@@ -1,5 +1,6 @@
-"""The bench's orchestrator: every selected system on one workload, in one process, in a fixed order
-(batchgen variants, transformers, llama.cpp); the result dict is what ``--json`` saves."""
+"""The bench's orchestrator: every selected system on one workload, in a fixed order (batchgen variants,
+transformers, llama.cpp in this process; then the peers vLLM and OpenVINO, each a subprocess in its own venv);
+the result dict is what ``--json`` saves."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,11 @@ from bench.options import BenchOptions, say
 from bench.result import SystemResult
 from bench.systems.batchgen import BATCHGEN_VARIANTS, run_batchgen
 from bench.systems.llamacpp import run_llama_cpp
-from bench.systems.registry import SYSTEMS
+from bench.systems.peer import check_peer, run_peer
+from bench.systems.registry import PEER_SYSTEMS, SYSTEMS
 from bench.systems.transformers import hf_continuous_batching_available, load_hf_model, run_hf_cb, run_hf_generate
 from bench.table import agreement, ratios
-from bench.workloads import build_prompts
+from bench.workloads import build_prompts, warmup_prompts
 from costmodel.calibrate import get_calibration
 from costmodel.roofline import Roofline
 from engine.config import EngineConfig
@@ -56,6 +58,9 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
     unknown = sorted(set(opts.systems) - set(SYSTEMS))
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    for name in PEER_SYSTEMS:       # a peer that is not set up stops the run before anything runs (PeerMissing)
+        if name in opts.systems:
+            check_peer(name, opts.model)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     w = opts.workload
@@ -167,6 +172,15 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         if not res.skipped:
             say(opts, f"llama.cpp: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
         add(res)
+
+    for name in PEER_SYSTEMS:
+        if name in opts.systems:
+            ensure_prompts()
+            res = run_peer(name, opts, prompts, warmup_prompts(tokenizer), torch.get_num_threads())
+            if not res.skipped:
+                say(opts, f"{name}: {res.wall_s:.1f} s (load {res.extra['load_s']:.1f} s), "
+                          f"{res.output_tps:.1f} output tok/s")
+            add(res)
 
     env["loadavg_after"] = _loadavg()
     env["finished"] = time.time()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bench.breakdown import format_bound, format_breakdown
 from bench.result import SystemResult
-from bench.systems.registry import INT8_SYSTEMS
+from bench.systems.registry import INT8_SYSTEMS, PEER_SYSTEMS
 
 
 def agreement(results: list[SystemResult]) -> None:
@@ -62,6 +62,10 @@ def ratios(results: list[SystemResult]) -> dict:
     if peer:
         for r in filter(None, (on, *(by.get(n) for n in INT8_SYSTEMS), dflt)):
             out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
+    for name in PEER_SYSTEMS:            # generation time against generation time; the peers' load is apart
+        other = next((r for r in ok if r.system == name), None)
+        for r in filter(None, (on, dflt) if other else ()):
+            out[f"{r.system.replace('-', '_')}_vs_{name}"] = other.wall_s / r.wall_s
     return out
 
 
@@ -98,6 +102,10 @@ def format_table(result: dict) -> str:
             f"{_f(s['hit_rate'], '6.1f', 100)} {_f(s['mfu'], '6.1f', 100)} {_f(s['prefill_mfu'], '7.1f', 100)} "
             f"{_f(s['decode_mbu'], '7.1f', 100)} {_f(s['match_rate'], '6.2f')}")
     lines.append("")
+    for s in result["systems"]:          # the peers in their venvs: load (weights, compile, KV) apart from wall
+        if not s["skipped"] and s["extra"].get("load_s") is not None:
+            lines.append(f"{s['label']} {s['extra'].get('version') or ''}: load {s['extra']['load_s']:.1f} s, "
+                         f"warm-up {s['extra'].get('warmup_s') or 0:.1f} s (not in wall)")
     r = result["ratios"]
     best = r.get("best_transformers")
     if "batchgen_vs_best_transformers" in r:
@@ -132,6 +140,10 @@ def format_table(result: dict) -> str:
                        ("batchgen_default_vs_llama_cpp", "batchgen defaults")):
         if key in r:
             lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
+    for name in PEER_SYSTEMS:
+        for key, label in ((f"batchgen_vs_{name}", "batchgen"), (f"batchgen_default_vs_{name}", "batchgen defaults")):
+            if key in r:
+                lines.append(f"{label} vs {name}: {r[key]:.2f}x (generation time)")
     for s in result["systems"]:
         if s["extra"].get("breakdown"):
             lines += ["", *format_breakdown(s["label"], s["extra"]["breakdown"])]

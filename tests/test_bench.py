@@ -10,11 +10,13 @@ from click.testing import CliRunner
 from bench.options import BenchOptions, options_from
 from bench.result import SystemResult
 from bench.run import run_bench
-from bench.systems.registry import SYSTEMS
+from bench.systems.registry import PEER_SYSTEMS, SYSTEMS
 from bench.table import format_table, ratios, save_json
 from bench.workloads import build_prompts, make_workload
 from costmodel.stats import percentile
 from tests.model_utils import save_tiny, tiny_hf_model, tiny_tokenizer
+
+IN_PROCESS = tuple(s for s in SYSTEMS if s not in PEER_SYSTEMS)     # the peers' venvs: tests/test_bench_peers.py
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,8 @@ def quick_result(tiny_dir, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("BATCHGEN_CACHE_DIR", str(tmp_path_factory.mktemp("bench_cache")))   # quick calibration, not ~
     try:
-        opts = options_from("shared-prefix", quick=True, model=tiny_dir, dtype="float32", log=False, systems=SYSTEMS)
+        opts = options_from("shared-prefix", quick=True, model=tiny_dir, dtype="float32", log=False,
+                            systems=IN_PROCESS)
         partials = []
         result = run_bench(opts, partials.append)
     finally:
@@ -64,7 +67,7 @@ def test_quick_runs_every_system_with_consistent_counts(quick_result):
     opts, result, _ = quick_result
     w = opts.workload
     systems = {s["label"]: s for s in result["systems"]}
-    assert set(s["system"] for s in result["systems"]) == set(SYSTEMS)
+    assert set(s["system"] for s in result["systems"]) == set(IN_PROCESS)
     ran = [s for s in result["systems"] if not s["skipped"]]
     assert {"batchgen", "batchgen-nocache", "hf-generate bs=4"} <= {s["label"] for s in ran}
     for s in ran:
@@ -118,7 +121,7 @@ def test_unknown_shape_and_system_are_errors():
     with pytest.raises(ValueError, match="unknown workload shape"):
         make_workload("nope")
     with pytest.raises(ValueError, match="unknown system"):
-        run_bench(BenchOptions(workload=make_workload("shared-prefix", quick=True), systems=("vllm",), log=False))
+        run_bench(BenchOptions(workload=make_workload("shared-prefix", quick=True), systems=("nope",), log=False))
 
 
 def test_cli_bench(tiny_dir, tmp_path):
@@ -133,8 +136,8 @@ def test_cli_bench(tiny_dir, tmp_path):
     assert [s["label"] for s in data["systems"]] == ["batchgen", "hf-generate bs=4"]
     assert data["workload"]["n"] == 4 and all(s["output_tokens"] == 4 * 6 for s in data["systems"])
     assert data["systems"][0]["mfu"] is None                                         # --no-roofline
-    bad = CliRunner().invoke(main, ["bench", "--quick", "--systems", "vllm"])
-    assert bad.exit_code == 2 and "unknown vllm" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "--quick", "--systems", "nope"])
+    assert bad.exit_code == 2 and "unknown nope" in bad.output
 
 
 def test_default_system_ratios_and_line():

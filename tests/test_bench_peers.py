@@ -1,0 +1,182 @@
+"""The peers in their own venvs (vLLM, OpenVINO; bench/systems/peer.py), without either installed: a fake peer
+python stands in for each venv's and answers the request with deterministic tokens, so the request/result
+protocol, the environment, the failure row, the missing-venv error and the registry are held. No timing
+assertions."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from bench.options import options_from
+from bench.result import SystemResult
+from bench.run import run_bench
+from bench.systems import peer
+from bench.systems.registry import BENCH_EXTRA_SYSTEMS, BENCH_SYSTEMS, PEER_SYSTEMS, SYSTEMS
+from bench.table import agreement, format_table, ratios
+from bench.workloads import build_prompts
+from engine.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The stand-in for a peer venv's python: called as `python RUNNER REQUEST RESULT`, it keeps what it got and
+# answers as a runner would (output token k of prompt i: (last prompt token + i + k) % 97).
+FAKE = '''#!{python}
+import json, os, sys
+runner, req_path, res_path = sys.argv[1:4]
+name = os.path.basename(runner).removesuffix("_runner.py")
+here = os.path.dirname(os.path.dirname(os.path.abspath(sys.argv[0])))
+req = json.load(open(req_path))
+keep = {{k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+                                      "PYTHONPATH")}}
+json.dump({{"runner": runner, "request": req, "env": keep}}, open(os.path.join(here, "seen.json"), "w"))
+if os.environ.get("FAKE_PEER_FAIL"):
+    print("RuntimeError: no kernel for this CPU", file=sys.stderr)
+    sys.exit(3)
+n = req["max_tokens"]
+outs = [[(p[-1] + i + k) % 97 for k in range(n)] for i, p in enumerate(req["prompts"])]
+cached = [0 if i == 0 or req["groups"][i] != req["groups"][i - 1] else len(p) // 2
+          for i, p in enumerate(req["prompts"])] if name == "vllm" else None
+json.dump({{"peer": name, "version": "0.0-fake", "load_s": 1.5, "warmup_s": 0.25, "generate_s": 2.0,
+           "outputs": outs, "prompt_tokens": [len(p) for p in req["prompts"]], "cached_tokens": cached}},
+          open(res_path, "w"))
+'''
+
+
+@pytest.fixture
+def peers(tmp_path, monkeypatch, tiny_llama_dir):
+    """A peers dir with fake vllm and openvino venvs and the tiny model's OpenVINO 'export'."""
+    root = tmp_path / "peers"
+    for name in PEER_SYSTEMS:
+        py = root / name / "bin" / "python"
+        py.parent.mkdir(parents=True)
+        py.write_text(FAKE.format(python=sys.executable))
+        py.chmod(0o755)
+    (root / "models" / f"{Path(tiny_llama_dir).name}-ov-fp16").mkdir(parents=True)
+    monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(root))
+    monkeypatch.delenv("FAKE_PEER_FAIL", raising=False)
+    return root
+
+
+def _opts(model, systems, **kw):
+    return options_from("shared-prefix", quick=True, model=model, dtype="float32", log=False, roofline=False,
+                        systems=systems, **kw)
+
+
+def test_registry_lists_the_peers_as_extra_systems():
+    assert PEER_SYSTEMS == ("vllm", "openvino")
+    assert set(PEER_SYSTEMS) <= set(BENCH_EXTRA_SYSTEMS) and not set(PEER_SYSTEMS) & set(BENCH_SYSTEMS)
+    assert set(PEER_SYSTEMS) <= set(SYSTEMS) and set(peer.PEERS) == set(PEER_SYSTEMS)
+    for name in PEER_SYSTEMS:
+        assert (peer.RUNNERS / f"{name}_runner.py").is_file()
+
+
+def test_runners_import_only_their_peer_numpy_and_the_standard_library():
+    """The runners run inside the peer venvs: nothing of ours (batchgen, bench, engine ...) and no torch."""
+    allowed = {"vllm": {"vllm"}, "openvino": {"openvino", "openvino_genai", "numpy"}}
+    for name, extra in allowed.items():
+        tree = ast.parse((peer.RUNNERS / f"{name}_runner.py").read_text())
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert mods - extra <= set(sys.stdlib_module_names) | {"__future__"}, (name, mods)
+
+
+def test_round_trip_through_fake_peers(peers, tiny_llama_dir):
+    opts = _opts(tiny_llama_dir, ("vllm", "openvino"))
+    result = run_bench(opts)
+    w = opts.workload
+    prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), w, opts.seed)
+    seen = json.loads((peers / "openvino" / "seen.json").read_text())
+    req = seen["request"]
+    assert seen["runner"] == str(peer.RUNNERS / "openvino_runner.py")
+    assert req["prompts"] == [list(p.token_ids) for p in prompts]            # the same token ids, planned order
+    assert req["groups"] == [p.group for p in prompts] and req["max_tokens"] == w.output_tokens
+    assert req["model"] == str(peers / "models" / f"{Path(tiny_llama_dir).name}-ov-fp16")
+    assert req["prefix_caching"] is True and req["threads"] >= 1 and req["warmup"]
+    vreq = json.loads((peers / "vllm" / "seen.json").read_text())
+    assert vreq["request"]["model"] == str(tiny_llama_dir)                    # an HF directory: loaded as it is
+    assert vreq["env"]["HF_HUB_OFFLINE"] == "1" and vreq["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert vreq["env"]["VLLM_CPU_OMP_THREADS_BIND"] and vreq["env"]["PYTHONPATH"] is None
+
+    rows = {s["system"]: s for s in result["systems"]}
+    assert list(rows) == ["vllm", "openvino"]
+    for name, s in rows.items():
+        assert not s["skipped"], s["skipped"]
+        assert s["num_requests"] == w.n and s["output_tokens"] == w.n * w.output_tokens
+        assert s["prompt_tokens"] == w.n * w.prompt_tokens
+        assert s["wall_s"] == 2.0 and s["extra"]["load_s"] == 1.5 and s["extra"]["version"] == "0.0-fake"
+        assert Path(s["extra"]["log"]).is_file()
+    vllm, ov = rows["vllm"], rows["openvino"]
+    first_of_group = {p.group: i for i, p in reversed(list(enumerate(prompts)))}
+    want_cached = sum(len(p.token_ids) // 2 for i, p in enumerate(prompts) if first_of_group[p.group] != i)
+    assert vllm["cached_tokens"] == want_cached and vllm["hit_rate"] == pytest.approx(want_cached /
+                                                                                     vllm["prompt_tokens"])
+    assert ov["cached_tokens"] == 0 and ov["hit_rate"] is None                # not reported: n/a, not 0 %
+    table = format_table(result)
+    assert "vllm 0.0-fake: load 1.5 s, warm-up 0.2 s (not in wall)" in table and "openvino" in table
+
+
+def test_outputs_are_per_prompt_and_agreement_counts_them(peers, tiny_llama_dir):
+    opts = _opts(tiny_llama_dir, ("vllm",))
+    prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
+    res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
+    T = opts.workload.output_tokens
+    assert res.outputs == [[(p.token_ids[-1] + i + k) % 97 for k in range(T)] for i, p in enumerate(prompts)]
+    on = SystemResult("batchgen", "batchgen", wall_s=1.0, output_tokens=res.output_tokens,
+                      outputs=[list(o) for o in res.outputs])
+    on.outputs[0][-1] += 1
+    agreement([on, res])
+    assert res.match_rate == pytest.approx((len(prompts) - 1) / len(prompts))
+    assert ratios([on, res])["batchgen_vs_vllm"] == 2.0
+
+
+def test_a_peer_that_fails_is_a_row_saying_why(peers, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("FAKE_PEER_FAIL", "1")
+    result = run_bench(_opts(tiny_llama_dir, ("vllm",)))
+    (s,) = result["systems"]
+    assert s["skipped"].startswith("failed (exit 3") and "no kernel for this CPU" in s["skipped"]
+    assert "skipped: failed (exit 3" in format_table(result)
+
+
+def test_missing_venv_or_model_says_which_setup_to_run(tmp_path, monkeypatch, tiny_llama_dir):
+    monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(tmp_path / "none"))
+    with pytest.raises(peer.PeerMissing, match=r"bash bench/peers/setup.sh vllm"):
+        run_bench(_opts(tiny_llama_dir, ("batchgen", "vllm")))             # before anything runs
+    py = tmp_path / "none" / "openvino" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("")
+    with pytest.raises(peer.PeerMissing, match=r"not converted .*bash bench/peers/setup.sh openvino"):
+        peer.check_peer("openvino", tiny_llama_dir)
+    from batchgen.cli import main
+    res = CliRunner().invoke(main, ["bench", "--quick", "--model", tiny_llama_dir, "--dtype", "float32",
+                                    "--systems", "batchgen,vllm", "--no-roofline"])
+    assert res.exit_code == 2 and "bash bench/peers/setup.sh vllm" in res.output, res.output
+
+
+def test_vllm_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(tmp_path))
+    for var in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    lib = tmp_path / "vllm" / "lib" / "libiomp5.so"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    env = peer.peer_env("vllm", 1)
+    cpu = min(os.sched_getaffinity(0))
+    assert env["LD_PRELOAD"] == str(lib) and env["VLLM_CPU_OMP_THREADS_BIND"] == f"{cpu}-{cpu}"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["HF_HUB_OFFLINE"] == "1" and "PYTHONPATH" not in env
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")                        # a set variable wins
+    assert peer.peer_env("vllm", 1)["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    assert "LD_PRELOAD" not in peer.peer_env("openvino", 1)
+
+
+def test_setup_script_refuses_an_unknown_peer():
+    res = subprocess.run(["bash", str(ROOT / "bench" / "peers" / "setup.sh"), "nope"], capture_output=True,
+                         text=True, env={**os.environ, "BATCHGEN_PEERS_DIR": "/nonexistent-peers"})
+    assert res.returncode == 2 and "choose vllm or openvino" in res.stderr
