@@ -22,6 +22,10 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
                       documents in group order, one Llama object keeping its KV between prompts (prefix
                       reuse), swa_full=True (without it Gemma 3's reused prefixes give different tokens),
                       flash_attn=True, n_batch=512
+    vllm              vLLM's CPU backend in its own venv (``bash bench/peers/setup.sh vllm``; not in the defaults):
+                      bf16 HF copy of the model, prefix caching, all prompts in one generate (systems/peer.py)
+    openvino          OpenVINO GenAI in its own venv (``bash bench/peers/setup.sh openvino``; not in the defaults):
+                      fp16 IR, ContinuousBatchingPipeline, one prompt per shared prefix first
     hf-generate       transformers ``generate`` on left-padded batches, one row per batch size tried
     hf-cb             transformers continuous batching (``generate_batch``), where it runs
 
@@ -37,7 +41,9 @@ only on sampled rows; padding and masked work are not counted) against the calib
 (``costmodel.calibrate``); decode MBU counts weight + KV bytes of decode steps against calibrated bandwidth.
 
     workloads.py        the shapes and their prompts (no torch: the CLI lists the shapes from here)
-    systems/            one runner per system (batchgen.py, transformers.py, llamacpp.py); registry.py names them
+    systems/            one runner per system (batchgen.py, transformers.py, llamacpp.py, peer.py); registry.py
+                        names them
+    peers/              the peers' setup.sh and the runners that run inside their venvs
     options.py          BenchOptions (one run's settings) and the CLI's values -> options
     result.py           SystemResult: one system's numbers
     run.py              the orchestrator: every selected system on one workload (``run_bench``)
