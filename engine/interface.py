@@ -37,6 +37,9 @@ class EngineInfo:
     quantization: str = "none"         # resolved: none | int8 (engine.quant.policy)
     quantization_reason: str = ""
     weight_bytes: int = 0              # resident bytes of the loaded weights (int8 packs included)
+    # engine.tuning: {"mode": "tuned", "source": measured | cached, "choice", "reason", "candidates" (with their
+    # times), "kernels", ...} or {"mode": "table", "reason"} where the tables decided
+    tuning: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready (manifests, traces, the report)."""

@@ -48,15 +48,15 @@ class LLM:
             config = EngineConfig.from_options(model, dtype=dtype, **engine_args)
         elif engine_args:
             raise ConfigError(f"LLM(config=...) takes no further options, got {', '.join(sorted(engine_args))}")
-        setup = setup_engine(config)                            # every automatic setting, resolved once
+        if config.num_threads:                                  # before setup: the tuner measures with them
+            torch.set_num_threads(config.num_threads)
+        setup = setup_engine(config, tune=True)                 # every automatic setting, resolved once
         log_choice(setup.dtype_choice)                          # once per engine (validation stays quiet)
         # The one resolved config: the scheduler, runner, info and manifest all see this one.
         self.config = cfg = setup.config
         self.device, self.dtype_choice, self.dtype = setup.device, setup.dtype_choice, setup.dtype
         self.source, self.model_config, self._identity = setup.source, setup.model_config, setup.identity
         self.backend = setup.backend
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()
         marks("resolve_s")
@@ -65,7 +65,7 @@ class LLM:
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, self.source, self._identity)
             self.model, self.weights_from = load_model(self.source, self.model_config, self.dtype, self.device,
-                                                       self._identity, cfg.quantization)
+                                                       self._identity, cfg.quantization, setup.kernels)
             marks("weights_s")
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_ids(self.model_config, self.tokenizer)

@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import engine.quant.int8_kv as int8_kv
+import engine.tuning.decision as decision
 from engine.attention.backend import AttentionBackend
 from engine.attention.selector import get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.dtype_policy import DTYPES, DtypeChoice, choose_dtype, log_choice
+from engine.dtype_policy import DTYPES, DtypeChoice, log_choice
 from engine.errors import ConfigError
 from engine.interface import EngineInfo
 from engine.loader import ModelSource, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
 from engine.memory import num_kv_blocks
 from engine.models.config import ModelConfig
-from engine.quant.policy import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_isa, kernel_q8_isa
+from engine.quant.policy import QuantChoice
+from engine.tuning.candidates import Format, kernel_facts, table_choice
 
 log = logging.getLogger("batchgen.engine")
 
@@ -44,6 +46,8 @@ class EngineSetup:
     quant_choice: QuantChoice
     backend: AttentionBackend
     num_kv_blocks: int
+    kernels: dict | None = None    # C or torch per kernel family (engine.tuning's choice); None: the table's
+    tuning: dict = field(default_factory=dict)     # EngineInfo.tuning: the decision, or why the tables decided
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,31 +64,40 @@ class EngineSetup:
             dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.num_kv_blocks, attention_backend=self.backend.name,
             path=str(self.source.path), dtype_reason=self.dtype_choice.reason, config=dataclasses.asdict(cfg),
-            quantization=cfg.quantization, quantization_reason=self.quant_choice.reason,
+            quantization=cfg.quantization, quantization_reason=self.quant_choice.reason, tuning=self.tuning,
             **extra)
 
 
-def setup_engine(cfg: EngineConfig) -> EngineSetup:
-    """Resolve the model and every automatic setting of ``cfg``; ConfigError / ModelLoadError name what is wrong."""
+def setup_engine(cfg: EngineConfig, tune: bool = False, retune: bool = False) -> EngineSetup:
+    """Resolve the model and every automatic setting of ``cfg``; ConfigError / ModelLoadError name what is wrong.
+
+    ``auto`` settings on a CPU take the tuner's cached decision for this model and machine (engine.tuning); with
+    none cached, ``tune`` measures one (an engine's load) and otherwise the tables decide (planning, validation).
+    ``retune``: measure again even if one is cached (``batchgen calibrate --retune``)."""
     source = resolve_model(cfg.model)                          # a bad model spec is the first thing to report
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
     quantized_source = source.kind == "gguf"
-    needs_kernels = device.type == "cpu" and (cfg.quantization == "int8" or
+    untuned = decision.tunable(cfg, device.type)
+    needs_kernels = device.type == "cpu" and (untuned is None or cfg.quantization == "int8" or
                                               (cfg.quantization == "auto" and quantized_source))
-    quant = choose_quantization(cfg.quantization, device.type, kernel_q8_isa() if needs_kernels else None,
-                                kernel_bf16_attention() if needs_kernels else False, cfg.dtype,
-                                kernel_isa() if needs_kernels else None, quantized_source=quantized_source)
-    if quant.name == "int8" and cfg.dtype == "auto":
-        # NOTE: int8 weights pass the quality bar with float32 activations and fail it with bf16 ones (bench.quality
-        # on gemma-3-270m; figures in docs/perf/code-notes-engine.md).
-        choice = DtypeChoice("float32", "auto with int8 weights: float32 activations (bf16 activations fail "
-                                        "int8's quality bar)")
-    else:
-        choice = choose_dtype(cfg.dtype, device.type)      # auto: by device and instruction set
+    facts = kernel_facts(device.type, needs_kernels)
+    quant, choice, kv = table_choice(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype, device.type, quantized_source,
+                                     facts)
+    mcfg = load_model_config(source)
+    identity = model_identity(source)
+    kernels, tuning = None, decision.table_record(untuned or "no decision cached for this model here (only an "
+                                                            "engine's load measures one)")
+    if untuned is None:
+        tuned = decision.resolve(cfg, mcfg, source, identity, quantized_source, facts,
+                                 Format(quant.name, choice.dtype, kv), measure=tune or retune, retune=retune)
+        if tuned is not None:                             # explicit fields keep the table's reason (they won)
+            tq, tc, kv, kernels = tuned.choices()
+            quant = tq if cfg.quantization == "auto" else quant
+            choice = tc if cfg.dtype == "auto" else choice
+            tuning = tuned.record()
     if device.type == "cpu" and choice.dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
-    mcfg = load_model_config(source)
     backend = get_backend(cfg.attention_backend, device)
     block_size = backend.block_size_for(cfg.block_size)
     if block_size != cfg.block_size:
@@ -92,7 +105,6 @@ def setup_engine(cfg: EngineConfig) -> EngineSetup:
     max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     cfg = dataclasses.replace(cfg, dtype=choice.dtype, device=str(device), block_size=block_size,
                               max_model_len=max_model_len, quantization=quant.name)
-    kv = (quant.kv_cache_dtype or choice.dtype) if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
     if kv != choice.dtype:
         if device.type != "cpu":
             raise ConfigError(f"kv_cache_dtype: {kv} differs from dtype {choice.dtype}; on {device.type} the KV "
@@ -102,7 +114,7 @@ def setup_engine(cfg: EngineConfig) -> EngineSetup:
                           f"{int8_kv.GROUP} share a scale); this model's is {mcfg.head_dim}")
     cfg = dataclasses.replace(cfg, kv_cache_dtype=kv)
     blocks = num_kv_blocks(cfg, mcfg, KV_DTYPES[kv], device, block_size, max_model_len)
-    return EngineSetup(cfg, source, mcfg, model_identity(source), device, choice, quant, backend, blocks)
+    return EngineSetup(cfg, source, mcfg, identity, device, choice, quant, backend, blocks, kernels, tuning)
 
 
 class PlanningEngine:

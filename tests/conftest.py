@@ -9,10 +9,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import types
 
 import pytest
+
+# engine.tuning: tests never pay the tuner's probe (the tables decide, as with BATCHGEN_TUNE=off anywhere), so
+# tiny models and the default model alike resolve as before; tests/test_tuning.py turns it on per test with a
+# throwaway cache dir and injected timings.
+os.environ["BATCHGEN_TUNE"] = "off"
 
 _WORDS = ("the customer asked about a refund for an order that arrived late and the agent explained the "
           "policy on returns shipping damaged items warranty invoices billing account password reset "

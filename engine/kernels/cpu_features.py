@@ -28,6 +28,17 @@ def cpuinfo_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split()) if line else frozenset()
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name (/proc/cpuinfo ``model name``), else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_signature() -> str:
     """Part of the kernel cache key: -march=native output must not move to another CPU (shared home directories)."""
     return _flags_line() or platform.processor() or platform.machine()

@@ -47,10 +47,12 @@ def bf16_gemm(a: torch.Tensor, bp: torch.Tensor, n: int | None = None,
 SMALL_M_MAX = {torch.bfloat16: 12, torch.float32: 16}
 
 
-def small_m_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """True when ``small_m_linear`` serves x [M, K] @ w[N, K]^T (CPU, bf16 or float32, few rows)."""
+def small_m_ok(x: torch.Tensor, w: torch.Tensor, any_rows: bool = False) -> bool:
+    """True when ``small_m_linear`` serves x [M, K] @ w[N, K]^T (CPU, bf16 or float32, few rows; ``any_rows``: at
+    every row count, as one choice for all of them)."""
     return (x.device.type == "cpu" and x.dtype in SUFFIX and w.dtype == x.dtype and x.dim() == 2
-            and 1 <= x.shape[0] <= SMALL_M_MAX[x.dtype] and w.is_contiguous() and library.load() is not None)
+            and 1 <= x.shape[0] and (any_rows or x.shape[0] <= SMALL_M_MAX[x.dtype]) and w.is_contiguous()
+            and library.load() is not None)
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor, lib: KernelLibrary | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _lib: KernelLibrary | None = None
 _tried = False
 _error: str | None = None
+_path: str | None = None
 
 
 def enabled() -> bool:
@@ -25,7 +26,7 @@ def enabled() -> bool:
 
 def load() -> KernelLibrary | None:
     """The kernel library, built if needed; None (once logged) when disabled or no compiler can build it."""
-    global _lib, _tried, _error
+    global _lib, _tried, _error, _path
     if _tried:
         return _lib
     _tried = True
@@ -37,7 +38,8 @@ def load() -> KernelLibrary | None:
         _error = "no C compiler (cc, gcc or clang) on PATH"
     else:
         try:
-            _lib = open_library(build.build(cc))
+            path = build.build(cc)
+            _lib, _path = open_library(path), path.name
         except OSError as e:
             _error = f"build failed: {e}"
     if _lib is None:
@@ -58,6 +60,11 @@ def isa(lib: KernelLibrary) -> str:
 def q8_isa(lib: KernelLibrary) -> str:
     """The integer dot-product path of a build's int8 linear: avx512_vnni | avx2 | portable (csrc/qlinear.c)."""
     return lib.batchgen_q8_isa().decode()
+
+
+def build_id() -> str:
+    """Which build runs (its cache file name: sources + flags + compiler + CPU), or why none: part of a cache key."""
+    return _path if load() is not None and _path else f"none ({_error})"
 
 
 def describe() -> str:

@@ -84,13 +84,35 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# Kernel families with a C and a torch implementation, chosen per family (engine.tuning measures them):
+#   elementwise  rms_norm, residual_norm, qk_norm_rope, glu: "c" | "torch"
+#   lm_head      a float head's logits: "c" (csrc/small_m.c at every row count) | "torch" | "table" (the C kernel up
+#                to gemm.SMALL_M_MAX rows, torch beyond: the rule when nothing was measured)
+KERNEL_FAMILIES = {"elementwise": ("c", "torch"), "lm_head": ("c", "torch", "table")}
+TABLE_KERNELS = {"elementwise": "c", "lm_head": "table"}
+
+
 class CpuKernelOps(TorchOps):
-    """The fused C kernels (CPU, the kernel library loaded); tensors in a dtype they lack take torch's path."""
+    """The fused C kernels (CPU, the kernel library loaded); tensors in a dtype they lack take torch's path.
+    ``kernels``: family -> implementation (``KERNEL_FAMILIES``), one choice for every row count; missing families
+    take ``TABLE_KERNELS``."""
 
     name = "cpu_kernels"
 
+    def __init__(self, int8_head: bool = False, int8_argmax: bool = False, int8_glu: bool = False,
+                 kernels: dict[str, str] | None = None):
+        super().__init__(int8_head, int8_argmax, int8_glu)
+        self.kernels = {**TABLE_KERNELS, **(kernels or {})}
+        for family, impl in self.kernels.items():
+            if impl not in KERNEL_FAMILIES.get(family, ()):
+                raise ValueError(f"unknown kernel choice {family}: {impl!r}")
+        self._elementwise = self.kernels["elementwise"] == "c"
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, kernels={self.kernels})"
+
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        if x.dtype in SUFFIX:                         # one fused pass, float32 math (as HF's Gemma)
+        if self._elementwise and x.dtype in SUFFIX:   # one fused pass, float32 math (as HF's Gemma)
             return elementwise.rms_norm(x, norm.kernel_weight(), norm.eps)
         return super().rms_norm(x, norm)
 
@@ -98,7 +120,7 @@ class CpuKernelOps(TorchOps):
                       out_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One fused pass (``engine.kernels.elementwise.add_rms_norm``): the same values as the three separate
         passes."""
-        if x.dtype in SUFFIX and h.dtype == x.dtype and x.dim() == 2 and (h_norm or out_norm):
+        if self._elementwise and x.dtype in SUFFIX and h.dtype == x.dtype and x.dim() == 2 and (h_norm or out_norm):
             return elementwise.add_rms_norm(x, h, h_norm.kernel_weight() if h_norm else None,
                                             h_norm.eps if h_norm else 0.0,
                                             out_norm.kernel_weight() if out_norm else None,
@@ -107,7 +129,7 @@ class CpuKernelOps(TorchOps):
 
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
                      cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.dtype not in SUFFIX:
+        if not self._elementwise or q.dtype not in SUFFIX:
             return super().qk_norm_rope(q, k, q_norm, k_norm, cos, sin)
         if q_norm is not None:                        # norm + RoPE fused, one pass each for q and k
             return (elementwise.rms_norm(q, q_norm.kernel_weight(), q_norm.eps, cos, sin),
@@ -115,11 +137,12 @@ class CpuKernelOps(TorchOps):
         return elementwise.rope_(q, cos, sin), elementwise.rope_(k, cos, sin)   # in place in the fresh qkv output
 
     def glu(self, gate_up: torch.Tensor, mlp: GatedMLP) -> torch.Tensor:
-        if mlp.fused_act and gate_up.dtype in SUFFIX:
+        if self._elementwise and mlp.fused_act and gate_up.dtype in SUFFIX:
             return elementwise.glu(gate_up, mlp.fused_act)
         return super().glu(gate_up, mlp)
 
     def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if gemm.small_m_ok(hidden, weight):           # decode: a few rows, memory-bound C kernel
+        head = self.kernels["lm_head"]
+        if head != "torch" and gemm.small_m_ok(hidden, weight, any_rows=head == "c"):   # streams the head once
             return gemm.small_m_linear(hidden, weight)
         return super().float_logits(hidden, weight)

@@ -11,25 +11,30 @@ from engine.models.ops import CpuKernelOps, TorchOps
 from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
 
 
-def choose_ops(model: nn.Module, device) -> TorchOps:
+def choose_ops(model: nn.Module, device, kernels: dict[str, str] | None = None) -> TorchOps:
     """The ops for a finished model (weights loaded, int8 swapped in) on ``device``: the C kernels on a CPU where
-    the library loads, torch otherwise; the weight format read from the model's modules once."""
+    the library loads, torch otherwise; the weight format read from the model's modules once. ``kernels``: C or
+    torch per kernel family (``engine.models.ops.KERNEL_FAMILIES``; engine.tuning's choice), None: the table's."""
     head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
     glu = {isinstance(m.gate_up_proj, Int8GluLinear) for m in model.modules() if isinstance(m, GatedMLP)}
     if len(glu) > 1:
         raise ModelLoadError("some gated MLPs have an int8 GLU projection and some do not")
-    kind = CpuKernelOps if torch.device(device).type == "cpu" and library.load() is not None else TorchOps
-    return kind(int8_head=isinstance(head, Int8Linear), int8_argmax=isinstance(head, Int8Embedding),
-                int8_glu=glu == {True})
+    fmt = dict(int8_head=isinstance(head, Int8Linear), int8_argmax=isinstance(head, Int8Embedding),
+               int8_glu=glu == {True})
+    if torch.device(device).type == "cpu" and library.load() is not None:
+        return CpuKernelOps(**fmt, kernels=kernels)
+    return TorchOps(**fmt)
 
 
-def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None) -> nn.Module:
-    """Set ``ops`` (default: ``choose_ops`` for ``device``, default where the model's weights are) on every layer."""
+def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
+             kernels: dict[str, str] | None = None) -> nn.Module:
+    """Set ``ops`` (default: ``choose_ops`` for ``device``, default where the model's weights are, and ``kernels``)
+    on every layer."""
     if ops is None:
         if device is None:
             device = next(model.parameters(), None)
             device = device.device if device is not None else next(model.buffers()).device
-        ops = choose_ops(model, device)
+        ops = choose_ops(model, device, kernels)
     for mod in model.modules():
         if isinstance(mod, OpsModule):
             mod.ops = ops

@@ -1,0 +1,227 @@
+"""The tuner's decision for one model on one machine: made once by measuring (``engine.tuning.probe``), cached as
+JSON beside the weights cache (``<cache root>/tuning/``), recorded in ``EngineInfo.tuning`` and so in the manifest.
+
+* Key: the CPU's model name and flags, its core count and torch's thread count, the torch version, the kernel
+  build (``engine.kernels.library.build_id``), the model's identity, and which of quantization / dtype /
+  kv_cache_dtype were ``auto``. Anything else changed means another file: measured again.
+* A file that does not parse, has another format or holds another key is rebuilt (measured again when the engine
+  may measure; planning and validation only read).
+* Explicit settings win: they are fixed in every candidate, and with all three explicit nothing is tuned.
+* ``BATCHGEN_TUNE=off``: no decision is read or measured; the tables (``candidates.table_choice``) decide, as they
+  do on CUDA. The tests set it (tests/conftest.py) so that tiny models never pay the probe.
+* The choice: the fastest format within the quality bar (``probe.score``: the weighted geometric mean of its step
+  times), then per kernel family the implementation whose calls, swapped into that format's steps, score best.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import engine.kernels.library as library
+import engine.tuning.probe as probe
+from engine.cache_root import cache_root
+from engine.dtype_policy import DtypeChoice
+from engine.kernels.cpu_features import cpu_model_name, cpu_signature
+from engine.kernels.gemm import SMALL_M_MAX
+from engine.quant.policy import QuantChoice
+from engine.tuning.candidates import Format, KernelFacts, family_options, format_candidates
+
+log = logging.getLogger("batchgen.engine")
+
+FORMAT = 1
+REQUESTED = ("quantization", "dtype", "kv_cache_dtype")
+
+
+def enabled() -> bool:
+    """``BATCHGEN_TUNE`` (default on): off, 0, false or no -> the tables decide."""
+    return os.environ.get("BATCHGEN_TUNE", "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def tunable(cfg, device_type: str) -> str | None:
+    """None when ``cfg`` is tuned here; else why not (the table decides)."""
+    if not enabled():
+        return "BATCHGEN_TUNE=off: the tables decide"
+    if device_type != "cpu":
+        return f"{device_type}: not tuned; the tables decide"
+    if all(getattr(cfg, f) != "auto" for f in REQUESTED):
+        return "quantization, dtype and kv_cache_dtype all explicit: nothing to tune"
+    return None
+
+
+def key_fields(cfg, identity: str) -> dict:
+    return {"format": FORMAT, "cpu": cpu_model_name(),
+            "cpu_flags": hashlib.sha256(cpu_signature().encode()).hexdigest()[:16], "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": library.build_id(),
+            "model": identity, "requested": {f: getattr(cfg, f) for f in REQUESTED}}
+
+
+def cache_path(fields: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "tuning" / f"{digest}.json"
+
+
+@dataclass
+class Decision:
+    key: dict
+    choice: dict                # quantization, dtype, kv_cache_dtype, kernels {family: impl}
+    reason: str
+    candidates: list = field(default_factory=list)   # per format: name, fields, quality, times_ms, score_ms
+    kernels: dict = field(default_factory=dict)      # family -> {impl: est. score_ms, "chosen": impl, "why": ...}
+    shapes: list = field(default_factory=list)
+    rounds: int = 0
+    stopped: str = ""
+    elapsed_s: float = 0.0
+    budget_s: float = probe.BUDGET_S
+    measured_at: float = 0.0
+    source: str = "measured"    # measured | cached (not stored)
+    path: str = ""              # (not stored)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        del d["source"], d["path"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Decision:
+        names = {f.name for f in dataclasses.fields(cls)} - {"source", "path"}
+        if set(d) != names:
+            raise ValueError(f"fields {sorted(set(d) ^ names)} differ")
+        dec = cls(**d)
+        if set(REQUESTED) - set(dec.choice) or "kernels" not in dec.choice:
+            raise ValueError("no choice")
+        return dec
+
+    @property
+    def format(self) -> Format:
+        return Format(*(self.choice[f] for f in REQUESTED))
+
+    def choices(self) -> tuple[QuantChoice, DtypeChoice, str, dict]:
+        """(quantization, dtype, KV cache dtype, kernels) as the engine's setup takes them."""
+        why = f"tuned ({self.source}): {self.reason}"
+        return (QuantChoice(self.choice["quantization"], why), DtypeChoice(self.choice["dtype"], why),
+                self.choice["kv_cache_dtype"], dict(self.choice["kernels"]))
+
+    def record(self) -> dict:
+        """``EngineInfo.tuning``: the measured candidates with their times, the choice and the reason."""
+        return {"mode": "tuned", "source": self.source, "path": self.path, **self.to_dict()}
+
+
+def table_record(reason: str) -> dict:
+    return {"mode": "table", "reason": reason}
+
+
+def load(path: Path, fields: dict) -> Decision | None:
+    """The cached decision, or None when absent; a corrupt or mismatched file is deleted (and None returned)."""
+    if not path.is_file():
+        return None
+    try:
+        dec = Decision.from_dict(json.loads(path.read_text()))
+        if dec.key != fields:
+            raise ValueError("its key is another machine's or model's")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        log.warning("tuning decision %s is unusable (%s); rebuilding it", path, e)
+        path.unlink(missing_ok=True)
+        return None
+    dec.source, dec.path = "cached", str(path)
+    return dec
+
+
+def store(path: Path, dec: Decision) -> None:
+    """Atomically (a private temporary file, then ``os.replace``); a cache that cannot be written is logged."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(dec.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+        dec.path = str(path)
+    except OSError as e:
+        log.warning("could not write the tuning decision %s (%s); the next load measures again", path, e)
+
+
+def decide(fields: dict, formats: list[Format], families: dict[Format, dict], shapes: list[probe.Shape],
+           m: probe.Measurement, table: Format, num_layers: int) -> Decision:
+    """The fastest format on the shapes every format was timed at, then each kernel family's implementation."""
+    common = [s for s in shapes if all(m.best(f.name, s.name) is not None for f in formats)]
+    steps = {f: {s.name: m.best(f.name, s.name) for s in common} for f in formats}
+    scores = {f: probe.score(steps[f], shapes) for f in formats} if common else {}
+    cands = [{"name": f.name, **dataclasses.asdict(f), "quality": f.quality()[1], "table": f == table,
+              "times_ms": {s: round(t * 1e3, 3) for s, t in steps[f].items()},
+              "score_ms": round(scores[f] * 1e3, 3) if scores else None} for f in formats]
+    if not scores:
+        best, reason = table, (f"the probe's budget ran out before every candidate was timed on one shape: the "
+                               f"table's {table.name}")
+    else:
+        best = min(formats, key=scores.get)
+        others = ", ".join(f"{f.name}{' (the table)' if f == table else ''} {scores[f] / scores[best]:.2f}x"
+                           for f in sorted(formats, key=scores.get) if f != best)
+        also = " (the table's choice too)" if best == table else ""
+        reason = (f"{best.name}{also} fastest of {len(formats)} formats within the quality bar"
+                  + (f" (the others' time: {others})" if others else ""))
+    kernels, chosen = {}, {}
+    for family, impls in families.get(best, {}).items():
+        kernels[family] = _family(family, impls, best, steps.get(best, {}), shapes, m, num_layers)
+        chosen[family] = kernels[family]["chosen"]
+    return Decision(key=fields, choice={**dataclasses.asdict(best), "kernels": chosen}, reason=reason,
+                    candidates=cands, kernels=kernels, shapes=[s.name for s in shapes], rounds=m.rounds,
+                    stopped=m.stopped, elapsed_s=round(m.elapsed_s, 3), measured_at=time.time())
+
+
+def _family(family: str, impls: tuple[str, ...], fmt: Format, step_s: dict, shapes: list[probe.Shape],
+            m: probe.Measurement, num_layers: int) -> dict:
+    """A family's implementations scored as ``fmt``'s steps with that implementation's calls swapped in for the
+    table's (which the steps ran): elementwise once per layer, the head once per step."""
+    def t(impl: str, s: probe.Shape) -> float | None:
+        if impl == "table":         # the small-M kernel up to SMALL_M_MAX rows, torch beyond
+            rows = s.rows if s.kind == "decode" else 1
+            impl = "c" if rows <= SMALL_M_MAX[getattr(torch, fmt.dtype)] else "torch"
+        return m.best(f"{family}:{impl}@{fmt.dtype}", s.name)
+    base, calls = ("c", num_layers) if family == "elementwise" else ("table", 1)
+    common = [s for s in shapes if s.name in step_s and all(t(i, s) is not None for i in (*impls, base))]
+    if not common:
+        return {"chosen": base, "why": "not timed within the budget: the table's"}
+    est = {i: probe.score({s.name: max(step_s[s.name] + calls * (t(i, s) - t(base, s)), 1e-6) for s in common},
+                          shapes) for i in impls}
+    best = min(impls, key=est.get)
+    calls_ms = {i: {s.name: round(t(i, s) * 1e3, 4) for s in common} for i in impls}
+    return {"chosen": best, "why": f"{best}: the lowest estimated step score",
+            "score_ms": {i: round(v * 1e3, 3) for i, v in est.items()}, "calls_ms": calls_ms}
+
+
+def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: KernelFacts, table: Format, *,
+            measure: bool, retune: bool = False) -> Decision | None:
+    """The decision for ``cfg`` (``tunable`` already checked): the cached one, else (``measure``) a new one, measured
+    and cached; None when there is none and it may not be measured here."""
+    fields = key_fields(cfg, identity)
+    path = cache_path(fields)
+    if not retune and (dec := load(path, fields)) is not None:
+        log.info("tuning: %s (decision %s)", dec.reason, path)
+        return dec
+    if not measure:
+        return None
+    formats = format_candidates(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype, quantized_source, facts)
+    if table not in formats:            # the table's choice is always measured against the rest
+        formats.insert(0, table)
+    families = {f: family_options(f, facts) for f in formats}
+    t0 = time.perf_counter()
+    log.info("tuning: measuring %d formats (%s) on this machine, once (budget %.0f s)", len(formats),
+             ", ".join(f.name for f in formats), probe.BUDGET_S)
+    shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families)
+    dec = decide(fields, formats, families, shapes, m, table, mcfg.num_hidden_layers)
+    store(path, dec)
+    log.info("tuning: %s; kernels %s (%.1f s, %d rounds; decision %s)", dec.reason, dec.choice["kernels"],
+             time.perf_counter() - t0, dec.rounds, path)
+    return dec
+
+
+__all__ = ["Decision", "enabled", "tunable", "key_fields", "cache_path", "load", "store", "decide", "resolve",
+           "table_record"]

@@ -1,0 +1,220 @@
+"""Timing the candidates (``engine.tuning.candidates``) on the model's real shapes, within a budget.
+
+Shapes: one prefill chunk at the token budget (at most ``PREFILL_MAX`` tokens, so that every candidate fits the
+budget on two cores: the linears are compute-bound long before that many rows) and decode steps at 1, 8, 48 and
+``max_num_seqs`` rows, each row over ``DECODE_CONTEXT`` tokens of a KV pool larger than the last-level cache.
+A format is timed as whole engine steps (``ModelRunner.execute``: its weights, its KV cache dtype, greedy
+sampling); a kernel family as its own calls at the same shapes (C and torch on the same tensors), which a whole
+step would drown in noise. Every task runs once to warm up, then in rounds, shape by shape with the candidates in
+a rotated order, until ``MAX_ROUNDS`` rounds or the budget (an injectable clock) is spent: the probe never starts
+a task whose last time would overrun it. Weights are loaded (and, the very first time, converted into the
+weights cache) before the clock starts.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.dtype_policy import DTYPES
+from engine.tuning.candidates import Format
+
+BUDGET_S = 15.0
+MAX_ROUNDS = 5
+PREFILL_MAX = 1024
+DECODE_ROWS = (1, 8, 48)
+DECODE_CONTEXT = 512
+POOL_TOKENS = 8192           # the decode rows' KV pool: beyond the last-level cache, as a running batch's is
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str                # "prefill 1024" | "decode 48"
+    kind: str                # prefill | decode
+    rows: int                # prefill: tokens in the chunk; decode: sequences
+    weight: float            # in the score: the prefill counts as much as all decode row counts together
+
+
+def probe_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[Shape]:
+    p = max(1, min(max_num_batched_tokens, max_model_len, PREFILL_MAX))
+    rows = sorted({r for r in (*DECODE_ROWS, max_num_seqs) if r <= max_num_seqs})
+    return [Shape(f"prefill {p}", "prefill", p, 0.5)] + [Shape(f"decode {r}", "decode", r, 0.5 / len(rows))
+                                                        for r in rows]
+
+
+@dataclass
+class Task:
+    candidate: str           # a format's name, or "<family>:<impl>@<dtype>"
+    shape: str
+    fn: Callable[[], object]
+
+
+@dataclass
+class Measurement:
+    times: dict[tuple[str, str], list[float]] = field(default_factory=dict)   # (candidate, shape) -> seconds
+    rounds: int = 0          # complete timed rounds
+    elapsed_s: float = 0.0
+    stopped: str = "rounds"  # rounds | budget
+
+    def best(self, candidate: str, shape: str) -> float | None:
+        t = self.times.get((candidate, shape))
+        return min(t) if t else None
+
+
+def measure(tasks: list[Task], clock: Callable[[], float] = time.perf_counter, budget_s: float = BUDGET_S,
+            max_rounds: int = MAX_ROUNDS) -> Measurement:
+    """Round 0 warms every task up (its time only estimates the next run); rounds 1..max_rounds are timed. Tasks go
+    shape by shape (all candidates of one shape close together in time), the candidates rotated each round."""
+    m = Measurement(times={(t.candidate, t.shape): [] for t in tasks})
+    start = clock()
+    last: dict[tuple[str, str], float] = {}
+    by_shape: dict[str, list[Task]] = {}
+    for t in tasks:
+        by_shape.setdefault(t.shape, []).append(t)
+    for rnd in range(max_rounds + 1):
+        for group in by_shape.values():
+            k = rnd % len(group)
+            for t in group[k:] + group[:k]:
+                key = (t.candidate, t.shape)
+                now = clock()
+                if now - start + last.get(key, 0.0) > budget_s:
+                    m.elapsed_s, m.stopped = now - start, "budget"
+                    return m
+                t.fn()
+                last[key] = clock() - now
+                if rnd:
+                    m.times[key].append(last[key])
+        m.rounds = rnd
+    m.elapsed_s = clock() - start
+    return m
+
+
+def score(step_s: dict[str, float], shapes: list[Shape]) -> float:
+    """Weighted geometric mean of step times over ``shapes`` (those in ``step_s``), weights renormalized."""
+    used = [s for s in shapes if s.name in step_s]
+    total = sum(s.weight for s in used)
+    return math.exp(sum(s.weight * math.log(max(step_s[s.name], 1e-9)) for s in used) / total)
+
+
+# ---- building the tasks on a real model ---------------------------------------------------------------------
+def run_probe(cfg, source, mcfg, identity: str, formats: list[Format], families: dict[Format, dict],
+              clock: Callable[[], float] = time.perf_counter,
+              budget_s: float = BUDGET_S) -> tuple[list[Shape], Measurement]:
+    """Load each format's model (from the weights cache; converted into it the first time), build the tasks and
+    ``measure`` them. ``families``: format -> {family: implementations} (``candidates.family_options``)."""
+    from engine.attention.selector import get_backend
+    from engine.loader import load_model
+
+    backend = get_backend(cfg.attention_backend, "cpu")
+    block_size = backend.block_size_for(cfg.block_size)
+    max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    shapes = probe_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
+    models = {}
+    for f in formats:
+        if (f.quantization, f.dtype) not in models:
+            models[(f.quantization, f.dtype)] = load_model(source, mcfg, DTYPES[f.dtype], "cpu", identity,
+                                                           f.quantization)[0]
+    tasks = [t for f in formats
+             for t in format_tasks(f, models[(f.quantization, f.dtype)], mcfg, shapes, block_size, backend)]
+    wanted: dict[tuple[str, str], tuple[str, ...]] = {}      # (family, dtype) -> implementations
+    for f in formats:
+        for family, impls in families.get(f, {}).items():
+            wanted[(family, f.dtype)] = impls
+    for (family, dtype), impls in wanted.items():
+        model = models.get(("none", dtype)) or models.get(("int8", dtype))
+        tasks += family_tasks(family, impls, model, shapes)
+    return shapes, measure(tasks, clock, budget_s)
+
+
+def format_tasks(fmt: Format, model, mcfg, shapes: list[Shape], block_size: int, backend) -> list[Task]:
+    """Whole engine steps of ``model`` with a KV pool of the format's dtype, one task per shape."""
+    from engine.model_runner import ModelRunner, bind_kv_caches
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+    ctx = max(1, min(DECODE_CONTEXT, mcfg.max_position_embeddings - 1))
+    per_row = -(-(ctx + 1) // block_size)
+    prefill = max((s.rows for s in shapes if s.kind == "prefill"), default=1)
+    blocks = max(-(-prefill // block_size), -(-POOL_TOKENS // block_size), per_row) + 1
+    kv_dtype = torch.int8 if fmt.kv_cache_dtype == "int8" else DTYPES[fmt.kv_cache_dtype]
+    runner = ModelRunner(model, blocks, block_size, kv_dtype, torch.device("cpu"), backend)
+    for pool in (p for kv in runner.kv_caches for p in kv):       # real pages with real values, not zero pages
+        _fill(pool)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    tasks = []
+    for s in shapes:
+        if s.kind == "prefill":
+            reqs = {"p": Request("p", [(7 * i + 3) % mcfg.vocab_size for i in range(s.rows)], greedy)}
+            sched = [ScheduledRequest("p", reqs["p"].prompt_token_ids, 0, list(range(-(-s.rows // block_size))),
+                                      True, True)]
+        else:
+            reqs = {f"d{i}": Request(f"d{i}", [1] * ctx, greedy) for i in range(s.rows)}
+            sched = [ScheduledRequest(f"d{i}", [(11 * i + 5) % mcfg.vocab_size], ctx,
+                                      [(i * per_row + j) % (blocks - 1) for j in range(per_row)], True, False)
+                     for i in range(s.rows)]
+
+        def step(out=SchedulerOutput(sched), reqs=reqs):
+            bind_kv_caches(model, runner.kv_caches, backend)     # formats that share a model share its layers
+            runner.execute(out, reqs)
+        tasks.append(Task(fmt.name, s.name, step))
+    return tasks
+
+
+def _fill(pool: torch.Tensor) -> None:
+    if pool.dtype == torch.int8:                 # int8_kv's bytes: zero quants and scales
+        pool.fill_(0)
+        return
+    flat = pool.view(pool.shape[0], -1)
+    flat.copy_((torch.randn(1, flat.shape[1]) * 0.5).to(pool.dtype).expand_as(flat))
+
+
+def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Task]:
+    """One layer's calls of ``family`` (elementwise: rms_norm, residual_norm, qk_norm_rope, glu; lm_head: the float
+    head's logits at the sampled rows) at each shape, per implementation, on the same tensors."""
+    from engine.models.layers import RMSNorm
+    from engine.models.ops import CpuKernelOps
+
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden = model.config.hidden_size
+    norms = [m for m in layer.modules() if isinstance(m, RMSNorm) and m.weight.shape[0] == hidden]
+    n1, n2 = norms[0], norms[min(1, len(norms) - 1)]
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    g = torch.Generator().manual_seed(0)
+    tasks = []
+    for s in shapes:
+        rows = s.rows if family == "elementwise" or s.kind == "decode" else 1   # a prefill samples one row
+        x, h = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
+        if family == "elementwise":
+            qkv = torch.randn(rows, attn.q_size + 2 * attn.kv_size, generator=g).to(dtype)
+            cos, sin = attn.rotary.cos_sin(torch.arange(rows), dtype)
+            gate_up = torch.randn(rows, 2 * mlp.down_proj.in_features, generator=g).to(dtype)
+        for impl in impls:
+            ops = CpuKernelOps(kernels={family: impl})
+            if family == "lm_head":
+                def fn(ops=ops, x=x):
+                    return ops.float_logits(x, head.weight)
+            else:
+                def fn(ops=ops, x=x, h=h, qkv=qkv, cos=cos, sin=sin, gate_up=gate_up, rows=rows):
+                    ops.rms_norm(x, n1)
+                    ops.residual_norm(x, h, n1, n2)
+                    q = qkv[:, :attn.q_size].view(rows, attn.num_heads, attn.head_dim)
+                    k = qkv[:, attn.q_size:attn.q_size + attn.kv_size].view(rows, attn.num_kv_heads, attn.head_dim)
+                    ops.qk_norm_rope(q, k, attn.q_norm, attn.k_norm, cos, sin)
+                    if mlp.fused_act:
+                        ops.glu(gate_up, mlp)
+            tasks.append(Task(f"{family}:{impl}@{dtype_name(dtype)}", s.name, fn))
+    return tasks
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+__all__ = ["BUDGET_S", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "measure", "score",
+           "format_tasks", "family_tasks"]

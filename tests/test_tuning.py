@@ -1,0 +1,207 @@
+"""engine.tuning: measured defaults. The choice follows the (injected) timings, the cache is keyed by the machine and
+rebuilt when damaged, explicit settings win, the probe keeps to its budget, and a tuned engine computes the same
+tokens as one built with the same settings by name. No timed assertions: timings are injected (a fake clock, or a
+fake ``probe.measure``) and models are tiny."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import engine.tuning.decision as decision
+import engine.tuning.probe as probe
+from engine import EngineConfig, SamplingParams
+from engine.tuning.candidates import Format, KernelFacts, format_candidates
+
+F32, BF16, F32_KV16 = "none/float32/kv-float32", "none/bfloat16/kv-bfloat16", "none/float32/kv-bfloat16"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _tasks(clock: FakeClock, seconds: dict[str, float], shapes, ran: list | None = None) -> list[probe.Task]:
+    def fn(c):
+        def run():
+            clock.now += seconds[c]
+            if ran is not None:
+                ran.append(c)
+        return run
+    return [probe.Task(c, s.name, fn(c)) for s in shapes for c in seconds]
+
+
+SHAPES = probe.probe_shapes(4096, 128, 32768)
+
+
+def _choose(seconds: dict[str, float]) -> str:
+    clock = FakeClock()
+    m = probe.measure(_tasks(clock, seconds, SHAPES), clock, budget_s=1e9)
+    fmts = [Format(*n.split("/")[:2], n.split("kv-")[1]) for n in seconds]
+    return decision.decide({}, fmts, {}, SHAPES, m, fmts[0], 2).format.name
+
+
+def test_the_choice_flips_when_a_candidate_timing_flips():
+    assert _choose({F32: 1.0, BF16: 2.0}) == F32
+    assert _choose({F32: 2.0, BF16: 1.0}) == BF16
+
+
+def test_the_probe_stops_at_its_budget_under_an_injected_clock():
+    clock, ran = FakeClock(), []
+    m = probe.measure(_tasks(clock, {F32: 1.0, BF16: 1.0}, SHAPES, ran), clock, budget_s=15.0)
+    assert m.stopped == "budget" and m.elapsed_s <= 15.0 and clock.now <= 15.0
+    assert len(ran) == 15                        # 10 warm-up runs, then 5 timed: the 16th would end at 16 s
+    assert m.rounds == 0 and sum(len(t) for t in m.times.values()) == 5
+    # with the budget spent before any shape was timed for every candidate, the table's format is chosen
+    d = decision.decide({}, [Format("none", "float32", "float32"), Format("none", "bfloat16", "bfloat16")], {},
+                        SHAPES, probe.Measurement(times={}), Format("none", "bfloat16", "bfloat16"), 2)
+    assert d.format.name == BF16 and "budget" in d.reason
+
+
+def test_rounds_end_the_probe_before_the_budget():
+    clock = FakeClock()
+    m = probe.measure(_tasks(clock, {F32: 0.001, BF16: 0.001}, SHAPES), clock, budget_s=15.0, max_rounds=3)
+    assert m.stopped == "rounds" and m.rounds == 3 and all(len(t) == 3 for t in m.times.values())
+
+
+def test_candidates_keep_explicit_fields_and_the_quality_bar():
+    zen5 = KernelFacts("avx512_vnni", True, "avx512_bf16", True)
+    names = {f.name for f in format_candidates("auto", "auto", "auto", True, zen5)}
+    assert names == {BF16, F32, F32_KV16, "int8/float32/kv-float32", "int8/float32/kv-bfloat16"}   # no int8 + bf16
+    assert {f.name for f in format_candidates("auto", "auto", "auto", False, zen5)} == {BF16, F32, F32_KV16}
+    assert {f.name for f in format_candidates("int8", "auto", "auto", True, zen5)} == {
+        "int8/float32/kv-float32", "int8/float32/kv-bfloat16"}
+    assert {f.name for f in format_candidates("auto", "float32", "float32", True, zen5)} == {
+        F32, "int8/float32/kv-float32"}
+    no_bf16 = KernelFacts("avx2", False, "avx2", False)
+    assert {f.name for f in format_candidates("auto", "auto", "auto", False, no_bf16)} == {F32, F32_KV16}
+
+
+# ---- through setup_engine / LLM on a tiny model, with a fake probe.measure -----------------------------------
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    """Tuning on, its cache in tmp_path; ``tuning.times`` (candidate -> seconds, default 1) feeds a fake measure
+    that runs every task once (so the real tasks are built and run) and records the candidates it was given."""
+    monkeypatch.setenv("BATCHGEN_TUNE", "on")
+    monkeypatch.setattr(decision, "cache_root", lambda: tmp_path)
+    calls: list[set[str]] = []
+
+    def fake_measure(tasks, clock=None, budget_s=None, max_rounds=None):
+        calls.append({t.candidate for t in tasks})
+        m = probe.Measurement(times={}, rounds=1)
+        for t in tasks:
+            t.fn()
+            m.times[(t.candidate, t.shape)] = [state.times.get(t.candidate, 1.0)]
+        return m
+
+    monkeypatch.setattr(probe, "measure", fake_measure)
+    state = type("Tuning", (), {"times": {}, "calls": calls, "dir": tmp_path})()
+    return state
+
+
+def _setup(model_dir, tune=True, **kw):
+    from engine import setup_engine
+    return setup_engine(EngineConfig(model_dir, kv_cache_memory=16 << 20, max_num_seqs=8,
+                                     max_num_batched_tokens=256, **kw), tune=tune)
+
+
+def test_the_decision_follows_the_timings_and_is_cached_and_recorded(tiny_llama_dir, tuning):
+    tuning.times = {F32: 1.0, BF16: 3.0, F32_KV16: 2.0}
+    s = _setup(tiny_llama_dir)
+    assert (s.config.dtype, s.config.kv_cache_dtype, s.config.quantization) == ("float32", "float32", "none")
+    assert len(tuning.calls) == 1 and {F32, BF16, F32_KV16} <= tuning.calls[0]
+    rec = s.info().tuning
+    assert rec["mode"] == "tuned" and rec["source"] == "measured" and rec["choice"]["dtype"] == "float32"
+    assert {c["name"]: c["score_ms"] for c in rec["candidates"]}[BF16] == pytest.approx(3000.0)
+    assert F32 in rec["reason"] and s.dtype_choice.reason.startswith("tuned")
+    again = _setup(tiny_llama_dir)                      # cached: not measured again
+    assert len(tuning.calls) == 1 and again.info().tuning["source"] == "cached"
+    assert again.config.dtype == "float32"
+    planning = _setup(tiny_llama_dir, tune=False)       # planning reads the cached decision too
+    assert planning.config.dtype == "float32" and len(tuning.calls) == 1
+
+
+def test_kernel_families_follow_their_timings(tiny_llama_dir, tuning):
+    tuning.times = {F32: 1.0, BF16: 3.0, F32_KV16: 2.0, "elementwise:c@float32": 0.002,
+                    "elementwise:torch@float32": 0.001, "lm_head:c@float32": 0.01, "lm_head:torch@float32": 0.02}
+    s = _setup(tiny_llama_dir)
+    assert s.kernels == {"elementwise": "torch", "lm_head": "c"}
+    tuning.times.update({"elementwise:c@float32": 0.001, "elementwise:torch@float32": 0.002,
+                         "lm_head:c@float32": 0.02, "lm_head:torch@float32": 0.01})
+    s = setup_retuned(tiny_llama_dir)
+    assert s.kernels == {"elementwise": "c", "lm_head": "torch"}
+
+
+def setup_retuned(model_dir):
+    from engine import setup_engine
+    return setup_engine(EngineConfig(model_dir, kv_cache_memory=16 << 20, max_num_seqs=8,
+                                     max_num_batched_tokens=256), retune=True)
+
+
+def test_a_changed_cpu_signature_measures_again(tiny_llama_dir, tuning, monkeypatch):
+    _setup(tiny_llama_dir)
+    _setup(tiny_llama_dir)
+    assert len(tuning.calls) == 1
+    monkeypatch.setattr(decision, "cpu_signature", lambda: "flags : fpu sse2 avx2 (another CPU)")
+    _setup(tiny_llama_dir)
+    assert len(tuning.calls) == 2
+    threads = decision.torch.get_num_threads()
+    try:                                                # so does another thread count
+        decision.torch.set_num_threads(1 if threads > 1 else 2)
+        _setup(tiny_llama_dir)
+    finally:
+        decision.torch.set_num_threads(threads)
+    assert len(tuning.calls) == 3 and len(list((tuning.dir / "tuning").glob("*.json"))) == 3
+
+
+@pytest.mark.parametrize("damage", ["{not json", json.dumps({"key": {}}), "mismatch"])
+def test_a_corrupt_or_mismatched_decision_is_rebuilt(tiny_llama_dir, tuning, damage):
+    tuning.times = {BF16: 1.0}
+    s = _setup(tiny_llama_dir)
+    path = next((tuning.dir / "tuning").glob("*.json"))
+    if damage == "mismatch":                            # a whole decision, but another machine's key
+        d = json.loads(path.read_text())
+        d["key"]["cpu"] = "another CPU"
+        damage = json.dumps(d)
+    path.write_text(damage)
+    assert _setup(tiny_llama_dir, tune=False).info().tuning["mode"] == "table"    # planning: the tables decide
+    assert not path.exists()                                                      # ... and the bad file is gone
+    s = _setup(tiny_llama_dir)
+    assert len(tuning.calls) == 2 and s.config.dtype == "bfloat16"
+    assert json.loads(path.read_text())["choice"]["dtype"] == "bfloat16"
+
+
+def test_explicit_settings_win(tiny_llama_dir, tuning):
+    tuning.times = {BF16: 1.0}                          # bf16 would win every auto field
+    s = _setup(tiny_llama_dir, dtype="float32")
+    assert s.config.dtype == "float32" and s.dtype_choice.reason == "float32 requested"
+    assert all("/float32/" in c for c in tuning.calls[0] if "/" in c)     # only float32 formats were measured
+    s = _setup(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", quantization="none")
+    assert len(tuning.calls) == 1 and s.info().tuning["mode"] == "table"   # all explicit: nothing measured
+    assert s.config.kv_cache_dtype == "float32"
+
+
+def test_off_means_the_tables(tiny_llama_dir, tuning, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_TUNE", "off")
+    s = _setup(tiny_llama_dir)
+    assert not tuning.calls and s.info().tuning == {"mode": "table", "reason": "BATCHGEN_TUNE=off: the tables decide"}
+    assert s.kernels is None
+
+
+def test_tokens_are_unchanged_by_the_tuner(tiny_llama_dir, tuning, monkeypatch):
+    from engine import LLM
+    tuning.times = {F32: 1.0, BF16: 3.0, F32_KV16: 2.0, "lm_head:torch@float32": 2.0}   # elementwise c, head c
+    opts = dict(kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256, speculative_config="off")
+    prompts = ["the customer asked about a refund", "billing account password reset", "screen damage"] * 2
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    tuned = LLM(tiny_llama_dir, **opts)
+    assert tuned.info.tuning["source"] == "measured" and tuned.config.dtype == "float32"
+    assert tuned.model.model.layers[0].ops.kernels == {"elementwise": "c", "lm_head": "c"}
+    monkeypatch.setenv("BATCHGEN_TUNE", "off")
+    named = LLM(tiny_llama_dir, dtype="float32", quantization="none", kv_cache_dtype="float32", **opts)
+    assert named.info.tuning["mode"] == "table"
+    assert ([o.token_ids for o in tuned.generate(prompts, params)] ==
+            [o.token_ids for o in named.generate(prompts, params)])
