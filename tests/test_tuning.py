@@ -53,18 +53,23 @@ def test_the_probe_stops_at_its_budget_under_an_injected_clock():
     clock, ran = FakeClock(), []
     m = probe.measure(_tasks(clock, {F32: 1.0, BF16: 1.0}, SHAPES, ran), clock, budget_s=15.0)
     assert m.stopped == "budget" and m.elapsed_s <= 15.0 and clock.now <= 15.0
-    assert len(ran) == 15                        # 10 warm-up runs, then 5 timed: the 16th would end at 16 s
-    assert m.rounds == 0 and sum(len(t) for t in m.times.values()) == 5
+    assert len(ran) == 15                        # 2 warm-up runs, 13 timed: the 16th would end at 16 s
+    assert m.rounds == 1 and sum(len(t) for t in m.times.values()) == 13
     # with the budget spent before any shape was timed for every candidate, the table's format is chosen
     d = decision.decide({}, [Format("none", "float32", "float32"), Format("none", "bfloat16", "bfloat16")], {},
                         SHAPES, probe.Measurement(times={}), Format("none", "bfloat16", "bfloat16"), 2)
     assert d.format.name == BF16 and "budget" in d.reason
 
 
-def test_rounds_end_the_probe_before_the_budget():
+def test_rounds_end_the_probe_before_the_budget_and_slow_formats_are_dropped():
     clock = FakeClock()
     m = probe.measure(_tasks(clock, {F32: 0.001, BF16: 0.001}, SHAPES), clock, budget_s=15.0, max_rounds=3)
     assert m.stopped == "rounds" and m.rounds == 3 and all(len(t) == 3 for t in m.times.values())
+    fmts = [Format("none", "float32", "float32"), Format("none", "bfloat16", "bfloat16")]
+    m = probe.measure(_tasks(clock, {F32: 0.001, BF16: 0.002}, SHAPES), clock, budget_s=15.0, max_rounds=3,
+                      prune=probe._slow(fmts, SHAPES))                # 2x the best: timed in round 1 only
+    assert m.pruned == [BF16] and {len(m.times[(BF16, s.name)]) for s in SHAPES} == {1}
+    assert {len(m.times[(F32, s.name)]) for s in SHAPES} == {3}
 
 
 def test_candidates_keep_explicit_fields_and_the_quality_bar():
@@ -84,13 +89,14 @@ def test_candidates_keep_explicit_fields_and_the_quality_bar():
 @pytest.fixture
 def tuning(tmp_path, monkeypatch):
     """Tuning on, its cache in tmp_path; ``tuning.times`` (candidate -> seconds, default 1) feeds a fake measure
-    that runs every task once (so the real tasks are built and run) and records the candidates it was given."""
+    that runs every task once (so the real tasks are built and run) and records the formats it was given."""
     monkeypatch.setenv("BATCHGEN_TUNE", "on")
     monkeypatch.setattr(decision, "cache_root", lambda: tmp_path)
     calls: list[set[str]] = []
 
-    def fake_measure(tasks, clock=None, budget_s=None, max_rounds=None):
-        calls.append({t.candidate for t in tasks})
+    def fake_measure(tasks, *args, **kwargs):          # the formats' phase is a call, the families' not counted
+        names = {t.candidate for t in tasks}
+        calls.extend([names] if any("/" in n for n in names) else [])
         m = probe.Measurement(times={}, rounds=1)
         for t in tasks:
             t.fn()

@@ -77,8 +77,9 @@ class Decision:
     candidates: list = field(default_factory=list)   # per format: name, fields, quality, times_ms, score_ms
     kernels: dict = field(default_factory=dict)      # family -> {impl: est. score_ms, "chosen": impl, "why": ...}
     shapes: list = field(default_factory=list)
-    rounds: int = 0
-    stopped: str = ""
+    rounds: int = 0             # complete timed rounds of the formats
+    stopped: str = ""           # rounds | budget
+    pruned: list = field(default_factory=list)       # formats no longer timed once PRUNE_RATIO x the best
     elapsed_s: float = 0.0
     budget_s: float = probe.BUDGET_S
     measured_at: float = 0.0
@@ -151,9 +152,9 @@ def store(path: Path, dec: Decision) -> None:
 def decide(fields: dict, formats: list[Format], families: dict[Format, dict], shapes: list[probe.Shape],
            m: probe.Measurement, table: Format, num_layers: int) -> Decision:
     """The fastest format on the shapes every format was timed at, then each kernel family's implementation."""
-    common = [s for s in shapes if all(m.best(f.name, s.name) is not None for f in formats)]
-    steps = {f: {s.name: m.best(f.name, s.name) for s in common} for f in formats}
-    scores = {f: probe.score(steps[f], shapes) for f in formats} if common else {}
+    scores = probe.format_scores(formats, shapes, m)
+    steps = {f: {s.name: m.best(f.name, s.name) for s in shapes if m.best(f.name, s.name) is not None}
+             for f in formats}
     cands = [{"name": f.name, **dataclasses.asdict(f), "quality": f.quality()[1], "table": f == table,
               "times_ms": {s: round(t * 1e3, 3) for s, t in steps[f].items()},
               "score_ms": round(scores[f] * 1e3, 3) if scores else None} for f in formats]
@@ -173,7 +174,7 @@ def decide(fields: dict, formats: list[Format], families: dict[Format, dict], sh
         chosen[family] = kernels[family]["chosen"]
     return Decision(key=fields, choice={**dataclasses.asdict(best), "kernels": chosen}, reason=reason,
                     candidates=cands, kernels=kernels, shapes=[s.name for s in shapes], rounds=m.rounds,
-                    stopped=m.stopped, elapsed_s=round(m.elapsed_s, 3), measured_at=time.time())
+                    stopped=m.stopped, pruned=m.pruned, elapsed_s=round(m.elapsed_s, 3), measured_at=time.time())
 
 
 def _family(family: str, impls: tuple[str, ...], fmt: Format, step_s: dict, shapes: list[probe.Shape],
@@ -215,7 +216,7 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
     t0 = time.perf_counter()
     log.info("tuning: measuring %d formats (%s) on this machine, once (budget %.0f s)", len(formats),
              ", ".join(f.name for f in formats), probe.BUDGET_S)
-    shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families)
+    shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families, table)
     dec = decide(fields, formats, families, shapes, m, table, mcfg.num_hidden_layers)
     store(path, dec)
     log.info("tuning: %s; kernels %s (%.1f s, %d rounds; decision %s)", dec.reason, dec.choice["kernels"],

@@ -1,14 +1,17 @@
 """Timing the candidates (``engine.tuning.candidates``) on the model's real shapes, within a budget.
 
-Shapes: one prefill chunk at the token budget (at most ``PREFILL_MAX`` tokens, so that every candidate fits the
-budget on two cores: the linears are compute-bound long before that many rows) and decode steps at 1, 8, 48 and
-``max_num_seqs`` rows, each row over ``DECODE_CONTEXT`` tokens of a KV pool larger than the last-level cache.
-A format is timed as whole engine steps (``ModelRunner.execute``: its weights, its KV cache dtype, greedy
-sampling); a kernel family as its own calls at the same shapes (C and torch on the same tensors), which a whole
-step would drown in noise. Every task runs once to warm up, then in rounds, shape by shape with the candidates in
-a rotated order, until ``MAX_ROUNDS`` rounds or the budget (an injectable clock) is spent: the probe never starts
-a task whose last time would overrun it. Weights are loaded (and, the very first time, converted into the
-weights cache) before the clock starts.
+Shapes: one prefill chunk at the token budget (at most ``PREFILL_MAX`` tokens, so that every candidate is timed
+more than once within the budget on two cores: the linears are compute-bound long before that many rows) and
+decode steps at 1, 8, 48 and ``max_num_seqs`` rows, each row over ``DECODE_CONTEXT`` tokens of a KV pool larger
+than the last-level cache.
+
+Two phases share the budget (an injectable clock). Formats first (``FORMAT_SHARE`` of it), timed as whole engine
+steps (``ModelRunner.execute``: its weights, its KV cache dtype, greedy sampling); after each round a format
+``PRUNE_RATIO`` times slower than the best is no longer timed. Then the kernel families of the fastest format, as
+their own calls at the same shapes (C and torch on the same tensors), which a whole step would drown in noise.
+Each phase warms every candidate up with one untimed call, then times rounds, shape by shape with the candidates
+in a rotated order, until ``MAX_ROUNDS`` or its budget: a task whose last time would overrun it is not started.
+Weights are loaded (and, the very first time, converted into the weights cache) before the clock starts.
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from engine.dtype_policy import DTYPES
 from engine.tuning.candidates import Format
 
 BUDGET_S = 15.0
+FORMAT_SHARE = 0.8
 MAX_ROUNDS = 5
+PRUNE_RATIO = 1.5
 PREFILL_MAX = 1024
 DECODE_ROWS = (1, 8, 48)
 DECODE_CONTEXT = 512
@@ -58,6 +63,7 @@ class Measurement:
     rounds: int = 0          # complete timed rounds
     elapsed_s: float = 0.0
     stopped: str = "rounds"  # rounds | budget
+    pruned: list[str] = field(default_factory=list)      # candidates no longer timed after some round
 
     def best(self, candidate: str, shape: str) -> float | None:
         t = self.times.get((candidate, shape))
@@ -65,30 +71,42 @@ class Measurement:
 
 
 def measure(tasks: list[Task], clock: Callable[[], float] = time.perf_counter, budget_s: float = BUDGET_S,
-            max_rounds: int = MAX_ROUNDS) -> Measurement:
-    """Round 0 warms every task up (its time only estimates the next run); rounds 1..max_rounds are timed. Tasks go
-    shape by shape (all candidates of one shape close together in time), the candidates rotated each round."""
+            max_rounds: int = MAX_ROUNDS, prune: Callable[[Measurement], set[str]] | None = None,
+            warmup_shape: str | None = None) -> Measurement:
+    """One untimed call of each candidate (at ``warmup_shape``, else its first task), then timed rounds: shape by
+    shape (all candidates of one shape close together in time), the candidates rotated each round. ``prune``:
+    after each round, the candidates to time no more."""
     m = Measurement(times={(t.candidate, t.shape): [] for t in tasks})
     start = clock()
     last: dict[tuple[str, str], float] = {}
+
+    def run(t: Task, timed: bool) -> bool:
+        key, now = (t.candidate, t.shape), clock()
+        if now - start + last.get(key, 0.0) > budget_s:
+            return False
+        t.fn()
+        last[key] = clock() - now
+        if timed:
+            m.times[key].append(last[key])
+        return True
+
     by_shape: dict[str, list[Task]] = {}
+    warmup: dict[str, Task] = {}
     for t in tasks:
         by_shape.setdefault(t.shape, []).append(t)
-    for rnd in range(max_rounds + 1):
+        if t.candidate not in warmup or t.shape == warmup_shape:
+            warmup[t.candidate] = t
+    done = all(run(t, False) for t in warmup.values())
+    for rnd in range(1, max_rounds + 1):
         for group in by_shape.values():
-            k = rnd % len(group)
-            for t in group[k:] + group[:k]:
-                key = (t.candidate, t.shape)
-                now = clock()
-                if now - start + last.get(key, 0.0) > budget_s:
-                    m.elapsed_s, m.stopped = now - start, "budget"
-                    return m
-                t.fn()
-                last[key] = clock() - now
-                if rnd:
-                    m.times[key].append(last[key])
+            live = [t for t in group if t.candidate not in m.pruned]
+            k = rnd % max(len(live), 1)
+            done = done and all(run(t, True) for t in live[k:] + live[:k])
+        if not done:
+            break
         m.rounds = rnd
-    m.elapsed_s = clock() - start
+        m.pruned += sorted((prune(m) if prune else set()) - set(m.pruned))
+    m.elapsed_s, m.stopped = clock() - start, "rounds" if done else "budget"
     return m
 
 
@@ -99,12 +117,26 @@ def score(step_s: dict[str, float], shapes: list[Shape]) -> float:
     return math.exp(sum(s.weight * math.log(max(step_s[s.name], 1e-9)) for s in used) / total)
 
 
+def format_scores(formats: list[Format], shapes: list[Shape], m: Measurement) -> dict[Format, float]:
+    """Each format's ``score`` on the shapes every format was timed at ({} when there is none)."""
+    common = [s.name for s in shapes if all(m.best(f.name, s.name) is not None for f in formats)]
+    return {f: score({s: m.best(f.name, s) for s in common}, shapes) for f in formats} if common else {}
+
+
+def _slow(formats: list[Format], shapes: list[Shape]) -> Callable[[Measurement], set[str]]:
+    def prune(m: Measurement) -> set[str]:
+        scores = format_scores(formats, shapes, m)
+        return {f.name for f, v in scores.items() if v > PRUNE_RATIO * min(scores.values())}
+    return prune
+
+
 # ---- building the tasks on a real model ---------------------------------------------------------------------
 def run_probe(cfg, source, mcfg, identity: str, formats: list[Format], families: dict[Format, dict],
-              clock: Callable[[], float] = time.perf_counter,
+              fallback: Format, clock: Callable[[], float] = time.perf_counter,
               budget_s: float = BUDGET_S) -> tuple[list[Shape], Measurement]:
-    """Load each format's model (from the weights cache; converted into it the first time), build the tasks and
-    ``measure`` them. ``families``: format -> {family: implementations} (``candidates.family_options``)."""
+    """Load each format's model (from the weights cache; converted into it the first time), then ``measure`` the
+    formats and the kernel families (``families``: format -> {family: implementations}) of the fastest one
+    (``fallback`` when no shape was timed for every format). The two phases' times are merged."""
     from engine.attention.selector import get_backend
     from engine.loader import load_model
 
@@ -119,14 +151,17 @@ def run_probe(cfg, source, mcfg, identity: str, formats: list[Format], families:
                                                            f.quantization)[0]
     tasks = [t for f in formats
              for t in format_tasks(f, models[(f.quantization, f.dtype)], mcfg, shapes, block_size, backend)]
-    wanted: dict[tuple[str, str], tuple[str, ...]] = {}      # (family, dtype) -> implementations
-    for f in formats:
-        for family, impls in families.get(f, {}).items():
-            wanted[(family, f.dtype)] = impls
-    for (family, dtype), impls in wanted.items():
-        model = models.get(("none", dtype)) or models.get(("int8", dtype))
-        tasks += family_tasks(family, impls, model, shapes)
-    return shapes, measure(tasks, clock, budget_s)
+    warm = shapes[min(1, len(shapes) - 1)].name                # the cheapest: decode at one row
+    m = measure(tasks, clock, budget_s * FORMAT_SHARE, prune=_slow(formats, shapes), warmup_shape=warm)
+    scores = format_scores(formats, shapes, m)
+    best = min(scores, key=scores.get) if scores else fallback
+    model = models[(best.quantization, best.dtype)]
+    tasks = [t for family, impls in families.get(best, {}).items() for t in family_tasks(family, impls, model, shapes)]
+    if tasks:
+        fam = measure(tasks, clock, budget_s - m.elapsed_s, warmup_shape=warm)
+        m.times.update(fam.times)
+        m.elapsed_s += fam.elapsed_s
+    return shapes, m
 
 
 def format_tasks(fmt: Format, model, mcfg, shapes: list[Shape], block_size: int, backend) -> list[Task]:
