@@ -45,8 +45,13 @@ def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where calibrations are cached (default: $BATCHGEN_CACHE_DIR or ~/.cache/batchgen).")
 @click.option("--show", is_flag=True, help="Print the cached calibration without measuring.")
-def calibrate_cmd(device, dtype, quick, cache_dir, show):
+@click.option("--retune", is_flag=True, help="Instead: measure again how to run --model here (the auto settings' "
+              "decision, engine.tuning: formats and kernels timed, the fastest within the quality bar) and cache it.")
+@click.option("--model", default="gemma-3-270m", show_default=True, help="The model --retune measures.")
+def calibrate_cmd(device, dtype, quick, cache_dir, show, retune, model):
     """Measure this device's matmul FLOP/s and memory bandwidth; cache them for report's roofline."""
+    if retune:
+        return _retune(model)
     # NOTE: lazy: torch (here, in costmodel.calibrate and behind choose_dtype) only for this command, not at every
     # `batchgen` start
     import torch
@@ -78,6 +83,33 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show):
                f"{cal.copy_bandwidth / 1e9:,.1f} GB/s copy")
     click.echo(f"ridge point:       {cal.ridge_point:,.1f} FLOP/byte")
     click.echo(f"cached at:         {cache_path(device, dtype, cache_dir)}")
+
+
+def _retune(model: str) -> None:
+    from engine import EngineConfig, setup_engine
+
+    click.echo(f"measuring how to run {model} on this machine (about 15 s) ...", err=True)
+    rec = setup_engine(EngineConfig.from_options(model), retune=True).info().tuning
+    if rec.get("mode") != "tuned":
+        click.echo(f"not tuned: {rec.get('reason')}")
+        return
+    choice = rec["choice"]
+    kernels = ", ".join(f"{k}={v}" for k, v in choice["kernels"].items()) or "none to choose"
+    click.echo(f"chosen:      {choice['quantization']} weights, {choice['dtype']} activations, "
+               f"{choice['kv_cache_dtype']} KV cache; kernels: {kernels}")
+    click.echo(f"reason:      {rec['reason']}")
+    click.echo("candidates (ms per step, the best round; score: their geometric mean, the prefill weighing as much "
+               "as all decode rows together):")
+    for c in sorted(rec["candidates"], key=lambda c: c["score_ms"] or float("inf")):
+        times = "  ".join(f"{s} {t:,.1f}" for s, t in c["times_ms"].items())
+        score = f"{c['score_ms']:,.1f}" if c["score_ms"] is not None else "-"
+        marks = (" (table)" if c["table"] else "") + (" (dropped)" if c["name"] in rec["pruned"] else "")
+        click.echo(f"  {c['name']:<28} score {score:>8}  {times}{marks}")
+    for family, k in rec["kernels"].items():
+        scores = ", ".join(f"{i} {v:,.1f}" for i, v in k.get("score_ms", {}).items())
+        click.echo(f"kernels {family}: {k['chosen']} ({k['why']}{'; est. scores ' + scores if scores else ''})")
+    click.echo(f"measured in {rec['elapsed_s']:.1f} s ({rec['rounds']} rounds, stopped by {rec['stopped']}); "
+               f"decision: {rec['path']}")
 
 
 commands = [report_cmd, calibrate_cmd]

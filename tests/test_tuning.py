@@ -211,3 +211,16 @@ def test_tokens_are_unchanged_by_the_tuner(tiny_llama_dir, tuning, monkeypatch):
     assert named.info.tuning["mode"] == "table"
     assert ([o.token_ids for o in tuned.generate(prompts, params)] ==
             [o.token_ids for o in named.generate(prompts, params)])
+
+
+def test_calibrate_retune_measures_again_and_prints_the_candidates(tiny_llama_dir, tuning):
+    from click.testing import CliRunner
+
+    from batchgen.report_cmd import calibrate_cmd
+    tuning.times = {F32: 2.0, BF16: 1.0}
+    for _ in range(2):
+        res = CliRunner().invoke(calibrate_cmd, ["--retune", "--model", tiny_llama_dir])
+        assert res.exit_code == 0, res.output
+    assert len(tuning.calls) == 2                       # measured each time, the cached decision notwithstanding
+    assert "chosen:      none weights, bfloat16 activations, bfloat16 KV cache" in res.output
+    assert F32 in res.output and "score" in res.output and "kernels elementwise" in res.output
