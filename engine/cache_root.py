@@ -1,6 +1,6 @@
 """Where batchgen keeps what it builds once per machine: ``$BATCHGEN_CACHE_DIR``, else
-``$XDG_CACHE_HOME/batchgen``, else ``~/.cache/batchgen``. Subfolders: kernels/, weights/, tokenizers/, and the
-calibrations (calibration-*.json) at the top."""
+``$XDG_CACHE_HOME/batchgen``, else ``~/.cache/batchgen``. Subfolders: kernels/, weights/, tokenizers/, tuning/
+(engine.tuning's decisions), and the calibrations (calibration-*.json) at the top."""
 from __future__ import annotations
 
 import os

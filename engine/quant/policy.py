@@ -1,4 +1,6 @@
-"""Which weight format an engine runs: ``EngineConfig.quantization`` -> "none" | "int8", with the reason.
+"""Which weight format an engine runs without a measurement: ``EngineConfig.quantization`` -> "none" | "int8", with
+the reason. On a CPU ``auto`` is measured (engine.tuning); this table is its fallback (``BATCHGEN_TUNE=off``, CUDA)
+and validates explicit requests.
 
     requested  device  kernel build                                        result
     none       any     -                                                    none: weights in the engine dtype
