@@ -108,8 +108,8 @@ def _retune(model: str) -> None:
     for family, k in rec["kernels"].items():
         scores = ", ".join(f"{i} {v:,.1f}" for i, v in k.get("score_ms", {}).items())
         click.echo(f"kernels {family}: {k['chosen']} ({k['why']}{'; est. scores ' + scores if scores else ''})")
-    click.echo(f"measured in {rec['elapsed_s']:.1f} s ({rec['rounds']} rounds, stopped by {rec['stopped']}); "
-               f"decision: {rec['path']}")
+    click.echo(f"measured in {rec['elapsed_s']:.1f} s ({rec['rounds']} rounds, stopped by {rec['stopped']}; load "
+               f"average {rec['load_average']:.1f} as it started); decision: {rec['path']}")
 
 
 commands = [report_cmd, calibrate_cmd]

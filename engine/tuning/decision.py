@@ -60,8 +60,8 @@ def tunable(cfg, device_type: str) -> str | None:
 def key_fields(cfg, identity: str) -> dict:
     return {"format": FORMAT, "cpu": cpu_model_name(),
             "cpu_flags": hashlib.sha256(cpu_signature().encode()).hexdigest()[:16], "cores": os.cpu_count(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": library.build_id(),
-            "model": identity, "requested": {f: getattr(cfg, f) for f in REQUESTED}}
+            "threads": cfg.num_threads or torch.get_num_threads(), "torch": torch.__version__,
+            "kernels": library.build_id(), "model": identity, "requested": {f: getattr(cfg, f) for f in REQUESTED}}
 
 
 def cache_path(fields: dict) -> Path:
@@ -83,6 +83,7 @@ class Decision:
     elapsed_s: float = 0.0
     budget_s: float = probe.BUDGET_S
     measured_at: float = 0.0
+    load_average: float = 0.0   # the 1-minute load average as the probe started: a busy machine measures poorly
     source: str = "measured"    # measured | cached (not stored)
     path: str = ""              # (not stored)
 
@@ -216,11 +217,13 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
     t0 = time.perf_counter()
     log.info("tuning: measuring %d formats (%s) on this machine, once (budget %.0f s)", len(formats),
              ", ".join(f.name for f in formats), probe.BUDGET_S)
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families, table)
     dec = decide(fields, formats, families, shapes, m, table, mcfg.num_hidden_layers)
+    dec.load_average = round(busy, 2)
     store(path, dec)
-    log.info("tuning: %s; kernels %s (%.1f s, %d rounds; decision %s)", dec.reason, dec.choice["kernels"],
-             time.perf_counter() - t0, dec.rounds, path)
+    log.info("tuning: %s; kernels %s (%.1f s, %d rounds, load average %.1f; decision %s)", dec.reason,
+             dec.choice["kernels"], time.perf_counter() - t0, dec.rounds, busy, path)
     return dec
 
 
