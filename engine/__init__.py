@@ -7,8 +7,11 @@ exports.
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.errors import BatchgenError, ConfigError, ModelLoadError
 from engine.interface import Engine, EngineInfo, Tokenizer
+from engine.omp_wait import apply as _apply_omp_wait
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
+
+_apply_omp_wait()      # NOTE: before anything loads torch's OpenMP runtime (engine/omp_wait.py says why)
 
 # Imported on first use, so `import engine` stays cheap (these pull in torch or the model code).
 _LAZY = {"LLM": ("engine.llm", "LLM"), "PlanningEngine": ("engine.setup", "PlanningEngine"),

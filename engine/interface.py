@@ -37,6 +37,7 @@ class EngineInfo:
     quantization: str = "none"         # resolved: none | int8 (engine.quant.policy)
     quantization_reason: str = ""
     weight_bytes: int = 0              # resident bytes of the loaded weights (int8 packs included)
+    omp_wait: str = ""                 # how OpenMP threads wait at barriers (engine.omp_wait)
     # engine.tuning: {"mode": "tuned", "source": measured | cached, "choice", "reason", "candidates" (with their
     # times), "kernels", ...} or {"mode": "table", "reason"} where the tables decided
     tuning: dict = field(default_factory=dict)

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import torch
 
 import engine.kernels.library as library
+import engine.omp_wait as omp_wait
 import engine.quant.key_shift as key_shift
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.cpu_tuning import keep_freed_memory
@@ -84,7 +85,8 @@ class LLM:
         self.load_time_s = time.monotonic() - t0
         self.info = setup.info(cpu_kernels=library.describe() if self.device.type == "cpu" else "",
                                load_time_s=round(self.load_time_s, 3), weight_bytes=weight_bytes(self.model),
-                               load_breakdown={**marks.spans, "weights_from": self.weights_from})
+                               load_breakdown={**marks.spans, "weights_from": self.weights_from},
+                               omp_wait=omp_wait.describe() if self.device.type == "cpu" else "")
         log.info("engine loaded in %.2fs (%s); weights %.0f MB, %s", self.load_time_s,
                  ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()), self.info.weight_bytes / 1e6,
                  setup.quant_choice.reason)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import engine.omp_wait as omp_wait
 from bench.options import BenchOptions, say
 from bench.result import SystemResult
 from bench.workloads import BenchPrompt
@@ -97,7 +98,8 @@ def _cpu_list(n: int) -> str:
 def peer_env(name: str, threads: int) -> dict[str, str]:
     """The peer's environment: ours less the Python paths, offline, and for vLLM its CPU settings (shared/PEERS.md:
     KV space 4 GB, OpenMP threads bound to our CPUs, Intel OpenMP preloaded). Set variables win over these."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env = omp_wait.peer_environment({k: v for k, v in os.environ.items()
+                                     if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")})
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
     if name == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
