@@ -64,8 +64,9 @@ def ratios(results: list[SystemResult]) -> dict:
             out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
     for name in PEER_SYSTEMS:            # generation time against generation time; the peers' load is apart
         other = next((r for r in ok if r.system == name), None)
-        for r in filter(None, (on, dflt) if other else ()):
-            out[f"{r.system.replace('-', '_')}_vs_{name}"] = other.wall_s / r.wall_s
+        ours = (off, by.get("batchgen-default-nocache")) if name.endswith("-nocache") else (on, dflt)
+        for r in filter(None, ours if other else ()):   # prefix caching on against on, off against off
+            out[f"{r.system.replace('-', '_')}_vs_{name.replace('-', '_')}"] = other.wall_s / r.wall_s
     return out
 
 
@@ -141,9 +142,16 @@ def format_table(result: dict) -> str:
         if key in r:
             lines.append(f"{label} vs llama.cpp: {r[key]:.2f}x")
     for name in PEER_SYSTEMS:
-        for key, label in ((f"batchgen_vs_{name}", "batchgen"), (f"batchgen_default_vs_{name}", "batchgen defaults")):
+        for ours in ("batchgen", "batchgen-default", "batchgen-nocache", "batchgen-default-nocache"):
+            key = f"{ours.replace('-', '_')}_vs_{name.replace('-', '_')}"
             if key in r:
-                lines.append(f"{label} vs {name}: {r[key]:.2f}x (generation time)")
+                lines.append(f"{ours} vs {name}: {r[key]:.2f}x (generation time)")
+    for s in result["systems"]:          # bench --contend: the same system beside busy loops
+        e = s["extra"]
+        if e.get("contention_ratio"):
+            lines.append(f"{s['label']} beside {e['contend']} busy loop(s): {e['contended_wall_s']:.1f} s, "
+                         f"{e['contention_ratio']:.2f}x its quiet time; tokens "
+                         f"{'identical' if e['contended_same_tokens'] else 'CHANGED'}")
     for s in result["systems"]:
         if s["extra"].get("breakdown"):
             lines += ["", *format_breakdown(s["label"], s["extra"]["breakdown"])]

