@@ -10,6 +10,7 @@ from engine.interface import Engine, EngineInfo, Tokenizer
 from engine.omp_wait import apply as _apply_omp_wait
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputError, StructuredOutputsParams, check_structured
 
 _apply_omp_wait()      # NOTE: before anything loads torch's OpenMP runtime (engine/omp_wait.py says why)
 
@@ -31,4 +32,5 @@ def __getattr__(name):
 
 __all__ = ["LLM", "PlanningEngine", "SamplingParams", "EngineConfig", "DEFAULT_MODEL", "Engine", "EngineInfo",
            "Tokenizer", "RequestOutput", "RequestMetrics", "StepStats", "BatchgenError", "ConfigError",
-           "ModelLoadError", "choose_dtype", "setup_engine", "resolve_model", "load_model_config"]
+           "ModelLoadError", "StructuredOutputsParams", "StructuredOutputError", "check_structured",
+           "choose_dtype", "setup_engine", "resolve_model", "load_model_config"]

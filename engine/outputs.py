@@ -18,6 +18,9 @@ class RequestMetrics:
     num_draft_tokens: int = 0          # speculation: draft tokens proposed / accepted for this request
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0            # steps that verified drafts for this request
+    num_forced_tokens: int = 0         # structured outputs: tokens the grammar forced (entered as a prefill chunk)
+    num_masks_applied: int = 0         # steps where the unconstrained choice was rejected and a full mask applied
+    mask_time_s: float = 0.0           # time spent computing / applying grammar masks for this request
 
     @property
     def queue_s(self) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
+from engine.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # constrain the output (engine/structured)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from YAML and user code, store tuples (frozen + hashable).
@@ -45,6 +47,8 @@ class SamplingParams:
             raise ConfigError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if isinstance(self.structured_outputs, dict):      # from YAML / a batch line
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
 

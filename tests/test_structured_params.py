@@ -1,0 +1,47 @@
+"""StructuredOutputsParams: exactly one constraint, stored hashable, checked before compute."""
+import pytest
+
+from engine import SamplingParams, StructuredOutputError, StructuredOutputsParams, check_structured
+
+
+def test_exactly_one_kind():
+    with pytest.raises(StructuredOutputError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(StructuredOutputError, match="json, regex"):
+        StructuredOutputsParams(regex="a+", choice=["x"])
+    assert StructuredOutputsParams(choice=["yes", "no"]).kind == "choice"
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+
+
+def test_json_stored_canonical_and_hashable():
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}})
+    b = StructuredOutputsParams(json='{"properties": {"a": {}, "b": {"type": "integer"}}, "type": "object"}')
+    assert a == b and hash(a) == hash(b) and a.key == b.key
+    assert a.schema["properties"]["b"] == {"type": "integer"}
+    assert hash(SamplingParams(structured_outputs=a)) == hash(SamplingParams(structured_outputs=b))
+
+
+def test_sampling_params_accepts_a_mapping():
+    p = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert p.structured_outputs == StructuredOutputsParams(choice=("a", "b"))
+
+
+@pytest.mark.parametrize("kwargs, match, keyword", [
+    ({"json": {"type": "object", "properties": {"n": {"type": "integr"}}}}, "not a valid JSON Schema", "anyOf"),
+    ({"json": {"type": "object", "maxProperties": -1}}, "not a valid JSON Schema", "minimum"),
+    ({"regex": "a(b"}, "does not compile", None),
+    ({"choice": []}, "at least one", None),
+    ({"grammar": "  "}, "empty", None),
+])
+def test_check_refuses(kwargs, match, keyword):
+    params = StructuredOutputsParams(**kwargs)
+    with pytest.raises(StructuredOutputError, match=match) as e:
+        check_structured(params)
+    assert e.value.keyword == keyword
+
+
+def test_check_accepts_valid():
+    for p in (StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}}),
+              StructuredOutputsParams(regex=r"\d{3}"), StructuredOutputsParams(choice=["a"]),
+              StructuredOutputsParams(grammar='start: "a"')):
+        check_structured(p)
