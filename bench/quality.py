@@ -33,20 +33,22 @@ VARIANTS = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "no
             ("int8 (bf16 act.)", "bfloat16", "int8", "auto"))
 
 
-def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, native: bool | None = None):
-    """A fresh zeroed paged KV cache for ``model`` (tests and teacher-forced measurements)."""
+def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, native: bool | None = None,
+               prefill: str = "c"):
+    """A fresh zeroed paged KV cache for ``model`` (tests and teacher-forced measurements); ``prefill``: the
+    attention family's implementation (engine.kernels.families)."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     if dtype == torch.int8:                       # kv_cache_dtype: int8 (engine.quant.int8_kv)
         shape = int8_kv.pool_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.model.layers]
-    bind_kv_caches(model, caches, TorchAttentionBackend(native))
+    bind_kv_caches(model, caches, TorchAttentionBackend(native, prefill))
 
 
 @torch.inference_mode()
 def sequence_logits(model, token_ids: list[int], chunks: list[int], block_size: int = 4,
                     block_ids: list[int] | None = None, native: bool | None = None,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, prefill: str = "c") -> torch.Tensor:
     """Feed one sequence in chunks of the given sizes through a fresh paged cache; return logits [T, V].
 
     block_ids: the physical blocks of the sequence (default: a shuffled table, to exercise indirection).
@@ -58,7 +60,7 @@ def sequence_logits(model, token_ids: list[int], chunks: list[int], block_size: 
     if block_ids is None:
         g = torch.Generator().manual_seed(1)
         block_ids = torch.randperm(nblocks + 3, generator=g)[:nblocks].tolist()
-    bind_cache(model, max(block_ids) + 1, block_size, dtype=dtype, native=native)
+    bind_cache(model, max(block_ids) + 1, block_size, dtype=dtype, native=native, prefill=prefill)
     out = []
     start = 0
     for c in chunks:

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
+from engine.kernels.families import check_kernels
 
 DEFAULT_MODEL = "gemma-3-270m"        # google/gemma-3-270m, Q4_K_M GGUF from PyPI (engine.loader.resolve)
 
@@ -43,6 +44,8 @@ class EngineConfig:
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,
                                              # attention in bf16 (engine.attention.torch_backend) | int8: int8 +
                                              # a scale per 32 values, 0.56x bf16's bytes (engine.quant.int8_kv; CPU)
+    kernels: dict | None = None              # CPU: C or torch per kernel family, e.g. {attention: torch}
+                                             # (engine.kernels.families); families not named: measured (engine.tuning)
 
     @classmethod
     def from_options(cls, model: str = DEFAULT_MODEL, **options) -> EngineConfig:
@@ -69,6 +72,13 @@ class EngineConfig:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8"):
             raise ConfigError(f"kv_cache_dtype must be auto, float32, bfloat16 or int8, got {self.kv_cache_dtype!r}")
+        if self.kernels is not None:
+            if not isinstance(self.kernels, dict):
+                raise ConfigError(f"kernels must be a mapping of kernel family to c or torch, got {self.kernels!r}")
+            try:
+                check_kernels(self.kernels)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.attention_backend not in ("auto", "torch", "flash_attn"):
             raise ConfigError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

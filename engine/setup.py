@@ -98,7 +98,9 @@ def setup_engine(cfg: EngineConfig, tune: bool = False, retune: bool = False) ->
             tuning = tuned.record()
     if device.type == "cpu" and choice.dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
-    backend = get_backend(cfg.attention_backend, device)
+    if cfg.kernels:                                       # explicit families win over the measured ones
+        kernels = {**(kernels or {}), **cfg.kernels}
+    backend = get_backend(cfg.attention_backend, device, kernels)
     block_size = backend.block_size_for(cfg.block_size)
     if block_size != cfg.block_size:
         log.info("block_size %d -> %d for the %s backend", cfg.block_size, block_size, backend.name)

@@ -9,7 +9,6 @@ logits through the attention backend, and the engine's hidden state behind each 
 import pytest
 import torch
 
-import engine.kernels.cpu_features as cpu_features
 import engine.kernels.library as library
 from bench.quality import sequence_logits
 from engine import LLM, SamplingParams
@@ -17,8 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.models.layers import CausalLM
 from tests.model_utils import save_tiny, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(library.load() is None or cpu_features.has_amx(),
-                                reason="the C attention kernels (AMX CPUs attend in torch bf16)")
+pytestmark = pytest.mark.skipif(library.load() is None, reason="the C attention kernels do not build here")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

@@ -9,9 +9,7 @@ import engine.kernels.elementwise as elementwise
 import engine.kernels.library as library
 import engine.kernels.qlinear as qlinear
 import engine.quant.int8 as int8
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine import LLM, ConfigError, EngineConfig, SamplingParams
 from engine.quant.policy import choose_quantization
 from tests.model_utils import VOCAB, run_chunks, save_tiny, tiny_hf_model
 from tests.test_cpu_kernels import BUILDS, _lib, _x86_with, build_libs
@@ -367,7 +365,7 @@ def test_choose_quantization():
     for isa, bf16_attn, kisa in (("avx512_vnni", False, "avx512"), ("avx2", False, "avx512"),
                                  ("portable", False, None)):
         assert choose_quantization("int8", "cpu", isa, bf16_attn, kernel_isa=kisa).kv_cache_dtype is None
-    # auto: int8 + a bf16 KV cache only where measured faster and within the bar (VNNI + bf16 attention kernel)
+    # auto: int8 + a bf16 KV cache only where measured faster and within the bar (VNNI + bf16 attention kernel, no AMX)
     auto = choose_quantization("auto", "cpu", "avx512_vnni", True)
     assert auto.name == "int8" and auto.kv_cache_dtype == "bfloat16" and "measured faster" in auto.reason
     for isa, bf16_attn in (("avx512_vnni", False), ("avx2", True), ("avx2", False), ("portable", False),
@@ -381,6 +379,7 @@ def test_choose_quantization():
     assert choose_quantization("auto", "cpu", "avx2", False, dtype="bfloat16", kernel_isa="avx2").name == "none"
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, dtype="bfloat16").name == "none"
     assert choose_quantization("auto", "cuda", None).name == "none"
+    assert choose_quantization("auto", "cpu", "avx512_vnni", True, amx=True).name == "none"    # AMX: the table
     # a float checkpoint: auto keeps float weights (int8's bar was measured on GGUF-quantized weights)
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, quantized_source=False).name == "none"
     assert choose_quantization("int8", "cpu", "avx512_vnni", True, quantized_source=False).name == "int8"

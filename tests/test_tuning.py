@@ -141,6 +141,32 @@ def test_kernel_families_follow_their_timings(tiny_llama_dir, tuning):
     assert s.kernels == {"elementwise": "c", "lm_head": "torch"}
 
 
+def test_the_attention_family_follows_its_timings_and_explicit_kernels_win(tiny_llama_dir, tuning):
+    """Prefill attention over a bf16 cache is a measured family (no CPU-flag rule): C or torch, whichever's prefill
+    step is faster, handed to the attention backend; a job's ``kernels`` setting wins over the measurement."""
+    import engine.kernels.gemm as gemm
+    if not gemm.bf16_gemm_ok():
+        pytest.skip("this build has no bf16 dot products: attention has one implementation here")
+    tuning.times = {F32: 3.0, BF16: 3.0, F32_KV16: 1.0, "attention:c@float32": 0.2, "attention:torch@float32": 0.1}
+    s = _setup(tiny_llama_dir)
+    assert s.config.kv_cache_dtype == "bfloat16" and s.kernels["attention"] == "torch"
+    assert s.backend.prefill == "torch"
+    assert s.info().tuning["kernels"]["attention"]["chosen"] == "torch"
+    tuning.times.update({"attention:c@float32": 0.1, "attention:torch@float32": 0.2})
+    s = setup_retuned(tiny_llama_dir)
+    assert s.kernels["attention"] == "c" and s.backend.prefill == "c"
+    s = _setup(tiny_llama_dir, kernels={"attention": "torch", "elementwise": "torch"})
+    assert s.kernels["attention"] == "torch" and s.kernels["elementwise"] == "torch" and s.backend.prefill == "torch"
+
+
+def test_a_bad_kernels_setting_names_the_family():
+    from engine import ConfigError
+    with pytest.raises(ConfigError, match="unknown kernel family 'attn'"):
+        EngineConfig(kernels={"attn": "c"})
+    with pytest.raises(ConfigError, match="kernels.attention must be one of c, torch, got 'fast'"):
+        EngineConfig(kernels={"attention": "fast"})
+
+
 def setup_retuned(model_dir):
     from engine import setup_engine
     return setup_engine(EngineConfig(model_dir, kv_cache_memory=16 << 20, max_num_seqs=8,
@@ -205,7 +231,7 @@ def test_tokens_are_unchanged_by_the_tuner(tiny_llama_dir, tuning, monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0.0)
     tuned = LLM(tiny_llama_dir, **opts)
     assert tuned.info.tuning["source"] == "measured" and tuned.config.dtype == "float32"
-    assert tuned.model.model.layers[0].ops.kernels == {"elementwise": "c", "lm_head": "c"}
+    assert tuned.model.model.layers[0].ops.kernels == {"elementwise": "c", "lm_head": "c", "attention": "c"}
     monkeypatch.setenv("BATCHGEN_TUNE", "off")
     named = LLM(tiny_llama_dir, dtype="float32", quantization="none", kv_cache_dtype="float32", **opts)
     assert named.info.tuning["mode"] == "table"

@@ -10,7 +10,8 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def get_backend(name: str, device):
+def get_backend(name: str, device, kernels: dict | None = None):
+    """``kernels``: the kernel families' choice (engine.kernels.families); the torch backend takes ``attention``."""
     import torch
 
     dev = torch.device(device)
@@ -27,5 +28,5 @@ def get_backend(name: str, device):
         return FlashAttentionBackend()
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(prefill=(kernels or {}).get("attention", "c"))
     raise ConfigError(f"unknown attention backend {name!r}; use auto, torch or flash_attn")

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 import engine.kernels.attention as kernel_attention
-import engine.kernels.cpu_features as cpu_features
 import engine.kernels.elementwise as elementwise
 import engine.kernels.gemm as gemm
 import engine.quant.int8_kv as int8_kv
@@ -35,12 +34,18 @@ PREFILL_TILE = 128
 
 class TorchAttentionBackend(AttentionBackend):
     """``native=None`` (default): decode attention uses the C kernel (``engine.kernels.attention``) when it can run the
-    tensors and builds here; ``False``: always the pure-torch gather path (tests compare the two)."""
+    tensors and builds here; ``False``: always the pure-torch gather path (tests compare the two). ``prefill``: the
+    ``attention`` kernel family's choice (engine.kernels.families) for prefill over a bf16 or int8 cache: "c" (bf16
+    into float32 where the build has bf16 dot products) or "torch"."""
 
     name = "torch"
 
-    def __init__(self, native: bool | None = None):
+    def __init__(self, native: bool | None = None, prefill: str = "c"):
         self.native = native is not False
+        self.prefill = prefill
+
+    def __repr__(self) -> str:
+        return f"TorchAttentionBackend(native={self.native}, prefill={self.prefill!r})"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -48,16 +53,16 @@ class TorchAttentionBackend(AttentionBackend):
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k/v into the cache, returns [T, Hq, D]."""
         k_cache, v_cache = kv_cache                                  # [N_blocks, bs, Hkv, D]
         if k_cache.dtype == torch.int8:                              # [N_blocks, block bytes]: int8_kv's layout
-            return _forward_int8(self.native, q, k, v, kv_cache, meta, window, scale)
+            return _forward_int8(self.native, q, k, v, kv_cache, meta, window, scale, self.prefill == "c")
         low = k_cache.dtype
         # bf16 caches: prefill tiles multiply bf16 into float32 (csrc/bf16_gemm.c) where that kernel is fast, so
         # scores and outputs are not rounded to bf16; float32 activations then keep a float32 output too.
-        wide = self.native and low == torch.bfloat16 and q.device.type == "cpu" and gemm.bf16_gemm_ok()
+        wide = (self.native and self.prefill == "c" and low == torch.bfloat16 and q.device.type == "cpu"
+                and gemm.bf16_gemm_ok())
         # Elsewhere on the CPU float32 queries read a bf16 cache as float32 (the chunk's keys converted once,
         # float32 matmuls; decode reads the bf16 cache in place): torch's bf16 matmul is ~200x slower than
-        # float32 without bf16 units. Only AMX CPUs, whose bf16 matmul beats float32 several times, compute in bf16.
-        upcast = (not wide and low == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
-                  and not cpu_features.has_amx())
+        # float32 without bf16 units. bf16 queries (bf16 activations) compute in bf16.
+        upcast = not wide and low == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
         if low != q.dtype and not (wide or upcast):   # attention in the cache's dtype, output cast back
             return self.forward(q.to(low), k.to(low), v.to(low), kv_cache, meta, window, scale).to(q.dtype)
         write_kv(kv_cache, k, v, meta.slot_mapping)      # converts to the cache's dtype as it stores
@@ -84,7 +89,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, window: int | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, c_prefill: bool = True) -> torch.Tensor:
     """``forward`` over an int8 cache (engine.quant.int8_kv). Every key and value is read back quantized, this
     step's too, so a sequence attends to the same values whether its prefix was cached, chunked or computed now.
     Decode: the C kernel reads the int8 rows in place (each group of 32 dequantized into the bf16 dot products on
@@ -110,7 +115,7 @@ def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, wind
     out = torch.empty_like(q)
     if nd:
         out[:nd] = decode(q[:nd])
-    wide = fast and gemm.bf16_gemm_ok()
+    wide = fast and c_prefill and gemm.bf16_gemm_ok()
 
     def pack(kc, vc, table, lo, hi):
         return kernel_attention.pack_kv_i8(kc, vc, table, lo, hi, bs, hkv, d)

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import torch
 
-import engine.kernels.cpu_features as cpu_features
 import engine.kernels.library as library
 from engine.kernels.binding import KernelLibrary
 from engine.kernels.library import SUFFIX
 
 
 def bf16_gemm_ok() -> bool:
-    """True when this build multiplies bf16 with AVX512-BF16 dot products into float32 (``bf16_gemm``), and the
-    CPU has no AMX: there torch's bf16 matmul is faster, and stays."""
+    """True when this build multiplies bf16 with bf16 dot products into float32 (``bf16_gemm``). Whether attention
+    uses it is the ``attention`` kernel family's choice (engine.kernels.families), measured by engine.tuning."""
     lib = library.load()
-    return lib is not None and bool(lib.bf16_gemm_fast()) and not cpu_features.has_amx()
+    return lib is not None and bool(lib.bf16_gemm_fast())
 
 
 def pack_pairs(b: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 import engine.kernels.elementwise as elementwise
 import engine.kernels.gemm as gemm
+from engine.kernels.families import TABLE_KERNELS, check_kernels
 from engine.kernels.library import SUFFIX
 
 if TYPE_CHECKING:
@@ -84,18 +85,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# Kernel families with a C and a torch implementation, chosen per family (engine.tuning measures them):
-#   elementwise  rms_norm, residual_norm, qk_norm_rope, glu: "c" | "torch"
-#   lm_head      a float head's logits: "c" (csrc/small_m.c at every row count) | "torch" | "table" (the C kernel up
-#                to gemm.SMALL_M_MAX rows, torch beyond: the rule when nothing was measured)
-KERNEL_FAMILIES = {"elementwise": ("c", "torch"), "lm_head": ("c", "torch", "table")}
-TABLE_KERNELS = {"elementwise": "c", "lm_head": "table"}
-
-
 class CpuKernelOps(TorchOps):
     """The fused C kernels (CPU, the kernel library loaded); tensors in a dtype they lack take torch's path.
-    ``kernels``: family -> implementation (``KERNEL_FAMILIES``), one choice for every row count; missing families
-    take ``TABLE_KERNELS``."""
+    ``kernels``: family -> implementation (``engine.kernels.families``), one choice for every row count; missing
+    families take ``TABLE_KERNELS`` (attention's is the backend's, engine.attention.torch_backend)."""
 
     name = "cpu_kernels"
 
@@ -103,9 +96,7 @@ class CpuKernelOps(TorchOps):
                  kernels: dict[str, str] | None = None):
         super().__init__(int8_head, int8_argmax, int8_glu)
         self.kernels = {**TABLE_KERNELS, **(kernels or {})}
-        for family, impl in self.kernels.items():
-            if impl not in KERNEL_FAMILIES.get(family, ()):
-                raise ValueError(f"unknown kernel choice {family}: {impl!r}")
+        check_kernels(self.kernels)
         self._elementwise = self.kernels["elementwise"] == "c"
 
     def __repr__(self) -> str:

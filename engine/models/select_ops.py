@@ -14,7 +14,7 @@ from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
 def choose_ops(model: nn.Module, device, kernels: dict[str, str] | None = None) -> TorchOps:
     """The ops for a finished model (weights loaded, int8 swapped in) on ``device``: the C kernels on a CPU where
     the library loads, torch otherwise; the weight format read from the model's modules once. ``kernels``: C or
-    torch per kernel family (``engine.models.ops.KERNEL_FAMILIES``; engine.tuning's choice), None: the table's."""
+    torch per kernel family (``engine.kernels.families``; engine.tuning's choice), None: the table's."""
     head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
     glu = {isinstance(m.gate_up_proj, Int8GluLinear) for m in model.modules() if isinstance(m, GatedMLP)}
     if len(glu) > 1:

@@ -2,13 +2,14 @@
 table choice that ``BATCHGEN_TUNE=off`` (or a device the tuner does not measure) falls back to.
 
 A candidate is a *format* (weights none | int8, the activation dtype, the KV cache dtype) plus, per kernel family
-where both exist, C or torch (``engine.models.ops.KERNEL_FAMILIES``). ``auto`` fields vary, explicit ones do not:
+where both exist, C or torch (``engine.kernels.families``). ``auto`` fields vary, explicit ones do not:
 
     field            auto's candidates
     quantization     none; int8 too where the weights come quantized (GGUF) and the int8 kernels load
     dtype            float32; bfloat16 too where the CPU has bf16 matmul units (AMX-BF16 or AVX512-BF16)
     kv_cache_dtype   the activation dtype, and bfloat16
-    kernel families  c and torch, where the kernel library loads (lm_head: float heads only)
+    kernel families  c and torch, where the kernel library loads (lm_head: float heads only; attention: a bf16 or
+                     int8 KV cache, where the build has bf16 dot products)
 
 Quality is a property of the format, measured once by ``batchgen bench --quality`` against float32 and recorded
 here (``QUALITY``), not re-measured on each machine: the bar and its figures are docs/design/quantization.md's.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import engine.kernels.cpu_features as cpu_features
 from engine.dtype_policy import DtypeChoice, choose_dtype, cpu_has_bf16_matmul
 from engine.quant.policy import QuantChoice, choose_quantization, kernel_bf16_attention, kernel_isa, kernel_q8_isa
 
@@ -58,6 +60,7 @@ class KernelFacts:
     bf16_attention: bool = False       # bf16 multiplied into float32 for attention (engine.kernels.gemm)
     isa: str | None = None             # the build's vector ISA
     bf16_units: bool = False           # the CPU has bf16 matmul units (engine.dtype_policy)
+    amx: bool = False                  # AMX tiles: the table keeps float weights (engine.quant.policy)
 
     @property
     def kernels(self) -> bool:
@@ -71,14 +74,14 @@ def kernel_facts(device_type: str, load_kernels: bool) -> KernelFacts:
     bf16 = cpu_has_bf16_matmul()
     if not load_kernels:
         return KernelFacts(bf16_units=bf16)
-    return KernelFacts(kernel_q8_isa(), kernel_bf16_attention(), kernel_isa(), bf16)
+    return KernelFacts(kernel_q8_isa(), kernel_bf16_attention(), kernel_isa(), bf16, cpu_features.has_amx())
 
 
 def table_choice(requested_quant: str, requested_dtype: str, requested_kv: str, device_type: str,
                  quantized_source: bool, facts: KernelFacts) -> tuple[QuantChoice, DtypeChoice, str]:
     """The table's choice (engine.quant.policy, engine.dtype_policy): quantization, dtype, KV cache dtype."""
     quant = choose_quantization(requested_quant, device_type, facts.q8_isa, facts.bf16_attention, requested_dtype,
-                                facts.isa, quantized_source=quantized_source)
+                                facts.isa, quantized_source=quantized_source, amx=facts.amx)
     if quant.name == "int8" and requested_dtype == "auto":
         # NOTE: int8 weights pass the quality bar with float32 activations and fail it with bf16 ones (QUALITY)
         choice = DtypeChoice("float32", "auto with int8 weights: float32 activations (bf16 activations fail "
@@ -114,6 +117,8 @@ def family_options(fmt: Format, facts: KernelFacts) -> dict[str, tuple[str, ...]
     families = {"elementwise": ("c", "torch")}
     if fmt.quantization == "none":
         families["lm_head"] = ("c", "torch")
+    if fmt.kv_cache_dtype in ("bfloat16", "int8") and facts.bf16_attention:
+        families["attention"] = ("c", "torch")        # prefill over a low-precision cache: bf16 kernel or torch
     return families
 
 

@@ -15,6 +15,7 @@ Weights are loaded (and, the very first time, converted into the weights cache) 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -156,7 +157,9 @@ def run_probe(cfg, source, mcfg, identity: str, formats: list[Format], families:
     scores = format_scores(formats, shapes, m)
     best = min(scores, key=scores.get) if scores else fallback
     model = models[(best.quantization, best.dtype)]
-    tasks = [t for family, impls in families.get(best, {}).items() for t in family_tasks(family, impls, model, shapes)]
+    tasks = [t for family, impls in families.get(best, {}).items()
+             for t in (attention_tasks(best, impls, model, mcfg, shapes, block_size) if family == "attention"
+                       else family_tasks(family, impls, model, shapes))]
     if tasks:
         fam = measure(tasks, clock, budget_s - m.elapsed_s, warmup_shape=warm)
         m.times.update(fam.times)
@@ -247,9 +250,20 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
     return tasks
 
 
+def attention_tasks(fmt: Format, impls: tuple[str, ...], model, mcfg, shapes: list[Shape],
+                    block_size: int) -> list[Task]:
+    """The ``attention`` family: ``fmt``'s whole prefill step with each prefill implementation (decode attention is
+    the same C kernel in both, so only the prefill shape is timed)."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    prefill = [s for s in shapes if s.kind == "prefill"]
+    return [dataclasses.replace(t, candidate=f"attention:{impl}@{fmt.dtype}")
+            for impl in impls
+            for t in format_tasks(fmt, model, mcfg, prefill, block_size, TorchAttentionBackend(prefill=impl))]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 __all__ = ["BUDGET_S", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "measure", "score",
-           "format_tasks", "family_tasks"]
+           "format_tasks", "family_tasks", "attention_tasks"]

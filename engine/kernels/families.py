@@ -1,0 +1,23 @@
+"""The kernel families that have a C and a torch implementation, chosen once per family for every row count and
+for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfig.kernels``):
+
+    elementwise  rms_norm, residual_norm, qk_norm_rope, glu: "c" | "torch"
+    lm_head      a float head's logits: "c" (csrc/small_m.c at every row count) | "torch" | "table" (the C kernel up
+                 to gemm.SMALL_M_MAX rows, torch beyond: the rule when nothing was measured)
+    attention    prefill over a bf16 or int8 KV cache: "c" (bf16 multiplied into float32, csrc/bf16_gemm.c, where the
+                 build has bf16 dot products) | "torch" (torch's matmuls in the activation dtype; float32 queries
+                 read the cache as float32). Decode attention is the C kernel wherever it builds.
+
+Kept free of torch so that a config can be checked without loading it.
+"""
+KERNEL_FAMILIES = {"elementwise": ("c", "torch"), "lm_head": ("c", "torch", "table"), "attention": ("c", "torch")}
+TABLE_KERNELS = {"elementwise": "c", "lm_head": "table", "attention": "c"}
+
+
+def check_kernels(kernels: dict) -> None:
+    """ValueError naming an unknown family or implementation."""
+    for family, impl in kernels.items():
+        if family not in KERNEL_FAMILIES:
+            raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(KERNEL_FAMILIES)}")
+        if impl not in KERNEL_FAMILIES[family]:
+            raise ValueError(f"kernels.{family} must be one of {', '.join(KERNEL_FAMILIES[family])}, got {impl!r}")
