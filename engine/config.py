@@ -14,6 +14,7 @@ DEFAULT_MODEL = "gemma-3-270m"        # google/gemma-3-270m, Q4_K_M GGUF from Py
 DEFAULT_CPU_KV_FRACTION = 0.25
 DEFAULT_CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 QUANTIZATIONS = ("none", "int8", "auto")
+PINNABLE = ("quantization", "dtype", "kv_cache_dtype")     # the format: what the tuner decides
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,14 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model=model, **options)
+
+    def pinned(self, choice: dict) -> EngineConfig:
+        """This config with its ``auto`` quantization / dtype / kv_cache_dtype and its unnamed kernel families taken
+        from ``choice`` (``EngineInfo.format_choice`` of an earlier engine): a resumed, incremental or Ray run
+        computes in the format its first rows were computed in. Fields given by name keep their value."""
+        fixed = {f: choice[f] for f in PINNABLE if getattr(self, f) == "auto" and choice.get(f)}
+        kernels = {**(choice.get("kernels") or {}), **(self.kernels or {})} or None
+        return dataclasses.replace(self, **fixed, kernels=kernels)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -42,6 +42,13 @@ class EngineInfo:
     # times), "kernels", ...} or {"mode": "table", "reason"} where the tables decided
     tuning: dict = field(default_factory=dict)
 
+    @property
+    def format_choice(self) -> dict:
+        """What ``EngineConfig.pinned`` takes: the resolved format and kernel families of this engine."""
+        return {"quantization": self.quantization, "dtype": self.dtype,
+                "kv_cache_dtype": self.config.get("kv_cache_dtype") or self.dtype,
+                "kernels": dict(self.config.get("kernels") or {})}
+
     def to_dict(self) -> dict[str, object]:
         """JSON-ready (manifests, traces, the report)."""
         return dataclasses.asdict(self)

@@ -22,6 +22,7 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.dtype_policy import DTYPES, DtypeChoice, log_choice
 from engine.errors import ConfigError
 from engine.interface import EngineInfo
+from engine.kernels.families import TABLE_KERNELS
 from engine.loader import ModelSource, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
 from engine.memory import num_kv_blocks
@@ -114,7 +115,9 @@ def setup_engine(cfg: EngineConfig, tune: bool = False, retune: bool = False) ->
     if kv == "int8" and not int8_kv.supported(mcfg.head_dim):
         raise ConfigError(f"kv_cache_dtype: int8 needs head_dim a multiple of {int8_kv.GROUP} (groups of "
                           f"{int8_kv.GROUP} share a scale); this model's is {mcfg.head_dim}")
-    cfg = dataclasses.replace(cfg, kv_cache_dtype=kv)
+    if facts.kernels:                         # the resolved families (recorded, and what a pinned config repeats)
+        kernels = {**TABLE_KERNELS, **(kernels or {})}
+    cfg = dataclasses.replace(cfg, kv_cache_dtype=kv, kernels=kernels if facts.kernels else cfg.kernels)
     blocks = num_kv_blocks(cfg, mcfg, KV_DTYPES[kv], device, block_size, max_model_len)
     return EngineSetup(cfg, source, mcfg, identity, device, choice, quant, backend, blocks, kernels, tuning)
 

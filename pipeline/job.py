@@ -66,7 +66,7 @@ _OUTPUT = {
 def _dataclass_schema(cls, skip=()) -> dict:
     kinds = {"int": int, "float": float, "bool": bool, "str": str, "int | None": int, "float | None": float,
              "str | None": str, "tuple[str, ...]": list, "tuple[int, ...]": "int_list", "int | str | None": str,
-             "dict | str | None": "switch_or_mapping"}
+             "dict | str | None": "switch_or_mapping", "dict | None": "mapping"}
     return {f.name: (kinds.get(str(f.type), str), False) for f in dataclasses.fields(cls) if f.name not in skip}
 
 
@@ -210,6 +210,8 @@ def _check_type(value: Any, kind, key: str, problems: list[tuple[str, str]]) -> 
     elif kind == "int_list":
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             bad("a list of integers")
+    elif kind == "mapping" and value is not None and not isinstance(value, dict):     # e.g. engine.kernels
+        bad("a mapping")
     elif kind == "switch_or_mapping":          # e.g. speculative_config: off | auto | {key: value, ...}
         if isinstance(value, bool):            # YAML 1.1 reads a bare off / on as false / true
             return "auto" if value else "off"

@@ -43,10 +43,12 @@ from typing import Callable
 
 import numpy as np
 
+import pipeline.engine_format as engine_format
 from costmodel.predict import Prediction, predict_plan
 from engine import BatchgenError, Engine, EngineConfig, EngineInfo
 from pipeline.admission import MachineLock
 from pipeline.assemble import assemble
+from pipeline.engine_format import Recorded
 from pipeline.errors import Interrupted, RunError
 from pipeline.execute import Batch, Execution, LocalExecution
 from pipeline.failure import failure_of
@@ -158,7 +160,8 @@ class Runner:
                 old_handlers = self._install_signal_handlers()
                 machine = self._admit(jobs, rec)
             config = engine_config_for(model, jobs)
-            llm = self._start_engine(config, jobs, dry_run)
+            llm, config, pinned_by = self._start_pinned(config, jobs, dry_run,
+                                                        engine_format.recorded(states, config.model))
             t_loaded = time.monotonic()
             info = llm.info
             _check_kv_pool(info, jobs)
@@ -180,7 +183,12 @@ class Runner:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
             work = plan.num_requests or any(jr.long_docs for jr in runs)   # long rows: maybe only reduces left
+            if self.opts.ray is not None and work:      # every replica computes in one format: the driver's
+                config, choice = engine_format.for_replicas(config, info)
+            else:
+                choice = info.format_choice
             if work:
+                engine_format.store(states, choice, config.model)
                 rec.start_trace(llm, states[0], t_loaded, predicted)
             report.trace_dir = rec.trace_dir
             distributed = None
@@ -199,7 +207,7 @@ class Runner:
                 distributed = exe.summary()
                 if distributed is not None and rec.trace is not None:
                     rec.trace.distributed = distributed
-            info = report.engine_info = exe.engine_info()
+            info = report.engine_info = engine_format.noted(exe.engine_info(), pinned_by)
             engine_s = report.engine_s = rec.engine_s = time.monotonic() - t_loaded
             for jr in runs:
                 assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir, prediction=predicted,
@@ -226,6 +234,21 @@ class Runner:
                 machine.release()
             for st in locked:
                 st.unlock()
+
+    def _start_pinned(self, config: EngineConfig, jobs: list[Job], dry_run: bool, earlier: Recorded | None
+                      ) -> tuple[Engine, EngineConfig, Recorded | None]:
+        """(engine, its config, the record it was pinned by): ``earlier`` is the format these jobs' rows were computed
+        in so far, pinned where the jobs left it auto; one this machine cannot run any more is dropped, warned."""
+        if earlier is not None:
+            pinned = engine_format.pin(config, earlier)
+            try:
+                llm = self._start_engine(pinned, jobs, dry_run)
+                self.echo(f"engine format: {earlier.describe()}, as the jobs' earlier run computed ({earlier.path})")
+                return llm, pinned, earlier
+            except RunError as e:
+                warn(f"the engine format an earlier run recorded ({earlier.describe()}; {earlier.path}) cannot run "
+                     f"here ({e}); using this machine's choice: rows computed now may differ from earlier ones")
+        return self._start_engine(config, jobs, dry_run), config, None
 
     def _start_engine(self, config: EngineConfig, jobs: list[Job], dry_run: bool) -> Engine:
         try:

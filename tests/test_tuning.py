@@ -134,11 +134,12 @@ def test_kernel_families_follow_their_timings(tiny_llama_dir, tuning):
     tuning.times = {F32: 1.0, BF16: 3.0, F32_KV16: 2.0, "elementwise:c@float32": 0.002,
                     "elementwise:torch@float32": 0.001, "lm_head:c@float32": 0.01, "lm_head:torch@float32": 0.02}
     s = _setup(tiny_llama_dir)
-    assert s.kernels == {"elementwise": "torch", "lm_head": "c"}
+    assert s.kernels == {"elementwise": "torch", "lm_head": "c", "attention": "c"}
+    assert s.config.kernels == s.kernels                 # the resolved families: recorded, and what a pin repeats
     tuning.times.update({"elementwise:c@float32": 0.001, "elementwise:torch@float32": 0.002,
                          "lm_head:c@float32": 0.02, "lm_head:torch@float32": 0.01})
     s = setup_retuned(tiny_llama_dir)
-    assert s.kernels == {"elementwise": "c", "lm_head": "torch"}
+    assert s.kernels == {"elementwise": "c", "lm_head": "torch", "attention": "c"}
 
 
 def test_the_attention_family_follows_its_timings_and_explicit_kernels_win(tiny_llama_dir, tuning):
@@ -250,3 +251,19 @@ def test_calibrate_retune_measures_again_and_prints_the_candidates(tiny_llama_di
     assert len(tuning.calls) == 2                       # measured each time, the cached decision notwithstanding
     assert "chosen:      none weights, bfloat16 activations, bfloat16 KV cache" in res.output
     assert F32 in res.output and "score" in res.output and "kernels elementwise" in res.output
+
+
+def test_a_pinned_config_repeats_the_recorded_format_without_measuring(tiny_llama_dir, tuning):
+    """What an incremental, resumed or Ray run loads (pipeline.engine_format): the earlier engine's format."""
+    tuning.times = {F32: 3.0, BF16: 1.0, F32_KV16: 2.0, "elementwise:c@bfloat16": 0.2,
+                    "elementwise:torch@bfloat16": 0.1}
+    first = _setup(tiny_llama_dir)
+    choice = first.info().format_choice
+    assert choice["dtype"] == "bfloat16" and choice["kernels"]["elementwise"] == "torch"
+    tuning.times = {F32: 1.0, BF16: 3.0, F32_KV16: 2.0}                 # the machine would now choose otherwise
+    again = _setup(tiny_llama_dir, **choice)
+    assert len(tuning.calls) == 1 and again.info().format_choice == choice
+    pinned = EngineConfig(tiny_llama_dir).pinned(choice)
+    assert (pinned.quantization, pinned.dtype, pinned.kv_cache_dtype, pinned.kernels) == (
+        choice["quantization"], "bfloat16", choice["kv_cache_dtype"], choice["kernels"])
+    assert EngineConfig(tiny_llama_dir, dtype="float32").pinned(choice).dtype == "float32"     # explicit wins

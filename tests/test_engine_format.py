@@ -1,0 +1,136 @@
+"""The engine format a job's rows were computed in is recorded in its job dir and pinned for its later runs
+(incremental, resumed) and for every Ray replica, even when the machine's measured decision changes in between;
+explicit settings win; a recorded format that cannot run any more is dropped with a warning."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pipeline.engine_format as engine_format
+from engine import ConfigError, EngineConfig
+from engine.interface import EngineInfo
+from pipeline.state import job_dir_for
+from tests.conftest import FakeLLM, make_docs
+from tests.test_pipeline import run, write_job
+
+INT8 = {"quantization": "int8", "dtype": "float32", "kv_cache_dtype": "bfloat16",
+        "kernels": {"attention": "c", "elementwise": "c", "lm_head": "table"}}
+BF16 = {"quantization": "none", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
+        "kernels": {"attention": "torch", "elementwise": "c", "lm_head": "c"}}
+
+
+class FormatLLM(FakeLLM):
+    """A fake engine whose format is the machine's ``decision`` where the config says auto, the config's elsewhere
+    (as setup_engine resolves it)."""
+
+    def __init__(self, tokenizer, config: EngineConfig, decision: dict):
+        super().__init__(tokenizer)
+        self.fmt = {f: (decision[f] if getattr(config, f) == "auto" else getattr(config, f))
+                    for f in ("quantization", "dtype", "kv_cache_dtype")}
+        self.fmt["kernels"] = {**decision["kernels"], **(config.kernels or {})}
+
+    @property
+    def info(self):
+        base = super().info
+        return dataclasses.replace(base, dtype=self.fmt["dtype"], quantization=self.fmt["quantization"],
+                                   config={"kv_cache_dtype": self.fmt["kv_cache_dtype"],
+                                           "kernels": self.fmt["kernels"]}, tuning={"mode": "tuned"})
+
+
+@pytest.fixture
+def machine(tiny_tokenizer):
+    """``machine.decision``: what this machine's tuner would choose now; ``machine.configs``: what was loaded."""
+    state = type("Machine", (), {"decision": INT8, "configs": [], "refuse": None})()
+
+    def factory(config):
+        if state.refuse and config.quantization == state.refuse:
+            raise ConfigError(f"quantization: {state.refuse} cannot run here")
+        state.configs.append(config)
+        return FormatLLM(tiny_tokenizer, config, state.decision)
+    state.factory = factory
+    return state
+
+
+def _data(tmp_path, n):
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.Table.from_pylist(make_docs(n)), path)
+    return path
+
+
+def test_a_later_run_computes_in_the_recorded_format(tmp_path, machine, capsys):
+    job = write_job(tmp_path, "nightly", _data(tmp_path, 6))
+    run([job], machine.factory)
+    record = json.loads((job_dir_for(tmp_path / "out/nightly.parquet") / engine_format.FILE).read_text())
+    assert record["choice"] == INT8
+    assert machine.configs[-1].quantization == "auto"          # the first run: the machine decided
+
+    machine.decision = BF16                                     # e.g. `batchgen calibrate --retune` chose otherwise
+    _data(tmp_path, 9)                                          # three new rows
+    reports = run([job], machine.factory)
+    pinned = machine.configs[-1]
+    assert (pinned.quantization, pinned.dtype, pinned.kv_cache_dtype, pinned.kernels) == (
+        "int8", "float32", "bfloat16", INT8["kernels"])
+    tuning = reports[0].engine_info.tuning
+    assert tuning["mode"] == "pinned" and tuning["choice"] == INT8 and engine_format.FILE in tuning["reason"]
+    manifest = json.loads((tmp_path / "out/nightly.parquet.manifest.json").read_text())
+    assert manifest["model"]["tuning"]["mode"] == "pinned"
+
+
+def test_explicit_settings_win_over_the_record(tmp_path, machine):
+    job = write_job(tmp_path, "nightly", _data(tmp_path, 4))
+    run([job], machine.factory)
+    job.write_text(job.read_text() + "engine:\n  kv_cache_dtype: float32\n  kernels: {attention: torch}\n")
+    run([job], machine.factory)
+    c = machine.configs[-1]
+    assert (c.quantization, c.dtype, c.kv_cache_dtype) == ("int8", "float32", "float32")
+    assert c.kernels == {**INT8["kernels"], "attention": "torch"}
+
+
+def test_a_record_that_cannot_run_here_is_dropped_with_a_warning(tmp_path, machine, capsys):
+    job = write_job(tmp_path, "nightly", _data(tmp_path, 4))
+    run([job], machine.factory)
+    machine.refuse, machine.decision = "int8", BF16              # e.g. moved to a machine without the int8 kernels
+    _data(tmp_path, 6)
+    run([job], machine.factory)
+    assert machine.configs[-1].quantization == "auto"
+    assert "cannot run here" in capsys.readouterr().err
+    record = json.loads((job_dir_for(tmp_path / "out/nightly.parquet") / engine_format.FILE).read_text())
+    assert record["choice"] == BF16                              # what this run's rows were computed in
+
+
+def test_jobs_whose_records_disagree_pin_nothing(tmp_path):
+    from pipeline.state import RunState
+    a, b = RunState(tmp_path / "a.parquet", "a"), RunState(tmp_path / "b.parquet", "b")
+    engine_format.store([a], INT8, "m")
+    assert engine_format.recorded([a, b], "m").choice == INT8    # one job has no record yet: the other's
+    assert engine_format.recorded([a, b], "other-model") is None
+    engine_format.store([b], BF16, "m")
+    assert engine_format.recorded([a, b], "m") is None
+    (a.dir / engine_format.FILE).write_text("{not json")
+    assert engine_format.recorded([a], "m") is None
+
+
+def test_replicas_get_the_drivers_format_measured_once_when_none_is_cached(monkeypatch):
+    import engine
+    measured = []
+
+    class Setup:
+        def info(self):
+            return EngineInfo("m", "id", "A", "bfloat16", "cpu", 64, 16, 8, quantization="none",
+                              config={"kv_cache_dtype": "bfloat16", "kernels": BF16["kernels"]},
+                              tuning={"mode": "tuned"})
+
+    monkeypatch.setattr(engine, "setup_engine", lambda cfg, tune=False: measured.append(tune) or Setup(),
+                        raising=False)
+    planning = EngineInfo("m", "id", "A", "float32", "cpu", 64, 16, 8, quantization="int8",
+                          config={"kv_cache_dtype": "bfloat16", "kernels": INT8["kernels"]})
+    cached = dataclasses.replace(planning, tuning={"mode": "tuned", "source": "cached"})
+    cfg, choice = engine_format.for_replicas(EngineConfig("m"), cached)
+    assert not measured and choice == INT8 and cfg.quantization == "int8" and cfg.kernels == INT8["kernels"]
+    none_cached = dataclasses.replace(planning, tuning={"mode": "table", "reason": "no decision cached"})
+    cfg, choice = engine_format.for_replicas(EngineConfig("m"), none_cached)
+    assert measured == [True] and choice == BF16 and cfg.dtype == "bfloat16"
