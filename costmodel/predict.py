@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -35,11 +36,12 @@ class Prediction:
     decode_s: float            # in decode-only steps
     steps: int
     output_tokens: int         # assumed generated: every request's max_tokens
+    basis: str = "roofline"    # roofline | "measured steps (<decision file>)": scaled to the tuner's timings
 
     def to_dict(self) -> dict:
         return {"engine_s": round(float(self.engine_s), 2), "prefill_s": round(float(self.prefill_s), 2),
                 "decode_s": round(float(self.decode_s), 2), "steps": int(self.steps),
-                "output_tokens": int(self.output_tokens)}
+                "output_tokens": int(self.output_tokens), "basis": self.basis}
 
 
 # engine.quant.int8's packed format: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
@@ -49,36 +51,29 @@ INT8_WEIGHT_BYTES = 1.25
 def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_batched_tokens: int,
             max_num_seqs: int, matmul_flops: float, memory_bandwidth: float,
             small_m_flops: float | None = None, fast_forward: bool = True,
-            kv_dtype_bytes: int | None = None, weight_dtype_bytes: float | None = None) -> Prediction:
+            kv_dtype_bytes: int | None = None, weight_dtype_bytes: float | None = None,
+            measured: dict | None = None) -> Prediction:
     """``prompt_len`` / ``cached`` / ``max_tokens``: per request, in plan (admission) order. ``matmul_flops`` is
     the calibrated rate of large matmuls, ``small_m_flops`` that of 16-row ones (decode-sized; default: the same):
     a step's matmuls of M rows run at the log-interpolated rate between the two. ``kv_dtype_bytes``: the KV
     cache's element size (``kv_cache_dtype``; default ``dtype_bytes``); ``weight_dtype_bytes`` the weights' bytes
     per parameter (int8: ``INT8_WEIGHT_BYTES``; default ``dtype_bytes``). ``fast_forward=False`` prices
-    decode-only stretches step by step too (the tests compare the two: equal to the last bit)."""
-
-    def rate(rows: int) -> float:
-        return matmul_rate(rows, matmul_flops, small_m_flops) * ENGINE_EFFICIENCY
+    decode-only stretches step by step too (the tests compare the two: equal to the last bit). ``measured``: this
+    machine's timed engine steps of the running format (engine.tuning's probe, ``measured_steps``): every step's
+    roofline price is scaled by measured / priced at the probe's shapes (prefill steps by the prefill chunk's
+    ratio, decode-only steps by the ratio at their row count, log-interpolated)."""
 
     prompt_len = np.asarray(prompt_len, dtype=np.int64)
     cached = np.asarray(cached, dtype=np.int64)
     max_tokens = np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), prompt_len.shape)
-    windows = F.window_counts(config)                     # layers grouped by window: 2 groups on gemma-3
-    per_key = 4 * config.num_attention_heads * config.head_dim          # QK + PV FLOPs per attended key
-    kv_tok = F.kv_bytes_per_token_layer(config, kv_dtype_bytes or dtype_bytes)
-    lin_tok = F.linear_flops(config, 1)
-    head_row = F.lm_head_flops(config, 1)
-    wb = weight_dtype_bytes or dtype_bytes
-    w_all = F.weight_bytes(config, wb)
-    w_layers = F.weight_bytes(config, wb, with_lm_head=False)
+    c = _Costs(config, dtype_bytes, kv_dtype_bytes, weight_dtype_bytes, matmul_flops, small_m_flops,
+               memory_bandwidth)
+    windows, per_key, kv_tok, lin_tok = c.windows, c.per_key, c.kv_tok, c.lin_tok
+    scale_prefill, scale_decode = _scales(c, measured)
 
-    def price(flops, nbytes, attn, rows: int, sampled: int):
-        """A step's time; elementwise for arrays of steps. Each piece on its own roofline (CPU ops run one after
-        another): layer matmuls over all rows, the LM head over the sampled rows, attention at the large-matmul
-        rate."""
-        return (np.maximum(flops / rate(rows), nbytes / memory_bandwidth)
-                + (head_row * sampled / rate(sampled) if sampled else 0.0)
-                + attn / rate(512) + STEP_OVERHEAD_S)
+    def price(flops, nbytes, attn, rows: int, sampled: int, prefill: bool):
+        """The roofline's price, scaled to this machine's measured steps (``measured``) where given."""
+        return c.price(flops, nbytes, attn, rows, sampled) * (scale_prefill if prefill else scale_decode(rows))
 
     def keys(ctx: np.ndarray) -> float:                   # keys the queries at these contexts attend to, all layers
         return float(F.keys_read(windows, ctx).sum())
@@ -96,8 +91,8 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
             ctx = np.asarray([r.pos + 1 for r in running], dtype=np.int64)[:, None] + np.arange(k)[None, :]
             keys_k = F.keys_read(windows, ctx).sum(axis=0).astype(np.float64)
             flops = lin_tok * n
-            nbytes = kv_tok * keys_k + kv_tok * config.num_hidden_layers * n + w_all
-            for t in price(flops, nbytes, per_key * keys_k, n, n).tolist():
+            nbytes = kv_tok * keys_k + kv_tok * config.num_hidden_layers * n + c.w_all
+            for t in price(flops, nbytes, per_key * keys_k, n, n, False).tolist():
                 t_dec += t
             steps += k
             for r in running:
@@ -143,15 +138,75 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
                 r.left -= 1
             sampled += len(decodes)
         rows = len(decodes) + sum(n for _, n in chunks)
-        nbytes += w_all if sampled else w_layers
-        t = float(price(flops, nbytes, attn, rows, sampled))
+        nbytes += c.w_all if sampled else c.w_layers
+        t = float(price(flops, nbytes, attn, rows, sampled, bool(chunks)))
         if chunks:
             t_pre += t
         else:
             t_dec += t
         steps += 1
         running = [r for r in running if r.left > 0]
-    return Prediction(float(t_pre + t_dec), float(t_pre), float(t_dec), steps, int(max_tokens.sum()))
+    basis = f"measured steps ({measured['source']})" if measured and measured.get("shapes") else "roofline"
+    return Prediction(float(t_pre + t_dec), float(t_pre), float(t_dec), steps, int(max_tokens.sum()), basis)
+
+
+class _Costs:
+    """The model's per-token counts on this machine's roofline, and one step's price."""
+
+    def __init__(self, config, dtype_bytes, kv_dtype_bytes, weight_dtype_bytes, matmul_flops, small_m_flops,
+                 memory_bandwidth):
+        self.config, self.matmul_flops, self.small_m_flops = config, matmul_flops, small_m_flops
+        self.memory_bandwidth = memory_bandwidth
+        self.windows = F.window_counts(config)                # layers grouped by window: 2 groups on gemma-3
+        self.per_key = 4 * config.num_attention_heads * config.head_dim      # QK + PV FLOPs per attended key
+        self.kv_tok = F.kv_bytes_per_token_layer(config, kv_dtype_bytes or dtype_bytes)
+        self.lin_tok = F.linear_flops(config, 1)
+        self.head_row = F.lm_head_flops(config, 1)
+        wb = weight_dtype_bytes or dtype_bytes
+        self.w_all = F.weight_bytes(config, wb)
+        self.w_layers = F.weight_bytes(config, wb, with_lm_head=False)
+
+    def rate(self, rows: int) -> float:
+        return matmul_rate(rows, self.matmul_flops, self.small_m_flops) * ENGINE_EFFICIENCY
+
+    def price(self, flops, nbytes, attn, rows: int, sampled: int):
+        """A step's time; elementwise for arrays of steps. Each piece on its own roofline (CPU ops run one after
+        another): layer matmuls over all rows, the LM head over the sampled rows, attention at the large-matmul
+        rate."""
+        return (np.maximum(flops / self.rate(rows), nbytes / self.memory_bandwidth)
+                + (self.head_row * sampled / self.rate(sampled) if sampled else 0.0)
+                + attn / self.rate(512) + STEP_OVERHEAD_S)
+
+    def prefill_chunk(self, n: int) -> float:
+        """One request's first ``n`` prompt tokens in one step, its last one sampled (the probe's prefill shape)."""
+        return float(self.price(self.lin_tok * n, self.kv_tok * self.config.num_hidden_layers * n + self.w_all,
+                                self.per_key * F.keys_read_range(self.windows, 1, n), n, 1))
+
+    def decode(self, rows: int, context: int) -> float:
+        """``rows`` decodes, each with ``context`` tokens cached (the probe's decode shapes)."""
+        k = float(F.keys_read(self.windows, np.full(rows, context + 1)).sum())
+        return float(self.price(self.lin_tok * rows, self.kv_tok * k + self.kv_tok * self.config.num_hidden_layers
+                                * rows + self.w_all, self.per_key * k, rows, rows))
+
+
+def _scales(c: _Costs, measured: dict | None) -> tuple[float, Callable[[int], float]]:
+    """(prefill steps' factor, decode-only steps' factor by row count): measured / priced at the probe's shapes;
+    (1, 1) without a measurement."""
+    pre, dec = 1.0, []
+    for name, seconds in ((measured or {}).get("shapes") or {}).items():
+        kind, _, n = name.partition(" ")
+        if kind == "prefill":
+            pre = seconds / c.prefill_chunk(int(n))
+        elif kind == "decode":
+            dec.append((int(n), seconds / c.decode(int(n), measured["context"])))
+    dec.sort()
+    if not dec:
+        return pre, lambda rows: 1.0
+    logs, ratios = np.log([r for r, _ in dec]), np.asarray([f for _, f in dec])
+
+    def decode(rows: int) -> float:
+        return float(np.interp(np.log(max(rows, 1)), logs, ratios))
+    return pre, decode
 
 
 @dataclass
@@ -165,7 +220,8 @@ class _Seq:
 def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     """``predict`` for a planned run on an engine (``EngineInfo``); ``max_tokens`` per plan position. None when
     the model's shape is unknown (e.g. a stand-in engine). Uses this device's cached calibration at the engine
-    dtype, measuring a quick one (about a second) the first time."""
+    dtype, measuring a quick one (about a second) the first time, scaled to the tuner's timed steps of this format
+    on this machine where it timed them (``measured_steps``)."""
     if model_config is None or not plan.num_requests:
         return None
     # NOTE: lazy: calibrate pulls in torch; the runner (pipeline.runner) loads this module without torch
@@ -179,4 +235,21 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
                    int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
                    cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes,
-                   weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None)
+                   weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None, measured=measured_steps(info))
+
+
+def measured_steps(info) -> dict | None:
+    """This machine's timed engine steps of ``info``'s format (engine.tuning), or None (none timed here, another
+    device, a stand-in engine)."""
+    if not str(info.device).startswith("cpu") or not info.config.get("model"):
+        return None
+    # NOTE: lazy, as above (engine.tuning imports torch)
+    from engine import EngineConfig
+    from engine.tuning.candidates import Format
+    from engine.tuning.decision import measured_steps as lookup
+    try:
+        cfg = EngineConfig(**info.config)
+    except (TypeError, ValueError):
+        return None
+    fmt = Format(info.quantization, info.dtype, info.config.get("kv_cache_dtype") or info.dtype)
+    return lookup(cfg, info.identity, fmt)

@@ -87,3 +87,27 @@ def test_int8_weight_bytes_price_the_weight_reads():
     f32, int8 = P.predict(*args, **kw), P.predict(*args, **kw, weight_dtype_bytes=P.INT8_WEIGHT_BYTES)
     assert P.predict(*args, **kw, weight_dtype_bytes=4) == f32
     assert int8.steps == f32.steps and int8.decode_s < 0.4 * f32.decode_s
+
+
+def test_measured_steps_scale_the_roofline_to_this_machine():
+    """With the tuner's timed steps (engine.tuning) the prediction of a run shaped like the probe's prefill equals
+    the measured time; decode steps scale by the measured ratio at their row count, log-interpolated between the
+    timed row counts and held beyond them."""
+    g = gemma_270m()
+    c = P._Costs(g, 4, None, None, 1e12, None, 1e11)
+    measured = {"shapes": {"prefill 1024": 3 * c.prefill_chunk(1024), "decode 8": 2 * c.decode(8, 512),
+                           "decode 48": 4 * c.decode(48, 512)}, "context": 512, "source": "decision.json"}
+    kw = dict(memory_bandwidth=1e11, config=g)
+    one = _run([1024], [0], [1], measured=measured, **kw)
+    assert one.steps == 1 and one.engine_s == pytest.approx(measured["shapes"]["prefill 1024"])
+    assert one.basis == "measured steps (decision.json)" and _run([1024], [0], [1], **kw).basis == "roofline"
+    pre, dec = P._scales(c, measured)
+    assert pre == pytest.approx(3) and dec(8) == pytest.approx(2) and dec(48) == pytest.approx(4)
+    assert dec(1) == pytest.approx(2) and dec(128) == pytest.approx(4)               # held at the ends
+    mid = 2 + 2 * (np.log(20) - np.log(8)) / (np.log(48) - np.log(8))
+    assert dec(20) == pytest.approx(mid)
+    # a whole run's decode-only steps are scaled too: more than the roofline, less than 4x it
+    base = _run([512] * 48, [0] * 48, [32] * 48, **kw)
+    scaled = _run([512] * 48, [0] * 48, [32] * 48, measured=measured, **kw)
+    assert scaled.prefill_s == pytest.approx(3 * base.prefill_s)
+    assert 2 * base.decode_s <= scaled.decode_s <= 4 * base.decode_s

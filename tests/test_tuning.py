@@ -267,3 +267,18 @@ def test_a_pinned_config_repeats_the_recorded_format_without_measuring(tiny_llam
     assert (pinned.quantization, pinned.dtype, pinned.kv_cache_dtype, pinned.kernels) == (
         choice["quantization"], "bfloat16", choice["kv_cache_dtype"], choice["kernels"])
     assert EngineConfig(tiny_llama_dir, dtype="float32").pinned(choice).dtype == "float32"     # explicit wins
+
+
+def test_measured_steps_are_found_for_the_running_format(tiny_llama_dir, tuning, monkeypatch):
+    """The plan's prediction scales to the tuner's timed steps of the format that runs, whichever fields were
+    asked for by name; another machine's decision is not used."""
+    tuning.times = {F32: 1.0, BF16: 3.0, F32_KV16: 2.0}
+    s = _setup(tiny_llama_dir)
+    ident = s.identity
+    explicit = EngineConfig(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=16 << 20)      # asked by name
+    found = decision.measured_steps(explicit, ident, Format("none", "bfloat16", "bfloat16"))
+    assert found is not None and set(found["shapes"]) == {sh.name for sh in probe.probe_shapes(256, 8, 32768)}
+    assert set(found["shapes"].values()) == {3.0} and found["context"] == probe.DECODE_CONTEXT
+    assert decision.measured_steps(explicit, ident, Format("int8", "float32", "float32")) is None
+    monkeypatch.setattr(decision, "cpu_signature", lambda: "flags : another CPU")
+    assert decision.measured_steps(explicit, ident, Format("none", "bfloat16", "bfloat16")) is None

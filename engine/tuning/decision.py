@@ -228,5 +228,27 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
     return dec
 
 
-__all__ = ["Decision", "enabled", "tunable", "key_fields", "cache_path", "load", "store", "decide", "resolve",
-           "table_record"]
+def measured_steps(cfg, identity: str, fmt: Format) -> dict | None:
+    """This machine's measured step times of ``fmt`` for the model (any cached decision of the same machine, model,
+    torch and kernel build that timed it, whatever was asked for ``auto``): {"shapes": {name: seconds}, "context":
+    the decode rows' context, "source": the file}; None when no decision here timed it. What ``batchgen plan``'s
+    prediction and the report's roofline scale to (costmodel.predict)."""
+    want = {k: v for k, v in key_fields(cfg, identity).items() if k != "requested"}
+    root = cache_root() / "tuning"
+    for path in sorted(root.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if root.is_dir() else []:
+        try:
+            d = json.loads(path.read_text())
+            if {k: v for k, v in d["key"].items() if k != "requested"} != want:
+                continue
+            for c in d["candidates"]:
+                if (c["quantization"], c["dtype"], c["kv_cache_dtype"]) == (fmt.quantization, fmt.dtype,
+                                                                           fmt.kv_cache_dtype) and c["times_ms"]:
+                    return {"shapes": {s: ms / 1e3 for s, ms in c["times_ms"].items()},
+                            "context": probe.DECODE_CONTEXT, "source": str(path)}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+__all__ = ["measured_steps", "Decision", "enabled", "tunable", "key_fields", "cache_path", "load", "store", "decide",
+           "resolve", "table_record"]
