@@ -37,11 +37,13 @@ class Prediction:
     steps: int
     output_tokens: int         # assumed generated: every request's max_tokens
     basis: str = "roofline"    # roofline | "measured steps (<decision file>)": scaled to the tuner's timings
+    measured_steps: dict | None = None   # the tuner's step times it was scaled to: {shape name: seconds}
 
     def to_dict(self) -> dict:
         return {"engine_s": round(float(self.engine_s), 2), "prefill_s": round(float(self.prefill_s), 2),
                 "decode_s": round(float(self.decode_s), 2), "steps": int(self.steps),
-                "output_tokens": int(self.output_tokens), "basis": self.basis}
+                "output_tokens": int(self.output_tokens), "basis": self.basis,
+                "measured_steps": self.measured_steps}
 
 
 # engine.quant.int8's packed format: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
@@ -146,8 +148,9 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
             t_dec += t
         steps += 1
         running = [r for r in running if r.left > 0]
-    basis = f"measured steps ({measured['source']})" if measured and measured.get("shapes") else "roofline"
-    return Prediction(float(t_pre + t_dec), float(t_pre), float(t_dec), steps, int(max_tokens.sum()), basis)
+    shapes = (measured or {}).get("shapes") or None
+    basis = f"measured steps ({measured['source']})" if shapes else "roofline"
+    return Prediction(float(t_pre + t_dec), float(t_pre), float(t_dec), steps, int(max_tokens.sum()), basis, shapes)
 
 
 class _Costs:

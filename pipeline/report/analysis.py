@@ -148,6 +148,8 @@ def analyze(run: TraceData, prompt_threshold: int = PROMPT_THRESHOLD, output_thr
         steady["step_cache_hit_rate"] = float(sum(s["prefix_cache_hits"])) / q if q else None
 
     roof = roofline(run)
+    if roof is not None:
+        roof["against_measured"] = against_measured(run)
     summary = {"run": str(run.path), "model_info": meta.get("model_info") or {}, "phases": phases,
                "totals": totals, "time_split": time_split, "engine_time": engine, "latency": latency,
                "buckets": buckets, "steady": steady, "roofline": roof,
@@ -155,6 +157,30 @@ def analyze(run: TraceData, prompt_threshold: int = PROMPT_THRESHOLD, output_thr
                "checks": check_trace(run) if n or run.num_steps else []}
     summary["diagnosis"] = diagnose(summary)
     return summary
+
+
+def against_measured(run: TraceData) -> list[dict]:
+    """The run's decode-only steps at the row counts the tuner timed this format at (engine.tuning, recorded in the
+    run's prediction): median step time here vs there, per row count. A run much slower than its own machine's
+    measured steps shared the cores, or its contexts were much longer than the probe's."""
+    measured = ((run.meta.get("prediction") or {}).get("measured_steps")) or {}
+    if not measured or not run.num_steps:
+        return []
+    s = run.steps
+    dur, dec = column_array(s["duration_s"]), column_array(s["num_decode_seqs"], int)
+    only = (column_array(s["num_prefill_tokens"], int) == 0) & ~warmup_mask(run)
+    out = []
+    for name, secs in measured.items():
+        kind, _, n = name.partition(" ")
+        if kind != "decode":
+            continue
+        rows = int(n)
+        near = only & (np.abs(dec - rows) <= max(1, rows // 10))
+        if near.sum() >= 3:
+            here = float(np.median(dur[near]))
+            out.append({"shape": name, "steps": int(near.sum()), "run_s": here, "measured_s": float(secs),
+                        "ratio": here / secs if secs else None})
+    return out
 
 
 # ---- diagnosis -----------------------------------------------------------------------------------------
@@ -225,6 +251,12 @@ def diagnose(sm: dict) -> list[str]:
             out.append(f"Decode moves {100 * d['mbu']:.0f}% of the calibrated memory bandwidth (MBU): per-step "
                        "overhead (Python, scheduling, small kernels) dominates the weight reads; larger decode "
                        "batches amortize it.")
+        slowest = max(roof.get("against_measured") or [], key=lambda m: m["ratio"] or 0, default=None)
+        if slowest and (slowest["ratio"] or 0) > 1.5:
+            out.append(f"Decode steps at {slowest['shape'].split()[1]} rows took {1e3 * slowest['run_s']:.0f} ms here "
+                       f"(median of {slowest['steps']}) against {1e3 * slowest['measured_s']:.0f} ms when the tuner "
+                       f"timed this format on this machine ({slowest['ratio']:.1f}x): other work shared the cores "
+                       "during the run, or its contexts were far longer than the probe's 512 tokens.")
         if roof["calibration"] is None:
             out.append("No calibration for this device/dtype was found: run `batchgen calibrate` to get MFU/MBU.")
     else:

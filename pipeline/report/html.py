@@ -287,6 +287,12 @@ def _single_html(run: TraceData, sm: dict) -> str:
                               _fmt(v["intensity"]), _fmt(v["mfu"], "%"), _fmt(v["mbu"], "%"),
                               _fmt(v["mean_decode_seqs"]), _fmt(v["mean_prefill_tokens"])]
                              for name, v in roof["stages"].items()]))
+        if roof.get("against_measured"):
+            parts.append("<p class='small'>Decode-only steps against this format's steps as the tuner timed them on "
+                         "this machine (engine.tuning; each row over 512 cached tokens):</p>")
+            parts.append(_table(["shape", "steps here", "median here", "tuner", "ratio"],
+                                [[m["shape"], _fmt(m["steps"]), _fmt(m["run_s"], "s"), _fmt(m["measured_s"], "s"),
+                                  f"{m['ratio']:.2f}x" if m["ratio"] else "—"] for m in roof["against_measured"]]))
         parts.append(_roofline_plot(roof))
     parts.append("<h2>Data checks</h2>" + ("<p>Trace is consistent: output tokens = sampled tokens, "
                                           "cached + computed = prompt tokens, TTFT ≥ queue wait.</p>"
