@@ -24,7 +24,7 @@ class BenchOptions:
     kv_cache_memory: int | None = None
     roofline: bool = True             # load (or measure) a calibration for MFU/MBU
     breakdown: bool = False           # time batchgen's kernel families per step kind (bench.breakdown)
-    contend: int = 0                  # also run each batchgen system beside this many busy loops (bench.contend)
+    contend: int = 0                  # also run each batchgen system and peer beside this many busy loops
     quick: bool = False
     seed: int = 0
     log: bool = True                  # progress lines on stderr

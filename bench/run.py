@@ -177,6 +177,14 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         if name in opts.systems:
             ensure_prompts()
             res = run_peer(name, opts, prompts, warmup_prompts(tokenizer), torch.get_num_threads())
+            if opts.contend and not res.skipped:      # the peer beside the same busy loops (its own process)
+                say(opts, f"{name}: again beside {opts.contend} busy loop(s)")
+                with contention(opts.contend):
+                    busy = run_peer(name, opts, prompts, warmup_prompts(tokenizer), torch.get_num_threads())
+                if not busy.skipped:
+                    res.extra.update(contend=opts.contend, contended_wall_s=busy.wall_s,
+                                     contention_ratio=contended_ratio(res.wall_s, busy.wall_s),
+                                     contended_same_tokens=busy.outputs == res.outputs)
             if not res.skipped:
                 say(opts, f"{name}: {res.wall_s:.1f} s (load {res.extra['load_s']:.1f} s), "
                           f"{res.output_tps:.1f} output tok/s")

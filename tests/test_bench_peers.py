@@ -5,6 +5,7 @@ assertions."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import subprocess
@@ -182,3 +183,22 @@ def test_setup_script_refuses_an_unknown_peer():
     res = subprocess.run(["bash", str(ROOT / "bench" / "peers" / "setup.sh"), "nope"], capture_output=True,
                          text=True, env={**os.environ, "BATCHGEN_PEERS_DIR": "/nonexistent-peers"})
     assert res.returncode == 2 and "choose vllm or openvino" in res.stderr
+
+
+def test_a_peer_runs_again_beside_the_busy_loops(peers, tiny_llama_dir, monkeypatch):
+    """--contend N runs each peer a second time inside ``bench.contend.contention`` (as batchgen's systems)."""
+    import contextlib
+
+    import bench.run
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_contention(n):
+        entered.append(n)
+        yield
+    monkeypatch.setattr(bench.run, "contention", fake_contention)
+    opts = dataclasses.replace(_opts(tiny_llama_dir, ("vllm",)), contend=2)
+    res = next(r for r in run_bench(opts)["systems"] if r["system"] == "vllm")
+    assert entered == [2] and res["extra"]["contend"] == 2
+    assert res["extra"]["contended_wall_s"] == 2.0 and res["extra"]["contention_ratio"] == pytest.approx(1.0)
+    assert res["extra"]["contended_same_tokens"] is True
