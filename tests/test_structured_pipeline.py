@@ -232,3 +232,15 @@ def test_sampling_params_carry_the_schema_to_the_engine(tmp_path, make_docs_data
     run([write_job(tmp_path, data, inline())], fake_llm_factory)
     assert len(seen) == 3 and all(isinstance(p, SamplingParams) and p.structured_outputs.schema == SCHEMA
                                   for p in seen)
+
+
+def test_sample_extraction_job_validates(monkeypatch):
+    """jobs/extract-fields.yaml: its schema file is read relative to the job file; `batchgen validate` passes."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    job = load_job("jobs/extract-fields.yaml")
+    assert [f for f in job.sampling_params.structured_outputs.schema["required"]] == \
+        ["category", "title", "key_points", "urgent", "severity"]
+    res = CliRunner().invoke(main, ["validate", "jobs/extract-fields.yaml"])
+    assert res.exit_code == 0, res.output
