@@ -244,3 +244,14 @@ def test_sample_extraction_job_validates(monkeypatch):
         ["category", "title", "key_points", "urgent", "severity"]
     res = CliRunner().invoke(main, ["validate", "jobs/extract-fields.yaml"])
     assert res.exit_code == 0, res.output
+
+
+def test_trace_and_report_count_forced_tokens_and_masks(tmp_path, make_docs_dataset, fake_llm_factory):
+    from pipeline.report import render_report
+    from pipeline.trace import read_run
+
+    [report] = run([write_job(tmp_path, make_docs_dataset(n=5), inline())], fake_llm_factory)
+    r = read_run(report.trace_dir).requests
+    assert r["forced_tokens"] == [2] * 5 and r["masks_applied"] == [1] * 5 and sum(r["mask_s"]) == pytest.approx(0.005)
+    doc = render_report([report.trace_dir]).read_text()
+    assert "structured outputs: 10 forced tokens" in doc and "5 full masks applied" in doc
