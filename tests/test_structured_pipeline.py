@@ -105,7 +105,7 @@ def test_bad_structured_outputs_refused_before_compute(tmp_path, make_docs_datas
         load_job(path)
     text = str(e.value)
     assert str(path) in text and key in text and all(w in text for w in words), text
-    for cmd in ("validate", "plan"):                 # the CLI says it too, before any model is loaded
+    for cmd in ("validate", "plan", "submit"):       # the CLI says it too, before any model is loaded
         res = CliRunner().invoke(main, [cmd, str(path)])
         assert res.exit_code == 2 and key in res.output and words[0] in res.output, res.output
 
