@@ -174,6 +174,7 @@ def test_invalid_and_cut_off_rows_get_json_error_and_the_batch_goes_on(tmp_path,
     m = json.loads((tmp_path / "out/ex.parquet.manifest.json").read_text())
     assert m["structured"]["valid_rows"] == 3 and m["structured"]["invalid_rows"] == 6
     assert m["rows_with_error"] == 0 and report.jobs[0].row_errors == 0
+    assert "3 valid JSON, 6 not (json_error says why)" in report.summary
 
 
 def test_resume_keeps_the_typed_schema(tmp_path, make_docs_dataset, fake_llm_factory):
