@@ -8,6 +8,7 @@ import click
 
 from bench.systems.registry import BENCH_EXTRA_SYSTEMS as _EXTRA
 from bench.systems.registry import BENCH_SYSTEMS as _SYSTEMS
+from bench.systems.registry import STRUCTURED_SYSTEMS as _STRUCTURED
 from bench.workloads import BENCH_SHAPES as _SHAPES
 from engine import DEFAULT_MODEL
 
@@ -41,6 +42,9 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--contend", type=click.IntRange(0, 16), default=0, show_default=True,
               help="Run each batchgen system again beside N busy-loop processes (a shared machine) and report "
                    "how many times longer it took than quiet, and whether its tokens changed.")
+@click.option("--structured", is_flag=True, help="Also run batchgen and batchgen-default (those selected) with every "
+              "request constrained to a JSON schema, at the same output tokens: constrained vs unconstrained "
+              "throughput, forced tokens and masks (bench.workloads.STRUCTURED_SCHEMA).")
 @click.option("--quality", is_flag=True, help="Instead of a workload: top-1 agreement and KL of bf16 and int8 against "
               "float32, teacher-forced on the sample documents (the int8 quality bar).")
 @click.option("--formats", is_flag=True, help="With --quality: also the int8 formats that would drop the matmul's "
@@ -51,7 +55,7 @@ def _csv(value: str | None) -> list[str] | None:
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
               hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, breakdown, seed,
-              contend, quality, formats, positions, json_path):
+              contend, structured, quality, formats, positions, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
     # NOTE: lazy: the bench modules import torch; the CLI starts (and lists systems and shapes) without it
@@ -84,6 +88,11 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
         return
 
     chosen = _csv(systems) or []
+    if structured:
+        twins = [_STRUCTURED[s] for s in chosen if s in _STRUCTURED and _STRUCTURED[s] not in chosen]
+        if not twins and not any(s in _STRUCTURED.values() for s in chosen):
+            raise click.UsageError(f"--structured needs {' or '.join(_STRUCTURED)} in --systems")
+        chosen += twins
     bad = sorted(set(chosen) - set(_SYSTEMS) - set(_EXTRA))
     if bad:
         raise click.BadParameter(f"unknown {', '.join(bad)}; choose from {', '.join(_SYSTEMS + _EXTRA)}",

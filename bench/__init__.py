@@ -18,6 +18,10 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
     batchgen-spec     prefix caching on, ``speculative_config: auto`` (n-gram drafts where gating says they pay)
     batchgen-default  a job's defaults: ``quantization: auto``, ``speculative_config: auto``, KV cache auto (what a
                       user gets without an engine section; not in the default systems)
+    batchgen-structured, batchgen-default-structured  batchgen / batchgen-default with every request constrained
+                      to ``workloads.STRUCTURED_SCHEMA`` (a JSON object whose summary string stays open, so the
+                      same output tokens): constrained vs unconstrained throughput, forced tokens, masks
+                      (``--structured`` adds them to the selected twins; not in the default systems)
     llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):
                       documents in group order, one Llama object keeping its KV between prompts (prefix
                       reuse), swa_full=True (without it Gemma 3's reused prefixes give different tokens),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bench.breakdown import format_bound, format_breakdown
 from bench.result import SystemResult
-from bench.systems.registry import INT8_SYSTEMS, PEER_SYSTEMS
+from bench.systems.registry import INT8_SYSTEMS, PEER_SYSTEMS, STRUCTURED_SYSTEMS
 
 
 def agreement(results: list[SystemResult]) -> None:
@@ -59,6 +59,14 @@ def ratios(results: list[SystemResult]) -> dict:
     dflt = by.get("batchgen-default")
     if dflt and on:
         out["batchgen_default_vs_batchgen"] = on.wall_s / dflt.wall_s
+    for free, st in STRUCTURED_SYSTEMS.items():     # constrained vs the same run unconstrained: >= 0.9 is the bar
+        a, b = by.get(st), by.get(free)
+        if a and b:
+            key = st.replace("-", "_")
+            out[f"{key}_vs_{free.replace('-', '_')}"] = b.wall_s / a.wall_s
+            x, y = a.extra.get("decode_tokens_per_s"), b.extra.get("decode_tokens_per_s")
+            if x and y:
+                out[f"{key}_decode_tokens_per_s_ratio"] = x / y
     if peer:
         for r in filter(None, (on, *(by.get(n) for n in INT8_SYSTEMS), dflt)):
             out[f"{r.system.replace('-', '_')}_vs_llama_cpp"] = peer.wall_s / r.wall_s
@@ -84,20 +92,21 @@ def format_table(result: dict) -> str:
     lines = [f"workload {w['shape']}: n={w['n']} groups={w['groups']} prefix={w['prefix_tokens']} "
              f"doc={w['doc_tokens']} out={w['output_tokens']} | model {env['model']} {env['dtype']} "
              f"threads={env['threads']} | load avg {env.get('loadavg_before')} -> {env.get('loadavg_after')}"]
-    head = (f"{'system':<20} {'wall s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT50 s':>9} {'TTFT90 s':>9} "
+    lw = max([20] + [len(s["label"]) for s in result["systems"]])     # the label column: the longest label
+    head = (f"{'system':<{lw}} {'wall s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT50 s':>9} {'TTFT90 s':>9} "
             f"{'TPOT50ms':>9} {'TPOT90ms':>9} {'hit %':>6} {'MFU %':>6} {'preMFU%':>7} {'decMBU%':>7} {'match':>6}")
     lines += [head, "-" * len(head)]
     for s in result["systems"]:
         if s["skipped"]:
-            lines.append(f"{s['label']:<20} skipped: {s['skipped']}")
+            lines.append(f"{s['label']:<{lw}} skipped: {s['skipped']}")
             continue
         if s["extra"].get("errors"):       # did not do the workload: its rates would be meaningless
             first = " ".join(str(s["extra"]["errors"][0]).split())
-            lines.append(f"{s['label']:<20} failed after {_f(s['wall_s'], '.1f')} s: {first[:100]}")
+            lines.append(f"{s['label']:<{lw}} failed after {_f(s['wall_s'], '.1f')} s: {first[:100]}")
             continue
         tt, tp = s["ttft"] or {}, s["tpot"] or {}
         lines.append(
-            f"{s['label']:<20} {_f(s['wall_s'], '8.2f')} {_f(s['output_tokens_per_s'], '10.1f')} "
+            f"{s['label']:<{lw}} {_f(s['wall_s'], '8.2f')} {_f(s['output_tokens_per_s'], '10.1f')} "
             f"{_f(s['total_tokens_per_s'], '10.1f')} {_f(tt.get('p50'), '9.2f')} {_f(tt.get('p90'), '9.2f')} "
             f"{_f(tp.get('p50'), '9.1f', 1e3)} {_f(tp.get('p90'), '9.1f', 1e3)} "
             f"{_f(s['hit_rate'], '6.1f', 100)} {_f(s['mfu'], '6.1f', 100)} {_f(s['prefill_mfu'], '7.1f', 100)} "
@@ -135,6 +144,17 @@ def format_table(result: dict) -> str:
                         if "spec_vs_nospec_decode_tokens_per_s" in r else "")
                      + (f"; acceptance {rate:.0%} of {sp['extra']['draft_tokens']} drafts" if rate is not None
                         else "; gating kept it off"))
+    for free, st in STRUCTURED_SYSTEMS.items():
+        key = f"{st.replace('-', '_')}_vs_{free.replace('-', '_')}"
+        if key in r:
+            sx = next((x for x in result["systems"] if x["system"] == st), {}).get("extra", {}).get("structured", {})
+            share = sx.get("forced_share")
+            lines.append(f"{st} (JSON schema) vs {free} (same output tokens): {r[key]:.2f}x throughput"
+                         + (f", {r[st.replace('-', '_') + '_decode_tokens_per_s_ratio']:.2f}x decode tokens/s"
+                            if st.replace('-', '_') + '_decode_tokens_per_s_ratio' in r else "")
+                         + (f"; {sx['forced_tokens']} forced tokens ({share:.0%} of the output), "
+                            f"{sx['masks_applied']} masks, {sx['mask_time_s']:.3f} s masking" if share is not None
+                            else ""))
     for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8"),
                        ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)"),
                        ("batchgen_int8_int8kv_vs_llama_cpp", "batchgen int8 (int8 KV)"),

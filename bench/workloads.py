@@ -50,6 +50,21 @@ QUICK = {
 }
 # After the document, for shapes whose output should copy it.
 INSTRUCTION = {"long-output": "\n\nRewrite the document above word for word, keeping every sentence:\n"}
+# The structured systems (batchgen-structured, batchgen-default-structured): every request constrained to this JSON
+# Schema. The summary's minLength keeps the JSON open for any output_tokens the shapes use (a 64-token output
+# cannot close it), so with ignore_eos the constrained run emits exactly as many tokens as the unconstrained one;
+# the enum, the bounded integer, the boolean and every key give the grammar forced tokens and masks to apply.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "category": {"enum": ["billing", "shipping", "warranty", "account", "other"]},
+        "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+        "escalate": {"type": "boolean"},
+        "summary": {"type": "string", "minLength": 4000},
+    },
+    "required": ["category", "priority", "escalate", "summary"],
+    "additionalProperties": False,
+}
 DEFAULT_HF_BATCH_SIZES = (4, 8, 16)
 QUICK_HF_BATCH_SIZES = (4,)
 

@@ -31,6 +31,7 @@ from pipeline.jobrun import JobRun
 from pipeline.openai_batch import write_output as write_jsonl
 from pipeline.rows import RESULT_COLUMNS
 from pipeline.state import manifest_path_for
+from pipeline.structured import JSON_KINDS, typed_columns
 
 
 def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None,
@@ -66,6 +67,16 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     missing = joined.column("finish_reason").null_count
     include = list(job.passthrough_columns)
     results_cols = joined.select([c for c in RESULT_COLUMNS if c != "row_key"] + ["row_key"])
+    fields = [] if openai else jr.prompts.fields
+
+    def with_typed(part: pa.Table) -> pa.Table:
+        """An object schema's properties as typed columns, first among the results (``pipeline.structured``)."""
+        if not fields:
+            return part
+        typed = typed_columns(part.column("summary").to_pylist(), part.column("json_error").to_pylist(), fields)
+        order = ["summary", "json_error"] + [c for c in part.column_names if c not in ("summary", "json_error")]
+        part = part.select(order)
+        return pa.Table.from_arrays(typed + part.columns, schema=pa.schema(fields + list(part.schema)))
 
     def tables():
         offset = 0
@@ -76,7 +87,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         buffered = 0
         while offset < jr.num_rows:
             size = min(rows_per, jr.num_rows - offset)
-            part = results_cols.slice(offset, size)
+            part = with_typed(results_cols.slice(offset, size))
             if source is not None:
                 while buffered < size:
                     b = next(source)
@@ -86,8 +97,8 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
                 buf = [passthrough.slice(size)]
                 buffered -= size
                 passthrough = passthrough.slice(0, size)
-                part = pa.Table.from_arrays(passthrough.columns + part.columns,
-                                            names=passthrough.column_names + part.column_names)
+                part = pa.Table.from_arrays(passthrough.columns + part.columns,     # (field metadata kept)
+                                            schema=pa.schema(list(passthrough.schema) + list(part.schema)))
             yield part.combine_chunks()
             schema = part.schema
             offset += size
@@ -102,7 +113,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     if openai:
         write_jsonl(tables(), out_path, job.input.id_column or "", info.name)
     elif jr.num_rows == 0:
-        empty = results_cols.slice(0, 0)
+        empty = with_typed(results_cols.slice(0, 0))
         write_output(iter([kept if kept is not None and kept.num_rows else empty]), out_path, directory)
     else:
         write_output(tables(), out_path, directory)
@@ -137,6 +148,7 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
                                      "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
                                                               if jr.spec_steps else None)},
                      "distributed": distributed},     # a Ray run (pipeline.ray.driver): replicas, prefills
+        "structured": _structured(jr, joined),
         "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
                    "hit_rate": hit_rate(all_cached, all_prompt)},
         "keys_digest": jr.keys_digest, "layout": layout,
@@ -146,6 +158,23 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     jr.manifest = manifest
     if uri:
         publish_output(out_path, uri, mpath)
+
+
+def _structured(jr: JobRun, joined: pa.Table) -> dict | None:
+    """The manifest's count of structured results: rows valid against the schema (the whole output), and this
+    run's forced tokens and grammar masks (None when the job asks for no structure)."""
+    so = jr.prompts.params.structured_outputs
+    if so is None and not jr.json_rows and not jr.forced_tokens:
+        return None
+    out = {"kind": so.kind if so else "per request", "columns": [f.name for f in jr.prompts.fields]}
+    if so is not None and so.kind in JSON_KINDS:          # per-request schemas (OpenAI lines): this run only
+        answered = pc.and_(joined.column("summary").is_valid(), joined.column("error").is_null())
+        valid = pc.and_(answered, joined.column("json_error").is_null())
+        out.update(valid_rows=int(pc.sum(valid).as_py() or 0),
+                   invalid_rows=int(pc.sum(pc.and_(answered, joined.column("json_error").is_valid())).as_py() or 0))
+    out["this_run"] = {"rows_checked": jr.json_rows, "valid_rows": jr.json_valid, "forced_tokens": jr.forced_tokens,
+                       "masks_applied": jr.masks_applied, "mask_time_s": round(jr.mask_s, 4)}
+    return out
 
 
 def _deleted_rows(jr: JobRun, out_path: Path) -> pa.Table | None:

@@ -18,9 +18,10 @@ from typing import Any
 
 import yaml
 
-from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams
+from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams, StructuredOutputError, check_structured
 from pipeline.errors import JobError, Problem
 from pipeline.paths import is_uri, local_output_path
+from pipeline.structured import collisions, describe_error, error_key, resolve_job_spec, written_schema
 
 DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
 DEFAULT_REDUCE_TEMPLATE = "Summaries of the consecutive parts of one long document:\n\n{summaries}"
@@ -70,7 +71,15 @@ def _dataclass_schema(cls, skip=()) -> dict:
     return {f.name: (kinds.get(str(f.type), str), False) for f in dataclasses.fields(cls) if f.name not in skip}
 
 
-_GENERATION = _dataclass_schema(SamplingParams)
+_STRUCTURED = {    # vLLM's names (engine.StructuredOutputsParams); exactly one of the first four
+    "json": ("schema", False),          # a JSON Schema mapping, or a .json file relative to the job file
+    "regex": (str, False),
+    "choice": (list, False),
+    "grammar": (str, False),            # Lark / EBNF text, or a file relative to the job file
+    "json_object": (bool, False),
+    "disable_any_whitespace": (bool, False),
+}
+_GENERATION = {**_dataclass_schema(SamplingParams), "structured_outputs": (_STRUCTURED, False)}
 _ENGINE = _dataclass_schema(EngineConfig, skip=("model",))
 _TOP = {
     "name": (str, True),
@@ -206,12 +215,15 @@ def _check_type(value: Any, kind, key: str, problems: list[tuple[str, str]]) -> 
         if isinstance(value, str):
             return [value]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            bad("a list of strings")
+            bad("a list of strings" + ("; YAML reads yes, no, on, off as true / false: quote them"
+                                       if isinstance(value, list) and any(isinstance(v, bool) for v in value) else ""))
     elif kind == "int_list":
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             bad("a list of integers")
     elif kind == "mapping" and value is not None and not isinstance(value, dict):     # e.g. engine.kernels
         bad("a mapping")
+    elif kind == "schema" and not isinstance(value, (dict, str)):
+        bad("a JSON Schema mapping or the path of a .json file")
     elif kind == "switch_or_mapping":          # e.g. speculative_config: off | auto | {key: value, ...}
         if isinstance(value, bool):            # YAML 1.1 reads a bare off / on as false / true
             return "auto" if value else "off"
@@ -314,6 +326,14 @@ def load_job(path: str | Path) -> Job:
         if out.get(key) is not None and out[key] < 1:
             problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
     gen, eng = d.get("generation") or {}, d.get("engine") or {}
+    if gen.get("structured_outputs"):
+        try:
+            gen = {**gen, "structured_outputs": resolve_job_spec(gen["structured_outputs"], file)}
+        except ValueError as e:
+            sub, message = e.args
+            key = f"generation.structured_outputs.{sub}"
+            problems.append(Problem(file, key, message, _nearest_line(lines, key)))
+            gen = {k: v for k, v in gen.items() if k != "structured_outputs"}
     built = {}
     for section, build in (("generation", lambda: SamplingParams(**gen)),
                            ("engine", lambda: EngineConfig.from_options(d.get("model", DEFAULT_MODEL), **eng))):
@@ -322,7 +342,12 @@ def load_job(path: str | Path) -> Job:
         except (BatchgenError, TypeError, ValueError) as e:
             key = next((f"{section}.{k}" for k in (gen if section == "generation" else eng) if k in str(e)),
                        section)
+            if isinstance(e, StructuredOutputError):
+                key = ".".join(filter(None, ("generation.structured_outputs", error_key(e, None))))
+                e = describe_error(e)
             problems.append(Problem(file, key, str(e), _nearest_line(lines, key)))
+    if "generation" in built:
+        problems += _structured_problems(built["generation"], gen, file, lines, inp, out)
     if problems:
         raise JobError(problems)
     return Job(
@@ -340,6 +365,24 @@ def load_job(path: str | Path) -> Job:
         generation=gen, engine=built["engine"], engine_options=tuple(sorted(eng)), schedule=d.get("schedule"),
         lines=lines,
     )
+
+
+def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: dict, inp: dict,
+                         out: dict) -> list[Problem]:
+    """A schema the engine cannot honour, or an object schema whose property is named like an output column:
+    refused before any compute (validate, plan, submit), naming the key and the schema keyword."""
+    so = params.structured_outputs
+    if so is None:
+        return []
+    key = f"generation.structured_outputs.{so.kind}"
+    try:
+        check_structured(so)
+    except StructuredOutputError as e:
+        return [Problem(file, key, describe_error(e), _nearest_line(lines, key))]
+    passthrough = tuple(c for c in [inp.get("id_column")] + list(out.get("include_columns") or ()) if c)
+    return [Problem(file, key, f"property {name!r} is also the name of an output column; rename it in the "
+                               "schema (each top-level property becomes a column named after it)",
+                    _nearest_line(lines, key)) for name in collisions(written_schema(gen), passthrough)]
 
 
 def _nearest_line(lines: dict, key: str) -> int | None:

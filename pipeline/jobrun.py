@@ -12,6 +12,7 @@ from pipeline.long_docs import LongDocs
 from pipeline.prompts import PromptRenderer, RowError, fingerprint
 from pipeline.rows import Request, ResultRow
 from pipeline.state import RunState
+from pipeline.structured import JSON_KINDS, json_error, output_fields, written_schema
 
 
 @dataclass
@@ -27,10 +28,25 @@ class JobPrompts:
     tails: dict = field(default_factory=dict)          # tail token ids -> tail id
     tail_ids: list = field(default_factory=list)       # tail id -> tail token ids
     _param_index: dict = field(default_factory=dict)
+    fields: list = field(default_factory=list)         # typed output columns of the job's JSON schema (structured)
 
     def __post_init__(self) -> None:
         self.param_sets = [self.params]
         self._param_index = {(): 0}
+        self.fields = output_fields(written_schema(self.job.generation))
+
+    def unconstrained_index(self, params: int) -> int:
+        """The params id of ``params`` without its structured outputs: map_reduce's parts are prose, only the
+        final reduce answers in the schema."""
+        p = self.param_sets[params]
+        if p.structured_outputs is None:
+            return params
+        key = ("unconstrained", params)
+        i = self._param_index.get(key)
+        if i is None:
+            i = self._param_index[key] = len(self.param_sets)
+            self.param_sets.append(dataclasses.replace(p, structured_outputs=None))
+        return i
 
     def params_index(self, overrides: tuple) -> int:
         """The params id of a row whose request overrides the job's generation (OpenAI batch bodies)."""
@@ -76,6 +92,11 @@ class JobRun:
     draft_tokens: int = 0                      # speculation: drafts proposed for this job's requests ...
     accepted_tokens: int = 0                   # ... and accepted
     spec_steps: int = 0                        # request-steps that verified drafts (mean accepted length)
+    json_rows: int = 0                         # structured outputs: rows checked against a JSON schema ...
+    json_valid: int = 0                        # ... and valid
+    forced_tokens: int = 0                     # tokens the grammar forced (no sampling)
+    masks_applied: int = 0                     # steps whose unconstrained choice was rejected: a full mask
+    mask_s: float = 0.0                        # time computing / applying masks
     # predicted (planner, costmodel.predict)
     predicted_cached: int = 0
     planned_prompt_tokens: int = 0
@@ -86,18 +107,30 @@ class JobRun:
     deleted_kept: int = 0                      # rows no longer in the input, kept (output.keep_deleted_rows)
     deleted_dropped: int = 0                   # ... dropped from the output
 
-    def take(self, key: str, out: RequestOutput) -> ResultRow:
-        """A finished request: a row's result, a part of a long row's (map_reduce), or a long row's last."""
+    def take(self, key: str, out: RequestOutput, params: int = 0) -> ResultRow:
+        """A finished request (under params id ``params``): a row's result, a part of a long row's (map_reduce),
+        or a long row's last. A result asked for as JSON is checked against its schema (``json_error``)."""
         row = ResultRow.from_output(key, out)
+        m = out.metrics
         self.prompt_tokens += row.prompt_tokens
         self.cached_tokens += row.cached_tokens
         self.output_tokens += row.output_tokens
-        self.draft_tokens += out.metrics.num_draft_tokens
-        self.accepted_tokens += out.metrics.num_accepted_tokens
-        self.spec_steps += out.metrics.num_spec_steps
+        self.draft_tokens += m.num_draft_tokens
+        self.accepted_tokens += m.num_accepted_tokens
+        self.spec_steps += m.num_spec_steps
+        self.forced_tokens += m.num_forced_tokens
+        self.masks_applied += m.num_masks_applied
+        self.mask_s += m.mask_time_s
         if self.long_docs.finish(row) != "part":        # a part is committed, but is not a row
             self.computed += 1
             self.row_errors += row.error is not None
+            sp = self.prompts.param_sets[params]
+            so = sp.structured_outputs
+            if so is not None and so.kind in JSON_KINDS and row.error is None:
+                fields = self.prompts.fields if so == self.prompts.params.structured_outputs else ()
+                row.json_error = json_error(row.summary, row.finish_reason, so, fields, sp.max_tokens)
+                self.json_rows += 1
+                self.json_valid += row.json_error is None
         self.pending.append(row)
         return row
 

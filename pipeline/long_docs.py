@@ -163,7 +163,9 @@ class LongDocs:
                     if lr.level == 0:
                         raise RunError(f"internal error: {len(missing)} parts of row {lr.key} have no result; "
                                        "run again to resume")
-                    out += [Request(job, k, lr.group, lr.requests[k], lr.tail, lr.params) for k in missing]
+                    part = self.prompts.unconstrained_index(lr.params)     # the schema: final reduce only
+                    out += [Request(job, k, lr.group, lr.requests[k], lr.tail, lr.params if k == lr.key else part)
+                            for k in missing]
                     break
                 for g in got:
                     lr.prompt_tokens += g.prompt_tokens or 0

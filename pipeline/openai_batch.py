@@ -9,8 +9,10 @@ Input: JSONL, one request per line, as OpenAI's Batch API and vLLM's ``run-batch
 Each line becomes a row (``custom_id``, ``body`` as JSON text, ``line``, ``problem``); the messages go through
 the model's chat template, split at the last user message's content (the "document") so that requests with
 the same system and earlier messages share a head: the planner groups them and their prefix is prefilled
-once. ``body`` sampling fields override the job's ``generation`` per request. A malformed line, an unsupported
-endpoint or field becomes that row's error (named by line and field); the batch goes on.
+once. ``body`` sampling fields override the job's ``generation`` per request; ``body.response_format``
+(json_schema, json_object, text) becomes the request's structured outputs. A malformed line, an unsupported
+endpoint or field, a schema that cannot constrain generation becomes that row's error (named by line and field);
+the batch goes on. A JSON answer cut off by max_tokens is returned, with ``finish_reason: length``, as OpenAI does.
 
 Output: JSONL in the Batch output shape, one line per input line in input order:
 
@@ -34,6 +36,8 @@ from typing import Iterator
 
 import pyarrow as pa
 
+from engine import StructuredOutputError, StructuredOutputsParams, check_structured
+
 READ_SCHEMA = pa.schema([("custom_id", pa.string()), ("body", pa.string()), ("line", pa.int64()),
                          ("problem", pa.string())])
 COLUMNS = ("body", "problem", "line")
@@ -47,7 +51,8 @@ _PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "t
            # vLLM's extensions, same names
            "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
            "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-           "model": None, "user": None, "messages": None, "metadata": None, "store": None}
+           "model": None, "user": None, "messages": None, "metadata": None, "store": None,
+           "response_format": None}     # -> structured_outputs (``_response_format``)
 # accepted only at the value that means "as batchgen does anyway"
 _ONLY = {"n": 1, "stream": False, "logprobs": False, "parallel_tool_calls": None}
 
@@ -148,7 +153,35 @@ def parse_body(body_json: str, problem: str | None) -> tuple[list[dict], dict]:
         overrides["stop"] = [overrides["stop"]]
     if "stop" in overrides:
         overrides["stop"] = tuple(overrides["stop"])
+    so = _response_format(body.get("response_format"))
+    if so is not None:
+        overrides["structured_outputs"] = so
     return out, overrides
+
+
+def _response_format(rf) -> StructuredOutputsParams | None:
+    """``body.response_format`` as structured outputs: ``{type: json_schema, json_schema: {name, schema, strict}}``
+    (always generated strictly), ``{type: json_object}``, ``{type: text}`` (None: the job's generation applies).
+    A schema that cannot constrain generation is this request's error, naming the field and the keyword."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise RequestError(f"body.response_format.type must be text, json_object or json_schema; got {kind!r}")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise RequestError("body.response_format.json_schema.schema must be a JSON Schema object")
+    try:
+        so = StructuredOutputsParams(json=spec["schema"])
+        check_structured(so)
+    except StructuredOutputError as e:
+        keyword = f" (keyword {e.keyword!r})" if e.keyword else ""
+        raise RequestError(f"body.response_format.json_schema.schema: {e}{keyword}") from None
+    return so
 
 
 # ---- writing ---------------------------------------------------------------------------------------------

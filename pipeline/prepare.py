@@ -157,6 +157,7 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
                 todo_chunks = [(ck, c) for ck, c in parts if ck not in done_keys]
             else:
                 todo_chunks = [(key, ids)]
+            part_params = pidx if chunks is None else prompts.unconstrained_index(pidx)   # parts: no schema
             for ck, c in todo_chunks:
                 groups.append(gid)
                 lens.append(len(head) + len(c) + len(tail))
@@ -164,7 +165,7 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
                 spill["group"].append(gid)
                 spill["doc_ids"].append(c)
                 spill["tail"].append(tail_id)
-                spill["params"].append(pidx)
+                spill["params"].append(part_params)
         if keys_w is not None:
             keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
                                                 pa.array(keys, pa.string())], schema=KEYS_SCHEMA))

@@ -42,6 +42,7 @@ class ResultRow:
     e2e_s: float | None = None
     error: str | None = None
     num_chunks: int | None = None      # on_too_long: map_reduce: the parts a long document was summarized in
+    json_error: str | None = None      # structured outputs: why ``summary`` does not match its JSON schema
 
     @classmethod
     def from_output(cls, key: str, out: RequestOutput) -> ResultRow:

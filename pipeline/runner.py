@@ -342,7 +342,7 @@ class Runner:
                     jr = runs[q.job]
                     if self._rec.trace is not None:
                         self._rec.trace.add_request(out, job=jr.job.name, row_id=q.key.rpartition("#")[0])
-                    row = jr.take(q.key, out)
+                    row = jr.take(q.key, out, q.params)
                     if row.error and self.opts.fail_fast:
                         raise RunError(f"job {jr.job.name!r}, row {q.key.rpartition('#')[0]}: {row.error}. "
                                        "Stopped because of --fail-fast; rows done so far are kept.")

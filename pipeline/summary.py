@@ -26,6 +26,10 @@ def summarize(report) -> str:
             bits.append(f"{jr.deleted_dropped} no longer in the input dropped")
         errs = (jr.manifest or {}).get("rows_with_error", jr.row_errors)
         bits.append(f"{errs} with errors" if errs else "no errors")
+        st = (jr.manifest or {}).get("structured") or {}
+        if "valid_rows" in st:                      # structured outputs: rows whose JSON matches the schema
+            bad = st["invalid_rows"]
+            bits.append(f"{st['valid_rows']} valid JSON" + (f", {bad} not (json_error says why)" if bad else ""))
         lines.append(f"{jr.job.name}: " + ", ".join(bits) + ".")
     if computed:
         lines.append(

@@ -44,6 +44,8 @@ REQUEST_SCHEMA = pa.schema([
     ("output_tokens", pa.int64()), ("num_preemptions", pa.int64()),
     ("finish_reason", pa.string()), ("error", pa.string()),
     ("queue_s", pa.float64()), ("ttft_s", pa.float64()), ("tpot_s", pa.float64()), ("e2e_s", pa.float64()),
+    # structured outputs (engine/structured): tokens the grammar forced, full masks applied, time masking
+    ("forced_tokens", pa.int64()), ("masks_applied", pa.int64()), ("mask_s", pa.float64()),
 ])
 
 _STEP_INT_FIELDS = [f.name for f in dataclasses.fields(StepStats) if f.name not in ("start_time", "end_time")]
@@ -107,6 +109,7 @@ class RunTrace:
             "output_tokens": len(output.token_ids), "num_preemptions": m.num_preemptions,
             "finish_reason": output.finish_reason, "error": output.error,
             "queue_s": m.queue_s, "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "e2e_s": m.e2e_s,
+            "forced_tokens": m.num_forced_tokens, "masks_applied": m.num_masks_applied, "mask_s": m.mask_time_s,
         })
         self._num_requests += 1
 

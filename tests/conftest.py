@@ -106,8 +106,11 @@ class FakeLLM:
     same step (lower priority) already hits them.
     """
 
-    def __init__(self, tokenizer, block_size=16, max_num_seqs=8, max_model_len=4096, **_):
+    def __init__(self, tokenizer, block_size=16, max_num_seqs=8, max_model_len=4096, structured=None, **_):
         self.tokenizer = tokenizer
+        # A request with ``structured_outputs``: ``structured(params, ids) -> text | (text, finish_reason)``
+        # answers it (default ``example_output``: a valid instance of a JSON schema, the first choice, ...).
+        self.structured = structured or example_output
         self.block_size = block_size
         self.config = types.SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size)
         self.max_model_len = max_model_len
@@ -175,10 +178,48 @@ class FakeLLM:
                                           error=f"prompt of {len(ids)} tokens exceeds max_model_len"))
                 continue
             n_out = min(params.max_tokens, 3)
-            text = f"summary-{sum(ids) % 9973}-{len(ids)}"
-            outs.append(RequestOutput(rid, None, ids, text, list(range(3, 3 + n_out)), "length",
+            text, finish = f"summary-{sum(ids) % 9973}-{len(ids)}", "length"
+            if params.structured_outputs is not None:
+                reply = self.structured(params, ids)
+                text, finish = reply if isinstance(reply, tuple) else (reply, "stop")
+                m.num_forced_tokens, m.num_masks_applied, m.mask_time_s = 2, 1, 0.001
+            outs.append(RequestOutput(rid, None, ids, text, list(range(3, 3 + n_out)), finish,
                                       hit * self.block_size, m))
         return outs
+
+
+def example_output(params, ids=()) -> str:
+    """What a constrained fake request answers: a valid instance of its JSON schema (required and optional
+    properties, enums' first value, minimums, minItems), the first choice, or a fixed text for a regex/grammar."""
+    import json
+    so = params.structured_outputs
+    if so.kind == "choice":
+        return so.choice[0]
+    if so.kind == "json_object":
+        return '{"answer":"yes"}'
+    if so.kind != "json":
+        return "fake-structured"
+
+    def instance(s, root):
+        while "$ref" in s:
+            node = root
+            for part in s["$ref"][2:].split("/"):
+                node = node[part]
+            s = node
+        if "enum" in s or "const" in s:
+            return s.get("enum", [s.get("const")])[0]
+        t = s.get("type", "object" if "properties" in s else "string")
+        t = [x for x in t if x != "null"][0] if isinstance(t, list) else t
+        if t == "object":
+            return {k: instance(v, root) for k, v in (s.get("properties") or {}).items()}
+        if t == "array":
+            return [instance(s.get("items") or {}, root) for _ in range(max(s.get("minItems", 1), 1))]
+        if t in ("integer", "number"):
+            return s.get("minimum", 1)
+        if t == "boolean":
+            return True
+        return "x" * max(s.get("minLength", 1), 1)
+    return json.dumps(instance(so.schema, so.schema), separators=(",", ":"))
 
 
 def changed_options(config) -> dict:
@@ -198,10 +239,11 @@ def fake_llm_factory(tiny_tokenizer):
     made = []
 
     def factory(config):
-        llm = FakeLLM(tiny_tokenizer, **changed_options(config))
+        llm = FakeLLM(tiny_tokenizer, structured=factory.structured, **changed_options(config))
         made.append(llm)
         return llm
     factory.made = made
+    factory.structured = None        # a test's ``structured(params, ids)`` for constrained requests (FakeLLM)
     return factory
 
 

@@ -155,3 +155,38 @@ def test_default_system_ratios_and_line():
     table = format_table(result)
     assert "batchgen defaults (quantization int8) vs batchgen bfloat16: 1.50x wall" in table
     assert "batchgen defaults vs llama.cpp: 6.00x" in table
+
+
+def test_structured_systems_same_output_tokens_and_ratio_line(quick_result):
+    """batchgen-structured / batchgen-default-structured: the same workload with every request constrained to
+    STRUCTURED_SCHEMA, the same output tokens (the schema's JSON stays open), compared with their twins."""
+    opts, result, _ = quick_result
+    by = {s["system"]: s for s in result["systems"]}
+    for st in ("batchgen-structured", "batchgen-default-structured"):
+        assert by[st]["output_tokens"] == opts.workload.n * opts.workload.output_tokens
+        assert set(by[st]["extra"]["structured"]) >= {"forced_tokens", "forced_share", "masks_applied", "mask_time_s"}
+    assert result["ratios"]["batchgen_structured_vs_batchgen"] > 0
+    assert "batchgen-structured (JSON schema) vs batchgen (same output tokens)" in format_table(result)
+
+
+def test_structured_ratio_and_line_from_numbers():
+    on = SystemResult("batchgen-default", "batchgen-default", wall_s=10.0, extra={"decode_tokens_per_s": 100.0})
+    st = SystemResult("batchgen-default-structured", "batchgen-default-structured", wall_s=12.5,
+                      extra={"decode_tokens_per_s": 90.0, "structured": {"forced_tokens": 96, "forced_share": 0.25,
+                                                                          "masks_applied": 7, "mask_time_s": 0.01}})
+    r = ratios([on, st])
+    assert r["batchgen_default_structured_vs_batchgen_default"] == 0.8
+    assert r["batchgen_default_structured_decode_tokens_per_s_ratio"] == 0.9
+    result = {"workload": {"shape": "x", "n": 1, "groups": 1, "prefix_tokens": 1, "doc_tokens": 1,
+                           "output_tokens": 1},
+              "env": {"model": "m", "dtype": "bfloat16", "threads": 2}, "ratios": r,
+              "systems": [s.to_dict() for s in (on, st)]}
+    line = ("batchgen-default-structured (JSON schema) vs batchgen-default (same output tokens): 0.80x throughput, "
+            "0.90x decode tokens/s; 96 forced tokens (25% of the output), 7 masks, 0.010 s masking")
+    assert line in format_table(result)
+
+
+def test_cli_structured_flag_needs_a_twin():
+    from batchgen.cli import main
+    bad = CliRunner().invoke(main, ["bench", "--quick", "--structured", "--systems", "hf-generate"])
+    assert bad.exit_code == 2 and "--structured needs batchgen or batchgen-default" in bad.output

