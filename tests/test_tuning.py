@@ -282,3 +282,17 @@ def test_measured_steps_are_found_for_the_running_format(tiny_llama_dir, tuning,
     assert decision.measured_steps(explicit, ident, Format("int8", "float32", "float32")) is None
     monkeypatch.setattr(decision, "cpu_signature", lambda: "flags : another CPU")
     assert decision.measured_steps(explicit, ident, Format("none", "bfloat16", "bfloat16")) is None
+
+
+def test_a_decision_measured_on_a_busy_machine_is_measured_again_when_quieter(tiny_llama_dir, tuning, monkeypatch):
+    load = {"now": 9.0}
+    monkeypatch.setattr(decision, "load_average", lambda: load["now"])
+    monkeypatch.setattr(decision.os, "cpu_count", lambda: 2)
+    first = _setup(tiny_llama_dir)
+    assert first.info().tuning["load_average"] == 9.0 and len(tuning.calls) == 1
+    load["now"] = 6.0                                   # still busy: the cached decision stands
+    assert _setup(tiny_llama_dir).info().tuning["source"] == "cached" and len(tuning.calls) == 1
+    assert _setup(tiny_llama_dir, tune=False).info().tuning["source"] == "cached"     # planning never measures
+    load["now"] = 0.5                                   # quiet: measured again, and that decision is kept
+    assert _setup(tiny_llama_dir).info().tuning["source"] == "measured" and len(tuning.calls) == 2
+    assert _setup(tiny_llama_dir).info().tuning["source"] == "cached" and len(tuning.calls) == 2

@@ -12,6 +12,7 @@ compile, KV allocation), ``warmup_s``, ``generate_s`` (all prompts in one ``gene
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -36,9 +37,16 @@ def main(request_path: str, result_path: str) -> None:
     if req.get("warmup"):
         run(req["warmup"], 2)
     warmup_s = time.monotonic() - t
+    mark = os.environ.get("BATCHGEN_PEER_MARK")     # profiling: when generation starts and ends (bench/peers/profile.sh)
     t = time.monotonic()
+    if mark:
+        with open(mark, "a") as f:
+            f.write(f"start {time.time()}\n")
     outs = run(req["prompts"], int(req["max_tokens"]))
     generate_s = time.monotonic() - t
+    if mark:
+        with open(mark, "a") as f:
+            f.write(f"end {time.time()}\n")
     result = {
         "peer": "vllm", "version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s,
         "generate_s": generate_s,

@@ -200,6 +200,21 @@ def _family(family: str, impls: tuple[str, ...], fmt: Format, step_s: dict, shap
             "score_ms": {i: round(v * 1e3, 3) for i, v in est.items()}, "calls_ms": calls_ms}
 
 
+BUSY_LOAD_PER_CORE = 0.75      # a probe started above this load average per core measured a busy machine
+
+
+def load_average() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def quieter_now(dec: Decision) -> bool:
+    """True when ``dec`` was measured on a busy machine (other work on the cores skews the candidates' times, and
+    a probe that runs out of budget times fewer shapes) and the machine is at most half as busy now: the engine
+    measures again rather than keep a skewed decision for good."""
+    cores = os.cpu_count() or 1
+    return dec.load_average > BUSY_LOAD_PER_CORE * cores and load_average() <= dec.load_average / 2
+
+
 def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: KernelFacts, table: Format, *,
             measure: bool, retune: bool = False) -> Decision | None:
     """The decision for ``cfg`` (``tunable`` already checked): the cached one, else (``measure``) a new one, measured
@@ -207,8 +222,11 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
     fields = key_fields(cfg, identity)
     path = cache_path(fields)
     if not retune and (dec := load(path, fields)) is not None:
-        log.info("tuning: %s (decision %s)", dec.reason, path)
-        return dec
+        if not (measure and quieter_now(dec)):
+            log.info("tuning: %s (decision %s)", dec.reason, path)
+            return dec
+        log.info("tuning: the cached decision was measured on a busy machine (load average %.1f on %d cores); "
+                 "the machine is quieter now: measuring again", dec.load_average, os.cpu_count() or 1)
     if not measure:
         return None
     formats = format_candidates(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype, quantized_source, facts)
@@ -218,7 +236,7 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
     t0 = time.perf_counter()
     log.info("tuning: measuring %d formats (%s) on this machine, once (budget %.0f s)", len(formats),
              ", ".join(f.name for f in formats), probe.BUDGET_S)
-    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    busy = load_average()
     shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families, table)
     dec = decide(fields, formats, families, shapes, m, table, mcfg.num_hidden_layers)
     dec.load_average = round(busy, 2)
