@@ -37,7 +37,7 @@ def main(request_path: str, result_path: str) -> None:
     if req.get("warmup"):
         run(req["warmup"], 2)
     warmup_s = time.monotonic() - t
-    mark = os.environ.get("BATCHGEN_PEER_MARK")     # profiling: when generation starts and ends (bench/peers/profile.sh)
+    mark = os.environ.get("BATCHGEN_PEER_MARK")     # when generation starts and ends (bench/peers/profile.sh)
     t = time.monotonic()
     if mark:
         with open(mark, "a") as f:
