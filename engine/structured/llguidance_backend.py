@@ -1,4 +1,4 @@
-"""The llguidance backend: grammar text for each kind of constraint, its validation, the tokenizer it needs.
+"""The llguidance backend: the tokenizer it needs, compiled grammars (validated), a matcher per request.
 
 llguidance needs every token's bytes and a trie over them ("preparing the tokenizer"): seconds for a 262k
 vocabulary. It is done once per tokenizer and process (``prepared_tokenizer``) and the token bytes are kept on
@@ -9,9 +9,7 @@ Figures: docs/perf/zen5-epyc-structured.md.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import re
 import tempfile
 import threading
 import weakref
@@ -22,50 +20,24 @@ import numpy as np
 import torch
 
 from engine.structured.backend import LRU
+from engine.structured.llguidance_grammar import grammar_problem, grammar_text
 from engine.structured.params import StructuredOutputError, StructuredOutputsParams
 from engine.tokenizer import cache_root as tokenizer_cache_root
 
-_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-_FLEXIBLE = {"whitespace_flexible": True}
 _CACHE_FORMAT = "1"
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """llguidance's grammar for the constraint (not yet validated)."""
-    kind = params.kind
-    try:
-        if kind in ("json", "json_object"):
-            schema = params.json if kind == "json" else '{"type": "object"}'
-            options = _COMPACT if params.disable_any_whitespace else _FLEXIBLE
-            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        if kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(params.regex)
-        if kind == "choice":
-            return llg.grammar_from("choice", json.dumps(list(params.choice)))
-        return llg.grammar_from("grammar", params.grammar)          # Lark, or GBNF converted to Lark
-    except ValueError as e:
-        raise StructuredOutputError(f"structured_outputs.{kind}: {e}") from None
-
-
 def validate(params: StructuredOutputsParams, tokenizer: llg.LLTokenizer | None = None) -> str:
-    """The grammar text once llguidance accepts it (without a tokenizer: at plan time); else
-    StructuredOutputError naming the schema keyword llguidance does not implement, when that is the cause."""
-    grammar = grammar_text(params)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        message = messages[0] if messages else "rejected by the grammar compiler"
-        raise StructuredOutputError(f"structured_outputs.{params.kind}: {message.strip()}",
-                                    keyword=_keyword(message))
+    """The grammar text once llguidance accepts it; else StructuredOutputError (naming the keyword)."""
+    try:
+        grammar = grammar_text(params)
+    except ValueError as e:
+        raise StructuredOutputError(f"structured_outputs.{params.kind}: {e}") from None
+    problem = grammar_problem(grammar, tokenizer)
+    if problem is not None:
+        message, keyword = problem
+        raise StructuredOutputError(f"structured_outputs.{params.kind}: {message}", keyword=keyword)
     return grammar
-
-
-def _keyword(message: str) -> str | None:
-    m = re.search(r'Unimplemented keys: \["([^"]+)"', message)
-    if m:
-        return m.group(1)
-    if message.startswith("Unknown format"):
-        return "format"
-    return None
 
 
 class LLGuidanceMatcher:

@@ -79,8 +79,10 @@ class StructuredOutputsParams:
 def check_structured(params: StructuredOutputsParams) -> None:
     """Refuse what cannot constrain generation, before any model is loaded (``StructuredOutputError``).
 
-    Checks the form (a valid JSON Schema, a compilable regex, a non-empty choice list, a non-empty grammar);
-    the grammar backend adds what it does not support.
+    Checks the form (a valid JSON Schema, a compilable regex, a non-empty choice list, a non-empty grammar),
+    then what the grammar backend (llguidance) cannot compile, without a tokenizer: a schema keyword it does not
+    implement (``keyword`` names it), an unknown ``format``, a dangling ``$ref``, a regex with look-around, a
+    grammar that does not parse.
     """
     if params.kind == "json":
         import jsonschema  # NOTE: only when a schema is given; keeps `import engine` light
@@ -99,3 +101,11 @@ def check_structured(params: StructuredOutputsParams) -> None:
             raise StructuredOutputError("structured_outputs.choice must list at least one non-empty string")
     elif params.kind == "grammar" and not params.grammar.strip():
         raise StructuredOutputError("structured_outputs.grammar is empty")
+    # NOTE: llguidance only when a constraint is given; keeps `import engine` light.
+    from engine.structured.llguidance_grammar import grammar_problem, grammar_text
+    try:
+        problem = grammar_problem(grammar_text(params))
+    except ValueError as e:
+        problem = (str(e), None)
+    if problem is not None:
+        raise StructuredOutputError(f"structured_outputs.{params.kind}: {problem[0]}", keyword=problem[1])
