@@ -25,6 +25,7 @@ _NEG_INF = float("-inf")
 
 def masked_choice(logits: torch.Tensor, allowed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """[R, V] raw logits, [R, V] bool allowed tokens (each row allows at least one) -> [R] chosen tokens."""
+    allowed = allowed.to(logits.device, non_blocking=True)          # masks are built on the CPU
     processed = Sampler.processed_logits(logits, md)                 # bans (min_tokens) and penalties
     masked = processed.masked_fill(~allowed, _NEG_INF)
     # NOTE: a ban (EOS before min_tokens) can remove the only allowed tokens: the grammar wins.
@@ -117,7 +118,7 @@ def verify(req, draft: list[int], logits: torch.Tensor, md: SamplingMetadata,
             if j < len(draft):
                 g.matcher.consume([draft[j]])
                 consumed += 1
-        allowed = torch.stack(allowed)
+        allowed = torch.stack(allowed).to(logits.device)
         processed = Sampler.processed_logits(logits, md)
         probs = Sampler.probs(processed, md) * allowed
         none = probs.sum(dim=-1, keepdim=True) <= 0

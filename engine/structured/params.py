@@ -29,6 +29,8 @@ class StructuredOutputsParams:
     ``grammar`` (Lark / EBNF text) or ``json_object`` (any JSON object, OpenAI's ``{type: json_object}``).
 
     Stored hashable: ``json`` as canonical JSON text (``schema`` gives the mapping back), ``choice`` as a tuple.
+    Canonical: keys sorted, except the members of ``properties``, which keep their order: JSON is generated with
+    the properties in that order (a model reasons better when a "reasoning" field comes before the answer).
     ``disable_any_whitespace`` (default on): JSON is generated compact, no free whitespace between tokens.
     """
     json: Any = None
@@ -54,7 +56,7 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict):
                 raise StructuredOutputError(
                     f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
-            object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            object.__setattr__(self, "json", _json.dumps(_canonical(schema), separators=(",", ":")))
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
                 raise StructuredOutputError("structured_outputs.choice must be a list of strings")
@@ -74,6 +76,15 @@ class StructuredOutputsParams:
         """One text per distinct constraint: what compiled grammars are cached under."""
         value = {"json": self.json, "choice": list(self.choice or ())}.get(self.kind, getattr(self, self.kind))
         return _json.dumps([self.kind, value, self.disable_any_whitespace])
+
+
+def _canonical(value: Any, keep_order: bool = False) -> Any:
+    if isinstance(value, dict):
+        items = list(value.items()) if keep_order else sorted(value.items())
+        return {k: _canonical(v, keep_order=(k == "properties" and not keep_order)) for k, v in items}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def check_structured(params: StructuredOutputsParams) -> None:
