@@ -27,11 +27,12 @@ def masked_choice(logits: torch.Tensor, allowed: torch.Tensor, md: SamplingMetad
     """[R, V] raw logits, [R, V] bool allowed tokens (each row allows at least one) -> [R] chosen tokens."""
     allowed = allowed.to(logits.device, non_blocking=True)          # masks are built on the CPU
     processed = Sampler.processed_logits(logits, md)                 # bans (min_tokens) and penalties
-    masked = processed.masked_fill(~allowed, _NEG_INF)
+    # NOTE: torch.where, not masked_fill(~allowed): one pass instead of two over [R, 262k] (half the time here).
+    masked = torch.where(allowed, processed, _NEG_INF)
     # NOTE: a ban (EOS before min_tokens) can remove the only allowed tokens: the grammar wins.
     empty = torch.isneginf(masked).all(dim=-1, keepdim=True)
     if empty.any():
-        masked = torch.where(empty, logits.float().masked_fill(~allowed, _NEG_INF), masked)
+        masked = torch.where(empty, torch.where(allowed, logits.float(), _NEG_INF), masked)
     if md.all_greedy:
         return greedy(masked)
     probs = Sampler.probs(processed, md) * allowed                   # the filters first, then the grammar
@@ -123,7 +124,7 @@ def verify(req, draft: list[int], logits: torch.Tensor, md: SamplingMetadata,
         probs = Sampler.probs(processed, md) * allowed
         none = probs.sum(dim=-1, keepdim=True) <= 0
         if none.any():
-            probs = torch.where(none, Sampler.probs(processed.masked_fill(~allowed, _NEG_INF), md), probs)
+            probs = torch.where(none, Sampler.probs(torch.where(allowed, processed, _NEG_INF), md), probs)
         return rejection_sample(draft, probs / probs.sum(dim=-1, keepdim=True), generator)
     finally:
         g.matcher.rollback(consumed)
