@@ -83,9 +83,10 @@ class ModelRunner:
         # A prompt's chunk of one token (its last, after a prefix-cache hit or a token budget that cut it there) stays
         # a prefill entry: the decode kernel rounds otherwise than the prefill kernel, and that token's K/V in later
         # layers would depend on how the prompt was chunked (greedy tokens too).
+        # Tokens a grammar forced (structured outputs) are laid out the same way: a run of output tokens computed
+        # together, one query per position, as the decode they would have been.
         def decode_like(s) -> bool:
-            return bool(s.draft_token_ids) or (len(s.token_ids) == 1 and
-                                               s.start_pos >= requests[s.request_id].num_prompt_tokens)
+            return bool(s.draft_token_ids) or s.start_pos >= requests[s.request_id].num_prompt_tokens
         seqs = sorted(out.scheduled, key=lambda s: not decode_like(s))
         bs = self.block_size
         input_ids: list[int] = []
@@ -106,7 +107,7 @@ class ModelRunner:
             positions.extend(pos)
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            split = bool(s.draft_token_ids)
+            split = n > 1                        # drafts, or forced tokens: one query per position
             if decode_like(s) and num_decode == len(seq_lens):
                 for j in range(n if split else 1):
                     qsl.append(qsl[-1] + 1)
