@@ -121,10 +121,9 @@ class LLM:
     def _attach_grammar(self, req: Request) -> None:
         # NOTE: llguidance loads only once a request asks for a constraint.
         from engine.structured.llguidance_backend import LLGuidanceBackend
-        from engine.structured.params import StructuredOutputError, check_structured
+        from engine.structured.params import StructuredOutputError
         from engine.structured.state import RequestGrammar
         try:
-            check_structured(req.sampling_params.structured_outputs)
             if self._grammar_backend is None:
                 self._grammar_backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
                                                           self.eos_token_ids, cache_key=self._identity)

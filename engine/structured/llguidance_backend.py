@@ -21,7 +21,7 @@ import torch
 
 from engine.structured.backend import LRU
 from engine.structured.llguidance_grammar import grammar_problem, grammar_text
-from engine.structured.params import StructuredOutputError, StructuredOutputsParams
+from engine.structured.params import StructuredOutputError, StructuredOutputsParams, check_structured
 from engine.tokenizer import cache_root as tokenizer_cache_root
 
 _CACHE_FORMAT = "1"
@@ -84,7 +84,9 @@ class LLGuidanceBackend:
         self._compiled = LRU()
 
     def compile(self, params: StructuredOutputsParams) -> llg.LLMatcher:
+        """Checked (``check_structured``, then llguidance with this tokenizer) and compiled once per ``params.key``."""
         def make():
+            check_structured(params)
             grammar = validate(params, self.ll_tokenizer)
             matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
             if matcher.is_error():
