@@ -138,6 +138,14 @@ def test_sampling_with_speculation_stays_valid(gemma_dir):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
+def test_seeded_constrained_sampling_does_not_depend_on_the_batch(llm):
+    schema = SCHEMAS[3]
+    alone = llm.generate(PROMPTS[:1], _sampled(7, json=schema))[0]
+    mixed = llm.generate(PROMPTS, [_sampled(7, json=schema), _sampled(1, json=schema), _params(json=schema),
+                                   SamplingParams(max_tokens=20, temperature=0.9)])
+    assert mixed[0].token_ids == alone.token_ids
+
+
 def test_check_first_gives_the_tokens_of_always_masking(llm):
     first, always = _both_ways(llm, PROMPTS, _params(json=SCHEMAS[4]))
     assert [o.token_ids for o in first] == [o.token_ids for o in always]
