@@ -152,7 +152,8 @@ class ModelRunner:
             tokens = self.model.greedy_tokens(hidden).tolist()
             if any(r.grammar is not None for r in sample_reqs):      # logits only for rows the grammar rejects
                 constrain.constrain(tokens, sample_reqs, lambda rows: self.model.compute_logits(hidden[rows]),
-                                    self._metadata, self.check_first)
+                                    self._metadata, self.check_first,
+                                    values_at=lambda i, ids: self.model.logits_at(hidden[i:i + 1], ids))
             result = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
         else:
             logits = self.model.compute_logits(hidden)              # [N, vocab], sampled rows only

@@ -1,10 +1,13 @@
 """Check-first constrained choice, without a model: a kept draw or a masked redraw is exactly the distribution
-restricted to the allowed tokens (top-k first, then the grammar; the grammar first when top-k keeps none)."""
+restricted to the allowed tokens (top-k first, then the grammar; the grammar first when top-k keeps none); an int8
+LM head gives a few tokens' logits bit for bit as the whole head does."""
 import types
 
 import pytest
 import torch
 
+import engine.kernels.library as library
+from engine.quant.int8 import Int8Linear, quantize_rows
 from engine.sampler import Sampler, SamplingMetadata, make_generator
 from engine.sampling_params import SamplingParams
 from engine.structured.constrain import constrain
@@ -89,3 +92,16 @@ def test_greedy_takes_the_allowed_argmax():
 def test_a_grammar_that_allows_nothing_is_that_request_error():
     _, reqs = _draw(SamplingParams(temperature=0.0), set(), n=3)
     assert all("allows no token" in r.error for r in reqs)
+
+
+@pytest.mark.skipif(library.load() is None, reason="the C int8 kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_head_outputs_at_some_ids_are_bit_identical(dtype):
+    torch.manual_seed(0)
+    q, s = quantize_rows(torch.randn(1000, 72))                     # rows not a multiple of 32; K padded
+    head = Int8Linear.from_quantized(q, s, 72)
+    x = (torch.randn(3, 72) * 2).to(dtype)
+    full = head.linear(x)
+    for ids in ([0], [5, 6, 31, 32, 999], list(range(0, 1000, 7)), [998, 999]):
+        ids = torch.tensor(ids)
+        assert torch.equal(head.linear_at(x, ids), full[:, ids])

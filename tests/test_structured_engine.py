@@ -161,6 +161,21 @@ def test_check_first_gives_the_tokens_of_always_masking(llm):
     assert first[0].metrics.num_masks_applied == 0 < always[0].metrics.num_masks_applied
 
 
+def test_int8_head_check_first_and_always_mask_agree(gemma_dir, monkeypatch):
+    """With an int8 LM head a rejected greedy row reads only its allowed tokens' rows (CausalLM.logits_at): the
+    same tokens as masking the whole head's logits every step."""
+    llm = LLM(gemma_dir, quantization="int8", block_size=4, speculative_config=None)
+    calls = []
+    at = type(llm.model).logits_at
+    monkeypatch.setattr(type(llm.model), "logits_at", lambda self, h, ids: calls.append(len(ids)) or at(self, h, ids))
+    params = [_params(json=s) for s in SCHEMAS[:3]] + [_params(regex=r"[a-z]{2,5}-[0-9]{3}")]
+    first, always = _both_ways(llm, PROMPTS, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in always]
+    assert calls and all(o.finish_reason == "stop" for o in first)
+    monkeypatch.setattr(type(llm.model), "logits_at", lambda self, h, ids: None)      # the whole head's logits
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in first]
+
+
 def test_a_rejected_argmax_leads_to_a_mask(llm):
     free = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0.0))[0]
     text = llm.tokenizer.decode(free.token_ids)

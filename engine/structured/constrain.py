@@ -21,6 +21,9 @@ from engine.sampler import Sampler, SamplingMetadata, exponential_race, greedy
 from engine.spec_decode.rejection import rejection_sample
 
 _NEG_INF = float("-inf")
+# Up to this many allowed tokens, a greedy row's masked choice reads only their rows of an int8 LM head (about 8 ms
+# for 16k tokens against ~35 ms for gemma's whole 262k-row head here).
+SPARSE_MAX_TOKENS = 16384
 
 
 def masked_choice(logits: torch.Tensor, allowed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -44,10 +47,15 @@ def masked_choice(logits: torch.Tensor, allowed: torch.Tensor, md: SamplingMetad
 
 
 def constrain(tokens: list[int], reqs: Sequence, logits_of: Callable[[list[int]], torch.Tensor],
-              metadata_of: Callable[[list], SamplingMetadata], check_first: bool = True) -> None:
+              metadata_of: Callable[[list], SamplingMetadata], check_first: bool = True,
+              values_at: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None) -> None:
     """Replace, in place, each constrained row's token the grammar rejects by a choice from its masked
     distribution. ``logits_of(rows)``: those rows' raw logits (computed only now on a greedy step);
-    ``metadata_of(reqs)``: their sampling metadata. A row whose grammar allows nothing gets an error."""
+    ``metadata_of(reqs)``: their sampling metadata. A row whose grammar allows nothing gets an error.
+
+    ``values_at(row, ids)``: on a plain greedy step, the logits of just those token ids, bit for bit as
+    ``logits_of`` would give them, or None (engine.models.layers.CausalLM.logits_at: an int8 head). A row that
+    allows few tokens then takes their argmax without the whole LM head's second read."""
     rows = []
     for i, r in enumerate(reqs):
         g = r.grammar
@@ -67,6 +75,18 @@ def constrain(tokens: list[int], reqs: Sequence, logits_of: Callable[[list[int]]
     if not rows:
         return
     allowed = allowed[[j for j, has in enumerate(ok) if has]]
+    if values_at is not None:
+        rest = []
+        for j, i in enumerate(rows):
+            ids = allowed[j].nonzero().squeeze(1)
+            values = values_at(i, ids) if len(ids) <= SPARSE_MAX_TOKENS else None
+            if values is None:
+                rest.append(j)
+            else:
+                tokens[i] = int(ids[int(values.reshape(-1).argmax())])     # the first of equal maxima, as greedy
+        rows, allowed = [rows[j] for j in rest], allowed[rest]
+        if not rows:
+            return
     chosen = masked_choice(logits_of(rows), allowed, metadata_of([reqs[i] for i in rows])).tolist()
     for i, t in zip(rows, chosen):
         tokens[i] = t
