@@ -83,3 +83,18 @@ def test_state_follows_the_outputs(tok):
     assert g.allows(ids[3]) and not g.allows(ids[2])
     assert g.advance([ids[3]]) == [2]                                        # complete: EOS is all that can follow
     assert g.valid_prefix([ids[0], ids[1]]) == 0
+
+
+def test_allowed_ids_are_the_mask(tok):
+    backend = lb.LLGuidanceBackend(tok, VOCAB, (2,))
+    for constraint in ({"json": SCHEMA}, {"regex": "[0-9]{2,4}"}, {"choice": ["ab", "cd"]}):
+        g = RequestGrammar(backend.new_matcher(backend.compile(StructuredOutputsParams(**constraint))), VOCAB, (2,))
+        for _ in range(3):                                                   # the first states of each
+            mask = g.allowed()
+            assert torch.equal(g.allowed_ids(VOCAB), mask.nonzero().squeeze(1))
+            assert g.allowed_ids(int(mask.sum()) - 1) is None
+            g.advance([int(mask.nonzero()[0])], forced=False)
+    g = RequestGrammar(backend.new_matcher(backend.compile(StructuredOutputsParams(regex="a"))), VOCAB, (2,))
+    g.advance([tok.convert_tokens_to_ids("a")], forced=False)
+    g.fill()
+    assert g.allowed_ids(10).tolist() == [2]                                # complete: EOS alone

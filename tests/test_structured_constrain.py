@@ -30,8 +30,12 @@ class FakeGrammar:
     def allows(self, token):
         return bool(self.mask[token])
 
-    def allowed(self):
+    def fill(self):
         self.num_built += 1
+
+    def allowed(self, fill=True):
+        if fill:
+            self.fill()
         return self.mask.clone()
 
 

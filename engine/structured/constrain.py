@@ -66,7 +66,21 @@ def constrain(tokens: list[int], reqs: Sequence, logits_of: Callable[[list[int]]
             rows.append(i)
     if not rows:
         return
-    allowed = torch.stack([reqs[i].grammar.allowed() for i in rows])
+    for i in rows:
+        reqs[i].grammar.fill()
+    if values_at is not None:
+        rest = []
+        for i in rows:
+            ids = reqs[i].grammar.allowed_ids(SPARSE_MAX_TOKENS)
+            values = values_at(i, ids) if ids is not None and len(ids) else None
+            if values is None:
+                rest.append(i)
+            else:
+                tokens[i] = int(ids[int(values.reshape(-1).argmax())])     # the first of equal maxima, as greedy
+        rows = rest
+    if not rows:
+        return
+    allowed = torch.stack([reqs[i].grammar.allowed(fill=False) for i in rows])
     ok = allowed.any(dim=-1).tolist()
     for i, has in zip(rows, ok):
         if not has:
@@ -75,18 +89,6 @@ def constrain(tokens: list[int], reqs: Sequence, logits_of: Callable[[list[int]]
     if not rows:
         return
     allowed = allowed[[j for j, has in enumerate(ok) if has]]
-    if values_at is not None:
-        rest = []
-        for j, i in enumerate(rows):
-            ids = allowed[j].nonzero().squeeze(1)
-            values = values_at(i, ids) if len(ids) <= SPARSE_MAX_TOKENS else None
-            if values is None:
-                rest.append(j)
-            else:
-                tokens[i] = int(ids[int(values.reshape(-1).argmax())])     # the first of equal maxima, as greedy
-        rows, allowed = [rows[j] for j in rest], allowed[rest]
-        if not rows:
-            return
     chosen = masked_choice(logits_of(rows), allowed, metadata_of([reqs[i] for i in rows])).tolist()
     for i, t in zip(rows, chosen):
         tokens[i] = t

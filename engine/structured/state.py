@@ -51,16 +51,38 @@ class RequestGrammar:
             n += 1
         return self.matcher.validate(list(tokens[:n])) if n else 0
 
-    def allowed(self) -> torch.Tensor:
-        """[vocab] bool: the tokens the grammar allows next, EOS where it accepts (a full mask: counted)."""
+    def fill(self) -> None:
+        """Compute the mask of the allowed next tokens (one full mask: counted), EOS where the grammar accepts."""
         t0 = time.perf_counter()
         self.matcher.fill_bitmask(self._bitmask)
-        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
-        allowed = torch.from_numpy(bits.view(np.bool_).copy())
-        allowed[list(self.eos)] = self.matcher.is_accepting()
+        words = self._bitmask.numpy().view(np.uint32)           # shares the tensor's memory
+        accepting = self.matcher.is_accepting()
+        for e in self.eos:
+            bit = np.uint32(1 << (e & 31))
+            words[e >> 5] = (words[e >> 5] | bit) if accepting else (words[e >> 5] & ~bit)
         self.num_masks_applied += 1
         self.mask_time_s += time.perf_counter() - t0
+
+    def allowed(self, fill: bool = True) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar allows next (``fill=False``: the mask of the last ``fill``)."""
+        if fill:
+            self.fill()
+        t0 = time.perf_counter()
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+        allowed = torch.from_numpy(bits.view(np.bool_).copy())
+        self.mask_time_s += time.perf_counter() - t0
         return allowed
+
+    def allowed_ids(self, limit: int) -> torch.Tensor | None:
+        """The last ``fill``'s allowed token ids (ascending int64), or None when there are more than ``limit``."""
+        words = self._bitmask.numpy().view(np.uint32)
+        nonzero = np.flatnonzero(words)
+        if len(nonzero) > limit:
+            return None
+        bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32).view(np.bool_)
+        ids = (nonzero[:, None] * 32 + np.arange(32))[bits]
+        ids = ids[ids < self.vocab_size]
+        return None if len(ids) > limit else torch.from_numpy(ids.astype(np.int64))
 
     def advance(self, tokens: list[int], forced: bool = True) -> list[int]:
         """Consume ``tokens`` (the step's chosen ones). Returns the tokens the grammar forces after them (already
