@@ -63,3 +63,13 @@ def test_real_model_greedy_identical_with_speculation_and_budget(llm):
     other = LLM("gemma-3-270m", speculative_config=SPEC, max_num_batched_tokens=19)
     outs = other.generate(PROMPTS, _params(SCHEMAS[1]))
     assert [o.token_ids for o in outs] == ref
+
+
+def test_real_model_check_first_same_tokens_as_masking_every_step(llm):
+    first = [o.token_ids for o in llm.generate(PROMPTS, _params(SCHEMAS[1]))]
+    llm.runner.check_first = False
+    try:
+        always = llm.generate(PROMPTS, _params(SCHEMAS[1]))
+    finally:
+        llm.runner.check_first = True
+    assert [o.token_ids for o in always] == first
