@@ -327,12 +327,15 @@ class Scheduler:
             elif self.speculator is not None:
                 self.speculator.observe(sr.request_id, toks[0])
             status = None
-            extra = (forced or {}).get(sr.request_id, ())
-            for j, t in enumerate(toks + list(extra)):
+            run = toks + list((forced or {}).get(sr.request_id, ()))
+            for j, t in enumerate(run):
                 req.append_output_token(int(t), now)
                 req.num_forced_tokens += j >= len(toks)
                 status = self._check_stop(req)
                 if status is not None:
+                    if (status == RequestStatus.FINISHED_LENGTH and req.grammar is not None and j + 1 < len(run)
+                            and run[j + 1] in req.eos_token_ids):
+                        status = RequestStatus.FINISHED_STOPPED     # the grammar ended right at the limit
                     break
             if status is not None:
                 self._finish(req, status)

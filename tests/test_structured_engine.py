@@ -202,6 +202,11 @@ def test_truncated_json_finishes_with_length_and_the_batch_goes_on(llm):
     jsonschema.validate(json.loads(outs[1].text), schema)
 
 
+def test_output_complete_at_max_tokens_is_a_stop(llm):
+    out = llm.generate(PROMPTS[:1], _params(max_tokens=1, choice=["x"]))[0]      # one token, then its EOS
+    assert out.text == "x" and out.finish_reason == "stop" and len(out.token_ids) == 1
+
+
 def test_unsupported_keyword_refused_naming_it(llm):
     bad = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
     with pytest.raises(StructuredOutputError, match="uniqueItems") as e:
