@@ -94,6 +94,7 @@ class LLM:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
+        self._grammar_backend = None                # engine.structured: made by the first constrained request
 
     # ---- info (self.info: EngineInfo; self.config: the resolved EngineConfig) ---------------------------
     def get_tokenizer(self):
@@ -110,10 +111,27 @@ class LLM:
         else:
             token_ids, text = [int(t) for t in prompt], None
         req = Request(request_id, token_ids, params, priority=priority, eos_token_ids=self.eos_token_ids)
+        if params.structured_outputs is not None:
+            self._attach_grammar(req)        # a constraint that cannot compile finishes this request with an error
         self._requests[request_id] = req
         self._prompts[request_id] = text
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         self.scheduler.add_request(req)      # an empty or never-fitting prompt finishes there with an error
+
+    def _attach_grammar(self, req: Request) -> None:
+        # NOTE: llguidance loads only once a request asks for a constraint.
+        from engine.structured.llguidance_backend import LLGuidanceBackend
+        from engine.structured.params import StructuredOutputError
+        from engine.structured.state import RequestGrammar
+        try:
+            if self._grammar_backend is None:
+                self._grammar_backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids, cache_key=self._identity)
+            backend = self._grammar_backend
+            grammar = backend.compile(req.sampling_params.structured_outputs)
+            req.grammar = RequestGrammar(backend.new_matcher(grammar), backend.vocab_size, self.eos_token_ids)
+        except StructuredOutputError as e:
+            req.error = f"request {req.request_id}: {e}"
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -136,7 +154,7 @@ class LLM:
         out = self.scheduler.schedule()
         new_tokens = self.runner.execute(out, self._requests)      # request id -> the token(s) it sampled
         before = {rid: self._requests[rid].num_output_tokens for rid in new_tokens}
-        finished = self.scheduler.update_from_output(out, new_tokens)
+        finished = self.scheduler.update_from_output(out, new_tokens, self.runner.forced)
         done = {r.request_id for r in finished}
         for rid, toks in new_tokens.items():
             req = self._requests[rid]
@@ -177,7 +195,9 @@ class LLM:
             first_token_time=req.first_token_time, token_times=list(req.token_times),
             finish_time=req.finish_time or time.monotonic(), num_preemptions=req.num_preemptions,
             num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
-            num_spec_steps=req.num_spec_steps)
+            num_spec_steps=req.num_spec_steps, num_forced_tokens=req.num_forced_tokens)
+        if req.grammar is not None:
+            m.num_masks_applied, m.mask_time_s = req.grammar.num_masks_applied, req.grammar.mask_time_s
         return RequestOutput(
             request_id=req.request_id, prompt=self._prompts.get(req.request_id),
             prompt_token_ids=req.prompt_token_ids, text=detok.flush() if req.status.finished else detok.text,

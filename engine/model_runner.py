@@ -18,6 +18,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata, greedy, make_generator
 from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode.rejection import rejection_sample, verify_greedy
+from engine.structured import constrain
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -48,6 +49,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.default_generator = make_generator(seed, device)
         self._generators: dict[str, torch.Generator] = {}
+        # Structured outputs: test each constrained row's unconstrained choice before building its mask (False:
+        # always mask; the tests compare the two). ``forced``: the last step's grammar-forced tokens per request.
+        self.check_first = True
+        self.forced: dict[str, list[int]] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -78,9 +83,10 @@ class ModelRunner:
         # A prompt's chunk of one token (its last, after a prefix-cache hit or a token budget that cut it there) stays
         # a prefill entry: the decode kernel rounds otherwise than the prefill kernel, and that token's K/V in later
         # layers would depend on how the prompt was chunked (greedy tokens too).
+        # Tokens a grammar forced (structured outputs) are laid out the same way: a run of output tokens computed
+        # together, one query per position, as the decode they would have been.
         def decode_like(s) -> bool:
-            return bool(s.draft_token_ids) or (len(s.token_ids) == 1 and
-                                               s.start_pos >= requests[s.request_id].num_prompt_tokens)
+            return bool(s.draft_token_ids) or s.start_pos >= requests[s.request_id].num_prompt_tokens
         seqs = sorted(out.scheduled, key=lambda s: not decode_like(s))
         bs = self.block_size
         input_ids: list[int] = []
@@ -101,7 +107,7 @@ class ModelRunner:
             positions.extend(pos)
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            split = bool(s.draft_token_ids)
+            split = n > 1                        # drafts, or forced tokens: one query per position
             if decode_like(s) and num_decode == len(seq_lens):
                 for j in range(n if split else 1):
                     qsl.append(qsl[-1] + 1)
@@ -139,24 +145,39 @@ class ModelRunner:
         for m in (meta, meta.sample_meta):
             self.backend.prepare(m)
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
+        self.forced = {}
         if not sample_rows:
             return {}
         if not drafts and all(_plain_greedy(r) for r in sample_reqs):   # argmax only: no logits, no sampler
             tokens = self.model.greedy_tokens(hidden).tolist()
-            return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
-        logits = self.model.compute_logits(hidden)                  # [N, vocab], sampled rows only
-        if drafts:
-            return self._verify(logits, sample_reqs, drafts)
-        tokens = self._sample(logits, sample_reqs)
-        return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+            if any(r.grammar is not None for r in sample_reqs):      # logits only for rows the grammar rejects
+                constrain.constrain(tokens, sample_reqs, lambda rows: self.model.compute_logits(hidden[rows]),
+                                    self._metadata, self.check_first,
+                                    values_at=lambda i, ids: self.model.logits_at(hidden[i:i + 1], ids))
+            result = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        else:
+            logits = self.model.compute_logits(hidden)              # [N, vocab], sampled rows only
+            if drafts:
+                result = self._verify(logits, sample_reqs, drafts)
+            else:
+                tokens = self._sample(logits, sample_reqs)
+                result = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        if any(r.grammar is not None for r in sample_reqs):
+            self.forced = constrain.advance(sample_reqs, [result[r.request_id] for r in sample_reqs])
+        return result
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        md = SamplingMetadata.build(
+    def _metadata(self, reqs: list[Request]) -> SamplingMetadata:
+        return SamplingMetadata.build(
             params=[r.sampling_params for r in reqs], output_token_ids=[r.output_token_ids for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs], generators=[self._generator(r) for r in reqs],
             banned_token_ids=[_banned(r) for r in reqs], device=self.device,
             default_generator=self.default_generator)
-        return self.sampler(logits, md).tolist()
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        tokens = self.sampler(logits, self._metadata(reqs)).tolist()
+        if any(r.grammar is not None for r in reqs):
+            constrain.constrain(tokens, reqs, lambda rows: logits[rows], self._metadata, self.check_first)
+        return tokens
 
     def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: dict[str, list[int]]) -> dict:
         """A step with speculating requests: plain rows sample as usual; a speculating request's k + 1 rows
@@ -178,20 +199,28 @@ class ModelRunner:
         for r, start, nd in spans:
             rows, d = logits[start:start + nd + 1], drafts[r.request_id]
             p = r.sampling_params
-            # Position j sees the outputs so far plus the first j drafts: penalties and min_tokens bans as if
-            # those drafts had been sampled one step at a time.
-            md = SamplingMetadata.build(params=[p] * (nd + 1),
-                                        output_token_ids=[r.output_token_ids + d[:j] for j in range(nd + 1)],
-                                        prompt_token_ids=[r.prompt_token_ids] * (nd + 1),
-                                        generators=[None] * (nd + 1), device=self.device,
-                                        banned_token_ids=[_banned(r, j) for j in range(nd + 1)])
+            md = self._draft_metadata(r, d, range(nd + 1))
+            gen = self._generator(r) or self.default_generator
+            if r.grammar is not None and not r.grammar.error:
+                out[r.request_id] = constrain.verify(r, d, rows, md, lambda j: self._draft_metadata(r, d, [j]),
+                                                     gen, self.check_first)
+                continue
             processed = Sampler.processed_logits(rows, md)
             if p.greedy:
                 out[r.request_id] = verify_greedy(d, greedy(processed).tolist())
                 continue
-            gen = self._generator(r) or self.default_generator
             out[r.request_id] = rejection_sample(d, Sampler.probs(processed, md), gen)
         return out
+
+    def _draft_metadata(self, r: Request, d: list[int], positions) -> SamplingMetadata:
+        """Position j sees the outputs so far plus the first j drafts: penalties and min_tokens bans as if those
+        drafts had been sampled one step at a time."""
+        js = list(positions)
+        return SamplingMetadata.build(params=[r.sampling_params] * len(js),
+                                      output_token_ids=[r.output_token_ids + d[:j] for j in js],
+                                      prompt_token_ids=[r.prompt_token_ids] * len(js),
+                                      generators=[None] * len(js), device=self.device,
+                                      banned_token_ids=[_banned(r, j) for j in js])
 
 
 def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> None:

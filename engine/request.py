@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ class Request:
     num_draft_tokens: int = 0          # speculation: draft tokens proposed for this request ...
     num_accepted_tokens: int = 0       # ... and accepted
     num_spec_steps: int = 0            # steps that verified drafts for it (mean accepted length = accepted / this)
+    num_forced_tokens: int = 0         # structured outputs: tokens the grammar forced (appended without sampling)
+    grammar: Any = None                # structured outputs: engine.structured.state.RequestGrammar, or None
     # Block hashes of the request's full blocks, filled incrementally by the KV cache manager.
     block_hashes: list = field(default_factory=list)
 

@@ -64,7 +64,7 @@ class Scheduler:
         the next schedule() / update_from_output()."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        error = self._never_fits(req)
+        error = req.error or self._never_fits(req)     # req.error: e.g. a grammar that does not compile
         if error is not None:
             req.error = error
             req.status = RequestStatus.FINISHED_ERROR
@@ -281,8 +281,8 @@ class Scheduler:
         self._new_errors.append(req)
 
     # ---- update -------------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           new_tokens: dict[str, int | list[int]]) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, new_tokens: dict[str, int | list[int]],
+                           forced: dict[str, list[int]] | None = None) -> list[Request]:
         """Append the sampled tokens and finish requests that stop.
 
         Args:
@@ -291,6 +291,8 @@ class Scheduler:
                 accepted drafts and one more), for every scheduled request with ``sample=True``. Tokens are
                 appended one by one; EOS, stop ids and max_tokens are checked after each, so nothing after a
                 stop is appended.
+            forced: request id -> tokens a grammar forces after the sampled ones (structured outputs): appended
+                the same way, uncomputed, so the next step computes them as one prefill chunk.
         Returns:
             the requests finished by this step (including the errors listed in ``finished_errors``).
         """
@@ -307,6 +309,10 @@ class Scheduler:
                 continue
             if sr.request_id not in new_tokens:
                 raise KeyError(f"no sampled token for request {sr.request_id!r} (sample=True)")
+            if req.error is not None:           # e.g. its grammar failed mid-way: this request only
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                finished.append(req)
+                continue
             toks = new_tokens[sr.request_id]
             toks = [toks] if isinstance(toks, int) else list(toks)
             if sr.draft_token_ids:
@@ -321,10 +327,15 @@ class Scheduler:
             elif self.speculator is not None:
                 self.speculator.observe(sr.request_id, toks[0])
             status = None
-            for t in toks:
+            run = toks + list((forced or {}).get(sr.request_id, ()))
+            for j, t in enumerate(run):
                 req.append_output_token(int(t), now)
+                req.num_forced_tokens += j >= len(toks)
                 status = self._check_stop(req)
                 if status is not None:
+                    if (status == RequestStatus.FINISHED_LENGTH and req.grammar is not None and j + 1 < len(run)
+                            and run[j + 1] in req.eos_token_ids):
+                        status = RequestStatus.FINISHED_STOPPED     # the grammar ended right at the limit
                     break
             if status is not None:
                 self._finish(req, status)
@@ -334,6 +345,8 @@ class Scheduler:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         params = req.sampling_params
         token = req.output_token_ids[-1]
+        if req.grammar is not None and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED   # a grammar allows EOS only where it accepts: it ends the output
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -15,10 +15,24 @@ def test_exactly_one_kind():
 
 def test_json_stored_canonical_and_hashable():
     a = StructuredOutputsParams(json={"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}})
-    b = StructuredOutputsParams(json='{"properties": {"a": {}, "b": {"type": "integer"}}, "type": "object"}')
+    b = StructuredOutputsParams(json='{"properties": {"b": {"type": "integer"}, "a": {}}, "type": "object"}')
     assert a == b and hash(a) == hash(b) and a.key == b.key
     assert a.schema["properties"]["b"] == {"type": "integer"}
     assert hash(SamplingParams(structured_outputs=a)) == hash(SamplingParams(structured_outputs=b))
+
+
+def test_property_order_is_kept():
+    """JSON is generated in the schema's property order, so two orders are two constraints."""
+    a = StructuredOutputsParams(json={"type": "object", "properties": {"b": {"type": "integer", "minimum": 0},
+                                                                       "a": {}}})
+    b = StructuredOutputsParams(json={"type": "object", "properties": {"a": {},
+                                                                       "b": {"minimum": 0, "type": "integer"}}})
+    assert list(a.schema["properties"]) == ["b", "a"] and list(b.schema["properties"]) == ["a", "b"]
+    assert a != b and a.key != b.key
+    assert a.schema["properties"]["b"] == b.schema["properties"]["b"]
+    # A property named "properties" is a property like any other: its schema's keys are sorted.
+    c = StructuredOutputsParams(json={"properties": {"properties": {"type": "string", "maxLength": 3}}})
+    assert list(c.schema["properties"]["properties"]) == ["maxLength", "type"]
 
 
 def test_sampling_params_accepts_a_mapping():

@@ -209,6 +209,16 @@ class CausalLM(OpsModule):
         lower index wins) but not here."""
         return self.ops.lm_argmax(hidden, self._head())
 
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """[1, hidden] and ascending token ids -> those ids' ``compute_logits`` values, bit for bit, reading only
+        their part of an int8 head (structured outputs: a row's few allowed tokens); None for other heads."""
+        head = self._head()
+        if not (self.ops.int8_head and hasattr(head, "linear_at")):
+            return None
+        logits = head.linear_at(hidden, ids)
+        cap = self.config.final_logit_softcapping
+        return logits.float().div_(cap).tanh_().mul_(cap) if cap else logits
+
     def _head(self) -> nn.Module:
         return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
 

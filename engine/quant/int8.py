@@ -111,6 +111,17 @@ class Int8Linear(nn.Module):
 
     forward = linear
 
+    def linear_at(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Outputs ``ids`` (int64, ascending) of ``linear(x)``, bit for bit: [M, len(ids)]. Reads only the packed
+        32-row tiles holding them (the kernel computes each output from its own tile): a constrained row's allowed
+        tokens out of a 262k-row LM head for a fraction of the whole head's read."""
+        tiles_total = self.qweight.numel() // padded(self.in_features, QK) // 32
+        tiles, inverse = torch.unique(ids // 32, return_inverse=True)
+        pick = [t.view(tiles_total, -1)[tiles].reshape(-1) for t in (self.qweight, self.scales, self.corrections)]
+        y = qlinear.q8_linear(x.reshape(-1, x.shape[-1]), *pick, len(tiles) * 32, self.wmax)
+        y = y[:, inverse * 32 + ids % 32]
+        return y + self.bias[ids].to(y.dtype) if self.bias is not None else y
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 (groups of {QK})"
 

@@ -88,6 +88,9 @@ class Speculator:
         for r, d in zip(cands, props):
             room = min(r.sampling_params.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
             d = d[:max(room, 0)]
+            if d and r.grammar is not None:           # structured outputs: only what the grammar allows
+                r.grammar.sync(r.output_token_ids)
+                d = d[:r.grammar.valid_prefix(d)]
             if d:
                 out[r.request_id] = d
         return out

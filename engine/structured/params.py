@@ -29,6 +29,8 @@ class StructuredOutputsParams:
     ``grammar`` (Lark / EBNF text) or ``json_object`` (any JSON object, OpenAI's ``{type: json_object}``).
 
     Stored hashable: ``json`` as canonical JSON text (``schema`` gives the mapping back), ``choice`` as a tuple.
+    Canonical: keys sorted, except the members of ``properties``, which keep their order: JSON is generated with
+    the properties in that order (a model reasons better when a "reasoning" field comes before the answer).
     ``disable_any_whitespace`` (default on): JSON is generated compact, no free whitespace between tokens.
     """
     json: Any = None
@@ -54,7 +56,7 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict):
                 raise StructuredOutputError(
                     f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
-            object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            object.__setattr__(self, "json", _json.dumps(_canonical(schema), separators=(",", ":")))
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
                 raise StructuredOutputError("structured_outputs.choice must be a list of strings")
@@ -76,11 +78,22 @@ class StructuredOutputsParams:
         return _json.dumps([self.kind, value, self.disable_any_whitespace])
 
 
+def _canonical(value: Any, keep_order: bool = False) -> Any:
+    if isinstance(value, dict):
+        items = list(value.items()) if keep_order else sorted(value.items())
+        return {k: _canonical(v, keep_order=(k == "properties" and not keep_order)) for k, v in items}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
 def check_structured(params: StructuredOutputsParams) -> None:
     """Refuse what cannot constrain generation, before any model is loaded (``StructuredOutputError``).
 
-    Checks the form (a valid JSON Schema, a compilable regex, a non-empty choice list, a non-empty grammar);
-    the grammar backend adds what it does not support.
+    Checks the form (a valid JSON Schema, a compilable regex, a non-empty choice list, a non-empty grammar),
+    then what the grammar backend (llguidance) cannot compile, without a tokenizer: a schema keyword it does not
+    implement (``keyword`` names it), an unknown ``format``, a dangling ``$ref``, a regex with look-around, a
+    grammar that does not parse.
     """
     if params.kind == "json":
         import jsonschema  # NOTE: only when a schema is given; keeps `import engine` light
@@ -99,3 +112,11 @@ def check_structured(params: StructuredOutputsParams) -> None:
             raise StructuredOutputError("structured_outputs.choice must list at least one non-empty string")
     elif params.kind == "grammar" and not params.grammar.strip():
         raise StructuredOutputError("structured_outputs.grammar is empty")
+    # NOTE: llguidance only when a constraint is given; keeps `import engine` light.
+    from engine.structured.llguidance_grammar import grammar_problem, grammar_text
+    try:
+        problem = grammar_problem(grammar_text(params))
+    except ValueError as e:
+        problem = (str(e), None)
+    if problem is not None:
+        raise StructuredOutputError(f"structured_outputs.{params.kind}: {problem[0]}", keyword=problem[1])
