@@ -1,8 +1,6 @@
 """Structured extraction end to end on the real SmolLM2-135M-Instruct: the sample job jobs/extract-fields.yaml
 (chat template, JSON Schema from a file), every row valid and typed; a too small max_tokens cuts the JSON off: that
-row's json_error and finish_reason length, the batch goes on. Needs the engine's grammar backend
-(engine/structured/backend.py, the structured-engine branch): skipped only while that module does not exist."""
-import importlib.util
+row's json_error and finish_reason length, the batch goes on."""
 import json
 from pathlib import Path
 
@@ -14,12 +12,7 @@ from pipeline.job import load_job
 from pipeline.runner import RunOptions, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("engine.structured.backend") is None,
-                       reason="engine.structured has no grammar backend yet (the structured-engine branch adds "
-                              "engine/structured/backend.py); until then the engine ignores the constraint"),
-]
+pytestmark = pytest.mark.slow
 
 
 def _job(tmp_path, name, limit, max_tokens):
