@@ -40,7 +40,7 @@ def _csv(value: str | None) -> list[str] | None:
               "norms) per step kind, with the linears' op rate: where the time went (bench.breakdown).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt text.")
 @click.option("--contend", type=click.IntRange(0, 16), default=0, show_default=True,
-              help="Run each batchgen system again beside N busy-loop processes (a shared machine) and report "
+              help="Run each batchgen system and peer again beside N busy-loop processes (a shared machine) and report "
                    "how many times longer it took than quiet, and whether its tokens changed.")
 @click.option("--structured", is_flag=True, help="Also run batchgen and batchgen-default (those selected) with every "
               "request constrained to a JSON schema, at the same output tokens: constrained vs unconstrained "
