@@ -66,7 +66,8 @@ class LLM:
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, self.source, self._identity)
             self.model, self.weights_from = load_model(self.source, self.model_config, self.dtype, self.device,
-                                                       self._identity, cfg.quantization, setup.kernels)
+                                                       self._identity, cfg.quantization, setup.kernels,
+                                                       cfg.deterministic)
             marks("weights_s")
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_ids(self.model_config, self.tokenizer)

@@ -59,8 +59,7 @@ def _crowd(seed):
     return others(n, seed, shared=SHARED), mixed_params(n, seed)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="torch f32 matmul"))
-                                  if n.startswith("f32") else n for n in ENGINES])
+@pytest.mark.parametrize("name", list(ENGINES))
 def test_needle_alone_equals_needle_in_batches(gemma_dir, name, monkeypatch):
     engine = ENGINES[name]
     ref = _alone(gemma_dir, engine, monkeypatch)
@@ -75,8 +74,7 @@ def test_needle_alone_equals_needle_in_batches(gemma_dir, name, monkeypatch):
             assert_same_row(r, g, f"{name}, {what}, needle {i}")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="torch f32 matmul"))
-                                  if n.startswith("f32") else n for n in ENGINES])
+@pytest.mark.parametrize("name", list(ENGINES))
 def test_prefix_cache_hit_and_preemption(gemma_dir, name, monkeypatch):
     engine = ENGINES[name]
     ref = _alone(gemma_dir, engine, monkeypatch)
