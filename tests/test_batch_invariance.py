@@ -114,3 +114,19 @@ def test_checks_catch_a_batch_dependent_linear(gemma_dir, monkeypatch):
     with pytest.raises(AssertionError, match="differs|tokens"):
         assert_same_row(ref[0], found[0], "injected split-K")
     torch.testing.assert_close(found[0][1][0]["hidden"], ref[0][1][0]["hidden"])   # only rounding apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_linear_rows_equal_at_every_row_count(dtype):
+    """engine.models.linear: each row of a padded call is the same bits as in a 64-row call, for 1-40 rows and at
+    the model's shapes (plain torch is not, on the Zen 5 CI machine: docs/perf/zen5-epyc-determinism.md)."""
+    from engine.models.linear import Linear, make_row_invariant
+    g = torch.Generator().manual_seed(0)
+    for k, n in [(640, 1536), (2048, 640), (64, 224)]:
+        lin = Linear(k, n, bias=False).to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, k, generator=g))
+        x = torch.randn(64, k, generator=g).to(dtype)
+        make_row_invariant(lin)
+        ref = lin(x)
+        assert [m for m in range(1, 41) if not torch.equal(lin(x[:m]), ref[:m])] == []

@@ -17,9 +17,7 @@ from torch import nn
 import engine.kernels.elementwise as elementwise
 import engine.kernels.gemm as gemm
 from engine.kernels.library import SUFFIX
-from engine.models.linear import TILE, row_floor
-
-HEAD_PROBE_ROWS = 8192
+from engine.models.linear import TILE, invariant_linear, pad_targets
 
 if TYPE_CHECKING:
     from engine.models.layers import GatedMLP, RMSNorm
@@ -76,14 +74,10 @@ class TorchOps:
         return self.float_logits(hidden, head.weight)
 
     def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        m = hidden.shape[0]
         if self.deterministic and hidden.device.type == "cpu" and hidden.dim() == 2:
-            # rows under torch's floor padded (engine.models.linear); the floor probed on a slice of the head: the
-            # whole 262k-row head would cost seconds at load (the test suite checks the bits end to end)
-            floor = row_floor(weight[:HEAD_PROBE_ROWS].detach())
-            if floor is None or floor > m:
-                pad = (floor or TILE) - m
-                return (torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) @ weight.t())[:m]
+            # rows padded to a row count torch computes invariantly (engine.models.linear's probe)
+            targets = pad_targets(weight.detach())
+            return invariant_linear(hidden, weight, None, targets or (), TILE if targets is None else 0)
         return hidden @ weight.t()
 
     def lm_argmax(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
