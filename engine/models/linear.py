@@ -86,10 +86,14 @@ def pad_targets(weight: torch.Tensor, probe_rows: tuple[int, ...] = PROBE_ROWS) 
     return tuple(min([k for k in good if k >= m] + [floor]) for m in range(floor))
 
 
-def make_row_invariant(model: nn.Module) -> None:
-    """Set ``pad_to`` (or ``tile``) on every float ``Linear`` of ``model`` from this machine's probe."""
+def make_row_invariant(model: nn.Module, enabled: bool = True) -> None:
+    """Set ``pad_to`` (or ``tile``) on every float CPU ``Linear`` of ``model`` from this machine's probe; ``enabled``
+    False: back to plain calls (a model bound twice, the second time not deterministic)."""
     for mod in model.modules():
-        if type(mod) is Linear and mod.weight.dtype.is_floating_point and mod.weight.device.type == "cpu":
+        if type(mod) is not Linear:
+            continue
+        targets, mod.pad_to, mod.tile = None, (), 0
+        if enabled and mod.weight.dtype.is_floating_point and mod.weight.device.type == "cpu":
             targets = pad_targets(mod.weight.detach())
             mod.pad_to, mod.tile = (targets, 0) if targets is not None else ((), TILE)
 

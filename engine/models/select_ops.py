@@ -38,8 +38,7 @@ def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
             device = next(model.parameters(), None)
             device = device.device if device is not None else next(model.buffers()).device
         ops = choose_ops(model, device, kernels, deterministic)
-    if deterministic:
-        make_row_invariant(model)
+    make_row_invariant(model, deterministic)
     for mod in model.modules():
         if isinstance(mod, OpsModule):
             mod.ops = ops
