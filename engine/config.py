@@ -40,6 +40,9 @@ class EngineConfig:
                                              # the quality bar, else none (engine.quant.policy) | none: weights in
                                              # `dtype` (GGUF dequantized at load) | int8: int8 weights, integer
                                              # dot products (CPU)
+    deterministic: bool = True               # a row's tokens do not depend on the other rows of its steps (float
+                                             # linears padded to a row floor, one head kernel for all row counts;
+                                             # docs/guide/determinism.md); false: the faster kernel per shape
     kv_cache_dtype: str = "auto"             # auto: the activation dtype (int8 weights: bf16 where measured
                                              # faster, engine.quant.policy) | bfloat16 | float32 (vLLM's name).
                                              # bfloat16 under float32 activations (int8's): half the KV bytes,

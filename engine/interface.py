@@ -41,6 +41,9 @@ class EngineInfo:
     # engine.tuning: {"mode": "tuned", "source": measured | cached, "choice", "reason", "candidates" (with their
     # times), "kernels", ...} or {"mode": "table", "reason"} where the tables decided
     tuning: dict = field(default_factory=dict)
+    # engine.invariance: what a row's tokens depend on besides the row (model, formats, kernel build, threads, ...)
+    # and its "fingerprint"; empty where not computed (planning, fakes)
+    invariance: dict = field(default_factory=dict)
 
     @property
     def format_choice(self) -> dict:

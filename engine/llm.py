@@ -26,6 +26,7 @@ from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_policy import log_choice
 from engine.errors import ConfigError
+from engine.invariance import invariance
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.models import weight_bytes
@@ -66,7 +67,8 @@ class LLM:
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, self.source, self._identity)
             self.model, self.weights_from = load_model(self.source, self.model_config, self.dtype, self.device,
-                                                       self._identity, cfg.quantization, setup.kernels)
+                                                       self._identity, cfg.quantization, setup.kernels,
+                                                       cfg.deterministic)
             marks("weights_s")
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_ids(self.model_config, self.tokenizer)
@@ -86,7 +88,9 @@ class LLM:
         self.info = setup.info(cpu_kernels=library.describe() if self.device.type == "cpu" else "",
                                load_time_s=round(self.load_time_s, 3), weight_bytes=weight_bytes(self.model),
                                load_breakdown={**marks.spans, "weights_from": self.weights_from},
-                               omp_wait=omp_wait.describe() if self.device.type == "cpu" else "")
+                               omp_wait=omp_wait.describe() if self.device.type == "cpu" else "",
+                               invariance=invariance(self._identity, cfg.quantization, cfg.dtype, cfg.kv_cache_dtype,
+                                                     cfg.device, cfg.deterministic))
         log.info("engine loaded in %.2fs (%s); weights %.0f MB, %s", self.load_time_s,
                  ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()), self.info.weight_bytes / 1e6,
                  setup.quant_choice.reason)

@@ -17,6 +17,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.request import Request
 from engine.sampler import Sampler, SamplingMetadata, greedy, make_generator
 from engine.scheduler_output import SchedulerOutput
+from engine.seeded_draws import position_generator
 from engine.spec_decode.rejection import rejection_sample, verify_greedy
 from engine.structured import constrain
 
@@ -47,8 +48,8 @@ class ModelRunner:
                           for _ in range(cfg.num_hidden_layers)]
         bind_kv_caches(model, self.kv_caches, backend)
         self.sampler = Sampler()
-        self.default_generator = make_generator(seed, device)
-        self._generators: dict[str, torch.Generator] = {}
+        self.last_sampled: list[tuple[str, int]] = []     # (request id, head rows) of the last step
+        self.default_generator = make_generator(seed, device)      # unseeded requests: one engine stream
         # Structured outputs: test each constrained row's unconstrained choice before building its mask (False:
         # always mask; the tests compare the two). ``forced``: the last step's grammar-forced tokens per request.
         self.check_first = True
@@ -59,16 +60,14 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        """A request finished (nothing is kept per request: a seeded one's draws are made per position)."""
 
-    def _generator(self, req: Request):
+    def _generator(self, req: Request, ahead: int = 0):
+        """A seeded request's draw for its next output token (``ahead``: drafts before it), or None."""
         seed = req.sampling_params.seed
         if seed is None:
             return None
-        g = self._generators.get(req.request_id)
-        if g is None:
-            g = self._generators[req.request_id] = make_generator(seed, self.device)
-        return g
+        return position_generator(seed, req.num_output_tokens + ahead, self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[str, int]:
@@ -76,56 +75,64 @@ class ModelRunner:
         speculated gets the list of its verified tokens (accepted drafts, then one more)."""
         if not out.scheduled:
             return {}
-        # Decode-like sequences first: the attention backend batches one-query sequences as one block of rows.
-        # A speculating request's last token and drafts are such queries too, one per position (each sees the
-        # keys up to its own position: every K/V of the step is written before attention), so verification
-        # reads the paged cache in place like any decode instead of taking the per-sequence prefill path.
-        # A prompt's chunk of one token (its last, after a prefix-cache hit or a token budget that cut it there) stays
-        # a prefill entry: the decode kernel rounds otherwise than the prefill kernel, and that token's K/V in later
-        # layers would depend on how the prompt was chunked (greedy tokens too).
-        # Tokens a grammar forced (structured outputs) are laid out the same way: a run of output tokens computed
-        # together, one query per position, as the decode they would have been.
-        def decode_like(s) -> bool:
-            return bool(s.draft_token_ids) or s.start_pos >= requests[s.request_id].num_prompt_tokens
-        seqs = sorted(out.scheduled, key=lambda s: not decode_like(s))
+        # One attention path per position, whatever the step: a prompt position is computed by the prefill kernel
+        # (chunk invariant: its rounding does not depend on where the prompt was cut), an output position by the
+        # decode kernel, one query per position (each sees the keys up to its own: every K/V of the step is written
+        # before attention). So a speculating request's last token and drafts, a plain decode and the outputs of a
+        # preempted request recomputed with its prompt all give their K/V the bits they had when first computed,
+        # and a prompt's one-token chunk (its last, after a prefix-cache hit or a token budget) stays a prefill.
+        # Tokens a grammar forced (structured outputs) are output positions too: one decode query each.
+        # Output positions go first: the backend batches one-query entries as one block of rows.
+        pieces = []                              # (sequence, first token, tokens, per position: decode entries)
+        for s in out.scheduled:
+            n, cut = len(s.token_ids), requests[s.request_id].num_prompt_tokens - s.start_pos
+            cut = min(max(cut, 0), n)
+            if cut < n:
+                pieces.append((s, cut, n - cut, True))
+            if cut:
+                pieces.append((s, 0, cut, False))
+        pieces.sort(key=lambda p: not p[3])
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        entry_tables: list[list[int]] = []       # per attention entry (a sequence, or one query of a spec run)
+        entry_tables: list[list[int]] = []       # per attention entry (a prompt chunk, or one output position)
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         row_entry: list[int] = []                # per sampled row: its attention entry
         drafts: dict[str, list[int]] = {}        # speculating requests: their draft tokens
         num_decode = 0
-        for s in seqs:
-            n = len(s.token_ids)
-            input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + n)
+        where: dict[str, list] = {}              # per sequence: (first token, tokens, first row, first entry, split)
+        for s, lo, n, per_position in pieces:
+            where.setdefault(s.request_id, []).append((lo, n, len(input_ids), len(seq_lens), per_position))
+            input_ids.extend(s.token_ids[lo:lo + n])
+            pos = range(s.start_pos + lo, s.start_pos + lo + n)
             positions.extend(pos)
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            split = n > 1                        # drafts, or forced tokens: one query per position
-            if decode_like(s) and num_decode == len(seq_lens):
-                for j in range(n if split else 1):
+            if per_position:
+                for p in pos:
                     qsl.append(qsl[-1] + 1)
-                    seq_lens.append(s.start_pos + j + 1)
+                    seq_lens.append(p + 1)
                     entry_tables.append(table)
                 num_decode = len(seq_lens)
             else:
                 qsl.append(qsl[-1] + n)
-                seq_lens.append(s.start_pos + n)
+                seq_lens.append(pos.stop)
                 entry_tables.append(table)
-            if s.sample:
-                nd = len(s.draft_token_ids)      # logits at the last known token and at every draft
-                for j in range(nd + 1):
-                    sample_rows.append(qsl[-1] - 1 - nd + j)
-                    row_entry.append(len(seq_lens) - 1 - nd + j if split else len(seq_lens) - 1)
-                sample_reqs.append(requests[s.request_id])
-                if nd:
-                    drafts[s.request_id] = list(s.draft_token_ids)
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            nd = len(s.draft_token_ids)          # logits at the last known token and at every draft
+            for t in range(len(s.token_ids) - 1 - nd, len(s.token_ids)):
+                lo, n, row, entry, per_position = next(w for w in where[s.request_id] if w[0] <= t < w[0] + w[1])
+                sample_rows.append(row + t - lo)
+                row_entry.append(entry + (t - lo if per_position else 0))
+            sample_reqs.append(requests[s.request_id])
+            if nd:
+                drafts[s.request_id] = list(s.draft_token_ids)
         max_blocks = max(len(t) for t in entry_tables)
         tables = torch.zeros((len(entry_tables), max_blocks), dtype=torch.int32)
         for i, t in enumerate(entry_tables):
@@ -144,6 +151,8 @@ class ModelRunner:
             num_decode_seqs=len(sample_rows), block_size=bs)
         for m in (meta, meta.sample_meta):
             self.backend.prepare(m)
+        # what this step samples, in the order of the head's rows (tests pair rows with requests from it)
+        self.last_sampled = [(r.request_id, len(drafts.get(r.request_id, ())) + 1) for r in sample_reqs]
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         self.forced = {}
         if not sample_rows:
@@ -200,16 +209,18 @@ class ModelRunner:
             rows, d = logits[start:start + nd + 1], drafts[r.request_id]
             p = r.sampling_params
             md = self._draft_metadata(r, d, range(nd + 1))
-            gen = self._generator(r) or self.default_generator
+            # the request's draws at its next nd + 1 output positions (engine.seeded_draws), as plain steps make them
+            gens = ([self._generator(r, j) for j in range(nd + 1)] if p.seed is not None
+                    else self.default_generator)
             if r.grammar is not None and not r.grammar.error:
                 out[r.request_id] = constrain.verify(r, d, rows, md, lambda j: self._draft_metadata(r, d, [j]),
-                                                     gen, self.check_first)
+                                                     gens, self.check_first)
                 continue
             processed = Sampler.processed_logits(rows, md)
             if p.greedy:
                 out[r.request_id] = verify_greedy(d, greedy(processed).tolist())
                 continue
-            out[r.request_id] = rejection_sample(d, Sampler.probs(processed, md), gen)
+            out[r.request_id] = rejection_sample(d, Sampler.probs(processed, md), gens)
         return out
 
     def _draft_metadata(self, r: Request, d: list[int], positions) -> SamplingMetadata:

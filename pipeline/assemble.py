@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -154,10 +155,35 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         "keys_digest": jr.keys_digest, "layout": layout,
         "trace": None if trace_dir is None else str(trace_dir),
     }
+    manifest["invariance"] = _invariance(job.name, info, mpath, jr.reused)
     write_bytes_atomic(json.dumps(manifest, indent=2, default=str).encode(), manifest_path_for(out_path))
     jr.manifest = manifest
     if uri:
         publish_output(out_path, uri, mpath)
+
+
+def _invariance(job_name: str, info: EngineInfo, mpath: Path, reused: int) -> dict:
+    """The manifest's ``invariance``: this engine's fingerprint (engine.invariance) and every fingerprint whose rows
+    the output holds. Rows kept from a run under another fingerprint (another weights format, kernel build, thread
+    count, CPU ...) may differ from what this engine would compute for them: logged and recorded."""
+    now = info.invariance.get("fingerprint")
+    try:
+        old = json.loads(mpath.read_text()).get("invariance") or {}
+    except (OSError, ValueError):
+        old = {}
+    before = old.get("output_fingerprints") or []
+    held = sorted(set(before) | {now}) if reused and before else [now]
+    out = {"fingerprint": now, "output_fingerprints": held}
+    if reused and before and before != [now]:
+        out["changed"] = {"previous": old.get("fingerprint"), "reused_rows": reused,
+                          "differs_in": sorted(k for k, v in info.invariance.items()
+                                               if k != "fingerprint" and (old.get("parts") or {}).get(k) != v)}
+        print(f"batchgen: warning: job {job_name}: {reused} rows were kept from a run under another invariance "
+              f"fingerprint ({old.get('fingerprint')}, now {now}: {', '.join(out['changed']['differs_in']) or '?'} "
+              "changed); they may differ from what this engine would compute (docs/guide/determinism.md)",
+              file=sys.stderr)
+    out["parts"] = {k: v for k, v in info.invariance.items() if k != "fingerprint"}
+    return out
 
 
 def _structured(jr: JobRun, joined: pa.Table) -> dict | None:

@@ -17,6 +17,8 @@ Request ids the engine sees are plan positions.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
@@ -47,7 +49,10 @@ class Batch:
         """(token ids, SamplingParams) of position ``p``: its group's head, its document ids, its tail."""
         q = self.request(p)
         jp = self.prompts[q.job]
-        return list(self.heads[q.group]) + q.doc_ids + list(jp.tail_ids[q.tail]), jp.param_sets[q.params]
+        params = jp.param_sets[q.params]
+        if not params.greedy:      # a sampled row draws from its own seed: its tokens are a function of the row
+            params = dataclasses.replace(params, seed=row_seed(params.seed, q.key))
+        return list(self.heads[q.group]) + q.doc_ids + list(jp.tail_ids[q.tail]), params
 
     def max_tokens(self) -> np.ndarray:
         """Per position: its job's ``generation.max_tokens`` (the Ray assignment's cost estimate)."""
@@ -58,6 +63,14 @@ class Batch:
         close = getattr(self.requests, "close", None)
         if close is not None:
             close()
+
+
+def row_seed(seed: int | None, key: str) -> int:
+    """A sampled row's seed: the job's (or the request's) seed, None as 0, mixed with the row key, so each row draws
+    its own stream (rows under one job seed are not correlated) and the same row draws the same one in any batch,
+    run, resume or replica (docs/guide/determinism.md)."""
+    digest = hashlib.sha256(f"{0 if seed is None else int(seed)}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class Execution(Protocol):

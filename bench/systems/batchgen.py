@@ -20,7 +20,9 @@ BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache
                      "batchgen-int8-int8kv": (True, "int8", None, "int8"),
                      "batchgen-spec": (True, "none", "auto", "auto"),
                      "batchgen-default": (True, "auto", "auto", "auto"),
-                     "batchgen-default-nocache": (False, "auto", "auto", "auto")}
+                     "batchgen-default-nocache": (False, "auto", "auto", "auto"),
+                     "batchgen-nondet": (True, "none", None, "auto"),            # deterministic: false, the cost
+                     "batchgen-default-nondet": (True, "auto", "auto", "auto")}  # of batch invariance (issue 33)
 # The same settings with every request constrained to ``workloads.STRUCTURED_SCHEMA`` (same output tokens):
 # structured name -> the unconstrained twin it is compared with (``table.ratios``).
 STRUCTURED_TWINS = {"batchgen-structured": "batchgen", "batchgen-default-structured": "batchgen-default"}
@@ -34,7 +36,8 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway
     dtype = opts.dtype if quantization == "none" or opts.dtype == "float32" else "auto"
     llm = LLM(opts.model, dtype=dtype, enable_prefix_caching=prefix_caching, quantization=quantization,
-              speculative_config=spec, kv_cache_dtype=kv_dtype, **opts.engine_args())
+              speculative_config=spec, kv_cache_dtype=kv_dtype, deterministic=not name.endswith("-nondet"),
+              **opts.engine_args())
     say(opts, f"{name}: loaded in {time.monotonic() - t:.1f} s; warming up")
     T = opts.workload.output_tokens
     llm.generate(warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))

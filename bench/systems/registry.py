@@ -11,7 +11,8 @@ BENCH_SYSTEMS = ("batchgen", "batchgen-nocache", "batchgen-int8", "batchgen-spec
 # run when named in --systems only
 PEER_SYSTEMS = ("vllm", "vllm-nocache", "openvino")   # each in its own venv, run as a subprocess (systems/peer.py)
 BENCH_EXTRA_SYSTEMS = ("batchgen-int8-bf16kv", "batchgen-int8-int8kv", "batchgen-default",
-                       "batchgen-default-nocache", "batchgen-structured", "batchgen-default-structured") + PEER_SYSTEMS
+                       "batchgen-default-nocache", "batchgen-nondet", "batchgen-default-nondet",
+                       "batchgen-structured", "batchgen-default-structured") + PEER_SYSTEMS
 SYSTEMS = BENCH_SYSTEMS + BENCH_EXTRA_SYSTEMS     # the default run: BENCH_SYSTEMS
 # every request constrained to a JSON schema (bench.workloads.STRUCTURED_SCHEMA); `bench --structured` adds them
 STRUCTURED_SYSTEMS = {"batchgen": "batchgen-structured", "batchgen-default": "batchgen-default-structured"}

@@ -127,8 +127,11 @@ def _forward_int8(native: bool, q, k, v, kv_cache, meta: AttentionMetadata, wind
             _prefill_wide(q[s:e], k_cache, v_cache, table, seq_len, window, scale, bs, out=out[s:e], pack=pack)
             continue
         base = _first_key(seq_len - (e - s), window)
-        chunk = (int8_kv.gather_range(k_cache, table, base, seq_len, bs, hkv, d),
-                 int8_kv.gather_range(v_cache, table, base, seq_len, bs, hkv, d), base)
+
+        def gather(lo, table=table, seq_len=seq_len):
+            return (int8_kv.gather_range(k_cache, table, lo, seq_len, bs, hkv, d),
+                    int8_kv.gather_range(v_cache, table, lo, seq_len, bs, hkv, d))
+        chunk = (*gather(base), base, gather)
         out[s:e] = _prefill(q[s:e], None, None, None, None, table, seq_len, window, scale, bs, native=native,
                             chunk=chunk)
     return out
@@ -152,7 +155,8 @@ def _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len: int, n: int, win
 def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
              memo=lambda key, fn: fn(), native: bool = False, chunk=None):
     """One sequence's chunk. q: [n, Hq, D] at positions [seq_len - n, seq_len); k/v_new: [n, Hkv, D]. ``chunk``:
-    the visible keys and values [S, Hkv, D] and the first one's position, already gathered (an int8 cache).
+    the visible keys and values [S, Hkv, D], the first one's position, already gathered (an int8 cache), and
+    ``gather(lo)`` for them from another first position.
 
         keys:  lo_all ........... start ......... seq_len
                | cached context   | this chunk    |
@@ -160,12 +164,22 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     """
     n, hq, d = q.shape
     start = seq_len - n
-    keys, vals, base = chunk or _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window, bs)
-    hkv = keys.shape[1]
-    g = hq // hkv
     qs = q * scale                                               # fold the scale into q once
     if native and kernel_attention.prefill_f32_ok(q):                 # every head and tile in one C call
+        # the keys from a position aligned to the kernel's column tile, whatever the chunk: its column tiles (and the
+        # softmax's vector lanes) then sit at the same absolute positions for every chunking, so a query's sums are
+        # the same bits however its prompt was cut; the keys before the window are masked like any invisible one
+        base = _first_key(start, window) // kernel_attention.prefill_f32_cols() * kernel_attention.prefill_f32_cols()
+        if chunk is not None:                                    # an int8 cache: dequantized from base
+            keys, vals = (chunk[0], chunk[1]) if chunk[2] == base else chunk[3](base)
+        else:
+            keys, vals = _gather_range(k_cache, table, base, seq_len, bs), _gather_range(v_cache, table, base, seq_len,
+                                                                                         bs)
         return kernel_attention.prefill_attention_f32(qs, keys, vals, start, base, window)   # (converts a bf16 cache)
+    keys, vals, base = chunk[:3] if chunk else _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len, n, window,
+                                                            bs)
+    hkv = keys.shape[1]
+    g = hq // hkv
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     fused_softmax = native and elementwise.elementwise_ok(q)
     out = torch.empty_like(q)

@@ -142,6 +142,11 @@ def prefill_f32_ok(q: torch.Tensor) -> bool:
             and q.shape[-1] % lib.prefill_f32_cols() == 0)
 
 
+def prefill_f32_cols() -> int:
+    """The float32 prefill kernel's column tile (its key columns are grouped in multiples of it)."""
+    return library.load().prefill_f32_cols()
+
+
 def prefill_attention_f32(qs: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, q_start: int, k_start: int,
                           window: int | None, lib: KernelLibrary | None = None) -> torch.Tensor:
     """``prefill_attention`` in float32 (csrc/prefill.c): qs [n, Hq, D] (already scaled), keys/vals [S, Hkv, D]

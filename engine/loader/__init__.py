@@ -27,16 +27,17 @@ def load_weights(source: ModelSource, config: ModelConfig, dtype, device="cpu") 
 
 
 def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", identity: str | None = None,
-               quantization: str = "none", kernels: dict[str, str] | None = None):
+               quantization: str = "none", kernels: dict[str, str] | None = None, deterministic: bool = True):
     """The model with its weights, and how it got them: ``(model, "converted" | "cached" | "direct")``.
 
     The finished model's ops (``engine.models.select_ops``) are chosen here, once, after any int8 swap;
-    ``kernels``: C or torch per kernel family (engine.tuning's choice; None: the table's).
+    ``kernels``: C or torch per kernel family (engine.tuning's choice; None: the table's); ``deterministic``:
+    batch-invariant ops (``engine.models.select_ops.bind_ops``).
     """
     from engine.models.select_ops import bind_ops
 
     model, how = _load_model(source, config, dtype, device, identity, quantization)
-    return bind_ops(model, device, kernels=kernels), how
+    return bind_ops(model, device, kernels=kernels, deterministic=deterministic), how
 
 
 def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identity: str | None, quantization: str):

@@ -15,6 +15,7 @@ from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
+from engine.models.linear import Linear
 from engine.models.ops import TorchOps
 
 
@@ -106,8 +107,8 @@ class Attention(OpsModule):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, c.norm_offset) if c.qk_norm else None
         self.window = c.layer_window(layer_idx)
@@ -159,8 +160,8 @@ class GatedMLP(OpsModule):
 
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.fused_act = None                    # the fused kernels' name for act, where they have one
         if act in ("silu", "swish"):
             self.act, self.fused_act = F.silu, "silu"

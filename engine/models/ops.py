@@ -18,6 +18,7 @@ import engine.kernels.elementwise as elementwise
 import engine.kernels.gemm as gemm
 from engine.kernels.families import TABLE_KERNELS, check_kernels
 from engine.kernels.library import SUFFIX
+from engine.models.linear import TILE, invariant_linear, pad_targets
 
 if TYPE_CHECKING:
     from engine.models.layers import GatedMLP, RMSNorm
@@ -30,12 +31,14 @@ class TorchOps:
 
     name = "torch"
 
-    def __init__(self, int8_head: bool = False, int8_argmax: bool = False, int8_glu: bool = False):
+    def __init__(self, int8_head: bool = False, int8_argmax: bool = False, int8_glu: bool = False,
+                 deterministic: bool = False):
         self.int8_head, self.int8_argmax, self.int8_glu = int8_head, int8_argmax, int8_glu
+        self.deterministic = deterministic        # row-invariant float heads (engine.models.linear)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(int8_head={self.int8_head}, int8_argmax={self.int8_argmax}, "
-                f"int8_glu={self.int8_glu})")
+                f"int8_glu={self.int8_glu}, deterministic={self.deterministic})")
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The mean square accumulated in float32 straight from the input (no float32 copy of the activations),
@@ -72,6 +75,10 @@ class TorchOps:
         return self.float_logits(hidden, head.weight)
 
     def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.deterministic and hidden.device.type == "cpu" and hidden.dim() == 2:
+            # rows padded to a row count torch computes invariantly (engine.models.linear's probe)
+            targets = pad_targets(weight.detach())
+            return invariant_linear(hidden, weight, None, targets or (), TILE if targets is None else 0)
         return hidden @ weight.t()
 
     def lm_argmax(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
@@ -93,8 +100,8 @@ class CpuKernelOps(TorchOps):
     name = "cpu_kernels"
 
     def __init__(self, int8_head: bool = False, int8_argmax: bool = False, int8_glu: bool = False,
-                 kernels: dict[str, str] | None = None):
-        super().__init__(int8_head, int8_argmax, int8_glu)
+                 kernels: dict[str, str] | None = None, deterministic: bool = False):
+        super().__init__(int8_head, int8_argmax, int8_glu, deterministic)
         self.kernels = {**TABLE_KERNELS, **(kernels or {})}
         check_kernels(self.kernels)
         self._elementwise = self.kernels["elementwise"] == "c"
@@ -134,6 +141,10 @@ class CpuKernelOps(TorchOps):
 
     def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         head = self.kernels["lm_head"]
+        if self.deterministic and head == "table":
+            # one kernel for every row count: the C kernel for float32 heads (about torch's time up to 64 rows, faster
+            # below 16), torch for bf16 ones (the C kernel 2-4x slower from 16 rows; docs/perf/zen5-epyc-determinism.md)
+            head = "c" if hidden.dtype == torch.float32 else "torch"
         if head != "torch" and gemm.small_m_ok(hidden, weight, any_rows=head == "c"):   # streams the head once
             return gemm.small_m_linear(hidden, weight)
         return super().float_logits(hidden, weight)

@@ -7,11 +7,13 @@ from torch import nn
 import engine.kernels.library as library
 from engine.errors import ModelLoadError
 from engine.models.layers import GatedMLP, OpsModule
+from engine.models.linear import make_row_invariant
 from engine.models.ops import CpuKernelOps, TorchOps
 from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
 
 
-def choose_ops(model: nn.Module, device, kernels: dict[str, str] | None = None) -> TorchOps:
+def choose_ops(model: nn.Module, device, kernels: dict[str, str] | None = None,
+               deterministic: bool = True) -> TorchOps:
     """The ops for a finished model (weights loaded, int8 swapped in) on ``device``: the C kernels on a CPU where
     the library loads, torch otherwise; the weight format read from the model's modules once. ``kernels``: C or
     torch per kernel family (``engine.kernels.families``; engine.tuning's choice), None: the table's."""
@@ -20,21 +22,23 @@ def choose_ops(model: nn.Module, device, kernels: dict[str, str] | None = None) 
     if len(glu) > 1:
         raise ModelLoadError("some gated MLPs have an int8 GLU projection and some do not")
     fmt = dict(int8_head=isinstance(head, Int8Linear), int8_argmax=isinstance(head, Int8Embedding),
-               int8_glu=glu == {True})
+               int8_glu=glu == {True}, deterministic=deterministic)
     if torch.device(device).type == "cpu" and library.load() is not None:
         return CpuKernelOps(**fmt, kernels=kernels)
     return TorchOps(**fmt)
 
 
 def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
-             kernels: dict[str, str] | None = None) -> nn.Module:
+             kernels: dict[str, str] | None = None, deterministic: bool = True) -> nn.Module:
     """Set ``ops`` (default: ``choose_ops`` for ``device``, default where the model's weights are, and ``kernels``)
-    on every layer."""
+    on every layer. ``deterministic``: a row's bits do not depend on the step's other rows (float linears padded
+    to this machine's row floor, engine.models.linear; one head kernel for every row count)."""
     if ops is None:
         if device is None:
             device = next(model.parameters(), None)
             device = device.device if device is not None else next(model.buffers()).device
-        ops = choose_ops(model, device, kernels)
+        ops = choose_ops(model, device, kernels, deterministic)
+    make_row_invariant(model, deterministic)
     for mod in model.modules():
         if isinstance(mod, OpsModule):
             mod.ops = ops

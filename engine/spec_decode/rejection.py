@@ -4,12 +4,13 @@ Greedy: accept drafts while each equals the target argmax; the first mismatch is
 when every draft is accepted the argmax at the bonus position follows. The result is exactly what greedy
 decoding without speculation produces.
 
-Sampling (temperature > 0): the n-gram draft distribution is one-hot, so draft token d at position i is
-accepted with probability p_i(d) (the standard min(1, p/q) with q(d) = 1); on rejection the token is drawn
-from p_i with d zeroed and renormalised (the residual (p - q)+), and the run stops; if all k are accepted a
-bonus token is drawn from p_k. Every emitted token is then distributed exactly as without speculation.
-``probs`` must already be the processed distributions (temperature, top-k/top-p/min-p, penalties) at each
-position. A seeded request passes its own generator, as the sampler does.
+Sampling (temperature > 0): the target's own draw at each position decides. Position i draws its token from
+p_i by the exponential race (``argmax(p_i / q_i)``, q_i ~ Exp(1), as the sampler draws), with q_i from the
+request's draw for that output position (engine.seeded_draws); the draft is accepted while it equals that token,
+the first mismatch emits the target's token and stops, and when all k are accepted the bonus token follows. A
+one-hot (n-gram) draft is accepted with probability p_i(d), the standard rule's rate, every emitted token is
+exactly the target's sample, and a seeded request emits the same tokens with speculation on or off.
+``probs`` must already be the processed distributions (temperature, top-k/top-p/min-p, penalties).
 """
 from __future__ import annotations
 
@@ -30,25 +31,23 @@ def verify_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
     return out
 
 
-def rejection_sample(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None = None) -> list[int]:
-    """probs: [len(draft) + 1, V] target probabilities. Returns the tokens to emit (1..k+1)."""
+def rejection_sample(draft: Sequence[int], probs: torch.Tensor,
+                     generators: torch.Generator | Sequence[torch.Generator | None] | None = None) -> list[int]:
+    """probs: [len(draft) + 1, V] target probabilities; ``generators``: one per position (a seeded request's
+    draws, engine.seeded_draws), or one generator (None: torch's) drawn in turn. Returns the tokens to emit
+    (1..k+1)."""
     k = len(draft)
     assert probs.shape[0] == k + 1, (k, tuple(probs.shape))
+    if generators is None or isinstance(generators, torch.Generator):
+        generators = [generators] * (k + 1)
+    assert len(generators) == k + 1, (k, len(generators))
     probs = probs.float()
-    u = torch.rand(k, generator=generator) if k else None
     out = []
-    for i, d in enumerate(draft):
-        p = probs[i]
-        if u[i] < p[d]:
-            out.append(int(d))
-            continue
-        residual = p.clone()
-        residual[d] = 0.0
-        total = residual.sum()
-        if total <= 0:                    # p was (numerically) one-hot on d: the draw is d after all
-            out.append(int(d))
-            continue
-        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(probs[k], 1, generator=generator)))
+    for i in range(k + 1):
+        q = torch.empty_like(probs[i]).exponential_(generator=generators[i])
+        # NOTE: exponential_ can return exactly 0; clamp so a zero-probability token never wins (as the sampler)
+        t = int((probs[i] / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax())
+        out.append(t)
+        if i < k and t != draft[i]:
+            return out
     return out

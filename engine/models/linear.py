@@ -1,0 +1,101 @@
+"""Float linear layers whose rows do not depend on how many rows a step has (batch invariance, issue 33).
+
+torch's CPU matmul picks its kernel by shape: with MKL here, one row goes through a matrix-vector kernel, and under
+12 rows the rows past a multiple of 4 through other kernels; from 12 rows up each row's result is the same bits at
+every row count and position (measured: docs/perf/zen5-epyc-determinism.md). So a step that decodes one sequence
+used to give it other bits than a step that decodes it among others. ``Linear`` pads a call to the next row count
+that is invariant, with zero rows; ``pad_targets`` finds those for a weight on this machine by probing (once per
+K, dtype and thread count): none from the smallest row count from which every probed count gives the same bits
+as the largest (the floor); under it, the next probed count that does too. Where no floor exists, every call runs
+in fixed tiles of ``TILE`` rows (the last padded). The int8 path (engine.quant.int8) computes each row alone."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PROBE_ROWS = (*range(1, 33), 48, 64)
+TILE = 64
+PROBE_COLS = 512
+_FLOORS: dict[tuple, int | None] = {}
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` over 2-D [rows, in] inputs, row-invariant once ``pad_to`` / ``tile`` are set (by
+    ``engine.models.select_ops.bind_ops`` when the engine is deterministic); the defaults are plain nn.Linear.
+    ``pad_to[m]``: the row count a call with m rows is padded to (m < len(pad_to); larger calls run as they are)."""
+
+    pad_to: tuple[int, ...] = ()
+    tile: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias, self.pad_to, self.tile)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     pad_to: tuple[int, ...] = (), tile: int = 0) -> torch.Tensor:
+    """``F.linear`` with the rows padded to ``pad_to[rows]`` (or run in fixed tiles of ``tile`` rows)."""
+    m = x.shape[0]
+    if tile and x.dim() == 2:
+        pad = -m % tile
+        xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+        return torch.cat([F.linear(t, weight, bias) for t in xp.split(tile)])[:m]
+    if m >= len(pad_to) or x.dim() != 2 or pad_to[m] == m:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, pad_to[m] - m)), weight, bias)[:m]
+
+
+def _probe(weight: torch.Tensor, probe_rows: tuple[int, ...]) -> tuple[int | None, tuple[int, ...]]:
+    """(floor, good): the smallest row count from which every probed count gives the largest probe's bits (None:
+    even the second-largest differs), and every probed count under it that does too. Cached per (shape, dtype,
+    device, threads)."""
+    # on the first PROBE_COLS output columns only: the kernel choice follows the row count and K (the same pattern
+    # at every N measured, 64 to 262,144), and the probe's calls stream the weight once each
+    weight = weight[:PROBE_COLS]
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, torch.get_num_threads(), probe_rows)
+    if key not in _FLOORS:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(probe_rows[-1], weight.shape[1], generator=g).to(weight.dtype).to(weight.device)
+        ref = F.linear(x, weight)
+        # every probed count over all the probe's rows (whole calls of m rows): a kernel that sums otherwise may
+        # round to the same bf16 value in all but a few of 10,000 outputs (bf16 here: one row at K = 2,048)
+        same = {m: all(torch.equal(F.linear(c, weight), r)
+                       for c, r in zip(x[:len(x) // m * m].split(m), ref[:len(x) // m * m].split(m)))
+                for m in probe_rows[:-1]}
+        floor = None
+        for m in reversed(probe_rows[:-1]):
+            if not same[m]:
+                break
+            floor = m
+        _FLOORS[key] = (floor, tuple(m for m, ok in same.items() if ok and floor is not None and m < floor))
+    return _FLOORS[key]
+
+
+def row_floor(weight: torch.Tensor, probe_rows: tuple[int, ...] = PROBE_ROWS) -> int | None:
+    """The smallest row count m such that x[:k] @ W^T gives the same bits as the rows of the largest probe for
+    every probed k >= m (random x); None when even the second-largest probe differs."""
+    return _probe(weight, probe_rows)[0]
+
+
+def pad_targets(weight: torch.Tensor, probe_rows: tuple[int, ...] = PROBE_ROWS) -> tuple[int, ...] | None:
+    """``Linear.pad_to`` for ``weight``: for each m under the floor, the smallest invariant row count >= m (with
+    MKL here 4, 8 or 12: counts under 12 that are multiples of 4 are invariant too); None: no floor (tiles)."""
+    floor, good = _probe(weight, probe_rows)
+    if floor is None:
+        return None
+    return tuple(min([k for k in good if k >= m] + [floor]) for m in range(floor))
+
+
+def make_row_invariant(model: nn.Module, enabled: bool = True) -> None:
+    """Set ``pad_to`` (or ``tile``) on every float CPU ``Linear`` of ``model`` from this machine's probe; ``enabled``
+    False: back to plain calls (a model bound twice, the second time not deterministic)."""
+    for mod in model.modules():
+        if type(mod) is not Linear:
+            continue
+        targets, mod.pad_to, mod.tile = None, (), 0
+        if enabled and mod.weight.dtype.is_floating_point and mod.weight.device.type == "cpu":
+            targets = pad_targets(mod.weight.detach())
+            mod.pad_to, mod.tile = (targets, 0) if targets is not None else ((), TILE)
+
+
+__all__ = ["Linear", "invariant_linear", "row_floor", "pad_targets", "make_row_invariant", "TILE"]
