@@ -296,3 +296,22 @@ def test_a_decision_measured_on_a_busy_machine_is_measured_again_when_quieter(ti
     load["now"] = 0.5                                   # quiet: measured again, and that decision is kept
     assert _setup(tiny_llama_dir).info().tuning["source"] == "measured" and len(tuning.calls) == 2
     assert _setup(tiny_llama_dir).info().tuning["source"] == "cached" and len(tuning.calls) == 2
+
+
+def test_a_far_slower_format_is_dropped_within_the_first_round():
+    """After the first shape (the prefill) a format 2.5x slower there is timed no more, even before a round ends,
+    so the budget repeats the contenders instead (the first round alone once ran out a 15 s budget)."""
+    clock, ran = FakeClock(), []
+    fmts = [Format("none", "float32", "float32"), Format("none", "bfloat16", "bfloat16")]
+    m = probe.measure(_tasks(clock, {F32: 4.0, BF16: 1.0}, SHAPES, ran), clock, budget_s=1e9, max_rounds=2,
+                      prune=probe._slow(fmts, SHAPES), early_prune=probe._slow(fmts, SHAPES, probe.EARLY_PRUNE_RATIO))
+    assert m.pruned == [F32] and len(m.times[(F32, SHAPES[0].name)]) == 1
+    assert all(not m.times[(F32, s.name)] for s in SHAPES[1:])
+    assert all(len(m.times[(BF16, s.name)]) == 2 for s in SHAPES)
+    scores = probe.format_scores(fmts, SHAPES, m)       # the live format scored on every shape, not the prefill's
+    assert scores[fmts[1]] == pytest.approx(1.0) and scores[fmts[0]] == pytest.approx(4.0)
+    d = decision.decide({}, fmts, {}, SHAPES, m, fmts[0], 2)
+    assert d.format.name == BF16 and "(dropped)" in d.reason and d.candidates[0]["dropped"]
+    m = probe.measure(_tasks(clock, {F32: 2.0, BF16: 1.0}, SHAPES), clock, budget_s=1e9, max_rounds=2,
+                      early_prune=probe._slow(fmts, SHAPES, probe.EARLY_PRUNE_RATIO))     # 2x: not far enough
+    assert not m.pruned and all(len(m.times[(F32, s.name)]) == 2 for s in SHAPES)

@@ -152,20 +152,26 @@ def store(path: Path, dec: Decision) -> None:
 
 def decide(fields: dict, formats: list[Format], families: dict[Format, dict], shapes: list[probe.Shape],
            m: probe.Measurement, table: Format, num_layers: int) -> Decision:
-    """The fastest format on the shapes every format was timed at, then each kernel family's implementation."""
+    """The fastest format on the shapes every live format was timed at, then each kernel family's implementation."""
     scores = probe.format_scores(formats, shapes, m)
     steps = {f: {s.name: m.best(f.name, s.name) for s in shapes if m.best(f.name, s.name) is not None}
              for f in formats}
     cands = [{"name": f.name, **dataclasses.asdict(f), "quality": f.quality()[1], "table": f == table,
               "times_ms": {s: round(t * 1e3, 3) for s, t in steps[f].items()},
-              "score_ms": round(scores[f] * 1e3, 3) if scores else None} for f in formats]
+              "score_ms": round(scores[f] * 1e3, 3) if f in scores else None, "dropped": f.name in m.pruned}
+             for f in formats]
     if not scores:
         best, reason = table, (f"the probe's budget ran out before every candidate was timed on one shape: the "
                                f"table's {table.name}")
     else:
-        best = min(formats, key=scores.get)
-        others = ", ".join(f"{f.name}{' (the table)' if f == table else ''} {scores[f] / scores[best]:.2f}x"
-                           for f in sorted(formats, key=scores.get) if f != best)
+        best = probe.fastest(scores, m)
+        def ratio(f: Format) -> float:      # on the shapes both were timed at (a dropped format: fewer)
+            both = [s for s in steps[f] if s in steps[best]]
+            return (probe.score({s: steps[f][s] for s in both}, shapes)
+                    / probe.score({s: steps[best][s] for s in both}, shapes))
+        others = ", ".join(f"{f.name}{' (the table)' if f == table else ''} {ratio(f):.2f}x"
+                           f"{' (dropped)' if f.name in m.pruned else ''}"
+                           for f in sorted(scores, key=ratio) if f != best)
         also = " (the table's choice too)" if best == table else ""
         reason = (f"{best.name}{also} fastest of {len(formats)} formats within the quality bar"
                   + (f" (the others' time: {others})" if others else ""))

@@ -7,7 +7,9 @@ than the last-level cache.
 
 Two phases share the budget (an injectable clock). Formats first (``FORMAT_SHARE`` of it), timed as whole engine
 steps (``ModelRunner.execute``: its weights, its KV cache dtype, greedy sampling); after each round a format
-``PRUNE_RATIO`` times slower than the best is no longer timed. Then the kernel families of the fastest format, as
+``PRUNE_RATIO`` times slower than the best is no longer timed (within the first round already, after each shape,
+one ``EARLY_PRUNE_RATIO`` times slower on the shapes timed so far: the time goes to repeating the contenders, whose
+first timed call at a shape still pays first-use costs). Then the kernel families of the fastest format, as
 their own calls at the same shapes (C and torch on the same tensors), which a whole step would drown in noise.
 Each phase warms every candidate up with one untimed call, then times rounds, shape by shape with the candidates
 in a rotated order, until ``MAX_ROUNDS`` or its budget: a task whose last time would overrun it is not started.
@@ -30,6 +32,7 @@ BUDGET_S = 15.0
 FORMAT_SHARE = 0.8
 MAX_ROUNDS = 5
 PRUNE_RATIO = 1.5
+EARLY_PRUNE_RATIO = 2.5      # within the first round, on the shapes timed so far (the prefill first)
 PREFILL_MAX = 1024
 DECODE_ROWS = (1, 8, 48)
 DECODE_CONTEXT = 512
@@ -73,9 +76,11 @@ class Measurement:
 
 def measure(tasks: list[Task], clock: Callable[[], float] = time.perf_counter, budget_s: float = BUDGET_S,
             max_rounds: int = MAX_ROUNDS, prune: Callable[[Measurement], set[str]] | None = None,
+            early_prune: Callable[[Measurement], set[str]] | None = None,
             warmup_shape: str | None = None) -> Measurement:
     """One untimed call of each candidate (at ``warmup_shape``, else its first task), then timed rounds: shape by
-    shape (all candidates of one shape close together in time), the candidates rotated each round. ``prune``:
+    shape (all candidates of one shape close together in time), the candidates rotated each round. ``early_prune``:
+    within the first round, after each shape, the candidates to time no more (far slower already). ``prune``:
     after each round, the candidates to time no more."""
     m = Measurement(times={(t.candidate, t.shape): [] for t in tasks})
     start = clock()
@@ -103,6 +108,8 @@ def measure(tasks: list[Task], clock: Callable[[], float] = time.perf_counter, b
             live = [t for t in group if t.candidate not in m.pruned]
             k = rnd % max(len(live), 1)
             done = done and all(run(t, True) for t in live[k:] + live[:k])
+            if done and rnd == 1 and early_prune:    # within the first round, after each shape: the far slower
+                m.pruned += sorted(early_prune(m) - set(m.pruned))    # go, so the rest get more rounds
         if not done:
             break
         m.rounds = rnd
@@ -119,15 +126,28 @@ def score(step_s: dict[str, float], shapes: list[Shape]) -> float:
 
 
 def format_scores(formats: list[Format], shapes: list[Shape], m: Measurement) -> dict[Format, float]:
-    """Each format's ``score`` on the shapes every format was timed at ({} when there is none)."""
-    common = [s.name for s in shapes if all(m.best(f.name, s.name) is not None for f in formats)]
-    return {f: score({s: m.best(f.name, s) for s in common}, shapes) for f in formats} if common else {}
+    """Each format's ``score`` on the shapes every live (not dropped) format was timed at ({} when there is none);
+    a dropped format's on those of them it was timed at before it was dropped (shown, never chosen)."""
+    live = [f for f in formats if f.name not in m.pruned] or formats
+    common = [s.name for s in shapes if all(m.best(f.name, s.name) is not None for f in live)]
+    out = {}
+    for f in formats:
+        mine = [s for s in common if m.best(f.name, s) is not None]
+        if mine:
+            out[f] = score({s: m.best(f.name, s) for s in mine}, shapes)
+    return out
 
 
-def _slow(formats: list[Format], shapes: list[Shape]) -> Callable[[Measurement], set[str]]:
+def fastest(scores: dict[Format, float], m: Measurement) -> Format:
+    """The best-scored format that was not dropped."""
+    return min((f for f in scores if f.name not in m.pruned), key=scores.get)
+
+
+def _slow(formats: list[Format], shapes: list[Shape], ratio: float = PRUNE_RATIO
+          ) -> Callable[[Measurement], set[str]]:
     def prune(m: Measurement) -> set[str]:
         scores = format_scores(formats, shapes, m)
-        return {f.name for f, v in scores.items() if v > PRUNE_RATIO * min(scores.values())}
+        return {f.name for f, v in scores.items() if v > ratio * min(scores.values())}
     return prune
 
 
@@ -153,9 +173,10 @@ def run_probe(cfg, source, mcfg, identity: str, formats: list[Format], families:
     tasks = [t for f in formats
              for t in format_tasks(f, models[(f.quantization, f.dtype)], mcfg, shapes, block_size, backend)]
     warm = shapes[min(1, len(shapes) - 1)].name                # the cheapest: decode at one row
-    m = measure(tasks, clock, budget_s * FORMAT_SHARE, prune=_slow(formats, shapes), warmup_shape=warm)
+    m = measure(tasks, clock, budget_s * FORMAT_SHARE, prune=_slow(formats, shapes), warmup_shape=warm,
+                early_prune=_slow(formats, shapes, EARLY_PRUNE_RATIO))
     scores = format_scores(formats, shapes, m)
-    best = min(scores, key=scores.get) if scores else fallback
+    best = fastest(scores, m) if scores else fallback
     model = models[(best.quantization, best.dtype)]
     tasks = [t for family, impls in families.get(best, {}).items()
              for t in (attention_tasks(best, impls, model, mcfg, shapes, block_size) if family == "attention"
