@@ -92,3 +92,17 @@ def load_ours(source: ModelSource, dtype=torch.float32):
 # The teacher-forced helpers live in bench.quality (the quality measurement uses them too).
 bind_cache = quality.bind_cache
 run_chunks = quality.sequence_logits
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' ``n`` greedy tokens after ``ids``, by a plain KV-cached loop (the reference; the engine never
+    calls ``generate``)."""
+    ref, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            out = hf(x, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            nxt = int(out.logits[0, -1].argmax())
+            ref.append(nxt)
+            x = torch.tensor([[nxt]])
+    return ref

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_runner import bind_kv_caches
-from tests.model_utils import run_chunks
+from tests.model_utils import hf_greedy, run_chunks
 from tests.test_gguf_loader import _copy_without_vocab
 
 pytestmark = pytest.mark.slow
@@ -55,12 +55,4 @@ def test_32_greedy_tokens_identical(engines):
     bind_kv_caches(llm.model, llm.runner.kv_caches, llm.backend)   # run_chunks rebound the caches
     ids = llm.get_tokenizer().encode(TEXT)[:200]
     ours = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0].token_ids
-    ref, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(32):
-            out = hf(x, past_key_values=past, use_cache=True)  # reference loop; the engine never calls generate
-            past = out.past_key_values
-            nxt = int(out.logits[0, -1].argmax())
-            ref.append(nxt)
-            x = torch.tensor([[nxt]])
-    assert ours == ref
+    assert ours == hf_greedy(hf, ids, 32)

@@ -8,7 +8,7 @@ from engine import LLM, SamplingParams
 from engine.model_runner import bind_kv_caches
 from pipeline.job import PromptSpec
 from pipeline.prompts import PromptRenderer
-from tests.model_utils import run_chunks
+from tests.model_utils import hf_greedy, run_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +48,7 @@ def test_16_greedy_tokens_identical(engines):
     bind_kv_caches(llm.model, llm.runner.kv_caches, llm.backend)   # run_chunks rebound the caches
     ids = llm.get_tokenizer().encode(TEXT)[:80]
     ours = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
-    ref, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(16):
-            out = hf(x, past_key_values=past, use_cache=True)  # reference loop; the engine never calls generate
-            past = out.past_key_values
-            nxt = int(out.logits[0, -1].argmax())
-            ref.append(nxt)
-            x = torch.tensor([[nxt]])
-    assert ours == ref
+    assert ours == hf_greedy(hf, ids, 16)
 
 
 def test_chatml_template_through_the_renderer_and_an_answer(engines):
