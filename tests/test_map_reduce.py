@@ -159,7 +159,8 @@ def test_on_the_tiny_model_chunks_fit_and_reuse_the_head(tmp_path, tiny_llama_di
     idx, r = _requests(report, "d0")
     assert len(idx) >= long["num_chunks"] + 1
     assert all(r["prompt_tokens"][i] + 8 <= 256 for i in idx)
-    head_blocks = min(r["cached_tokens"][i] for i in idx[1:])
-    assert head_blocks >= 16
+    # one request (the first computed: the trace lists them as they finish) prefills the head; all others hit it
+    cached = sorted(r["cached_tokens"][i] for i in idx)
+    assert cached[0] < 16 <= cached[1]
     for col in ("prompt_tokens", "cached_tokens", "output_tokens"):
         assert long[col] == sum(r[col][i] for i in idx)
