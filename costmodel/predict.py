@@ -220,12 +220,12 @@ class _Seq:
     decoding: bool = False
 
 
-def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
-    """``predict`` for a planned run on an engine (``EngineInfo``); ``max_tokens`` per plan position. None when
-    the model's shape is unknown (e.g. a stand-in engine). Uses this device's cached calibration at the engine
-    dtype, measuring a quick one (about a second) the first time, scaled to the tuner's timed steps of this format
-    on this machine where it timed them (``measured_steps``)."""
-    if model_config is None or not plan.num_requests:
+def plan_pricer(info, model_config) -> Callable | None:
+    """``predict`` for planned runs on an engine (``EngineInfo``): ``price(plan, max_tokens)`` (``max_tokens`` per
+    plan position) -> Prediction, or None (no pricer) when the model's shape is unknown (e.g. a stand-in engine).
+    This device's cached calibration at the engine dtype (a quick one measured, about a second, the first time) and
+    the tuner's timed steps of this format here (``measured_steps``) are read once, for every plan priced."""
+    if model_config is None:
         return None
     # NOTE: lazy: calibrate pulls in torch; the runner (pipeline.runner) loads this module without torch
     from costmodel.calibrate import get_calibration
@@ -235,10 +235,16 @@ def predict_plan(info, model_config, plan, max_tokens) -> Prediction | None:
     cal = get_calibration(info.device, "int8" if int8 else info.dtype, quick=True)
     dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
     kv_bytes = DTYPE_BYTES.get(info.config.get("kv_cache_dtype") or info.dtype, dtype_bytes)
-    return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
-                   int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
-                   cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes,
-                   weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None, measured=measured_steps(info))
+    measured = measured_steps(info)
+
+    def price(plan, max_tokens) -> Prediction | None:
+        if not plan.num_requests:
+            return None
+        return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
+                       int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
+                       cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes,
+                       weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None, measured=measured)
+    return price
 
 
 def measured_steps(info) -> dict | None:

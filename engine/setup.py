@@ -88,7 +88,7 @@ def setup_engine(cfg: EngineConfig, tune: bool = False, retune: bool = False) ->
     mcfg = load_model_config(source)
     identity = model_identity(source)
     kernels, tuning = None, decision.table_record(untuned or "no decision cached for this model here (only an "
-                                                            "engine's load measures one)")
+                                                            "engine's load measures one)", pending=untuned is None)
     if untuned is None:
         tuned = decision.resolve(cfg, mcfg, source, identity, quantized_source, facts,
                                  Format(quant.name, choice.dtype, kv), measure=tune or retune, retune=retune)

@@ -28,7 +28,6 @@ FILE = "engine_format.json"
 class Recorded:
     choice: dict             # EngineInfo.format_choice
     path: Path
-    model: str
 
     def describe(self) -> str:
         c = self.choice
@@ -53,7 +52,7 @@ def recorded(states: list[RunState], model: str) -> Recorded | None:
     for st in states:
         d = _read(st.dir / FILE)
         if d is not None and d.get("model") == model:
-            found.append(Recorded(d["choice"], st.dir / FILE, model))
+            found.append(Recorded(d["choice"], st.dir / FILE))
     if not found:
         return None
     if any(r.choice != found[0].choice for r in found[1:]):
@@ -61,10 +60,6 @@ def recorded(states: list[RunState], model: str) -> Recorded | None:
                     "different formats, so none is pinned", model, "; ".join(sorted({r.describe() for r in found})))
         return None
     return found[0]
-
-
-def pin(config: EngineConfig, rec: Recorded | None) -> EngineConfig:
-    return config.pinned(rec.choice) if rec is not None else config
 
 
 def store(states: list[RunState], choice: dict, model: str) -> None:
@@ -86,8 +81,7 @@ def for_replicas(config: EngineConfig, info: EngineInfo) -> tuple[EngineConfig, 
     """The config every Ray replica loads, with the format fixed: the driver's (``info``: its planning engine, which
     read this machine's cached decision), or, with none cached here, one measured now in this process — otherwise
     each replica would measure its own and rows would differ by replica. Returns (config, the format)."""
-    if info.tuning.get("mode") == "table" and "nothing to tune" not in info.tuning.get("reason", "") \
-            and "BATCHGEN_TUNE=off" not in info.tuning.get("reason", ""):
+    if info.tuning.get("pending"):            # tunable here, but no decision cached yet
         from engine import setup_engine  # NOTE: lazy: resolving imports torch (the planning engine already did)
         log.info("no tuning decision cached for %s here: measuring once in the driver, for every replica",
                  config.model)

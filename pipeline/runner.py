@@ -44,7 +44,7 @@ from typing import Callable
 import numpy as np
 
 import pipeline.engine_format as engine_format
-from costmodel.predict import Prediction, predict_plan
+from costmodel.predict import Prediction, plan_pricer
 from engine import BatchgenError, Engine, EngineConfig, EngineInfo
 from pipeline.admission import MachineLock
 from pipeline.assemble import assemble
@@ -183,19 +183,17 @@ class Runner:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
             work = plan.num_requests or any(jr.long_docs for jr in runs)   # long rows: maybe only reduces left
+            choice = info.format_choice
+            exe: Execution = LocalExecution(llm, max(1, self.opts.window_factor * info.max_num_seqs),
+                                            self.opts.max_open_groups)
             if self.opts.ray is not None and work:      # every replica computes in one format: the driver's
                 config, choice = engine_format.for_replicas(config, info)
-            else:
-                choice = info.format_choice
+                exe = RayExecution(self.opts.ray, config, info, self.echo)
             if work:
                 engine_format.store(states, choice, config.model)
                 rec.start_trace(llm, states[0], t_loaded, predicted)
             report.trace_dir = rec.trace_dir
             distributed = None
-            exe: Execution = LocalExecution(llm, max(1, self.opts.window_factor * info.max_num_seqs),
-                                            self.opts.max_open_groups)
-            if self.opts.ray is not None and work:
-                exe = RayExecution(self.opts.ray, config, info, self.echo)
             try:
                 exe.start()
                 if plan.num_requests:
@@ -240,7 +238,7 @@ class Runner:
         """(engine, its config, the record it was pinned by): ``earlier`` is the format these jobs' rows were computed
         in so far, pinned where the jobs left it auto; one this machine cannot run any more is dropped, warned."""
         if earlier is not None:
-            pinned = engine_format.pin(config, earlier)
+            pinned = config.pinned(earlier.choice)
             try:
                 llm = self._start_engine(pinned, jobs, dry_run)
                 self.echo(f"engine format: {earlier.describe()}, as the jobs' earlier run computed ({earlier.path})")
@@ -283,13 +281,13 @@ class Runner:
         """Predicted engine time of the plan; per job too (as if it ran alone), in ``jr.predicted_engine_s``."""
         max_tokens = np.asarray([jr.prompts.params.max_tokens for jr in runs], dtype=np.int64)[pjob]
         try:
-            whole = predict_plan(llm.info, llm.model_config, plan, max_tokens)
+            price = plan_pricer(llm.info, llm.model_config)
+            whole = price(plan, max_tokens) if price is not None else None
             if whole is not None and len(runs) > 1:
                 for j, jr in enumerate(runs):
                     m = pjob == j
                     if m.any():
-                        jr.predicted_engine_s = predict_plan(llm.info, llm.model_config, plan.subset(m),
-                                                             max_tokens[m]).engine_s
+                        jr.predicted_engine_s = price(plan.subset(m), max_tokens[m]).engine_s
             elif whole is not None:
                 runs[0].predicted_engine_s = whole.engine_s
             return whole

@@ -131,6 +131,10 @@ def test_replicas_get_the_drivers_format_measured_once_when_none_is_cached(monke
     cached = dataclasses.replace(planning, tuning={"mode": "tuned", "source": "cached"})
     cfg, choice = engine_format.for_replicas(EngineConfig("m"), cached)
     assert not measured and choice == INT8 and cfg.quantization == "int8" and cfg.kernels == INT8["kernels"]
-    none_cached = dataclasses.replace(planning, tuning={"mode": "table", "reason": "no decision cached"})
+    table = dataclasses.replace(planning, tuning={"mode": "table", "reason": "BATCHGEN_TUNE=off"})
+    cfg, choice = engine_format.for_replicas(EngineConfig("m"), table)      # the tables decide: nothing to measure
+    assert not measured and choice == INT8
+    none_cached = dataclasses.replace(planning, tuning={"mode": "table", "reason": "no decision cached",
+                                                        "pending": True})
     cfg, choice = engine_format.for_replicas(EngineConfig("m"), none_cached)
     assert measured == [True] and choice == BF16 and cfg.dtype == "bfloat16"

@@ -117,8 +117,10 @@ class Decision:
         return {"mode": "tuned", "source": self.source, "path": self.path, **self.to_dict()}
 
 
-def table_record(reason: str) -> dict:
-    return {"mode": "table", "reason": reason}
+def table_record(reason: str, pending: bool = False) -> dict:
+    """``EngineInfo.tuning`` where the tables decided; ``pending``: this config is tuned here, but no decision is
+    cached yet (an engine's load would measure one)."""
+    return {"mode": "table", "reason": reason, **({"pending": True} if pending else {})}
 
 
 def load(path: Path, fields: dict) -> Decision | None:
