@@ -39,7 +39,8 @@ class EngineInfo:
     weight_bytes: int = 0              # resident bytes of the loaded weights (int8 packs included)
     omp_wait: str = ""                 # how OpenMP threads wait at barriers (engine.omp_wait)
     # engine.tuning: {"mode": "tuned", "source": measured | cached, "choice", "reason", "candidates" (with their
-    # times), "kernels", ...} or {"mode": "table", "reason"} where the tables decided
+    # times), "kernels", ...} or {"mode": "table", "reason", "pending" (only when True: no decision cached yet)}
+    # where the tables decided; a pipeline run pinned to a job's recorded format says {"mode": "pinned", ...}
     tuning: dict = field(default_factory=dict)
     # engine.invariance: what a row's tokens depend on besides the row (model, formats, kernel build, threads, ...)
     # and its "fingerprint"; empty where not computed (planning, fakes)

@@ -29,6 +29,7 @@ import torch
 import engine.kernels.library as library
 import engine.tuning.probe as probe
 from engine.cache_root import cache_root
+from engine.config import PINNABLE
 from engine.dtype_policy import DtypeChoice
 from engine.kernels.cpu_features import cpu_model_name, cpu_signature
 from engine.kernels.gemm import SMALL_M_MAX
@@ -38,7 +39,7 @@ from engine.tuning.candidates import Format, KernelFacts, family_options, format
 log = logging.getLogger("batchgen.engine")
 
 FORMAT = 2        # 2: the attention family joined the measured kernel families
-REQUESTED = ("quantization", "dtype", "kv_cache_dtype")
+REQUESTED = PINNABLE          # the fields the tuner decides where they are auto (engine.config)
 
 
 def enabled() -> bool:
