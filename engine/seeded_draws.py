@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampler import make_generator
+
 _MASK = (1 << 64) - 1
 
 
@@ -28,9 +30,7 @@ def position_seed(seed: int, position: int) -> int:
 
 def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator whose stream is the request's draw at ``position``."""
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(position_seed(seed, position))
-    return g
+    return make_generator(position_seed(seed, position), device)
 
 
 __all__ = ["position_seed", "position_generator"]

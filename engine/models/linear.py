@@ -71,12 +71,6 @@ def _probe(weight: torch.Tensor, probe_rows: tuple[int, ...]) -> tuple[int | Non
     return _FLOORS[key]
 
 
-def row_floor(weight: torch.Tensor, probe_rows: tuple[int, ...] = PROBE_ROWS) -> int | None:
-    """The smallest row count m such that x[:k] @ W^T gives the same bits as the rows of the largest probe for
-    every probed k >= m (random x); None when even the second-largest probe differs."""
-    return _probe(weight, probe_rows)[0]
-
-
 def pad_targets(weight: torch.Tensor, probe_rows: tuple[int, ...] = PROBE_ROWS) -> tuple[int, ...] | None:
     """``Linear.pad_to`` for ``weight``: for each m under the floor, the smallest invariant row count >= m (with
     MKL here 4, 8 or 12: counts under 12 that are multiples of 4 are invariant too); None: no floor (tiles)."""
@@ -98,4 +92,4 @@ def make_row_invariant(model: nn.Module, enabled: bool = True) -> None:
             mod.pad_to, mod.tile = (targets, 0) if targets is not None else ((), TILE)
 
 
-__all__ = ["Linear", "invariant_linear", "row_floor", "pad_targets", "make_row_invariant", "TILE"]
+__all__ = ["Linear", "invariant_linear", "pad_targets", "make_row_invariant", "TILE"]
