@@ -38,12 +38,17 @@ def masked_choice(logits: torch.Tensor, allowed: torch.Tensor, md: SamplingMetad
         masked = torch.where(empty, torch.where(allowed, logits.float(), _NEG_INF), masked)
     if md.all_greedy:
         return greedy(masked)
-    probs = Sampler.probs(processed, md) * allowed                   # the filters first, then the grammar
-    none = probs.sum(dim=-1, keepdim=True) <= 0
-    if none.any():
-        probs = torch.where(none, Sampler.probs(masked, md), probs)  # the filters kept no allowed token
-    sampled = exponential_race(probs, md)
+    sampled = exponential_race(_allowed_probs(processed, allowed, masked, md), md)
     return sampled if md.greedy_rows is None else torch.where(md.greedy_rows, greedy(masked), sampled)
+
+
+def _allowed_probs(processed: torch.Tensor, allowed: torch.Tensor, masked: torch.Tensor,
+                   md: SamplingMetadata) -> torch.Tensor:
+    """The rows' distributions with the filters (temperature, top-k/p, min-p) first, then the grammar's mask;
+    where the filters kept no allowed token, the filters over the allowed tokens (``masked``) instead."""
+    probs = Sampler.probs(processed, md) * allowed
+    none = probs.sum(dim=-1, keepdim=True) <= 0
+    return torch.where(none, Sampler.probs(masked, md), probs) if none.any() else probs
 
 
 def constrain(tokens: list[int], reqs: Sequence, logits_of: Callable[[list[int]], torch.Tensor],
@@ -112,13 +117,15 @@ def advance(reqs: Sequence, tokens: list[int | list[int]]) -> dict[str, list[int
 
 
 def verify(req, draft: list[int], logits: torch.Tensor, md: SamplingMetadata,
-           row_metadata: Callable[[int], SamplingMetadata], generator: torch.Generator | None,
+           row_metadata: Callable[[int], SamplingMetadata],
+           generator: torch.Generator | list[torch.Generator] | None,
            check_first: bool = True) -> list[int]:
     """A constrained request's drafts (already trimmed to what the grammar allows) against its k + 1 rows of
     raw logits: greedy accepts while each draft is the allowed argmax; sampling runs rejection sampling over the
     masked distributions (every position's mask: speculation with sampling is rare here). ``md``: the k + 1
     rows' metadata, ``row_metadata(j)``: row j's alone. The matcher is left
-    where it was; the emitted tokens are consumed afterwards like any sampled token."""
+    where it was; the emitted tokens are consumed afterwards like any sampled token. ``generator``: the draws
+(a seeded request's: one per position, engine.seeded_draws)."""
     g = req.grammar
     g.sync(req.output_token_ids)
     out: list[int] = []
@@ -143,10 +150,7 @@ def verify(req, draft: list[int], logits: torch.Tensor, md: SamplingMetadata,
                 consumed += 1
         allowed = torch.stack(allowed).to(logits.device)
         processed = Sampler.processed_logits(logits, md)
-        probs = Sampler.probs(processed, md) * allowed
-        none = probs.sum(dim=-1, keepdim=True) <= 0
-        if none.any():
-            probs = torch.where(none, Sampler.probs(torch.where(allowed, processed, _NEG_INF), md), probs)
+        probs = _allowed_probs(processed, allowed, torch.where(allowed, processed, _NEG_INF), md)
         return rejection_sample(draft, probs / probs.sum(dim=-1, keepdim=True), generator)
     finally:
         g.matcher.rollback(consumed)
