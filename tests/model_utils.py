@@ -106,3 +106,17 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
             ref.append(nxt)
             x = torch.tensor([[nxt]])
     return ref
+
+
+def hf_from_gguf(path) -> torch.nn.Module:
+    """transformers' float32 model of a GGUF file (its own dequantization: the reference our loader is held to)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(str(path), return_tensors=False)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**parsed["config"])).float().eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing)
+    hf.tie_weights()
+    return hf

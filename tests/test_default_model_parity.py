@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_runner import bind_kv_caches
-from tests.model_utils import hf_greedy, run_chunks
+from tests.model_utils import hf_from_gguf, hf_greedy, run_chunks
 from tests.test_gguf_loader import _copy_without_vocab
 
 pytestmark = pytest.mark.slow
@@ -21,19 +21,10 @@ TEXT = ("Maintenance report for pump station 4. On Monday the north pump tripped
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     llm = LLM("gemma-3-270m", dtype="float32", quantization="none", max_num_batched_tokens=256)   # the float path
     slim = tmp_path_factory.mktemp("gguf") / "slim.gguf"
     _copy_without_vocab(llm.source.path, slim)
-    parsed = load_gguf_checkpoint(str(slim), return_tensors=False)
-    hf_cfg = AutoConfig.for_model(**parsed["config"])
-    hf = AutoModelForCausalLM.from_config(hf_cfg).float().eval()
-    tensors = load_gguf_checkpoint(str(slim), return_tensors=True, model_to_load=hf)["tensors"]
-    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing)
-    hf.tie_weights()
+    hf = hf_from_gguf(slim)
     return llm, hf
 
 

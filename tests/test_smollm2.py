@@ -8,7 +8,7 @@ from engine import LLM, SamplingParams
 from engine.model_runner import bind_kv_caches
 from pipeline.job import PromptSpec
 from pipeline.prompts import PromptRenderer
-from tests.model_utils import hf_greedy, run_chunks
+from tests.model_utils import hf_from_gguf, hf_greedy, run_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -19,17 +19,8 @@ TEXT = ("Ticket 4411. The customer ordered a phone charger on March 3; it arrive
 
 @pytest.fixture(scope="module")
 def engines():
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     llm = LLM(ALIAS, dtype="float32", quantization="none", max_num_batched_tokens=256)   # the float path
-    slim = str(llm.source.path)              # (it carries llama.vocab_size already: no slim copy needed)
-    parsed = load_gguf_checkpoint(str(slim), return_tensors=False)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**parsed["config"])).float().eval()
-    tensors = load_gguf_checkpoint(str(slim), return_tensors=True, model_to_load=hf)["tensors"]
-    missing, unexpected = hf.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing)
-    hf.tie_weights()
+    hf = hf_from_gguf(llm.source.path)       # (it carries llama.vocab_size already: no slim copy needed)
     return llm, hf
 
 
