@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pipeline.errors import RunError
-from pipeline.history import resolve_state_dir
+from pipeline.paths import resolve_state_dir
 from pipeline.state import pid_alive as _alive
 
 

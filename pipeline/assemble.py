@@ -30,7 +30,7 @@ from pipeline.io import (
 )
 from pipeline.jobrun import JobRun
 from pipeline.openai_batch import write_output as write_jsonl
-from pipeline.rows import RESULT_COLUMNS
+from pipeline.rows import RESULT_COLUMNS, hit_rate
 from pipeline.state import manifest_path_for
 from pipeline.structured import JSON_KINDS, typed_columns
 
@@ -253,8 +253,3 @@ def _versions() -> dict:
         except metadata.PackageNotFoundError:
             pass
     return out
-
-
-def hit_rate(a: int, b: int) -> float | None:
-    """a / b rounded for manifests; None when b is 0."""
-    return round(a / b, 6) if b else None

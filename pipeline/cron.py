@@ -35,7 +35,7 @@ from typing import Protocol, Sequence
 from croniter import croniter
 
 from engine import BatchgenError
-from pipeline.history import resolve_state_dir
+from pipeline.paths import resolve_state_dir
 
 BEGIN = "# BEGIN batchgen (managed by `batchgen cron`; edits here are overwritten)"
 END = "# END batchgen"

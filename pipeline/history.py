@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engine import BatchgenError
+from pipeline.paths import resolve_state_dir
 
 DB_NAME = "history.sqlite"
 FINAL_STATUSES = ("ok", "failed", "interrupted")
@@ -93,15 +94,6 @@ class HistoryRun:
         return time.time() - self.started_at if self.status == "running" else None
 
 
-def resolve_state_dir(state_dir: str | Path | None = None, home: str | Path | None = None) -> Path:
-    """The state directory (not created). ``home`` replaces ``~`` (another user's home, for cron --user)."""
-    if state_dir:
-        return Path(state_dir).expanduser().absolute()
-    if os.environ.get("BATCHGEN_STATE_DIR"):
-        return Path(os.environ["BATCHGEN_STATE_DIR"]).expanduser().absolute()
-    if home is None and os.environ.get("XDG_STATE_HOME"):
-        return Path(os.environ["XDG_STATE_HOME"]).absolute() / "batchgen"
-    return Path(home or Path.home()).absolute() / ".local" / "state" / "batchgen"
 
 
 def db_path(state_dir: str | Path | None = None) -> Path:

@@ -1,71 +1,18 @@
-"""One job while it runs: how its requests become prompts (``JobPrompts``), and its record (``JobRun``): the
-counts the manifest, the history and ``batchgen submit``'s summary report, and the results waiting to be
-committed."""
+"""One job while it runs: its record (``JobRun``): the counts the manifest, the history and ``batchgen submit``'s
+summary report, and the results waiting to be committed."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from engine import BatchgenError, EngineInfo, RequestOutput, SamplingParams
+from engine import EngineInfo, RequestOutput
 from pipeline.job import Job
+from pipeline.job_prompts import JobPrompts
 from pipeline.long_docs import LongDocs
-from pipeline.prompts import PromptRenderer, RowError, fingerprint
+from pipeline.prompts import PromptRenderer, fingerprint
 from pipeline.rows import Request, ResultRow
 from pipeline.state import RunState
-from pipeline.structured import JSON_KINDS, json_error, output_fields, written_schema
-
-
-@dataclass
-class JobPrompts:
-    """What turns a job's ``rows.Request`` into token ids and parameters: the renderer, the parameter sets (0: the
-    job's own; more for rows whose OpenAI batch body overrides the generation) and the distinct prompt tails."""
-    job: Job
-    renderer: PromptRenderer
-    fingerprint: str                  # of everything but the row that determines a result (``prompts.row_key``)
-    params: SamplingParams            # the job's own
-    max_model_len: int
-    param_sets: list = field(default_factory=list)     # params id -> SamplingParams
-    tails: dict = field(default_factory=dict)          # tail token ids -> tail id
-    tail_ids: list = field(default_factory=list)       # tail id -> tail token ids
-    _param_index: dict = field(default_factory=dict)
-    fields: list = field(default_factory=list)         # typed output columns of the job's JSON schema (structured)
-
-    def __post_init__(self) -> None:
-        self.param_sets = [self.params]
-        self._param_index = {(): 0}
-        self.fields = output_fields(written_schema(self.job.generation))
-
-    def unconstrained_index(self, params: int) -> int:
-        """The params id of ``params`` without its structured outputs: map_reduce's parts are prose, only the
-        final reduce answers in the schema."""
-        p = self.param_sets[params]
-        if p.structured_outputs is None:
-            return params
-        key = ("unconstrained", params)
-        i = self._param_index.get(key)
-        if i is None:
-            i = self._param_index[key] = len(self.param_sets)
-            self.param_sets.append(dataclasses.replace(p, structured_outputs=None))
-        return i
-
-    def params_index(self, overrides: tuple) -> int:
-        """The params id of a row whose request overrides the job's generation (OpenAI batch bodies)."""
-        i = self._param_index.get(overrides)
-        if i is None:
-            try:
-                p = SamplingParams(**{**self.job.generation, **dict(overrides)})
-            except (BatchgenError, TypeError, ValueError) as e:
-                raise RowError(f"body: {e}") from None
-            i = self._param_index[overrides] = len(self.param_sets)
-            self.param_sets.append(p)
-        return i
-
-    def tail_index(self, tail: tuple[int, ...]) -> int:
-        i = self.tails.get(tail)
-        if i is None:
-            i = self.tails[tail] = len(self.tail_ids)
-            self.tail_ids.append(tail)
-        return i
+from pipeline.structured import JSON_KINDS, json_error
 
 
 @dataclass
@@ -161,4 +108,4 @@ def new_job_run(job: Job, state: RunState, tokenizer, info: EngineInfo) -> JobRu
     return JobRun(job=job, state=state, prompts=prompts, long_docs=LongDocs(prompts, job.prompt.reduce_template))
 
 
-__all__ = ["JobPrompts", "JobRun", "new_job_run"]
+__all__ = ["JobRun", "new_job_run"]

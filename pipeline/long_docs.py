@@ -13,25 +13,22 @@ are summarized (recursively, if even they do not fit). All of it lives here; the
              summed over all of the row's requests.
 
 Chunk and intermediate results are committed like rows (under their own keys), so a run killed in the middle of a
-long row redoes none of its finished requests. Each level runs as one planned batch (``execute.Batch``).
+long row redoes none of its finished requests. Each level runs as one planned batch (``batch.Batch``).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import RunError
-from pipeline.execute import Batch
-from pipeline.planner import make_plan
 from pipeline.rows import Request, ResultRow
 
 if TYPE_CHECKING:
-    from pipeline.jobrun import JobPrompts, JobRun
+    from pipeline.job_prompts import JobPrompts
     from pipeline.prompts import PromptRenderer
     from pipeline.state import RunState
 
@@ -198,23 +195,6 @@ class LongDocs:
         return out, errors
 
 
-def reduce_batches(runs: list[JobRun], heads: list, block_size: int) -> Iterator[Batch]:
-    """The reduce levels of every job's long rows, each one planned batch; the next level is made when the caller
-    asks for it (after computing this one), until every long row has its final result."""
-    while True:
-        stage: list[Request] = []
-        for j, jr in enumerate(runs):
-            if jr.long_docs:
-                stage += jr.reduce_requests(j)
-        if not stage:
-            return
-        groups = np.asarray([q.group for q in stage], dtype=np.int64)
-        lens = np.asarray([len(heads[q.group]) + len(q.doc_ids) + len(runs[q.job].prompts.tail_ids[q.tail])
-                           for q in stage], dtype=np.int64)
-        yield Batch(make_plan(heads, groups, lens, block_size), heads, stage,
-                    np.asarray([q.job for q in stage], dtype=np.int64), [jr.prompts for jr in runs])
-
-
 def _group_summaries(r: PromptRenderer, template: str, summaries: list[str], room: int) -> list[list[str]]:
     """Consecutive summaries in groups whose reduce prompt fits ``room`` tokens (at least two per group, so each
     level shrinks; a group that still does not fit is cut to ``room`` by the caller)."""
@@ -233,5 +213,4 @@ def _group_summaries(r: PromptRenderer, template: str, summaries: list[str], roo
     return groups
 
 
-__all__ = ["split_text", "pack", "chunk_key", "reduce_key", "parts_text", "chunks_of", "LongRow", "LongDocs",
-           "reduce_batches"]
+__all__ = ["split_text", "pack", "chunk_key", "reduce_key", "parts_text", "chunks_of", "LongRow", "LongDocs"]

@@ -1,5 +1,5 @@
 """Steps 1 and 2 of a run: stream each job's input into row keys and a spill file of what is left to compute
-(``prepare``), then plan every job's rows on the model together into one ``execute.Batch`` (``prepare_jobs``).
+(``prepare``), then plan every job's rows on the model together into one ``batch.Batch`` (``prepare_jobs``).
 
 For every input row: render the prompt, compute its ``row_key`` (row id + prompt + model + parameters); a key
 with a committed result is reused; a bad row becomes an error result at once; the rest are tokenized and go to
@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from engine import EngineInfo
+from pipeline.batch import Batch
 from pipeline.errors import RunError
-from pipeline.execute import Batch
 from pipeline.io import iter_batches
 from pipeline.jobrun import JobRun
 from pipeline.long_docs import chunks_of

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from pipeline import history
-from pipeline.assemble import hit_rate
 from pipeline.job import Job
 from pipeline.jobrun import JobRun
+from pipeline.rows import hit_rate
 from pipeline.state import RunState, manifest_path_for
 from pipeline.trace import RunTrace, prune_runs
 

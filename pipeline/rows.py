@@ -79,4 +79,9 @@ def results_table(rows: list[ResultRow]) -> pa.Table:
                                 schema=RESULT_SCHEMA)
 
 
-__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "Request", "ResultRow", "results_table"]
+def hit_rate(a: int, b: int) -> float | None:
+    """a / b rounded for manifests; None when b is 0."""
+    return round(a / b, 6) if b else None
+
+
+__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "Request", "ResultRow", "results_table", "hit_rate"]

@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -48,18 +48,18 @@ from costmodel.predict import Prediction, plan_pricer
 from engine import BatchgenError, Engine, EngineConfig, EngineInfo
 from pipeline.admission import MachineLock
 from pipeline.assemble import assemble
+from pipeline.batch import Batch
 from pipeline.engine_format import Recorded
 from pipeline.errors import Interrupted, RunError
-from pipeline.execute import Batch, Execution, LocalExecution
+from pipeline.execute import Execution, LocalExecution
 from pipeline.failure import failure_of
 from pipeline.job import Job
 from pipeline.jobrun import JobRun, new_job_run
-from pipeline.long_docs import reduce_batches
-from pipeline.planner import Plan
+from pipeline.planner import Plan, make_plan
 from pipeline.prepare import prepare_jobs
 from pipeline.ray.driver import RayExecution, RayOptions
 from pipeline.recorder import RunRecorder, warn
-from pipeline.rows import ResultRow
+from pipeline.rows import Request, ResultRow
 from pipeline.state import RunState
 from pipeline.summary import summarize
 from pipeline.validate import engine_setup, kv_pool_problem
@@ -374,6 +374,23 @@ class Runner:
 
 
 @dataclass
+def reduce_batches(runs: list[JobRun], heads: list, block_size: int) -> Iterator[Batch]:
+    """The reduce levels of every job's long rows (on_too_long: map_reduce), each one planned batch; the next level
+    is made when the caller asks for it (after computing this one), until every long row has its final result."""
+    while True:
+        stage: list[Request] = []
+        for j, jr in enumerate(runs):
+            if jr.long_docs:
+                stage += jr.reduce_requests(j)
+        if not stage:
+            return
+        groups = np.asarray([q.group for q in stage], dtype=np.int64)
+        lens = np.asarray([len(heads[q.group]) + len(q.doc_ids) + len(runs[q.job].prompts.tail_ids[q.tail])
+                           for q in stage], dtype=np.int64)
+        yield Batch(make_plan(heads, groups, lens, block_size), heads, stage,
+                    np.asarray([q.job for q in stage], dtype=np.int64), [jr.prompts for jr in runs])
+
+
 class _Progress:
     """Counts for the progress bar of one batch."""
     t_start: float

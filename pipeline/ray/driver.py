@@ -28,8 +28,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from engine import EngineConfig, EngineInfo, RequestMetrics, RequestOutput, StepStats
+from pipeline.batch import Batch
 from pipeline.errors import RunError
-from pipeline.execute import Batch
 from pipeline.ray.assign import Assigner, make_units
 from pipeline.ray.replica import Replica
 
