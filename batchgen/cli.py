@@ -17,9 +17,9 @@ from pathlib import Path
 import click
 
 from engine import BatchgenError
-from pipeline.ray.driver import RayOptions, import_ray
-from pipeline.runner import Interrupted, RunOptions, run_jobs
-from pipeline.validate import load_valid_jobs, load_valid_jobs_recorded, validate_files
+from pipeline.execute.ray.driver import RayOptions, import_ray
+from pipeline.run.runner import Interrupted, RunOptions, run_jobs
+from pipeline.run.validate import load_valid_jobs, load_valid_jobs_recorded, validate_files
 
 # NOTE: schedule_cmd owns `cron` and `status`, report_cmd owns `report` and `calibrate`; a name registered twice
 # is refused with a warning (the first module wins).

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from pipeline.report import analyze, render_report, shape_warnings
-from pipeline.trace import read_run
+from pipeline.run.trace import read_run
 
 
 @click.command("report")

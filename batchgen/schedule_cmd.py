@@ -1,7 +1,7 @@
 """The scheduling commands: ``batchgen cron install|list|remove`` and ``batchgen status``.
 
 ``batchgen.cli`` adds ``commands`` to the ``batchgen`` group. The commands are thin: crontab work is in
-``pipeline.cron``, run history in ``pipeline.history``.
+``pipeline.schedule.cron``, run history in ``pipeline.run.history``.
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import click
 from croniter import croniter
 
 from engine import BatchgenError
-from pipeline import admission, cron, history
-from pipeline.errors import JobError
-from pipeline.job import load_jobs
+from pipeline.job.job_file import load_jobs
+from pipeline.problems import JobError
+from pipeline.run import admission, history
+from pipeline.schedule import cron
 
 _user_option = click.option("--user", metavar="USER", default=None,
                             help="Edit USER's crontab instead of yours (root only, like `crontab -u`).")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.runner import RunOptions, run_jobs
-from pipeline.validate import load_valid_jobs
+from pipeline.run.runner import RunOptions, run_jobs
+from pipeline.run.validate import load_valid_jobs
 
 
 def _rewrite(job_file: str, out_dir: Path, caching: bool, kv_bytes: int | None) -> Path:

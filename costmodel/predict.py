@@ -227,7 +227,7 @@ def plan_pricer(info, model_config) -> Callable | None:
     the tuner's timed steps of this format here (``measured_steps``) are read once, for every plan priced."""
     if model_config is None:
         return None
-    # NOTE: lazy: calibrate pulls in torch; the runner (pipeline.runner) loads this module without torch
+    # NOTE: lazy: calibrate pulls in torch; the runner (pipeline.run.runner) loads this module without torch
     from costmodel.calibrate import get_calibration
     # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration), their weights stream
     # at int8's bytes (INT8_WEIGHT_BYTES), KV at kv_cache_dtype's.

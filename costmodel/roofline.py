@@ -82,7 +82,7 @@ class Roofline:
 
 
 # ---- a recorded run, as columns ---------------------------------------------------------------------------
-# The trace's tables as column dicts (name -> list, one entry per step / per request), as pipeline.trace reads
+# The trace's tables as column dicts (name -> list, one entry per step / per request), as pipeline.run.trace reads
 # them; the caller (pipeline/report) picks the config, calibration, dtype and warm-up steps from the run's meta.
 Columns = Mapping[str, Sequence]
 

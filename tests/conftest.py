@@ -34,7 +34,7 @@ def _corpus() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _history_state_dir(tmp_path_factory, monkeypatch):
-    """Run history (pipeline.history) of every test goes to a throwaway state dir, never ~/.local/state."""
+    """Run history (pipeline.run.history) of every test goes to a throwaway state dir, never ~/.local/state."""
     monkeypatch.setenv("BATCHGEN_STATE_DIR", str(tmp_path_factory.mktemp("state")))
 
 

@@ -1,4 +1,4 @@
-"""Machine-wide admission (pipeline.admission): one run computes at a time, the others queue FIFO; --no-wait
+"""Machine-wide admission (pipeline.run.admission): one run computes at a time, the others queue FIFO; --no-wait
 fails at once; a dead holder or waiter never blocks; two real `batchgen submit` processes queue and give the
 outputs of one combined run."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import admission, history
-from pipeline.admission import MachineBusy, MachineLock
+from pipeline.run import admission, history
+from pipeline.run.admission import MachineBusy, MachineLock
 from tests.test_pipeline import write_job
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-import pipeline.runner
+import pipeline.run.runner
 from batchgen.cli import main
 from tests.test_pipeline import write_job
 
-REAL_FACTORY = pipeline.runner.default_llm_factory
+REAL_FACTORY = pipeline.run.runner.default_llm_factory
 
 
 def _snapshot(out_dir: Path) -> dict:
@@ -80,7 +80,7 @@ def good_output(tmp_path, make_docs_dataset, fake_llm_factory, monkeypatch, tiny
     data = tmp_path / "docs.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     job = write_job(tmp_path, "good", data)
-    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", fake_llm_factory)
     res = CliRunner().invoke(main, ["submit", "-q", str(job)])
     assert res.exit_code == 0, res.output
     corrupt = tmp_path / "corrupt.parquet"
@@ -98,7 +98,7 @@ def good_output(tmp_path, make_docs_dataset, fake_llm_factory, monkeypatch, tiny
 def test_bad_job_fails_clearly_and_leaves_output_alone(good_output, monkeypatch, case, mutate, expected):
     c = good_output
     if case in ("unsupported-architecture",) or case.startswith("kv-pool"):
-        monkeypatch.setattr(pipeline.runner, "default_llm_factory", REAL_FACTORY)
+        monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", REAL_FACTORY)
     before = _snapshot(c["tmp"] / "out")
     bad = c["tmp"] / "bad.yaml"
     bad.write_text(mutate(c["job"].read_text(), c))
@@ -147,7 +147,7 @@ def test_disk_full_while_writing_then_resume(good_output, monkeypatch):
     after = _snapshot(c["tmp"] / "out")
     assert {k: v for k, v in after.items() if k in before} == before   # output + manifest untouched
     assert pq.read_table(c["out"]).num_rows == 8
-    from pipeline.state import RunState
+    from pipeline.job.state import RunState
     committed = RunState(c["out"], "good").load_done().num_rows
     assert 0 < committed < 16                                       # some new rows made it (plus the old 8)
 
@@ -157,6 +157,6 @@ def test_disk_full_while_writing_then_resume(good_output, monkeypatch):
     assert "reused from earlier runs" in res.output
     t = pq.read_table(c["out"])
     assert t.num_rows == 8 and t.column("error").null_count == 8
-    from pipeline import history
+    from pipeline.run import history
     statuses = [r.status for r in history.recent_runs("good")]
     assert statuses[:2] == ["ok", "failed"]

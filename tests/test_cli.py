@@ -8,15 +8,15 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-import pipeline.runner
+import pipeline.run.runner
 from batchgen.cli import main
 from tests.test_pipeline import COLUMNS, write_job
 
 
 @pytest.fixture
 def fake_engine(monkeypatch, fake_llm_factory):
-    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
-    monkeypatch.setattr(pipeline.runner, "planning_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "planning_llm_factory", fake_llm_factory)
     return fake_llm_factory
 
 
@@ -67,7 +67,7 @@ def test_datasets_input_and_sharded_output(tmp_path, fake_engine):
     assert res.exit_code == 0, res.output
     shards = sorted((tmp_path / "out/ds_dir").glob("part-*.parquet"))
     assert len(shards) == 4
-    from pipeline.io import read_output
+    from pipeline.io.tables import read_output
     assert read_output(tmp_path / "out/ds_dir").column("id").to_pylist() == [r["id"] for r in make_docs(15)]
 
 

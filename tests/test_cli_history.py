@@ -7,10 +7,10 @@ import os
 
 from click.testing import CliRunner
 
-import pipeline.runner
+import pipeline.run.runner
 from batchgen.cli import PLUGINS, main
-from pipeline import history
-from pipeline.state import job_dir_for
+from pipeline.job.state import job_dir_for
+from pipeline.run import history
 from tests.test_pipeline import write_job
 
 
@@ -21,7 +21,7 @@ def _status(*args):
 
 
 def test_ok_and_failed_runs_are_recorded(tmp_path, make_docs_dataset, fake_llm_factory, monkeypatch):
-    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", fake_llm_factory)
     data = make_docs_dataset(n=6)
     good = write_job(tmp_path, "hist", data)
     assert CliRunner().invoke(main, ["submit", "-q", str(good)]).exit_code == 0
@@ -48,7 +48,7 @@ def test_ok_and_failed_runs_are_recorded(tmp_path, make_docs_dataset, fake_llm_f
 
 def test_lock_held_is_a_failed_run_and_engine_never_loads(tmp_path, make_docs_dataset, fake_llm_factory,
                                                           monkeypatch):
-    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", fake_llm_factory)
     job = write_job(tmp_path, "busy", make_docs_dataset(n=3))
     sd = job_dir_for(tmp_path / "out/busy.parquet")
     sd.mkdir(parents=True)
@@ -62,7 +62,7 @@ def test_lock_held_is_a_failed_run_and_engine_never_loads(tmp_path, make_docs_da
 
 def test_fail_fast_row_error_is_a_failed_run(tmp_path, make_docs_dataset, fake_llm_factory, monkeypatch):
     from tests.conftest import make_docs
-    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", fake_llm_factory)
     rows = make_docs(5)
     rows[3]["document"] = None
     job = write_job(tmp_path, "ff", make_docs_dataset(rows=rows))

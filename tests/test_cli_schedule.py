@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.schedule_cmd import commands
-from pipeline import cron, history
+from pipeline.run import history
+from pipeline.schedule import cron
 from tests.test_cron import FOREIGN, crontab, crontab_user  # noqa: F401  (fixtures)
 
 JOB = """\

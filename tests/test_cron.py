@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cron
-from pipeline.cron import CronError
+from pipeline.schedule import cron
+from pipeline.schedule.cron import CronError
 
 FOREIGN = "MAILTO=ops@example.com\n# nightly backup (not batchgen's)\n30 3 * * * /usr/local/bin/backup --all\n"
 

@@ -1,10 +1,10 @@
-"""pipeline.ray.assign: whole prefix groups per replica, stealing, requeue after a replica dies (no Ray)."""
+"""pipeline.execute.ray.assign: whole prefix groups per replica, stealing, requeue after a replica dies (no Ray)."""
 from __future__ import annotations
 
 import numpy as np
 
-from pipeline.planner import Plan
-from pipeline.ray.assign import Assigner, make_units
+from pipeline.execute.ray.assign import Assigner, make_units
+from pipeline.plan.planner import Plan
 
 
 def plan_of(group_sizes: list[int], prompt_len=100, head_cached=80) -> Plan:

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import pipeline.engine_format as engine_format
+import pipeline.run.engine_format as engine_format
 from engine import ConfigError, EngineConfig
 from engine.interface import EngineInfo
-from pipeline.state import job_dir_for
+from pipeline.job.state import job_dir_for
 from tests.conftest import FakeLLM, make_docs
 from tests.test_pipeline import run, write_job
 
@@ -103,7 +103,7 @@ def test_a_record_that_cannot_run_here_is_dropped_with_a_warning(tmp_path, machi
 
 
 def test_jobs_whose_records_disagree_pin_nothing(tmp_path):
-    from pipeline.state import RunState
+    from pipeline.job.state import RunState
     a, b = RunState(tmp_path / "a.parquet", "a"), RunState(tmp_path / "b.parquet", "b")
     engine_format.store([a], INT8, "m")
     assert engine_format.recorded([a, b], "m").choice == INT8    # one job has no record yet: the other's

@@ -1,12 +1,13 @@
-"""pipeline.execute: the local engine and the Ray driver implement the one Execution protocol (no Ray needed)."""
+"""pipeline.execute.execution: the local engine and the Ray driver implement the one Execution protocol (no Ray
+needed)."""
 from __future__ import annotations
 
 import inspect
 
 import pytest
 
-from pipeline.execute import Execution, LocalExecution
-from pipeline.ray.driver import RayExecution
+from pipeline.execute.execution import Execution, LocalExecution
+from pipeline.execute.ray.driver import RayExecution
 
 MEMBERS = [n for n in vars(Execution) if not n.startswith("_")]
 

@@ -1,12 +1,12 @@
-"""pipeline.feeder: admission in plan order under a window, followers released when their provider is admitted,
+"""pipeline.execute.feeder: admission in plan order under a window, followers released when their provider is admitted,
 one pin per provider released after its last follower, a bound on open groups that never stalls. No engine:
 a recorder stands in for the three calls the feeder makes."""
 from __future__ import annotations
 
 import numpy as np
 
-from pipeline.feeder import Feeder
-from pipeline.planner import Plan
+from pipeline.execute.feeder import Feeder
+from pipeline.plan.planner import Plan
 
 
 class Recorder:

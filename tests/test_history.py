@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import history
-from pipeline.history import HistoryError
+from pipeline.run import history
+from pipeline.run.history import HistoryError
 
 
 @pytest.fixture

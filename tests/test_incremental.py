@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-import pipeline.runner
+import pipeline.run.runner
 from batchgen.cli import main
-from pipeline.trace import read_run
+from pipeline.run.trace import read_run
 from tests.conftest import make_docs
 from tests.test_pipeline import write_job
 from tests.test_resume import ROOT, driver  # noqa: F401  (fixture)
@@ -26,7 +26,7 @@ STABLE = ["id", "category", "summary", "finish_reason", "prompt_tokens", "output
 
 @pytest.fixture
 def fake_engine(monkeypatch, fake_llm_factory):
-    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", fake_llm_factory)
     return fake_llm_factory
 
 
@@ -128,7 +128,7 @@ def test_overlapping_run_exits_at_once(tmp_path, make_docs_dataset, driver):  # 
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=60)
-    from pipeline import history
+    from pipeline.run import history
     statuses = [(r.status, (r.error or "")[:40]) for r in history.recent_runs("slow")]
     assert statuses[0][0] == "interrupted" or statuses[1][0] == "interrupted"
     assert any(s == "failed" and "already running" in e for s, e in statuses)
@@ -154,7 +154,7 @@ def test_old_run_traces_are_pruned_to_keep_runs(tmp_path, fake_engine):
 
 
 def test_keep_runs_must_be_positive(tmp_path):
-    from pipeline.job import JobError, load_jobs
+    from pipeline.job.job_file import JobError, load_jobs
     job = write_job(tmp_path, "bad", tmp_path / "x.parquet", extra="  keep_runs: 0\n")
     with pytest.raises(JobError, match="output.keep_runs"):
         load_jobs([job])
@@ -162,7 +162,7 @@ def test_keep_runs_must_be_positive(tmp_path):
 
 def test_deleted_rows_kept_from_a_sharded_output(tmp_path, fake_engine):
     """keep_deleted_rows reads the previous output shard by shard (never whole) and keeps the right rows."""
-    from pipeline.io import read_output
+    from pipeline.io.tables import read_output
     rows = make_docs(10)
     data = tmp_path / "shrinks.parquet"
     _write(data, rows)

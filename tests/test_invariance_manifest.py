@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-import pipeline.runner
+import pipeline.run.runner
 from batchgen.cli import main
 from engine.invariance import invariance
 from tests.conftest import FakeLLM, make_docs
@@ -31,7 +31,7 @@ def engine_threads(monkeypatch, fake_llm_factory):
         parts = _parts(state["threads"])
         return dataclasses.replace(info(self), invariance={**parts, "fingerprint": f"fp-{state['threads']}"})
     monkeypatch.setattr(FakeLLM, "info", property(with_invariance))
-    monkeypatch.setattr(pipeline.runner, "default_llm_factory", fake_llm_factory)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory", fake_llm_factory)
     return state
 
 

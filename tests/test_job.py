@@ -4,8 +4,8 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from pipeline.errors import JobError
-from pipeline.job import DEFAULT_TEMPLATE, load_job
+from pipeline.job.job_file import DEFAULT_TEMPLATE, load_job
+from pipeline.problems import JobError
 
 GOOD = """\
 name: demo
@@ -115,7 +115,7 @@ def test_two_jobs_same_output_and_name(good):
 
 def test_engine_switch_or_mapping_settings(good):
     """speculative_config takes off / auto (YAML's bare off is false) or a mapping; a bad one names the key."""
-    from pipeline.job import JobError
+    from pipeline.job.job_file import JobError
     tmp_path, text = good
     for value, want in (("off", "off"), ("auto", "auto"), ("{num_speculative_tokens: 6, gating: always}",
                                                          {"num_speculative_tokens": 6, "gating": "always"})):

@@ -14,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Lower rank first: a module may import its own package and packages of lower rank only.
 LAYERS = ("engine", "costmodel", "pipeline", "bench", "batchgen")
+# pipeline/'s stages in the order data flows (docs/design/layout.md); a stage imports only itself and earlier ones.
+PIPELINE_STAGES = ("problems", "io", "job", "plan", "prepare", "execute", "assemble", "schedule", "run", "report")
 MAX_LINES = 500
 README_MAX_BYTES = 15_000
 
@@ -30,22 +32,23 @@ def _modules(root: Path, packages) -> dict[str, Path]:
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    inside = set()
+    inside: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             inside.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     return inside
 
 
-def import_graph(root: Path, packages=LAYERS) -> dict[str, set[str]]:
-    """module -> the modules of ``packages`` it imports (anywhere in the file: function bodies too).
+def import_graph(root: Path, packages=LAYERS, type_checking: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of ``packages`` it imports (anywhere in the file: function bodies too; those under
+    ``if TYPE_CHECKING:`` only with ``type_checking``).
 
     ``from a.b import c`` is an edge to ``a.b.c`` when that is a module, else to ``a.b``."""
     mods = _modules(root, packages)
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_nodes(tree)
+        skip = set() if type_checking else _type_checking_nodes(tree)
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -109,6 +112,21 @@ def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
                   if rank[t.split(".")[0]] > rank[m.split(".")[0]])
 
 
+def back_arrows(graph: dict[str, set[str]], package: str, stages) -> list[str]:
+    """Imports inside ``package`` from a stage to a later one (``stages``: its subpackages and top-level modules in
+    the order a module may import them: each imports its own stage and earlier ones only)."""
+    rank = {s: i for i, s in enumerate(stages)}
+
+    def stage(mod: str) -> int | None:
+        parts = mod.split(".")
+        return rank[parts[1]] if parts[0] == package and len(parts) > 1 else None
+
+    unknown = sorted(m for m in graph if m.startswith(package + ".") and m.split(".")[1] not in rank)
+    assert not unknown, f"modules in no stage of {package}: {unknown}"
+    return sorted(f"{m} imports {t}" for m, targets in graph.items() for t in targets
+                  if stage(m) is not None and stage(t) is not None and stage(t) > stage(m))
+
+
 def long_files(root: Path, limit: int = MAX_LINES) -> list[str]:
     paths = [p for d in (*LAYERS, "tests", "sample_data") for p in (root / d).rglob("*.py")]
     return sorted(f"{p.relative_to(root)}: {n} lines" for p in paths
@@ -127,6 +145,15 @@ def test_no_import_cycles():
 
 def test_packages_import_only_downwards():
     assert upward_imports(import_graph(ROOT)) == []
+
+
+def test_pipeline_has_no_circles_even_for_type_checking():
+    graph = import_graph(ROOT, type_checking=True)
+    assert [c for c in cycles(graph) if c[0].startswith("pipeline")] == []
+
+
+def test_pipeline_stages_import_only_earlier_stages():
+    assert back_arrows(import_graph(ROOT, type_checking=True), "pipeline", PIPELINE_STAGES) == []
 
 
 def test_no_python_file_over_500_lines():
@@ -179,6 +206,21 @@ def test_an_upward_import_is_found(tmp_path, relative):
     graph = import_graph(root, ("engine", "pipeline"))
     assert upward_imports(graph, ("engine", "pipeline")) == ["engine.llm imports pipeline.runner"]
     assert ("pipeline.job" in graph["pipeline.runner"]) == relative
+
+
+def test_a_back_arrow_between_stages_is_found(tmp_path):
+    root = _tree(tmp_path, {
+        "pipeline/io/tables.py": ("from typing import TYPE_CHECKING\n"
+                                  "if TYPE_CHECKING:\n    from pipeline.run.runner import R\n"),
+        "pipeline/run/runner.py": "from pipeline.io.tables import read\n",
+        "pipeline/problems.py": "",
+    })
+    stages = ("problems", "io", "run")
+    assert back_arrows(import_graph(root, ("pipeline",)), "pipeline", stages) == []
+    assert back_arrows(import_graph(root, ("pipeline",), type_checking=True), "pipeline", stages) == [
+        "pipeline.io.tables imports pipeline.run.runner"]
+    with pytest.raises(AssertionError, match="no stage"):
+        back_arrows(import_graph(root, ("pipeline",)), "pipeline", ("problems", "io"))
 
 
 def test_a_long_file_is_found(tmp_path):

@@ -1,5 +1,6 @@
-"""on_too_long: map_reduce (pipeline/long_docs.py): a document longer than the context is summarized in chunks under
-the row's cached head, then the chunk summaries are reduced (in levels when they do not fit at once); resumable."""
+"""on_too_long: map_reduce (pipeline/prepare/long_docs.py): a document longer than the context is summarized in chunks
+under the row's cached head, then the chunk summaries are reduced (in levels when they do not fit at once);
+resumable."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.job import load_job
-from pipeline.long_docs import pack, split_text
-from pipeline.runner import Interrupted, RunOptions, run_jobs
-from pipeline.state import RunState
-from pipeline.trace import read_run
+from pipeline.job.job_file import load_job
+from pipeline.job.state import RunState
+from pipeline.prepare.long_docs import pack, split_text
+from pipeline.run.runner import Interrupted, RunOptions, run_jobs
+from pipeline.run.trace import read_run
 from tests.conftest import FakeLLM, _build_tiny_tokenizer, changed_options
 
 TOK = _build_tiny_tokenizer(lite=True)

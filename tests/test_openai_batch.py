@@ -1,4 +1,4 @@
-"""OpenAI Batch files: input.format / output.format openai_batch (pipeline/openai_batch.py), on the tiny Llama with a
+"""OpenAI Batch files: input.format / output.format openai_batch (pipeline/io/openai_batch.py), on the tiny Llama with a
 chat template: good, malformed and unsupported lines, per-request sampling, shared system prompts planned as
 shared prefixes, and an output that has the Batch API's shape."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.job import load_job
-from pipeline.openai_batch import read_output
-from pipeline.runner import RunOptions, run_jobs
+from pipeline.io.openai_batch import read_output
+from pipeline.job.job_file import load_job
+from pipeline.run.runner import RunOptions, run_jobs
 
 ENGINE = "engine:\n  dtype: float32\n  block_size: 16\n  max_num_seqs: 4\n  max_num_batched_tokens: 512\n"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -119,7 +119,7 @@ def test_rerun_is_up_to_date_and_a_changed_body_recomputes_only_its_row(tmp_path
     job, out = write_job(tmp_path, chat_model)
     run_jobs([load_job(job)], options=RunOptions(quiet=True, record_history=False))
     first = read_output(out)
-    from pipeline.validate import load_valid_jobs
+    from pipeline.run.validate import load_valid_jobs
     [again_job] = load_valid_jobs([str(job)])          # the JSONL output file exists now: still a valid job
     [report] = run_jobs([again_job], options=RunOptions(quiet=True, record_history=False))
     assert report.jobs[0].up_to_date
@@ -148,12 +148,12 @@ def test_openai_input_to_parquet_output(tmp_path, chat_model):
 
 
 def test_job_file_problems(tmp_path, chat_model):
-    from pipeline.errors import JobError
+    from pipeline.problems import JobError
     job, _ = write_job(tmp_path, chat_model)
     job.write_text(job.read_text() + "prompt:\n  system: hi\n")
     with pytest.raises(JobError, match="prompt.system: not used with input.format openai_batch"):
         load_job(job)
-    from pipeline.validate import load_valid_jobs
+    from pipeline.run.validate import load_valid_jobs
     job, _ = write_job(tmp_path, chat_model)
     job.write_text(job.read_text().replace(str(tmp_path / "requests.jsonl"), str(tmp_path / "missing.jsonl")))
     with pytest.raises(JobError, match="missing.jsonl: no such file"):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.job import load_job
-from pipeline.runner import Interrupted, RunOptions, run_jobs
-from pipeline.state import job_dir_for
+from pipeline.job.job_file import load_job
+from pipeline.job.state import job_dir_for
+from pipeline.run.runner import Interrupted, RunOptions, run_jobs
 
 COLUMNS = ["id", "category", "summary", "finish_reason", "prompt_tokens", "cached_tokens", "output_tokens",
            "queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s", "error"]
@@ -71,7 +71,7 @@ def test_jobs_on_one_model_merge_their_engine_sections(tmp_path, make_docs_datas
     """The engine is built from one EngineConfig: what each job wrote (jobs agreeing where both write a key), the
     defaults elsewhere; two jobs writing different values for one key are refused, naming it, before any load."""
     from engine import EngineConfig
-    from pipeline.errors import RunError
+    from pipeline.problems import RunError
     data = make_docs_dataset(n=4)
     seen = []
     j1 = write_job(tmp_path, "one", data, extra="engine:\n  max_num_seqs: 4\n  block_size: 32\n")
@@ -147,7 +147,7 @@ def test_bad_rows_become_error_rows(tmp_path, make_docs_dataset, fake_llm_factor
 def test_lock_refuses_second_run(tmp_path, make_docs_dataset, fake_llm_factory):
     import os
 
-    from pipeline.errors import RunError
+    from pipeline.problems import RunError
     data = make_docs_dataset(n=4)
     job = write_job(tmp_path, "l", data)
     sd = job_dir_for(tmp_path / "out/l.parquet")
@@ -193,8 +193,8 @@ def test_input_as_a_pyarrow_fs_uri(tmp_path, make_docs_dataset, fake_llm_factory
     file, or a prefix of Parquet files read in name order; a URI with nothing there is a clear problem."""
     import pyarrow.parquet as pq
 
-    from pipeline.errors import JobError
-    from pipeline.validate import load_valid_jobs
+    from pipeline.problems import JobError
+    from pipeline.run.validate import load_valid_jobs
     data = make_docs_dataset(n=12)
     run([write_job(tmp_path, "plain", data)], fake_llm_factory)
     ref = pq.read_table(tmp_path / "out/plain.parquet").column("summary").to_pylist()

@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from pipeline.trace import check_trace, read_run
+from pipeline.run.trace import check_trace, read_run
 from tests.test_cli import _real_job
 
 
@@ -48,7 +48,7 @@ def test_interrupted_run_resumes_into_the_same_trace(tmp_path, make_docs_dataset
     """A stopped run keeps its trace; the resumed run appends a session to it (one axis for both)."""
     import pytest
 
-    from pipeline.runner import Interrupted
+    from pipeline.run.runner import Interrupted
     from tests.test_pipeline import run, write_job
 
     data = make_docs_dataset(n=20)

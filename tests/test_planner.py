@@ -1,7 +1,7 @@
 """Planner: depth-first, larger subtrees first; predicted hits follow the engine's rules; providers."""
 import numpy as np
 
-from pipeline.planner import make_plan, order_groups
+from pipeline.plan.planner import make_plan, order_groups
 
 BS = 4
 

@@ -49,7 +49,7 @@ def test_small_batches_run_at_the_small_m_rate():
 
 
 def test_plan_subset_keeps_positions():
-    from pipeline.planner import make_plan
+    from pipeline.plan.planner import make_plan
     plan = make_plan([(1, 2, 3), (4, 5, 6)], np.array([0, 1, 0, 1]), np.array([40, 40, 40, 40]), 2)
     sub = plan.subset(plan.group == 0)
     assert sub.num_requests == 2 and (sub.group == 0).all() and sub.prompt_tokens == 80

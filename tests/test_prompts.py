@@ -1,8 +1,8 @@
 """Row -> prompt: head/document/tail split, shared head ids, bad cells, on_too_long policy."""
 import pytest
 
-from pipeline.job import PromptSpec
-from pipeline.prompts import PromptRenderer, RowError, RowKeyer, row_key
+from pipeline.job.job_file import PromptSpec
+from pipeline.job.prompts import PromptRenderer, RowError, RowKeyer, row_key
 
 
 def test_split_and_shared_head(tiny_tokenizer):

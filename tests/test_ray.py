@@ -15,9 +15,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.job import load_job
-from pipeline.ray.driver import RayOptions, replica_name
-from pipeline.runner import RunOptions, run_jobs
+from pipeline.execute.ray.driver import RayOptions, replica_name
+from pipeline.job.job_file import load_job
+from pipeline.run.runner import RunOptions, run_jobs
 from tests.test_pipeline import write_job
 
 ray = pytest.importorskip("ray")
@@ -74,7 +74,7 @@ def test_two_replicas_equal_a_local_run_and_keep_groups_whole(ray_local, tmp_pat
     dist = manifest["this_run"]["distributed"]
     assert dist["replicas"] == 2 and dist["restarts"] == 0
     # every prefix group was prefilled on exactly one replica, unless an idle replica took some of its chunks
-    # (pipeline.ray.assign: "split"); and both replicas computed
+    # (pipeline.execute.ray.assign: "split"); and both replicas computed
     for g, n in dist["prefix_prefills"].items():
         assert n == 1 or (int(g) in dist["split_groups"] and n == 2), dist
     assert dist["groups_on_more_than_one_replica"] <= len(dist["split_groups"])
@@ -87,7 +87,7 @@ def test_two_replicas_equal_a_local_run_and_keep_groups_whole(ray_local, tmp_pat
     trace = json.loads((report.trace_dir / "run.json").read_text())
     assert trace["distributed"]["replicas"] == 2
     from pipeline.report import render_report
-    from pipeline.trace import check_trace, read_run
+    from pipeline.run.trace import check_trace, read_run
     assert check_trace(read_run(report.trace_dir)) == []      # steps of both replicas, requests of both
     page = render_report([report.trace_dir]).read_text()
     assert "Ray replicas" in page and page.count(f"pid {per[1]['pid']}") == 1

@@ -7,9 +7,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.job import load_job
-from pipeline.ray.driver import RayOptions
-from pipeline.runner import RunOptions, run_jobs
+from pipeline.execute.ray.driver import RayOptions
+from pipeline.job.job_file import load_job
+from pipeline.run.runner import RunOptions, run_jobs
 from tests.test_pipeline import write_job
 from tests.test_ray import ENGINE, SAME
 

@@ -1,4 +1,4 @@
-"""Ray == local for a sampled job (temperature 1.5, no seed: each row draws from its row seed, pipeline.execute):
+"""Ray == local for a sampled job (temperature 1.5, no seed: each row draws from its row seed, pipeline.plan.batch):
 two replicas compute other batches than the local run, and every row comes out the same (issue 33)."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.job import load_job
-from pipeline.ray.driver import RayOptions
-from pipeline.runner import RunOptions, run_jobs
+from pipeline.execute.ray.driver import RayOptions
+from pipeline.job.job_file import load_job
+from pipeline.run.runner import RunOptions, run_jobs
 from tests.conftest import make_docs
 from tests.test_pipeline import write_job
 from tests.test_ray import ENGINE, SAME

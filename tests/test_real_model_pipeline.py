@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from pipeline.trace import check_trace, read_run
+from pipeline.run.trace import check_trace, read_run
 
 pytestmark = pytest.mark.slow
 
@@ -71,8 +71,8 @@ def test_plan_needs_no_weights_and_plans_the_same(tmp_path, monkeypatch):
     plan and resolved settings as the real engine's dry run."""
     import engine.llm
     import engine.loader
-    from pipeline.job import load_job
-    from pipeline.runner import RunOptions, default_llm_factory, run_jobs
+    from pipeline.job.job_file import load_job
+    from pipeline.run.runner import RunOptions, default_llm_factory, run_jobs
     job = tmp_path / "plan.yaml"
     job.write_text(f"""name: plan
 model: gemma-3-270m
@@ -100,11 +100,11 @@ output: {{path: {tmp_path}/out/plan.parquet}}
 
 
 def test_plan_counts_equal_the_submitted_token_ids(tmp_path):
-    """The dry run counts documents (pipeline.token_count); a submit tokenizes them. On the default model's
+    """The dry run counts documents (pipeline.job.token_count); a submit tokenizes them. On the default model's
     tokenizer and the sample documents both give the same prompt tokens, cached tokens and groups."""
     from engine.setup import PlanningEngine
-    from pipeline.job import load_job
-    from pipeline.runner import RunOptions, run_jobs
+    from pipeline.job.job_file import load_job
+    from pipeline.run.runner import RunOptions, run_jobs
     from tests.conftest import FakeLLM
     tok = PlanningEngine("gemma-3-270m").tokenizer
     job = tmp_path / "count.yaml"

@@ -10,7 +10,7 @@ from batchgen.report_cmd import calibrate_cmd, commands, report_cmd
 from costmodel import flops
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from pipeline.report import analyze, diagnose, render_report, roofline, shape_warnings
-from pipeline.trace import RunTrace, read_run
+from pipeline.run.trace import RunTrace, read_run
 from tests.test_flops import gemma_270m, tiny
 from tests.test_trace import MODEL_INFO, SHAPES, simulate
 

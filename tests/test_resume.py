@@ -21,7 +21,7 @@ STABLE = ["id", "category", "summary", "finish_reason", "prompt_tokens", "output
 DRIVER = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    import pipeline.runner, pipeline.state
+    import pipeline.run.runner, pipeline.job.state
     from tests import conftest
 
     kill_step = int(os.environ.get("KILL_AT_STEP", "0"))
@@ -36,8 +36,9 @@ DRIVER = textwrap.dedent("""
             time.sleep(delay)
             return out
 
-    pipeline.runner.default_llm_factory = lambda config: Slow(TOK, max_num_seqs=2, **conftest.changed_options(config))
-    real_write = pipeline.state.write_parquet_atomic
+    pipeline.run.runner.default_llm_factory = lambda config: Slow(TOK, max_num_seqs=2,
+                                                                 **conftest.changed_options(config))
+    real_write = pipeline.job.state.write_parquet_atomic
     writes = [0]
     def write(table, path):
         writes[0] += 1
@@ -48,7 +49,7 @@ DRIVER = textwrap.dedent("""
                 fh.write(b"PAR1 half")
             os.kill(os.getpid(), signal.SIGKILL)
         return real_write(table, path)
-    pipeline.state.write_parquet_atomic = write
+    pipeline.job.state.write_parquet_atomic = write
     from batchgen.cli import main
     main(sys.argv[1:])
 """)

@@ -12,8 +12,8 @@ import textwrap
 
 import pyarrow.parquet as pq
 
-from pipeline.job import load_job
-from pipeline.runner import RunOptions, run_jobs
+from pipeline.job.job_file import load_job
+from pipeline.run.runner import RunOptions, run_jobs
 from tests.test_pipeline import write_job
 from tests.test_resume import ROOT, STABLE
 

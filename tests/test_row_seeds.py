@@ -1,4 +1,4 @@
-"""A sampled job's rows draw from seeds of their own (pipeline.batch.row_seed: the job's seed mixed with the row
+"""A sampled job's rows draw from seeds of their own (pipeline.plan.batch.row_seed: the job's seed mixed with the row
 key): on the real engine (tiny random Llama), a row's summary is the same whatever else ran with it (another
 max_num_seqs, the input shuffled and grown), and rows under one job seed are not all alike."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.batch import row_seed
-from pipeline.job import load_job
-from pipeline.runner import RunOptions, run_jobs
+from pipeline.job.job_file import load_job
+from pipeline.plan.batch import row_seed
+from pipeline.run.runner import RunOptions, run_jobs
 from tests.conftest import make_docs
 from tests.test_pipeline import write_job
 

@@ -1,10 +1,10 @@
-"""pipeline.rows: the one ResultRow type agrees with the part files' schema, and a row survives a commit."""
+"""pipeline.job.rows: the one ResultRow type agrees with the part files' schema, and a row survives a commit."""
 from __future__ import annotations
 
 import dataclasses
 
-from pipeline.rows import RESULT_COLUMNS, RESULT_SCHEMA, ResultRow, results_table
-from pipeline.state import RunState
+from pipeline.job.rows import RESULT_COLUMNS, RESULT_SCHEMA, ResultRow, results_table
+from pipeline.job.state import RunState
 
 
 def test_result_row_fields_are_the_result_schema():

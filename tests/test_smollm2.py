@@ -6,8 +6,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_runner import bind_kv_caches
-from pipeline.job import PromptSpec
-from pipeline.prompts import PromptRenderer
+from pipeline.job.job_file import PromptSpec
+from pipeline.job.prompts import PromptRenderer
 from tests.model_utils import hf_from_gguf, hf_greedy, run_chunks
 
 pytestmark = pytest.mark.slow

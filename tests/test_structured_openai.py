@@ -1,7 +1,7 @@
 """OpenAI Batch ``body.response_format`` (json_schema, json_object, text) as per-request structured outputs, on the
 fake engine: a bad schema is its line's error while the other lines go on; the JSON comes back as
 ``message.content``; a length cut is a response with ``finish_reason: length``; every line validates with the
-``openai`` package's types. Plus the row check and the column types (pipeline/structured.py) as units."""
+``openai`` package's types. Plus the row check and the column types (pipeline/job/structured_output.py) as units."""
 from __future__ import annotations
 
 import copy
@@ -11,10 +11,10 @@ import pyarrow as pa
 import pytest
 
 from engine import SamplingParams, StructuredOutputsParams
-from pipeline.job import load_job
-from pipeline.openai_batch import read_output
-from pipeline.runner import RunOptions, run_jobs
-from pipeline.structured import json_error, output_fields, typed_columns
+from pipeline.io.openai_batch import read_output
+from pipeline.job.job_file import load_job
+from pipeline.job.structured_output import json_error, output_fields, typed_columns
+from pipeline.run.runner import RunOptions, run_jobs
 from tests.conftest import FakeLLM, changed_options, example_output
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"

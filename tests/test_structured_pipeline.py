@@ -1,7 +1,7 @@
-"""Structured outputs through the pipeline (pipeline/structured.py) on the fake engine: the job syntax and its
-refusals before compute, typed Parquet columns of an object schema beside the raw JSON and ``json_error``, invalid
-and cut-off rows as row errors while the batch goes on, resume, map_reduce (the schema on the final reduce only),
-regex / choice staying text, and the manifest's counts."""
+"""Structured outputs through the pipeline (pipeline/job/structured_output.py) on the fake engine: the job syntax and
+its refusals before compute, typed Parquet columns of an object schema beside the raw JSON and ``json_error``,
+invalid and cut-off rows as row errors while the batch goes on, resume, map_reduce (the schema on the final reduce
+only), regex / choice staying text, and the manifest's counts."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from engine import SamplingParams
-from pipeline.errors import JobError
-from pipeline.job import load_job
-from pipeline.runner import Interrupted, RunOptions, run_jobs
+from pipeline.job.job_file import load_job
+from pipeline.problems import JobError
+from pipeline.run.runner import Interrupted, RunOptions, run_jobs
 from tests.conftest import example_output
 
 SCHEMA = {
@@ -249,7 +249,7 @@ def test_sample_extraction_job_validates(monkeypatch):
 
 def test_trace_and_report_count_forced_tokens_and_masks(tmp_path, make_docs_dataset, fake_llm_factory):
     from pipeline.report import render_report
-    from pipeline.trace import read_run
+    from pipeline.run.trace import read_run
 
     [report] = run([write_job(tmp_path, make_docs_dataset(n=5), inline())], fake_llm_factory)
     r = read_run(report.trace_dir).requests

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.job import load_job
-from pipeline.runner import RunOptions, run_jobs
+from pipeline.job.job_file import load_job
+from pipeline.run.runner import RunOptions, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""pipeline.token_count: the dry run's document token counts equal the tokenizer's own, on the default model's
+"""pipeline.job.token_count: the dry run's document token counts equal the tokenizer's own, on the default model's
 tokenizer (sample documents and adversarial text), with a cold and a warm cache, and a tokenizer outside the
 reasoning falls back to tokenizing."""
 import random
@@ -6,9 +6,9 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import token_count
-from pipeline.prompts import PromptRenderer
-from pipeline.token_count import TokenCounter
+from pipeline.job import token_count
+from pipeline.job.prompts import PromptRenderer
+from pipeline.job.token_count import TokenCounter
 from tests.model_utils import tiny_tokenizer
 
 
@@ -65,6 +65,6 @@ def test_other_tokenizers_are_tokenized_as_before():
     tok = tiny_tokenizer()                                # byte-level BPE: not the structure above
     assert TokenCounter.for_tokenizer(tok) is None
     docs = ["hello world", "  two  spaces ", "", "ünïcode"]
-    from pipeline.job import PromptSpec
+    from pipeline.job.job_file import PromptSpec
     r = PromptRenderer(PromptSpec(), tok)
     assert r.document_lengths(docs) == [len(ids) for ids in r.document_ids(docs)] == _truth(tok, docs)

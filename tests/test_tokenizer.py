@@ -206,8 +206,8 @@ def test_default_model_gets_gemma_chat_template():
 
 def test_prompt_renderer_batch_ids_equal_transformers(ours, reference):
     """PromptRenderer.document_ids goes straight to the Rust tokenizer: the same ids as transformers' own call."""
-    from pipeline.job import PromptSpec
-    from pipeline.prompts import PromptRenderer
+    from pipeline.job.job_file import PromptSpec
+    from pipeline.job.prompts import PromptRenderer
     r = PromptRenderer(PromptSpec(document_column="document"), ours["cached"])
     docs = CORPUS + ["", "  leading spaces", "émoji 🙂 and\nnewlines\n\n"]
     assert r.document_ids(docs) == list(reference(docs, add_special_tokens=False)["input_ids"])

@@ -1,4 +1,4 @@
-"""pipeline.trace: trace files exist and agree with each other, on a simulated run and (when the engine can run
+"""pipeline.run.trace: trace files exist and agree with each other, on a simulated run and (when the engine can run
 a tiny model) on a real one."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
-from pipeline.trace import RunTrace, check_trace, read_run
+from pipeline.run.trace import RunTrace, check_trace, read_run
 
 
 # ---- a tiny engine simulator: RequestOutput + StepStats with the engine's contracts ------------------
@@ -229,7 +229,7 @@ def test_each_write_appends_a_part_and_never_rewrites_earlier_ones(tmp_path):
 
 def test_reads_and_extends_a_run_written_as_single_files(tmp_path):
     """Runs written before the dataset layout (one file per table) still read, and resume into parts."""
-    from pipeline.trace import REQUEST_SCHEMA, STEP_SCHEMA, _append_parquet
+    from pipeline.run.trace import REQUEST_SCHEMA, STEP_SCHEMA, _append_parquet
     trace, outputs, steps = _traced(tmp_path)
     run_dir = tmp_path / "run"
     for name, schema in (("requests.parquet", REQUEST_SCHEMA), ("steps.parquet", STEP_SCHEMA)):

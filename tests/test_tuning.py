@@ -255,7 +255,7 @@ def test_calibrate_retune_measures_again_and_prints_the_candidates(tiny_llama_di
 
 
 def test_a_pinned_config_repeats_the_recorded_format_without_measuring(tiny_llama_dir, tuning):
-    """What an incremental, resumed or Ray run loads (pipeline.engine_format): the earlier engine's format."""
+    """What an incremental, resumed or Ray run loads (pipeline.run.engine_format): the earlier engine's format."""
     tuning.times = {F32: 3.0, BF16: 1.0, F32_KV16: 2.0, "elementwise:c@bfloat16": 0.2,
                     "elementwise:torch@bfloat16": 0.1}
     first = _setup(tiny_llama_dir)

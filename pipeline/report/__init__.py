@@ -1,4 +1,4 @@
-"""``batchgen report``: a run's traces (pipeline.trace) turned into numbers and a diagnosis (analysis.py) and a
+"""``batchgen report``: a run's traces (pipeline.run.trace) turned into numbers and a diagnosis (analysis.py) and a
 self-contained HTML page (html.py).
 
     summary = analyze(read_run(run_dir))          # plain dict of numbers; the HTML and the tests read it

@@ -1,4 +1,4 @@
-"""``batchgen report``, the numbers: a run's traces (pipeline.trace) as a plain dict (``analyze``), its diagnosis
+"""``batchgen report``, the numbers: a run's traces (pipeline.run.trace) as a plain dict (``analyze``), its diagnosis
 and the warnings when two runs' shapes differ. The HTML page is pipeline/report/html.py.
 
     summary = analyze(read_run(run_dir))          # plain dict of numbers; the HTML and the tests read it
@@ -16,7 +16,7 @@ from costmodel import flops as F
 from costmodel.roofline import DTYPE_BYTES, column_array, stage_roofline
 from costmodel.stats import percentiles
 from engine import load_model_config, resolve_model
-from pipeline.trace import TraceData, check_trace
+from pipeline.run.trace import TraceData, check_trace
 
 
 # ---- the roofline of a recorded run: run.json's meta picks config, calibration, dtype, warm-up -------------

@@ -16,7 +16,7 @@ import numpy as np
 
 from costmodel.roofline import column_array
 from pipeline.report.analysis import OUTPUT_THRESHOLD, PROMPT_THRESHOLD, analyze, shape_warnings
-from pipeline.trace import TraceData, read_run
+from pipeline.run.trace import TraceData, read_run
 
 # ---- HTML ----------------------------------------------------------------------------------------------
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
@@ -175,7 +175,7 @@ def _roofline_plot(roof: dict) -> str:
 
 
 def _replicas_html(dist: dict) -> str:
-    """A Ray run (pipeline.ray.driver): one row per replica actor (a replacement is a row of its own)."""
+    """A Ray run (pipeline.execute.ray.driver): one row per replica actor (a replacement is a row of its own)."""
     pre = dist.get("prefix_prefills") or {}
     head = (f"<h2>Ray replicas</h2><p class='small'>{dist.get('replicas')} replicas at "
             f"{html.escape(str(dist.get('address')))}, {dist.get('threads_per_replica')} thread(s) each; "

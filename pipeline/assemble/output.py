@@ -1,0 +1,255 @@
+"""Step 4 of a run: assemble a job's output and manifest.
+
+The row keys (input order) are joined with the committed results; the passthrough columns (the id column
+first, then ``output.include_columns``) are streamed from the input again beside them. Rows that left the input
+are dropped or kept at the end (``output.keep_deleted_rows``). Output and manifest are written atomically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from engine import EngineInfo
+from pipeline.io.openai_batch import write_output as write_jsonl
+from pipeline.io.tables import (
+    iter_batches,
+    iter_output_batches,
+    publish_output,
+    remote_exists,
+    write_bytes_atomic,
+    write_output,
+)
+from pipeline.job.rows import RESULT_COLUMNS, hit_rate
+from pipeline.job.state import manifest_path_for
+from pipeline.job.structured_output import JSON_KINDS, typed_columns
+from pipeline.prepare.job_run import JobRun
+from pipeline.problems import RunError
+
+
+def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None,
+             prediction: dict | None = None, distributed: dict | None = None) -> None:
+    """Write the job's output (one row per current input row, input order) and its manifest, atomically.
+
+    Skipped when nothing changed since the last run (same keys digest and layout): ``jr.up_to_date``."""
+    job = jr.job
+    out_path = Path(job.output.local_path)
+    mpath = manifest_path_for(out_path)
+    uri = job.output.path if job.output.is_uri else None
+    layout = {"include_columns": list(job.passthrough_columns), "rows_per_shard": job.output.rows_per_shard,
+              "keep_deleted_rows": job.output.keep_deleted_rows}
+    if jr.computed == 0 and jr.row_errors == 0 and out_path.exists() and mpath.exists():
+        try:
+            old = json.loads(mpath.read_text())
+        except (OSError, ValueError):
+            old = {}
+        if old.get("keys_digest") == jr.keys_digest and old.get("layout", layout) == layout:
+            jr.up_to_date = True
+            jr.manifest = old
+            if uri and not remote_exists(uri):          # assembled before, but the copy is gone (or failed)
+                publish_output(out_path, uri, mpath)
+            return
+    openai = job.output.format == "openai_batch"
+    kept = None if openai else _deleted_rows(jr, out_path)
+    results = jr.state.load_done()
+    keys = pa.ipc.open_file(pa.memory_map(str(jr.state.scratch("keys.arrow")))).read_all()
+    joined = keys.join(results, "row_key", join_type="left outer").sort_by("row_idx")
+    if joined.num_rows != jr.num_rows:
+        raise RunError(f"job {job.name!r}: internal error assembling output ({joined.num_rows} rows for "
+                       f"{jr.num_rows} inputs)")
+    missing = joined.column("finish_reason").null_count
+    include = list(job.passthrough_columns)
+    results_cols = joined.select([c for c in RESULT_COLUMNS if c != "row_key"] + ["row_key"])
+    fields = [] if openai else jr.prompts.fields
+
+    def with_typed(part: pa.Table) -> pa.Table:
+        """An object schema's properties as typed columns, first among the results (``job.structured_output``)."""
+        if not fields:
+            return part
+        typed = typed_columns(part.column("summary").to_pylist(), part.column("json_error").to_pylist(), fields)
+        order = ["summary", "json_error"] + [c for c in part.column_names if c not in ("summary", "json_error")]
+        part = part.select(order)
+        return pa.Table.from_arrays(typed + part.columns, schema=pa.schema(fields + list(part.schema)))
+
+    def tables():
+        offset = 0
+        rows_per = job.output.rows_per_shard
+        source = iter_batches(job.input.path, job.input.format, include, job.input.batch_size,
+                              job.input.split, job.input.limit) if include else None
+        buf: list[pa.Table] = []
+        buffered = 0
+        while offset < jr.num_rows:
+            size = min(rows_per, jr.num_rows - offset)
+            part = with_typed(results_cols.slice(offset, size))
+            if source is not None:
+                while buffered < size:
+                    b = next(source)
+                    buf.append(pa.Table.from_batches([b]))
+                    buffered += b.num_rows
+                passthrough = pa.concat_tables(buf)
+                buf = [passthrough.slice(size)]
+                buffered -= size
+                passthrough = passthrough.slice(0, size)
+                part = pa.Table.from_arrays(passthrough.columns + part.columns,     # (field metadata kept)
+                                            schema=pa.schema(list(passthrough.schema) + list(part.schema)))
+            yield part.combine_chunks()
+            schema = part.schema
+            offset += size
+        if kept is not None and kept.num_rows:
+            kept_rows = _conform(kept, schema)
+            for start in range(0, kept_rows.num_rows, rows_per):
+                yield kept_rows.slice(start, rows_per).combine_chunks()
+
+    if missing > 0 and jr.num_rows:
+        raise RunError(f"job {job.name!r}: {missing} rows have no result; run again to resume")
+    directory = not str(out_path).endswith(".parquet")
+    if openai:
+        write_jsonl(tables(), out_path, job.input.id_column or "", info.name)
+    elif jr.num_rows == 0:
+        empty = with_typed(results_cols.slice(0, 0))
+        write_output(iter([kept if kept is not None and kept.num_rows else empty]), out_path, directory)
+    else:
+        write_output(tables(), out_path, directory)
+    jr.state.compact(results)
+    for name in ("spill.arrow", "keys.arrow"):
+        jr.state.scratch(name).unlink(missing_ok=True)
+    all_prompt = pc.sum(joined.column("prompt_tokens")).as_py() or 0
+    all_cached = pc.sum(joined.column("cached_tokens")).as_py() or 0
+    all_errors = joined.column("error").is_valid().to_pylist().count(True)
+    manifest = {
+        "job": job.name, "job_file": job.file, "output": uri or str(out_path),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
+        "generation": dataclasses.asdict(jr.prompts.params), "versions": _versions(),
+        "rows": jr.num_rows + jr.deleted_kept, "rows_with_error": all_errors,
+        "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped},
+        "this_run": {"computed": jr.computed, "reused": jr.reused, "changed": jr.changed,
+                     "row_errors": jr.row_errors, "prompt_tokens": jr.prompt_tokens,
+                     "cached_tokens": jr.cached_tokens, "output_tokens": jr.output_tokens,
+                     "predicted_hit_rate": hit_rate(jr.predicted_cached, jr.planned_prompt_tokens),
+                     "achieved_hit_rate": hit_rate(jr.cached_tokens, jr.prompt_tokens),
+                     "wall_s": round(wall_s, 3),
+                     "engine_s": round(engine_s, 3),   # after model load
+                     "predicted_engine_s": prediction["engine_s"] if prediction else None,   # the whole plan
+                     "predicted_job_engine_s": (round(jr.predicted_engine_s, 2)
+                                                if jr.predicted_engine_s is not None else None),
+                     "load_s": info.load_time_s, "load_breakdown_s": dict(info.load_breakdown),
+                     "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None,
+                     "speculation": {"draft_tokens": jr.draft_tokens, "accepted_tokens": jr.accepted_tokens,
+                                     "acceptance_rate": (round(jr.accepted_tokens / jr.draft_tokens, 4)
+                                                         if jr.draft_tokens else None),
+                                     "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
+                                                              if jr.spec_steps else None)},
+                     "distributed": distributed},     # a Ray run (pipeline.execute.ray.driver): replicas, prefills
+        "structured": _structured(jr, joined),
+        "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
+                   "hit_rate": hit_rate(all_cached, all_prompt)},
+        "keys_digest": jr.keys_digest, "layout": layout,
+        "trace": None if trace_dir is None else str(trace_dir),
+    }
+    manifest["invariance"] = _invariance(job.name, info, mpath, jr.reused)
+    write_bytes_atomic(json.dumps(manifest, indent=2, default=str).encode(), manifest_path_for(out_path))
+    jr.manifest = manifest
+    if uri:
+        publish_output(out_path, uri, mpath)
+
+
+def _invariance(job_name: str, info: EngineInfo, mpath: Path, reused: int) -> dict:
+    """The manifest's ``invariance``: this engine's fingerprint (engine.invariance) and every fingerprint whose rows
+    the output holds. Rows kept from a run under another fingerprint (another weights format, kernel build, thread
+    count, CPU ...) may differ from what this engine would compute for them: logged and recorded."""
+    now = info.invariance.get("fingerprint")
+    try:
+        old = json.loads(mpath.read_text()).get("invariance") or {}
+    except (OSError, ValueError):
+        old = {}
+    before = old.get("output_fingerprints") or []
+    held = sorted(set(before) | {now}) if reused and before else [now]
+    out = {"fingerprint": now, "output_fingerprints": held}
+    if reused and before and before != [now]:
+        out["changed"] = {"previous": old.get("fingerprint"), "reused_rows": reused,
+                          "differs_in": sorted(k for k, v in info.invariance.items()
+                                               if k != "fingerprint" and (old.get("parts") or {}).get(k) != v)}
+        print(f"batchgen: warning: job {job_name}: {reused} rows were kept from a run under another invariance "
+              f"fingerprint ({old.get('fingerprint')}, now {now}: {', '.join(out['changed']['differs_in']) or '?'} "
+              "changed); they may differ from what this engine would compute (docs/guide/determinism.md)",
+              file=sys.stderr)
+    out["parts"] = {k: v for k, v in info.invariance.items() if k != "fingerprint"}
+    return out
+
+
+def _structured(jr: JobRun, joined: pa.Table) -> dict | None:
+    """The manifest's count of structured results: rows valid against the schema (the whole output), and this
+    run's forced tokens and grammar masks (None when the job asks for no structure)."""
+    so = jr.prompts.params.structured_outputs
+    if so is None and not jr.json_rows and not jr.forced_tokens:
+        return None
+    out = {"kind": so.kind if so else "per request", "columns": [f.name for f in jr.prompts.fields]}
+    if so is not None and so.kind in JSON_KINDS:          # per-request schemas (OpenAI lines): this run only
+        answered = pc.and_(joined.column("summary").is_valid(), joined.column("error").is_null())
+        valid = pc.and_(answered, joined.column("json_error").is_null())
+        out.update(valid_rows=int(pc.sum(valid).as_py() or 0),
+                   invalid_rows=int(pc.sum(pc.and_(answered, joined.column("json_error").is_valid())).as_py() or 0))
+    out["this_run"] = {"rows_checked": jr.json_rows, "valid_rows": jr.json_valid, "forced_tokens": jr.forced_tokens,
+                       "masks_applied": jr.masks_applied, "mask_time_s": round(jr.mask_s, 4)}
+    return out
+
+
+def _deleted_rows(jr: JobRun, out_path: Path) -> pa.Table | None:
+    """Rows of the previous output whose id is no longer in the input: counted, and returned when the job
+    keeps them (``output.keep_deleted_rows``); None when there are none or they are dropped."""
+    if not out_path.exists():
+        return None
+    try:
+        prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
+    except (pa.ArrowException, OSError, KeyError):
+        return None                  # not an output of ours (or unreadable): nothing to carry over
+    current = pa.array(sorted(jr.ids), pa.string())
+
+    def gone_mask(keys):
+        ids = pc.replace_substring_regex(keys, pattern="#[0-9a-f]{20}$", replacement="")
+        return pc.invert(pc.is_in(ids, value_set=current))
+
+    n = int(pc.sum(gone_mask(prev_keys)).as_py() or 0)
+    if not n:
+        return None
+    if not jr.job.output.keep_deleted_rows:
+        jr.deleted_dropped = n
+        return None
+    jr.deleted_kept = n
+    # Batch by batch: only the kept rows are held, not the whole previous output.
+    kept = [pa.Table.from_batches([b]).filter(gone_mask(b.column("row_key")))
+            for b in iter_output_batches(out_path)]
+    return pa.concat_tables([t for t in kept if t.num_rows] or kept[:1])
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with exactly ``schema``'s columns: missing ones null, others cast (null where they cannot be)."""
+    cols = []
+    for f in schema:
+        if f.name in table.column_names:
+            try:
+                cols.append(table.column(f.name).cast(f.type))
+                continue
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass
+        cols.append(pa.nulls(table.num_rows, f.type))
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("batchgen", "torch", "transformers", "pyarrow", "tokenizers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

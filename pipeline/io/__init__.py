@@ -1,0 +1,1 @@
+"""Stage 1: reading inputs and writing outputs: tables (Parquet, `datasets`, URIs), OpenAI Batch JSONL, paths."""

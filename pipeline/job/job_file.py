@@ -1,0 +1,427 @@
+"""The job file: one YAML file per job, parsed into a frozen ``Job`` with every problem reported at once.
+
+Paths in a job are relative to the current directory. Parsing (``load_job``) checks the file's shape: YAML syntax,
+unknown keys (with a did-you-mean), missing keys,
+types, enums, and the generation / engine sections (built into ``SamplingParams`` / ``EngineConfig``). Each
+problem names the file, the dotted key and the YAML line. Checks that need the outside world (input files and
+columns, output path, model, cron) live in ``pipeline.run.validate``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams, StructuredOutputError, check_structured
+from pipeline.io.paths import is_uri, local_output_path
+from pipeline.job.structured_output import collisions, describe_error, error_key, resolve_job_spec, written_schema
+from pipeline.problems import JobError, Problem
+
+DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
+DEFAULT_REDUCE_TEMPLATE = "Summaries of the consecutive parts of one long document:\n\n{summaries}"
+DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSummarize the document."
+BUILTIN_PLACEHOLDERS = ("system", "reference", "document")
+
+
+class _Enum(tuple):
+    """Allowed string values of a key."""
+
+
+# Schema: key -> (type, required). Types: str, int, float, bool, list (of str), _Enum(...), or a nested dict.
+_INPUT = {
+    "path": (str, True),
+    "format": (_Enum(("parquet", "datasets", "openai_batch")), False),
+    "id_column": (str, False),
+    "split": (str, False),
+    "limit": (int, False),
+    "batch_size": (int, False),
+    "allow_duplicate_ids": (bool, False),
+}
+_PROMPT = {
+    "system": (str, False),
+    "system_column": (str, False),
+    "reference": (str, False),
+    "reference_column": (str, False),
+    "document_column": (str, False),
+    "template": (str, False),
+    "chat_template": (bool, False),
+    "on_too_long": (_Enum(("error", "truncate_document", "map_reduce")), False),
+    "reduce_template": (str, False),
+}
+_OUTPUT = {
+    "path": (str, True),
+    "format": (_Enum(("parquet", "openai_batch")), False),
+    "include_columns": (list, False),
+    "rows_per_shard": (int, False),
+    "keep_deleted_rows": (bool, False),
+    "keep_runs": (int, False),
+}
+
+
+def _dataclass_schema(cls, skip=()) -> dict:
+    kinds = {"int": int, "float": float, "bool": bool, "str": str, "int | None": int, "float | None": float,
+             "str | None": str, "tuple[str, ...]": list, "tuple[int, ...]": "int_list", "int | str | None": str,
+             "dict | str | None": "switch_or_mapping", "dict | None": "mapping"}
+    return {f.name: (kinds.get(str(f.type), str), False) for f in dataclasses.fields(cls) if f.name not in skip}
+
+
+_STRUCTURED = {    # vLLM's names (engine.StructuredOutputsParams); exactly one of the first four
+    "json": ("schema", False),          # a JSON Schema mapping, or a .json file relative to the job file
+    "regex": (str, False),
+    "choice": (list, False),
+    "grammar": (str, False),            # Lark / EBNF text, or a file relative to the job file
+    "json_object": (bool, False),
+    "disable_any_whitespace": (bool, False),
+}
+_GENERATION = {**_dataclass_schema(SamplingParams), "structured_outputs": (_STRUCTURED, False)}
+_ENGINE = _dataclass_schema(EngineConfig, skip=("model",))
+_TOP = {
+    "name": (str, True),
+    "description": (str, False),
+    "model": (str, False),
+    "input": (_INPUT, True),
+    "prompt": (_PROMPT, False),         # required unless input.format is openai_batch
+    "generation": (_GENERATION, False),
+    "output": (_OUTPUT, True),
+    "engine": (_ENGINE, False),
+    "schedule": (str, False),
+}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    path: str
+    format: str                     # "parquet" | "datasets" | "openai_batch" (pipeline.io.openai_batch)
+    id_column: str | None = None    # None -> the row number is the id
+    split: str | None = None        # for a saved DatasetDict
+    limit: int | None = None        # only the first N rows
+    batch_size: int = 1024
+    allow_duplicate_ids: bool = False
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    system: str | None = None
+    system_column: str | None = None
+    reference: str | None = None
+    reference_column: str | None = None
+    document_column: str = "document"
+    template: str = DEFAULT_TEMPLATE
+    chat_template: bool = False
+    on_too_long: str = "error"      # or truncate_document, or map_reduce (pipeline.prepare.long_docs)
+    reduce_template: str = DEFAULT_REDUCE_TEMPLATE   # map_reduce: the document of a reduce request
+    kind: str = "template"          # "openai_batch": the prompt is each request's messages (pipeline.io.openai_batch)
+
+    @property
+    def placeholders(self) -> list[str]:
+        return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: str
+    format: str = "parquet"         # or "openai_batch": an OpenAI Batch output JSONL (pipeline.io.openai_batch)
+    include_columns: tuple[str, ...] = ()
+    rows_per_shard: int = 100_000   # a directory output is split into shards of this many rows
+    keep_deleted_rows: bool = False  # rows that left the input: dropped (default) or kept at the output's end
+    keep_runs: int = 20             # run traces kept under the job dir; older ones are deleted after a run
+
+    @property
+    def is_uri(self) -> bool:
+        return is_uri(self.path)
+
+    @property
+    def local_path(self) -> str:
+        """Where the output is assembled and its run state kept: the path itself, or for a URI (``s3://...``) a
+        directory under the state dir, published to the URI after each run (``pipeline.io.tables.publish_output``)."""
+        if not self.is_uri:
+            return self.path
+        return str(local_output_path(self.path))
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    file: str
+    input: InputSpec
+    prompt: PromptSpec
+    output: OutputSpec
+    model: str = DEFAULT_MODEL
+    description: str | None = None
+    generation: dict = field(default_factory=dict)   # SamplingParams fields, as written
+    engine: EngineConfig = field(default_factory=EngineConfig)   # the engine: section, validated and built
+    engine_options: tuple[str, ...] = ()             # the engine: keys the job file wrote (jobs on one model merge
+                                                     # these; the rest stay the engine's defaults)
+    schedule: str | None = None
+    lines: dict = field(default_factory=dict, compare=False, repr=False)  # dotted key -> YAML line
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.generation)
+
+    @property
+    def passthrough_columns(self) -> tuple[str, ...]:
+        """Input columns copied into the output: the id column first (when the job names one), so every output
+        row can be joined back to its input, then ``output.include_columns``."""
+        head = (self.input.id_column,) if self.input.id_column else ()
+        return tuple(dict.fromkeys(head + tuple(self.output.include_columns)))
+
+    def line(self, key: str) -> int | None:
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key.rpartition(".")[0]
+        return None
+
+    def problem(self, key: str | None, message: str) -> Problem:
+        return Problem(self.file, key, message, self.line(key) if key else None)
+
+
+def _line_map(node, prefix: str = "", out: dict | None = None) -> dict:
+    """Dotted key -> 1-based line of that key in the YAML file."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}.{k.value}" if prefix else str(k.value)
+            out[key] = k.start_mark.line + 1
+            _line_map(v, key, out)
+    return out
+
+
+def _check_type(value: Any, kind, key: str, problems: list[tuple[str, str]]) -> Any:
+    def bad(expected: str):
+        problems.append((key, f"expected {expected}, got {type(value).__name__} {value!r}"))
+
+    if isinstance(kind, _Enum):
+        if value not in kind:
+            hint = difflib.get_close_matches(str(value), list(kind), n=1)
+            problems.append((key, f"must be one of {', '.join(kind)}; got {value!r}"
+                                  + (f" (did you mean {hint[0]!r}?)" if hint else "")))
+    elif kind is bool and not isinstance(value, bool):
+        bad("true or false")
+    elif kind is int and (isinstance(value, bool) or not isinstance(value, int)) and value is not None:
+        bad("an integer")
+    elif kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        bad("a number")
+    elif kind is str and not isinstance(value, str):
+        bad("a string")
+    elif kind is list:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            bad("a list of strings" + ("; YAML reads yes, no, on, off as true / false: quote them"
+                                       if isinstance(value, list) and any(isinstance(v, bool) for v in value) else ""))
+    elif kind == "int_list":
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            bad("a list of integers")
+    elif kind == "mapping" and value is not None and not isinstance(value, dict):     # e.g. engine.kernels
+        bad("a mapping")
+    elif kind == "schema" and not isinstance(value, (dict, str)):
+        bad("a JSON Schema mapping or the path of a .json file")
+    elif kind == "switch_or_mapping":          # e.g. speculative_config: off | auto | {key: value, ...}
+        if isinstance(value, bool):            # YAML 1.1 reads a bare off / on as false / true
+            return "auto" if value else "off"
+        if value is not None and not isinstance(value, (str, dict)):
+            bad("off, auto or a mapping")
+    return value
+
+
+def _check_mapping(data: Any, schema: dict, prefix: str, problems: list[tuple[str, str]]) -> dict:
+    if not isinstance(data, dict):
+        problems.append((prefix or "(top level)", f"expected a mapping of keys, got {type(data).__name__}"))
+        return {}
+    out = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in schema:
+            hint = difflib.get_close_matches(str(key), list(schema), n=1)
+            problems.append((dotted, "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint
+                                                     else f"; known keys: {', '.join(schema)}")))
+            continue
+        kind, _ = schema[key]
+        if isinstance(kind, dict):
+            out[key] = _check_mapping(value, kind, dotted, problems)
+        else:
+            out[key] = _check_type(value, kind, dotted, problems)
+    for key, (_, required) in schema.items():
+        if required and key not in data:
+            problems.append((f"{prefix}.{key}" if prefix else key, "missing required key"))
+    return out
+
+
+def load_job(path: str | Path) -> Job:
+    """Parse and shape-check one job file. Raises ``JobError`` listing every problem found."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError([Problem(file, None, f"cannot read job file ({e})")]) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        detail = " ".join(str(x) for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x)
+        raise JobError([Problem(file, None, f"YAML syntax error: {detail or e}",
+                                mark.line + 1 if mark else None)]) from None
+    lines = _line_map(node) if node is not None else {}
+    raw: list[tuple[str, str]] = []
+    d = _check_mapping(data if data is not None else {}, _TOP, "", raw)
+    problems = [Problem(file, k, m, _nearest_line(lines, k)) for k, m in raw]
+    if problems:
+        raise JobError(problems)
+
+    inp, pr, out = d["input"], d.get("prompt"), d["output"]
+    name = d["name"]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        problems.append(Problem(file, "name", f"must be letters, digits, '-', '_' or '.'; got {name!r}",
+                                lines.get("name")))
+    fmt = inp.get("format") or ("datasets" if _looks_like_saved_dataset(inp["path"]) else "parquet")
+    if fmt == "openai_batch":
+        # NOTE: each request's messages are its prompt, through the model's chat template; only on_too_long
+        # may be set (pipeline.io.openai_batch).
+        for k in pr or {}:
+            if k not in ("on_too_long", "reduce_template"):
+                problems.append(Problem(file, f"prompt.{k}", "not used with input.format openai_batch: each "
+                                        "request's messages are its prompt (only prompt.on_too_long applies)",
+                                        lines.get(f"prompt.{k}")))
+        pr = {**(pr or {}), "kind": "openai_batch", "chat_template": True, "document_column": "body",
+              "template": "{document}"}
+        inp = {"id_column": "custom_id", **inp}
+    elif pr is None:
+        problems.append(Problem(file, "prompt", "missing required key"))
+        pr = {}
+    if out.get("format") == "openai_batch" and out.get("keep_deleted_rows"):
+        problems.append(Problem(file, "output.keep_deleted_rows", "not supported with output.format openai_batch",
+                                lines.get("output.keep_deleted_rows")))
+    for a, b in (("system", "system_column"), ("reference", "reference_column")):
+        if a in pr and b in pr:
+            problems.append(Problem(file, f"prompt.{b}", f"give either prompt.{a} or prompt.{b}, not both",
+                                    lines.get(f"prompt.{b}")))
+    prompt = PromptSpec(**{k: v for k, v in pr.items()})
+    if "template" not in pr and pr.get("chat_template"):
+        prompt = dataclasses.replace(prompt, template=DEFAULT_CHAT_TEMPLATE)
+    if "document" not in prompt.placeholders:
+        problems.append(Problem(file, "prompt.template", "must contain the {document} placeholder",
+                                lines.get("prompt.template")))
+    if "{summaries}" not in prompt.reduce_template:
+        problems.append(Problem(file, "prompt.reduce_template", "must contain the {summaries} placeholder",
+                                lines.get("prompt.reduce_template")))
+    try:
+        list(string.Formatter().parse(prompt.template))
+    except ValueError as e:
+        problems.append(Problem(file, "prompt.template", f"not a valid template ({e}); write literal braces "
+                                "as {{ and }}", lines.get("prompt.template")))
+    for key in ("limit", "batch_size"):
+        if inp.get(key) is not None and inp[key] < 1:
+            problems.append(Problem(file, f"input.{key}", f"must be >= 1, got {inp[key]}",
+                                    lines.get(f"input.{key}")))
+    for key in ("rows_per_shard", "keep_runs"):
+        if out.get(key) is not None and out[key] < 1:
+            problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
+    gen, eng = d.get("generation") or {}, d.get("engine") or {}
+    if gen.get("structured_outputs"):
+        try:
+            gen = {**gen, "structured_outputs": resolve_job_spec(gen["structured_outputs"], file)}
+        except ValueError as e:
+            sub, message = e.args
+            key = f"generation.structured_outputs.{sub}"
+            problems.append(Problem(file, key, message, _nearest_line(lines, key)))
+            gen = {k: v for k, v in gen.items() if k != "structured_outputs"}
+    built = {}
+    for section, build in (("generation", lambda: SamplingParams(**gen)),
+                           ("engine", lambda: EngineConfig.from_options(d.get("model", DEFAULT_MODEL), **eng))):
+        try:
+            built[section] = build()
+        except (BatchgenError, TypeError, ValueError) as e:
+            key = next((f"{section}.{k}" for k in (gen if section == "generation" else eng) if k in str(e)),
+                       section)
+            if isinstance(e, StructuredOutputError):
+                key = ".".join(filter(None, ("generation.structured_outputs", error_key(e, None))))
+                e = describe_error(e)
+            problems.append(Problem(file, key, str(e), _nearest_line(lines, key)))
+    if "generation" in built:
+        problems += _structured_problems(built["generation"], gen, file, lines, inp, out)
+    if problems:
+        raise JobError(problems)
+    return Job(
+        name=name, file=file, model=d.get("model", DEFAULT_MODEL),
+        description=d.get("description"),
+        input=InputSpec(path=inp["path"], format=fmt, id_column=inp.get("id_column"),
+                        split=inp.get("split"), limit=inp.get("limit"), batch_size=inp.get("batch_size") or 1024,
+                        allow_duplicate_ids=inp.get("allow_duplicate_ids", False)),
+        prompt=prompt,
+        output=OutputSpec(path=out["path"], format=out.get("format") or "parquet",
+                          include_columns=tuple(out.get("include_columns") or ()),
+                          rows_per_shard=out.get("rows_per_shard") or 100_000,
+                          keep_deleted_rows=out.get("keep_deleted_rows", False),
+                          keep_runs=out.get("keep_runs") or 20),
+        generation=gen, engine=built["engine"], engine_options=tuple(sorted(eng)), schedule=d.get("schedule"),
+        lines=lines,
+    )
+
+
+def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: dict, inp: dict,
+                         out: dict) -> list[Problem]:
+    """A schema the engine cannot honour, or an object schema whose property is named like an output column:
+    refused before any compute (validate, plan, submit), naming the key and the schema keyword."""
+    so = params.structured_outputs
+    if so is None:
+        return []
+    key = f"generation.structured_outputs.{so.kind}"
+    try:
+        check_structured(so)
+    except StructuredOutputError as e:
+        return [Problem(file, key, describe_error(e), _nearest_line(lines, key))]
+    passthrough = tuple(c for c in [inp.get("id_column")] + list(out.get("include_columns") or ()) if c)
+    return [Problem(file, key, f"property {name!r} is also the name of an output column; rename it in the "
+                               "schema (each top-level property becomes a column named after it)",
+                    _nearest_line(lines, key)) for name in collisions(written_schema(gen), passthrough)]
+
+
+def _nearest_line(lines: dict, key: str) -> int | None:
+    while key:
+        if key in lines:
+            return lines[key]
+        key = key.rpartition(".")[0]
+    return None
+
+
+def _looks_like_saved_dataset(p: str) -> bool:
+    cand = Path(p)
+    return (cand / "dataset_info.json").is_file() or (cand / "dataset_dict.json").is_file()
+
+
+def load_jobs(paths: list[str | Path]) -> list[Job]:
+    """Parse several job files; collect every file's problems plus cross-job ones (names, output paths)."""
+    jobs, problems = [], []
+    for p in paths:
+        try:
+            jobs.append(load_job(p))
+        except JobError as e:
+            problems.extend(e.problems)
+    problems.extend(cross_job_problems(jobs))
+    if problems:
+        raise JobError(problems)
+    return jobs
+
+
+def cross_job_problems(jobs: list[Job]) -> list[Problem]:
+    problems, names, outputs = [], {}, {}
+    for job in jobs:
+        if job.name in names:
+            problems.append(job.problem("name", f"job name {job.name!r} is also used by {names[job.name]}; "
+                                                "names must be unique among jobs submitted together"))
+        names.setdefault(job.name, job.file)
+        out = job.output.path if job.output.is_uri else str(Path(job.output.path).resolve())
+        if out in outputs:
+            problems.append(job.problem("output.path", f"{job.output.path} is also the output of "
+                                                       f"{outputs[out]}; each job needs its own output path"))
+        outputs.setdefault(out, job.file)
+    return problems

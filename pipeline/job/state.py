@@ -1,0 +1,146 @@
+"""The job dir of one job (beside its output): a lock, committed result parts, and the run's scratch files.
+
+("job dir" is per output; "state dir" is the per-user directory of ``pipeline.run.history``.)
+
+    out/summaries.parquet                     the output (assembled atomically at the end)
+    out/summaries.parquet.manifest.json       the run manifest
+    out/.summaries.parquet.batchgen/          the job dir
+        lock                                  pid + host of the running process
+        parts/part-<time>-<seq>.parquet       committed results, one row per finished row (by row_key)
+        keys.arrow / spill.arrow              this run's row keys (input order) / prompts to compute
+        runs/<run id>/                        the run's trace (pipeline.run.trace) -> `batchgen report <dir>`
+        current_run                           the id of an unfinished run (a resume appends to its trace)
+
+A part is written to a temp name, fsynced and renamed, so a kill at any point leaves only whole parts; the
+results they hold are never recomputed. Rows are identified by ``row_key`` (id + hash of what determines
+the result), so a changed prompt, model or parameter makes a new key and the row is computed again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.io.tables import write_parquet_atomic
+from pipeline.job.rows import RESULT_SCHEMA, ResultRow, results_table
+from pipeline.problems import RunError
+
+
+def job_dir_for(output_path: str | Path) -> Path:
+    out = Path(output_path)
+    return out.parent / f".{out.name}.batchgen"
+
+
+def manifest_path_for(output_path: str | Path) -> Path:
+    out = Path(output_path)
+    return out.parent / f"{out.name}.manifest.json"
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists on this host (also when it belongs to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunState:
+    def __init__(self, output_path: str | Path, job_name: str):
+        self.dir = job_dir_for(output_path)
+        self.parts = self.dir / "parts"
+        self.job_name = job_name
+        self._seq = 0
+        self._locked = False
+
+    # ---- lock ---------------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the job's lock; a lock left by a dead process (same host) is taken over."""
+        try:
+            self.parts.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunError(f"job {self.job_name!r}: cannot create the run state directory {self.dir}: "
+                           f"{e.strerror or e}") from None
+        path = self.dir / "lock"
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    other = json.loads(path.read_text() or "{}")
+                except (OSError, ValueError):
+                    other = {}
+                pid = other.get("pid")
+                if (other.get("host") == me["host"] and isinstance(pid, int) and not pid_alive(pid)) or not other:
+                    path.unlink(missing_ok=True)        # stale: its process is gone
+                    continue
+                raise RunError(f"job {self.job_name!r} is already running (pid {pid} on {other.get('host')}, "
+                               f"started {other.get('started')}); lock file {path}. Wait for it to finish, or "
+                               "remove the lock file if that process is gone.") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self._locked = True
+            return
+        raise RunError(f"job {self.job_name!r}: cannot take the lock {path}")
+
+    def unlock(self) -> None:
+        if self._locked:
+            (self.dir / "lock").unlink(missing_ok=True)
+            self._locked = False
+
+    # ---- committed results --------------------------------------------------------------------------
+    def part_files(self) -> list[Path]:
+        return sorted(p for p in self.parts.glob("part-*.parquet")) if self.parts.is_dir() else []
+
+    def load_done(self) -> pa.Table:
+        """All committed results, one row per ``row_key`` (the first committed wins)."""
+        for tmp in self.parts.glob(".*.tmp-*") if self.parts.is_dir() else ():
+            tmp.unlink(missing_ok=True)                 # a part whose write was interrupted
+        tables = []
+        for p in self.part_files():
+            try:
+                tables.append(pq.read_table(p, schema=RESULT_SCHEMA))
+            except (pa.ArrowException, OSError):
+                # NOTE: parts are renamed into place only when whole; an unreadable one was damaged later
+                # (disk fault). Its rows are simply computed again.
+                p.rename(p.with_suffix(".corrupt"))
+        if not tables:
+            return RESULT_SCHEMA.empty_table()
+        table = pa.concat_tables(tables)
+        keys = table.column("row_key").to_pylist()
+        if len(set(keys)) != len(keys):
+            seen, keep = set(), []
+            for i, k in enumerate(keys):
+                if k not in seen:
+                    seen.add(k)
+                    keep.append(i)
+            table = table.take(keep)
+        return table
+
+    def commit(self, rows: list[ResultRow]) -> None:
+        """Make ``rows`` durable as one part file."""
+        if not rows:
+            return
+        self._seq += 1
+        table = results_table(rows)
+        write_parquet_atomic(table, self.parts / f"part-{time.time_ns():020d}-{self._seq:06d}.parquet")
+
+    def compact(self, table: pa.Table) -> None:
+        """Replace all parts by one holding ``table`` (whole parts first, then the old ones go)."""
+        old = self.part_files()
+        if len(old) <= 1:
+            return
+        write_parquet_atomic(table, self.parts / f"part-{time.time_ns():020d}-compact.parquet")
+        for p in old:
+            p.unlink(missing_ok=True)
+
+    def scratch(self, name: str) -> Path:
+        return self.dir / name

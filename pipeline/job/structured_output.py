@@ -1,0 +1,262 @@
+"""Structured outputs in the pipeline (the engine constrains generation; engine/structured):
+
+    job syntax     ``generation.structured_outputs``: one of ``json`` (a mapping, or a ``.json`` file relative to the
+                   job file), ``regex``, ``choice``, ``grammar`` (text or a file) -> ``resolve_job_spec``
+    typed columns  an object schema's top-level properties, one Arrow column each (``output_fields``), named
+                   exactly after the property; refused at plan time when a name is an output column's
+    row check      every result against its schema before it is committed (``json_error``: None when valid)
+
+Columns are derived from ``summary`` (the raw JSON) when the output is assembled, so every part of a resumed or
+incremental run gives the same typed schema.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pyarrow as pa
+
+from engine import StructuredOutputError, StructuredOutputsParams
+from pipeline.job.rows import RESULT_COLUMNS
+
+JSON_KINDS = ("json", "json_object")        # kinds whose results are checked and get a ``json_error`` column
+_GRAMMAR_FILES = (".lark", ".ebnf", ".gbnf", ".txt")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class Unfit(ValueError):
+    """A value the schema allowed but its column cannot hold (an integer beyond int64)."""
+
+
+# ---- job syntax ----------------------------------------------------------------------------------------------
+def resolve_job_spec(spec: dict, job_file: str) -> dict:
+    """``generation.structured_outputs`` as written -> ``StructuredOutputsParams`` keywords: a ``json`` path is
+    read (relative to the job file), a ``grammar`` that names a file is read. Raises ``ValueError(key, message)``."""
+    out = dict(spec)
+    base = Path(job_file).parent
+    schema = out.get("json")
+    if isinstance(schema, str) and not schema.lstrip().startswith("{"):
+        path = base / schema
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError("json", f"cannot read the schema file {path} ({e})") from None
+        try:
+            out["json"] = json.loads(text)
+        except ValueError as e:
+            raise ValueError("json", f"{path} is not valid JSON ({e})") from None
+    grammar = out.get("grammar")
+    if isinstance(grammar, str) and "\n" not in grammar.strip():
+        path = base / grammar.strip()
+        if path.is_file() or path.suffix in _GRAMMAR_FILES:
+            try:
+                out["grammar"] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError("grammar", f"cannot read the grammar file {path} ({e})") from None
+    return out
+
+
+def error_key(e: StructuredOutputError, params: StructuredOutputsParams | None) -> str:
+    """The sub-key of ``structured_outputs`` an error is about (its kind, when the params were built)."""
+    if params is not None:
+        return params.kind
+    return next((k for k in ("json", "regex", "choice", "grammar") if f"structured_outputs.{k}" in str(e)), "")
+
+
+def describe_error(e: StructuredOutputError) -> str:
+    """The message, naming the schema keyword to blame when one is."""
+    return f"{e}" + (f" (keyword {e.keyword!r})" if getattr(e, "keyword", None) and e.keyword not in str(e) else "")
+
+
+# ---- typed columns -------------------------------------------------------------------------------------------
+def _resolve(schema, root: dict, seen: tuple = ()) -> dict | None:
+    """A local ``$ref`` (``#/$defs/x``) followed; None for a recursive or remote one (-> a JSON text column)."""
+    while isinstance(schema, dict) and "$ref" in schema:
+        ref = schema["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/") or ref in seen:
+            return None
+        seen = seen + (ref,)
+        node = root
+        for part in ref[2:].split("/"):
+            node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+        schema = node
+    return schema if isinstance(schema, dict) else None
+
+
+def _types(schema: dict) -> tuple[set, bool]:
+    """The JSON types a (sub)schema allows and whether null is one of them."""
+    t = schema.get("type")
+    if isinstance(t, str):
+        kinds = {t}
+    elif isinstance(t, list):
+        kinds = set(t)
+    elif "enum" in schema or "const" in schema:
+        values = schema.get("enum", [schema.get("const")])
+        kinds = {{bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+                 .get(type(v), "other") for v in values}
+    elif "properties" in schema:
+        kinds = {"object"}
+    else:
+        kinds = {"any"}
+    return kinds - {"null"}, "null" in kinds
+
+
+def _arrow(schema, root: dict, depth: int = 0) -> tuple[pa.DataType, bool]:
+    """(Arrow type, may be null) of a (sub)schema; anything without one plain type is its JSON text (string)."""
+    schema = _resolve(schema, root)
+    if schema is None or depth > 16:
+        return pa.string(), True
+    kinds, nullable = _types(schema)
+    if kinds == {"integer", "number"}:
+        kinds = {"number"}
+    if len(kinds) != 1:
+        return pa.string(), True
+    kind = kinds.pop()
+    if kind in ("string", "integer", "number", "boolean"):
+        return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
+                "boolean": pa.bool_()}[kind], nullable
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        item, item_null = _arrow(schema["items"], root, depth + 1)
+        return pa.list_(pa.field("item", item, nullable=item_null)), nullable
+    if kind == "object" and schema.get("properties"):
+        required = set(schema.get("required") or ())
+        fields = []
+        for name, sub in schema["properties"].items():
+            t, n = _arrow(sub, root, depth + 1)
+            fields.append(pa.field(name, t, nullable=n or name not in required))
+        return pa.struct(fields), nullable
+    return pa.string(), True
+
+
+def written_schema(generation: dict) -> dict | None:
+    """The JSON Schema of a job's ``generation`` (resolved by ``resolve_job_spec``) in the order it was written:
+    columns follow the properties' order (``StructuredOutputsParams`` keeps its schema with sorted keys)."""
+    spec = generation.get("structured_outputs")
+    schema = spec.get("json") if isinstance(spec, dict) else None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return None
+    return schema if isinstance(schema, dict) else None
+
+
+def output_fields(schema: dict | None) -> list[pa.Field]:
+    """The typed columns of an object schema's top-level properties ([] for anything else). Top-level columns
+    are all nullable (a row whose JSON is invalid has them null); field metadata says which the schema requires;
+    nested fields are nullable only where the schema lets them be absent or null."""
+    if not isinstance(schema, dict):
+        return []
+    root = _resolve(schema, schema) or {}
+    props = root.get("properties")
+    if not isinstance(props, dict) or not props or _types(root)[0] != {"object"}:
+        return []
+    required = set(root.get("required") or ())
+    return [pa.field(name, _arrow(sub, schema)[0], nullable=True,
+                     metadata={"required": "true" if name in required else "false"})
+            for name, sub in props.items()]
+
+
+def collisions(schema: dict | None, passthrough: tuple[str, ...] = ()) -> list[str]:
+    """Top-level properties named like an output column (result, metric, ``json_error`` or passthrough)."""
+    taken = set(RESULT_COLUMNS) | set(passthrough)
+    return [f.name for f in output_fields(schema) if f.name in taken]
+
+
+def _convert(value, t: pa.DataType):
+    """``value`` (parsed JSON that the schema accepted) as column type ``t``'s Python value; ``Unfit`` if it
+    cannot be."""
+    if value is None:
+        return None
+    if pa.types.is_string(t):
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    if pa.types.is_boolean(t):
+        if isinstance(value, bool):
+            return value
+    elif pa.types.is_int64(t):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not _INT64[0] <= value <= _INT64[1]:
+                raise Unfit(f"{value} does not fit a 64-bit integer column")
+            return value
+    elif pa.types.is_float64(t):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif pa.types.is_list(t):
+        if isinstance(value, list):
+            return [_convert(v, t.value_type) for v in value]
+    elif pa.types.is_struct(t):
+        if isinstance(value, dict):
+            return {t.field(i).name: _convert(value.get(t.field(i).name), t.field(i).type)
+                    for i in range(t.num_fields)}
+    raise Unfit(f"{json.dumps(value)[:60]} does not fit a {t} column")
+
+
+def typed_values(obj: dict, fields: list[pa.Field]) -> dict:
+    """A valid result's top-level properties as column values (``Unfit`` naming the property)."""
+    out = {}
+    for f in fields:
+        try:
+            out[f.name] = _convert(obj.get(f.name), f.type)
+        except Unfit as e:
+            raise Unfit(f"property {f.name!r}: {e}") from None
+    return out
+
+
+def typed_columns(summaries: list, json_errors: list, fields: list[pa.Field]) -> list[pa.Array]:
+    """The typed columns of rows (their raw JSON and ``json_error``): a row whose JSON is missing or invalid
+    has them all null."""
+    cols: dict[str, list] = {f.name: [] for f in fields}
+    for text, err in zip(summaries, json_errors):
+        values = {}
+        if text is not None and err is None:
+            try:
+                values = typed_values(json.loads(text), fields)
+            except (ValueError, AttributeError):     # checked when committed; never fail the assembly
+                values = {}
+        for f in fields:
+            cols[f.name].append(values.get(f.name))
+    return [pa.array(cols[f.name], type=f.type) for f in fields]
+
+
+# ---- the row check -------------------------------------------------------------------------------------------
+@lru_cache(maxsize=64)
+def _validator(schema_text: str):
+    import jsonschema  # NOTE: only when a job asks for JSON; keeps CLI start-up light
+    schema = json.loads(schema_text)
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def json_error(text: str | None, finish_reason: str | None, params: StructuredOutputsParams | None,
+               fields: list[pa.Field] = (), max_tokens: int | None = None) -> str | None:
+    """Why a result does not match its JSON schema (None when it does, or when no JSON was asked for)."""
+    if params is None or params.kind not in JSON_KINDS or text is None:
+        return None
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        if finish_reason == "length":
+            return (f"cut off at max_tokens{f' ({max_tokens})' if max_tokens else ''} before the JSON was "
+                    "complete (finish_reason length)")
+        return f"not valid JSON ({e})"
+    if params.kind == "json_object":
+        return None if isinstance(obj, dict) else f"not a JSON object (a {type(obj).__name__})"
+    errors = sorted(_validator(params.json).iter_errors(obj), key=lambda e: (len(e.path), e.message))
+    if errors:
+        e = errors[0]
+        where = "/".join(str(p) for p in e.path)
+        cut = " (cut off at max_tokens)" if finish_reason == "length" else ""
+        return f"does not match the schema{cut}: {e.message}" + (f" at {where}" if where else "") + \
+            f" (keyword {e.validator!r})"
+    try:
+        typed_values(obj, list(fields))
+    except Unfit as e:
+        return str(e)
+    return None
+
+
+__all__ = ["JSON_KINDS", "resolve_job_spec", "error_key", "describe_error", "written_schema", "output_fields",
+           "collisions",
+           "typed_values", "typed_columns", "json_error"]

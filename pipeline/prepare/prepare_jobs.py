@@ -1,0 +1,265 @@
+"""Steps 1 and 2 of a run: stream each job's input into row keys and a spill file of what is left to compute
+(``prepare``), then plan every job's rows on the model together into one ``batch.Batch`` (``prepare_jobs``).
+
+For every input row: render the prompt, compute its ``row_key`` (row id + prompt + model + parameters); a key
+with a committed result is reused; a bad row becomes an error result at once; the rest are tokenized and go to
+the spill file (head group, document ids, tail id, params id) that ``SpilledRequests`` reads back by row
+number. Nothing here touches the engine beyond its tokenizer and ``EngineInfo``.
+
+    keys.arrow    row_idx -> row_key, in input order (the assembly joins results onto it)
+    spill.arrow   row_key, group, doc_ids, tail, params  for the rows to compute (a ``rows.Request`` each)
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from engine import EngineInfo
+from pipeline.io.tables import iter_batches
+from pipeline.job.prompts import RowError, RowKeyer, needed_columns, row_key
+from pipeline.job.rows import Request
+from pipeline.plan.batch import Batch
+from pipeline.plan.planner import make_plan, unplanned
+from pipeline.prepare.job_run import JobRun
+from pipeline.prepare.long_docs import chunks_of
+from pipeline.problems import RunError
+
+SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
+                          ("tail", pa.int64()), ("params", pa.int32())])
+KEYS_SCHEMA = pa.schema([("row_idx", pa.int64()), ("row_key", pa.string())])
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """What the planner needs of a prepared job: per row to compute (spill order), its head group and length."""
+    groups: list[int]
+    prompt_lens: list[int]
+
+
+def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: bool, commit_rows: int,
+                 fail_fast: bool) -> Batch:
+    """Prepare every job on the model (``prepare``) and plan their rows together: one batch over the spill files.
+    ``order``: planned (``planner.make_plan``), or input / shuffled (``planner.unplanned``, benchmark baselines)."""
+    heads: list[tuple[int, ...]] = []
+    head_index: dict[str, int] = {}
+    req_job, req_local, req_group, req_len = [], [], [], []
+    for j, jr in enumerate(runs):
+        prepared = prepare(jr, info, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
+                           fail_fast=fail_fast)
+        g, ln = prepared.groups, prepared.prompt_lens
+        req_job.append(np.full(len(g), j, dtype=np.int64))
+        req_local.append(np.arange(len(g), dtype=np.int64))
+        req_group.append(np.asarray(g, dtype=np.int64))
+        req_len.append(np.asarray(ln, dtype=np.int64))
+    job_a, local_a = np.concatenate(req_job), np.concatenate(req_local)
+    groups, lens = np.concatenate(req_group), np.concatenate(req_len)
+    plan = (make_plan(heads, groups, lens, info.block_size) if order == "planned"
+            else unplanned(groups, lens, info.block_size, order))
+    return Batch(plan, heads, SpilledRequests(runs, job_a, local_a), job_a, [jr.prompts for jr in runs])
+
+
+def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
+            fail_fast: bool) -> PreparedJob:
+    """Stream the job's input; write keys (+ spill of rows to compute). Rows already committed are reused, bad
+    rows are committed as error rows at once. ``heads`` / ``head_index`` collect the distinct prompt heads of
+    every job on the model (the planner's groups)."""
+    job, prompts = jr.job, jr.prompts
+    r = prompts.renderer
+    id_col = job.input.id_column
+    cols = list(dict.fromkeys(([id_col] if id_col else []) + needed_columns(job.prompt)))
+    done = jr.state.load_done() if jr.state.dir.exists() else None
+    done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
+    done_ids = {k.rpartition("#")[0] for k in done_keys}
+    max_len = prompts.max_model_len
+    seen_ids: set[str] = set()
+    seen_keys: set[str] = set()
+    digest = hashlib.sha256()
+    groups, lens = [], []
+    keys_path, spill_path = jr.state.scratch("keys.arrow"), jr.state.scratch("spill.arrow")
+    if dry_run:
+        keys_w = spill_w = None
+    else:
+        jr.state.dir.mkdir(parents=True, exist_ok=True)
+        keys_w = pa.ipc.new_file(str(keys_path), KEYS_SCHEMA)
+        spill_w = pa.ipc.new_file(str(spill_path), SPILL_SCHEMA)
+    keyer = RowKeyer(prompts.fingerprint)          # = row_key(rid, rendered text, fingerprint)
+    row_idx = 0
+    gc_was_on = gc.isenabled()
+    gc.disable()    # millions of small id lists: the cyclic collector would walk them all, again and again
+    # (cost: docs/perf/code-notes-pipe.md)
+
+    def render_rows(rows: list[dict], row_idx: int) -> list:
+        rendered: list = []
+        for i, row in enumerate(rows):
+            rid = str(row[id_col]) if id_col else str(row_idx + i)
+            if id_col and row[id_col] is None:
+                rid = f"<null id at row {row_idx + i}>"
+            if rid in seen_ids and not job.input.allow_duplicate_ids:
+                raise RunError(f"{job.file}: input.id_column {id_col!r}: id {rid!r} appears more than "
+                               f"once (again at row {row_idx + i}); ids must be unique, or set "
+                               "input.allow_duplicate_ids: true")
+            seen_ids.add(rid)
+            pidx = 0
+            try:
+                rr = r.render(row)
+                if rr.params:
+                    pidx = prompts.params_index(rr.params)
+                key = keyer.key(rid, rr.head, rr.document + rr.tail + (f"\0{rr.params!r}" if rr.params else ""))
+            except RowError as e:
+                rr, key = e, row_key(rid, "error:" + str(e) + repr(sorted(row.items(), key=str)),
+                                     prompts.fingerprint)
+            rendered.append((rid, rr, key, pidx))
+        return rendered
+
+    def tokenize(docs: list[str]) -> list:
+        # NOTE: a dry run needs only lengths: range(n) stands in for n ids (len and slicing behave alike)
+        return [range(n) for n in r.document_lengths(docs)] if dry_run else r.document_ids(docs)
+
+    def finish(rows: list[dict], row_idx: int, rendered: list, todo: list[int], tokenized) -> None:
+        doc_ids = dict(zip(todo, tokenized.result()))
+        keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": [], "params": []}
+        for k, (rid, rr, key, pidx) in enumerate(rendered):
+            keys.append(key)
+            digest.update(key.encode() + b"\n")
+            if key in done_keys or key in seen_keys:
+                jr.reused += key in done_keys
+                continue
+            seen_keys.add(key)
+            if rid in done_ids:
+                jr.changed += 1
+            chunks = None
+            if not isinstance(rr, RowError):
+                head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
+                row_max = prompts.param_sets[pidx].max_tokens
+                try:
+                    ids = r.fit(head, doc_ids[k], tail, max_len, row_max)
+                except RowError as e:
+                    room = max_len - row_max - len(head) - len(tail)
+                    if job.prompt.on_too_long == "map_reduce" and room > 0:
+                        chunks = chunks_of(r, rr.document, room)
+                    else:
+                        rr = e
+            if isinstance(rr, RowError):
+                _row_error(jr, key, str(rr), row_idx + k, fail_fast)
+                continue
+            gid = head_index.setdefault("\0".join((rr.head, str(job.prompt.chat_template))), len(heads))
+            if gid == len(heads):
+                heads.append(head)
+            tail_id = prompts.tail_index(tail)
+            if chunks is not None:          # on_too_long: map_reduce (pipeline.prepare.long_docs)
+                parts = jr.long_docs.add(key, chunks, gid, tail_id, pidx, head_len=len(head), tail_len=len(tail))
+                todo_chunks = [(ck, c) for ck, c in parts if ck not in done_keys]
+            else:
+                todo_chunks = [(key, ids)]
+            part_params = pidx if chunks is None else prompts.unconstrained_index(pidx)   # parts: no schema
+            for ck, c in todo_chunks:
+                groups.append(gid)
+                lens.append(len(head) + len(c) + len(tail))
+                spill["row_key"].append(ck)
+                spill["group"].append(gid)
+                spill["doc_ids"].append(c)
+                spill["tail"].append(tail_id)
+                spill["params"].append(part_params)
+        if keys_w is not None:
+            keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
+                                                pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
+            if spill["row_key"]:
+                spill_w.write_batch(pa.record_batch(spill, schema=SPILL_SCHEMA))
+        if not dry_run and len(jr.pending) >= commit_rows:
+            jr.commit()
+
+    try:
+        # Two stages, one batch apart: the next batch renders (Python) while this one's documents tokenize on
+        # a worker thread (the Rust tokenizer and Arrow's kernels run without the GIL). Rendering a batch ahead
+        # of the previous one's keys may tokenize a duplicate the second stage then skips: harmless.
+        with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
+            inflight = None
+            for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
+                                      job.input.split, job.input.limit):
+                rows = batch.to_pylist()
+                rendered = render_rows(rows, row_idx)
+                todo = [k for k, (_, rr, key, _) in enumerate(rendered)
+                        if not isinstance(rr, RowError) and key not in done_keys and key not in seen_keys]
+                future = pool.submit(tokenize, [rendered[k][1].document for k in todo])
+                if inflight is not None:
+                    finish(*inflight)
+                inflight = (rows, row_idx, rendered, todo, future)
+                row_idx += len(rows)
+            if inflight is not None:
+                finish(*inflight)
+    finally:
+        if gc_was_on:
+            gc.enable()
+        if keys_w is not None:
+            keys_w.close()
+            spill_w.close()
+    if not dry_run:
+        jr.commit()
+    jr.num_rows = row_idx
+    jr.ids = seen_ids
+    jr.spill_rows = len(groups)
+    jr.keys_digest = digest.hexdigest()
+    return PreparedJob(groups, lens)
+
+
+def _row_error(jr: JobRun, key: str, message: str, row_idx: int, fail_fast: bool) -> None:
+    if fail_fast:
+        jr.row_errors += 1
+        raise RunError(f"job {jr.job.name!r}, row {row_idx} ({key.rpartition('#')[0]}): {message}. "
+                       "Stopped because of --fail-fast; rows done so far are kept.")
+    jr.row_error(key, message)
+
+
+class Spill:
+    """Random access by row number into one job's spill file (memory-mapped Arrow IPC)."""
+
+    def __init__(self, path: Path, job: int):
+        self.job = job
+        self._reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        sizes = [self._reader.get_batch(i).num_rows for i in range(self._reader.num_record_batches)]
+        self._starts = np.cumsum([0] + sizes)
+        self._cache: tuple[int, list] | None = None
+
+    def row(self, i: int) -> Request:
+        """Spill row ``i``."""
+        b = int(np.searchsorted(self._starts, i, side="right") - 1)
+        if self._cache is None or self._cache[0] != b:
+            batch = self._reader.get_batch(b)
+            self._cache = (b, [batch.column(k) for k in range(5)])
+        cols = self._cache[1]
+        off = i - int(self._starts[b])
+        return Request(self.job, cols[0][off].as_py(), cols[1][off].as_py(),
+                       cols[2][off].values.to_numpy().tolist(), cols[3][off].as_py(), cols[4][off].as_py())
+
+    def close(self) -> None:
+        self._reader = None
+
+
+class SpilledRequests:
+    """The requests of a prepared batch, by request index (job, row in its spill file); spill files are opened
+    when first read (after ``prepare`` has closed them) and closed by ``close``."""
+
+    def __init__(self, runs: list[JobRun], job: np.ndarray, local: np.ndarray):
+        self._runs, self._job, self._local = runs, job, local
+        self._spills: dict[int, Spill] = {}
+
+    def __len__(self) -> int:
+        return len(self._job)
+
+    def __getitem__(self, i: int) -> Request:
+        j = int(self._job[i])
+        spill = self._spills.get(j)
+        if spill is None:
+            spill = self._spills[j] = Spill(self._runs[j].state.scratch("spill.arrow"), j)
+        return spill.row(int(self._local[i]))
+
+    def close(self) -> None:
+        spills, self._spills = self._spills, {}
+        for s in spills.values():
+            s.close()

@@ -1,0 +1,1 @@
+"""Orchestration: the runner (prepare, plan, execute, assemble), validation, admission, trace, history."""

@@ -1,0 +1,1 @@
+"""Running jobs on a schedule: cron entries."""
