@@ -50,6 +50,8 @@ class EngineConfig:
                                              # a scale per 32 values, 0.56x bf16's bytes (engine.quant.int8_kv; CPU)
     kernels: dict | None = None              # CPU: C or torch per kernel family, e.g. {attention: torch}
                                              # (engine.kernels.families); families not named: measured (engine.tuning)
+    load_format: str = "auto"                # auto: the weights in the files | dummy: made up from config.json
+                                             # (engine.loader.dummy; vLLM's name), for speed at real model sizes
 
     @classmethod
     def from_options(cls, model: str = DEFAULT_MODEL, **options) -> EngineConfig:
@@ -91,6 +93,8 @@ class EngineConfig:
                 check_kernels(self.kernels)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "flash_attn"):
             raise ConfigError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -75,7 +75,7 @@ def setup_engine(cfg: EngineConfig, tune: bool = False, retune: bool = False) ->
     ``auto`` settings on a CPU take the tuner's cached decision for this model and machine (engine.tuning); with
     none cached, ``tune`` measures one (an engine's load) and otherwise the tables decide (planning, validation).
     ``retune``: measure again even if one is cached (``batchgen calibrate --retune``)."""
-    source = resolve_model(cfg.model)                          # a bad model spec is the first thing to report
+    source = resolve_model(cfg.model, cfg.load_format)        # a bad model spec is the first thing to report
     auto_device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
     quantized_source = source.kind == "gguf"

@@ -45,7 +45,9 @@ GEMMA_CHAT_TEMPLATE = (
 def load_tokenizer(source: ModelSource, identity: str | None = None):
     """The tokenizer of ``source`` (a ``PreTrainedTokenizerFast``-compatible object). ``identity``: the source's
     ``model_identity`` when the caller has it already (it keys the GGUF tokenizer cache)."""
-    if source.kind == "hf":
+    if source.kind in ("hf", "dummy") and not any((Path(source.path) / f).is_file() for f in TOKENIZER_FILES):
+        return TokenIdsOnly.for_dir(Path(source.path))
+    if source.kind in ("hf", "dummy"):
         tok = _load_hf_dir(Path(source.path))
     elif source.kind == "gguf":
         tok = load_gguf_tokenizer(Path(source.path), identity or model_identity(source))
@@ -54,6 +56,45 @@ def load_tokenizer(source: ModelSource, identity: str | None = None):
     if not getattr(tok, "chat_template", None) and "<start_of_turn>" in tok.get_vocab():
         tok.chat_template = GEMMA_CHAT_TEMPLATE
     return tok
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class TokenIdsOnly:
+    """The tokenizer of a checkpoint directory that has none (only ``config.json``: a ``load_format: dummy``
+    model, as vLLM's ``skip_tokenizer_init``): prompts must be token ids, and outputs have token ids but no text."""
+    chat_template = None
+    unk_token_id = None
+
+    def __init__(self, path: Path, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None):
+        self.path, self.vocab_size = path, vocab_size
+        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
+
+    @classmethod
+    def for_dir(cls, path: Path) -> "TokenIdsOnly":
+        import json
+
+        cfg = json.loads((path / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        eos = cfg.get("eos_token_id")
+        return cls(path, int(cfg["vocab_size"]), cfg.get("bos_token_id"), eos[0] if isinstance(eos, list) else eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ModelLoadError(f"{self.path}: the model has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                             "give prompts as token ids, or add the tokenizer's files to the directory")
+
+    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def convert_tokens_to_ids(self, token: str):
+        return None
+
+    def get_vocab(self) -> dict:
+        return {}
+
+    def __len__(self) -> int:
+        return self.vocab_size
 
 
 def _load_hf_dir(path: Path):
@@ -157,4 +198,4 @@ def _save_cache(tok, cache_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["load_tokenizer", "load_gguf_tokenizer", "convert_gguf_tokenizer", "cache_root"]
+__all__ = ["TokenIdsOnly", "load_tokenizer", "load_gguf_tokenizer", "convert_gguf_tokenizer", "cache_root"]

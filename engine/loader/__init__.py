@@ -19,6 +19,9 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_weights(source: ModelSource, config: ModelConfig, dtype, device="cpu") -> dict:
+    if source.kind == "dummy":
+        from engine.loader.dummy import dummy_weights
+        return {k: v.to(device) for k, v in dummy_weights(config, dtype).items()}
     if source.kind == "gguf":
         from engine.loader.gguf_loader import load_gguf_weights
         return load_gguf_weights(source.path, config, dtype, device)

@@ -31,9 +31,12 @@ _ACCEPTED = (f"an alias ({', '.join([DEFAULT_MODEL, *PACKAGED])}), a Hugging Fac
              "(config.json + *.safetensors), or a .gguf file")
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str   # "gguf" | "hf"
+    kind: str   # "gguf" | "hf" | "dummy" (an HF directory's config.json with made-up weights: engine.loader.dummy)
     path: Path
     name: str
 
@@ -86,9 +89,16 @@ def _packaged(alias: str) -> Path:
     return path
 
 
-def resolve_model(spec: str | Path) -> ModelSource:
-    """Resolve a model spec to a ``ModelSource``; raise ``ModelLoadError`` naming the path otherwise."""
+def resolve_model(spec: str | Path, load_format: str = "auto") -> ModelSource:
+    """Resolve a model spec to a ``ModelSource``; raise ``ModelLoadError`` naming the path otherwise.
+    ``load_format="dummy"``: an HF directory (``config.json`` is enough) whose weights are made up, not read."""
     spec_str = str(spec)
+    if load_format == "dummy":
+        path = Path(spec_str).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{spec_str}: load_format dummy needs a directory with a config.json (the weights "
+                                 "are made up from it)")
+        return ModelSource(kind="dummy", path=path.resolve(), name=path.resolve().name)
     if spec_str == DEFAULT_MODEL:
         return ModelSource(kind="gguf", path=_assemble_default(), name=DEFAULT_MODEL)
     if spec_str in PACKAGED:
@@ -119,7 +129,7 @@ def model_identity(source: ModelSource) -> str:
                 if size > _GGUF_HEADER_BYTES:   # also a sample of the tail (tensor data)
                     f.seek(max(_GGUF_HEADER_BYTES, size - (1 << 20)))
                     h.update(f.read())
-        else:
+        else:                          # hf, dummy (its kind above keeps the two apart)
             h.update((path / "config.json").read_bytes())
             for extra in ("model.safetensors.index.json", "generation_config.json", "tokenizer_config.json"):
                 if (path / extra).is_file():
@@ -134,4 +144,4 @@ def model_identity(source: ModelSource) -> str:
     return h.hexdigest()
 
 
-__all__ = ["DEFAULT_MODEL", "PACKAGED", "ModelSource", "resolve_model", "model_identity"]
+__all__ = ["DEFAULT_MODEL", "PACKAGED", "LOAD_FORMATS", "ModelSource", "resolve_model", "model_identity"]
