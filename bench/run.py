@@ -50,20 +50,18 @@ def _calibration(opts: BenchOptions, device: str):
     return get_calibration(device, opts.dtype, quick=opts.quick)
 
 
-def run_bench(opts: BenchOptions, on_progress=None) -> dict:
-    """Run every selected system on the workload; return the result dict (what ``--json`` saves).
-
-    ``on_progress(partial_result)`` is called after each system (e.g. to save partial JSON of a long run).
-    """
+def _check_systems(opts: BenchOptions) -> None:
+    """Unknown systems, and peers that are not set up (PeerMissing), stop the run before anything runs."""
     unknown = sorted(set(opts.systems) - set(SYSTEMS))
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-    for name in PEER_SYSTEMS:       # a peer that is not set up stops the run before anything runs (PeerMissing)
+    for name in PEER_SYSTEMS:
         if name in opts.systems:
             check_peer(name, opts.model)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
-    w = opts.workload
+
+
+def _environment(opts: BenchOptions) -> dict:
+    """What the run ran on (the result's ``env``), as it starts."""
     env = {"commit": _git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": opts.dtype, "model": opts.model, "loadavg_before": _loadavg(), "started": time.time()}
     try:   # NOTE: only its version here; bench/systems/transformers.py says why it is imported late
@@ -71,54 +69,71 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
         env["transformers"] = transformers.__version__
     except ImportError:
         env["transformers"] = None
-    results: list[SystemResult] = []
-    prompts = tokenizer = roof = None
-    model_info = None
+    return env
 
-    def summary() -> dict:
-        agreement(results)
-        return {"workload": dataclasses.asdict(w), "env": env, "model_info": model_info,
-                "systems": [r.to_dict() for r in results], "ratios": ratios(results)}
 
-    def add(res: SystemResult) -> None:
-        results.append(res)
-        if on_progress is not None:
-            on_progress(summary())
+def _note_contention(res: SystemResult, busy: SystemResult, contend: int) -> None:
+    """The run beside busy loops, in ``res.extra``."""
+    res.extra.update(contend=contend, contended_wall_s=busy.wall_s,
+                     contention_ratio=contended_ratio(res.wall_s, busy.wall_s),
+                     contended_same_tokens=busy.outputs == res.outputs)
 
-    def ensure_prompts():
+
+class _BenchRun:
+    """One bench run's state: the results so far, and the prompts (and roofline) built once before any system."""
+
+    def __init__(self, opts: BenchOptions, env: dict, on_progress=None):
+        self.opts, self.env, self.on_progress = opts, env, on_progress
+        self.results: list[SystemResult] = []
+        self.prompts = self.tokenizer = self.roof = None
+        self.model_info = None
+
+    def summary(self) -> dict:
+        agreement(self.results)
+        return {"workload": dataclasses.asdict(self.opts.workload), "env": self.env, "model_info": self.model_info,
+                "systems": [r.to_dict() for r in self.results], "ratios": ratios(self.results)}
+
+    def add(self, res: SystemResult) -> None:
+        self.results.append(res)
+        if self.on_progress is not None:
+            self.on_progress(self.summary())
+
+    def ensure_prompts(self):
         """The prompts (and roofline), built once from the model's tokenizer and config, before any system."""
-        nonlocal prompts, tokenizer, roof
-        if prompts is None:
+        opts = self.opts
+        if self.prompts is None:
             src = resolve_model(opts.model)
-            tok = tokenizer = load_tokenizer(src)
+            tok = self.tokenizer = load_tokenizer(src)
             mcfg = load_model_config(src)
-            prompts = build_prompts(tok, w, opts.seed)
+            self.prompts = build_prompts(tok, opts.workload, opts.seed)
             if opts.roofline:
                 cal = _calibration(opts, "cpu" if not torch.cuda.is_available() else "cuda")
                 dtype_bytes = 4 if opts.dtype == "float32" else 2
-                roof = Roofline(mcfg, dtype_bytes, cal)
-                env["calibration"] = {"device": cal.device, "matmul_flops": cal.matmul_flops,
-                                      "memory_bandwidth": cal.memory_bandwidth, "quick": cal.quick}
-        return prompts
+                self.roof = Roofline(mcfg, dtype_bytes, cal)
+                self.env["calibration"] = {"device": cal.device, "matmul_flops": cal.matmul_flops,
+                                           "memory_bandwidth": cal.memory_bandwidth, "quick": cal.quick}
+        return self.prompts
 
-    for name in BATCHGEN_VARIANTS:
-        if name not in opts.systems:
-            continue
+    def batchgen_variants(self) -> None:
+        for name in BATCHGEN_VARIANTS:
+            if name in self.opts.systems:
+                self.add(self._batchgen(name))
+
+    def _batchgen(self, name: str) -> SystemResult:
+        opts = self.opts
         say(opts, f"{name}: loading {opts.model}")
         llm = None
         try:
-            ensure_prompts()
-            res, llm = run_batchgen(opts, prompts, name, roof)
-            model_info = model_info or llm.info.to_dict()
+            self.ensure_prompts()
+            res, llm = run_batchgen(opts, self.prompts, name, self.roof)
+            self.model_info = self.model_info or llm.info.to_dict()
             if opts.contend:
                 del llm
                 gc.collect()
                 say(opts, f"{name}: again beside {opts.contend} busy loop(s)")
                 with contention(opts.contend):
-                    busy, llm = run_batchgen(opts, prompts, name, roof)
-                res.extra.update(contend=opts.contend, contended_wall_s=busy.wall_s,
-                                 contention_ratio=contended_ratio(res.wall_s, busy.wall_s),
-                                 contended_same_tokens=busy.outputs == res.outputs)
+                    busy, llm = run_batchgen(opts, self.prompts, name, self.roof)
+                _note_contention(res, busy, opts.contend)
         except ConfigError as e:        # a setting this model cannot take (an int8 KV cache off its head_dim)
             res = SystemResult(system=name, label=name, skipped=str(e))
         finally:
@@ -126,70 +141,96 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
             gc.collect()
         if not res.skipped:
             say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
-        add(res)
+        return res
 
-    hf_systems = [s for s in ("hf-generate", "hf-cb") if s in opts.systems]
-    if hf_systems:
+    def transformers(self) -> None:
+        opts = self.opts
+        hf_systems = [s for s in ("hf-generate", "hf-cb") if s in opts.systems]
+        if not hf_systems:
+            return
         say(opts, f"transformers: loading {opts.model}")
         t = time.monotonic()
-        hf_dtype = DTYPES[opts.dtype]
         try:
-            hf = load_hf_model(opts.model, hf_dtype)
+            hf = load_hf_model(opts.model, DTYPES[opts.dtype])
         except (ImportError, ValueError, OSError) as e:   # e.g. GGUF loading needs `accelerate`
             for name in hf_systems:
-                add(SystemResult(system=name, label=name, skipped=f"cannot load in transformers: {e}"))
-            hf_systems = []
-        env["hf_load_s"] = time.monotonic() - t
-    if hf_systems:
-        ensure_prompts()
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+                self.add(SystemResult(system=name, label=name, skipped=f"cannot load in transformers: {e}"))
+            self.env["hf_load_s"] = time.monotonic() - t
+            return
+        self.env["hf_load_s"] = time.monotonic() - t
+        self.ensure_prompts()
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if "hf-generate" in hf_systems:
-            for bs in opts.hf_batch_sizes:
-                say(opts, f"hf-generate bs={bs}: running")
-                res = run_hf_generate(hf, prompts, w.output_tokens, bs, pad_id, roof)
-                say(opts, f"hf-generate bs={bs}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
-                add(res)
+            self._hf_generate(hf, pad_id)
         if "hf-cb" in hf_systems:
-            why = hf_continuous_batching_available(hf)
-            if why:
-                add(SystemResult(system="hf-cb", label="hf-cb", skipped=why))
-            else:
-                say(opts, "hf-cb: running")
-                try:
-                    res = run_hf_cb(hf, prompts, w.output_tokens, pad_id, opts.max_num_batched_tokens
-                                    or EngineConfig.max_num_batched_tokens, roof)
-                    say(opts, f"hf-cb: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
-                except Exception as e:      # NOTE: a baseline that breaks is reported, not fatal
-                    res = SystemResult(system="hf-cb", label="hf-cb", skipped=f"failed: {type(e).__name__}: {e}")
-                add(res)
+            self.add(self._hf_cb(hf, pad_id))
         del hf
         gc.collect()
 
-    if "llama.cpp" in opts.systems:
-        ensure_prompts()
-        say(opts, "llama.cpp: running")
-        res = run_llama_cpp(opts, prompts)
+    def _hf_generate(self, hf, pad_id: int) -> None:
+        for bs in self.opts.hf_batch_sizes:
+            say(self.opts, f"hf-generate bs={bs}: running")
+            res = run_hf_generate(hf, self.prompts, self.opts.workload.output_tokens, bs, pad_id, self.roof)
+            say(self.opts, f"hf-generate bs={bs}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+            self.add(res)
+
+    def _hf_cb(self, hf, pad_id: int) -> SystemResult:
+        why = hf_continuous_batching_available(hf)
+        if why:
+            return SystemResult(system="hf-cb", label="hf-cb", skipped=why)
+        say(self.opts, "hf-cb: running")
+        try:
+            res = run_hf_cb(hf, self.prompts, self.opts.workload.output_tokens, pad_id,
+                            self.opts.max_num_batched_tokens or EngineConfig.max_num_batched_tokens, self.roof)
+            say(self.opts, f"hf-cb: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+        except Exception as e:      # NOTE: a baseline that breaks is reported, not fatal
+            res = SystemResult(system="hf-cb", label="hf-cb", skipped=f"failed: {type(e).__name__}: {e}")
+        return res
+
+    def llama_cpp(self) -> None:
+        if "llama.cpp" not in self.opts.systems:
+            return
+        self.ensure_prompts()
+        say(self.opts, "llama.cpp: running")
+        res = run_llama_cpp(self.opts, self.prompts)
         if not res.skipped:
-            say(opts, f"llama.cpp: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
-        add(res)
+            say(self.opts, f"llama.cpp: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+        self.add(res)
 
-    for name in PEER_SYSTEMS:
-        if name in opts.systems:
-            ensure_prompts()
-            res = run_peer(name, opts, prompts, warmup_prompts(tokenizer), torch.get_num_threads())
-            if opts.contend and not res.skipped:      # the peer beside the same busy loops (its own process)
-                say(opts, f"{name}: again beside {opts.contend} busy loop(s)")
-                with contention(opts.contend):
-                    busy = run_peer(name, opts, prompts, warmup_prompts(tokenizer), torch.get_num_threads())
-                if not busy.skipped:
-                    res.extra.update(contend=opts.contend, contended_wall_s=busy.wall_s,
-                                     contention_ratio=contended_ratio(res.wall_s, busy.wall_s),
-                                     contended_same_tokens=busy.outputs == res.outputs)
-            if not res.skipped:
-                say(opts, f"{name}: {res.wall_s:.1f} s (load {res.extra['load_s']:.1f} s), "
-                          f"{res.output_tps:.1f} output tok/s")
-            add(res)
+    def peers(self) -> None:
+        for name in PEER_SYSTEMS:
+            if name in self.opts.systems:
+                self.ensure_prompts()
+                self.add(self._peer(name))
 
-    env["loadavg_after"] = _loadavg()
-    env["finished"] = time.time()
-    return summary()
+    def _peer(self, name: str) -> SystemResult:
+        opts = self.opts
+        res = run_peer(name, opts, self.prompts, warmup_prompts(self.tokenizer), torch.get_num_threads())
+        if opts.contend and not res.skipped:      # the peer beside the same busy loops (its own process)
+            say(opts, f"{name}: again beside {opts.contend} busy loop(s)")
+            with contention(opts.contend):
+                busy = run_peer(name, opts, self.prompts, warmup_prompts(self.tokenizer), torch.get_num_threads())
+            if not busy.skipped:
+                _note_contention(res, busy, opts.contend)
+        if not res.skipped:
+            say(opts, f"{name}: {res.wall_s:.1f} s (load {res.extra['load_s']:.1f} s), "
+                      f"{res.output_tps:.1f} output tok/s")
+        return res
+
+
+def run_bench(opts: BenchOptions, on_progress=None) -> dict:
+    """Run every selected system on the workload; return the result dict (what ``--json`` saves).
+
+    ``on_progress(partial_result)`` is called after each system (e.g. to save partial JSON of a long run).
+    """
+    _check_systems(opts)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    run = _BenchRun(opts, _environment(opts), on_progress)
+    run.batchgen_variants()      # in this process first, then transformers, llama.cpp, and the peers
+    run.transformers()
+    run.llama_cpp()
+    run.peers()
+    run.env["loadavg_after"] = _loadavg()
+    run.env["finished"] = time.time()
+    return run.summary()

@@ -88,6 +88,22 @@ def _f(v, fmt: str, scale: float = 1.0) -> str:
 
 def format_table(result: dict) -> str:
     """The printed table: one row per system configuration, then the ratios."""
+    systems, r, env = result["systems"], result["ratios"], result["env"]
+    lines = _system_rows(result)
+    lines.append("")
+    lines += _peer_load_lines(systems)
+    lines += _cache_ratio_lines(r)
+    lines += _variant_ratio_lines(r, systems, env["dtype"])
+    lines += _structured_ratio_lines(r, systems)
+    lines += _peer_ratio_lines(r)
+    lines += _contention_lines(systems)
+    lines += _breakdown_lines(systems)
+    lines += _calibration_lines(env)
+    return "\n".join(lines)
+
+
+def _system_rows(result: dict) -> list[str]:
+    """The workload line, the header and one row per system (skipped and failed ones say so)."""
     w, env = result["workload"], result["env"]
     lines = [f"workload {w['shape']}: n={w['n']} groups={w['groups']} prefix={w['prefix_tokens']} "
              f"doc={w['doc_tokens']} out={w['output_tokens']} | model {env['model']} {env['dtype']} "
@@ -111,12 +127,19 @@ def format_table(result: dict) -> str:
             f"{_f(tp.get('p50'), '9.1f', 1e3)} {_f(tp.get('p90'), '9.1f', 1e3)} "
             f"{_f(s['hit_rate'], '6.1f', 100)} {_f(s['mfu'], '6.1f', 100)} {_f(s['prefill_mfu'], '7.1f', 100)} "
             f"{_f(s['decode_mbu'], '7.1f', 100)} {_f(s['match_rate'], '6.2f')}")
-    lines.append("")
-    for s in result["systems"]:          # the peers in their venvs: load (weights, compile, KV) apart from wall
-        if not s["skipped"] and s["extra"].get("load_s") is not None:
-            lines.append(f"{s['label']} {s['extra'].get('version') or ''}: load {s['extra']['load_s']:.1f} s, "
-                         f"warm-up {s['extra'].get('warmup_s') or 0:.1f} s (not in wall)")
-    r = result["ratios"]
+    return lines
+
+
+def _peer_load_lines(systems: list[dict]) -> list[str]:
+    """The peers in their venvs: load (weights, compile, KV) apart from wall."""
+    return [f"{s['label']} {s['extra'].get('version') or ''}: load {s['extra']['load_s']:.1f} s, "
+            f"warm-up {s['extra'].get('warmup_s') or 0:.1f} s (not in wall)"
+            for s in systems if not s["skipped"] and s["extra"].get("load_s") is not None]
+
+
+def _cache_ratio_lines(r: dict) -> list[str]:
+    """batchgen, prefix cache on and off, against the best transformers and each other."""
+    lines = []
     best = r.get("best_transformers")
     if "batchgen_vs_best_transformers" in r:
         lines.append(f"batchgen (prefix cache on) vs best transformers ({best}): "
@@ -126,28 +149,40 @@ def format_table(result: dict) -> str:
                      f"{r['batchgen_nocache_vs_best_transformers']:.2f}x")
     if "batchgen_vs_batchgen_nocache" in r:
         lines.append(f"batchgen cache on vs cache off: {r['batchgen_vs_batchgen_nocache']:.2f}x")
+    return lines
+
+
+def _variant_ratio_lines(r: dict, systems: list[dict], dtype: str) -> list[str]:
+    """The int8, defaults and speculation variants against plain batchgen."""
+    lines = []
     for key, label in (("int8", "int8"), ("int8_bf16kv", "int8 (bf16 KV)"), ("int8_int8kv", "int8 (int8 KV)")):
         if f"batchgen_{key}_vs_batchgen" in r:
-            lines.append(f"batchgen {label} vs batchgen {env['dtype']}: {r[f'batchgen_{key}_vs_batchgen']:.2f}x wall"
+            lines.append(f"batchgen {label} vs batchgen {dtype}: {r[f'batchgen_{key}_vs_batchgen']:.2f}x wall"
                          + (f", {r[f'{key}_vs_float_decode_step']:.2f}x per decode-only step at the widest batch"
                             if f"{key}_vs_float_decode_step" in r else ""))
     if "batchgen_default_vs_batchgen" in r:
-        dl = next((x for x in result["systems"] if x["system"] == "batchgen-default"), {})
+        dl = next((x for x in systems if x["system"] == "batchgen-default"), {})
         q = (dl.get("extra") or {}).get("quantization")
-        lines.append(f"batchgen defaults{f' (quantization {q})' if q else ''} vs batchgen {env['dtype']}: "
+        lines.append(f"batchgen defaults{f' (quantization {q})' if q else ''} vs batchgen {dtype}: "
                      f"{r['batchgen_default_vs_batchgen']:.2f}x wall")
     if "batchgen_spec_vs_batchgen" in r:
-        sp = next((x for x in result["systems"] if x["system"] == "batchgen-spec"), {})
+        sp = next((x for x in systems if x["system"] == "batchgen-spec"), {})
         rate = sp.get("extra", {}).get("acceptance_rate")
         lines.append(f"batchgen speculation (auto) vs off: {r['batchgen_spec_vs_batchgen']:.2f}x wall"
                      + (f", {r['spec_vs_nospec_decode_tokens_per_s']:.2f}x decode tokens/s"
                         if "spec_vs_nospec_decode_tokens_per_s" in r else "")
                      + (f"; acceptance {rate:.0%} of {sp['extra']['draft_tokens']} drafts" if rate is not None
                         else "; gating kept it off"))
+    return lines
+
+
+def _structured_ratio_lines(r: dict, systems: list[dict]) -> list[str]:
+    """Constrained (JSON schema) runs against the same run unconstrained."""
+    lines = []
     for free, st in STRUCTURED_SYSTEMS.items():
         key = f"{st.replace('-', '_')}_vs_{free.replace('-', '_')}"
         if key in r:
-            sx = next((x for x in result["systems"] if x["system"] == st), {}).get("extra", {}).get("structured", {})
+            sx = next((x for x in systems if x["system"] == st), {}).get("extra", {}).get("structured", {})
             share = sx.get("forced_share")
             lines.append(f"{st} (JSON schema) vs {free} (same output tokens): {r[key]:.2f}x throughput"
                          + (f", {r[st.replace('-', '_') + '_decode_tokens_per_s_ratio']:.2f}x decode tokens/s"
@@ -155,6 +190,12 @@ def format_table(result: dict) -> str:
                          + (f"; {sx['forced_tokens']} forced tokens ({share:.0%} of the output), "
                             f"{sx['masks_applied']} masks, {sx['mask_time_s']:.3f} s masking" if share is not None
                             else ""))
+    return lines
+
+
+def _peer_ratio_lines(r: dict) -> list[str]:
+    """batchgen against llama.cpp, then against the peers (generation time against generation time)."""
+    lines = []
     for key, label in (("batchgen_vs_llama_cpp", "batchgen"), ("batchgen_int8_vs_llama_cpp", "batchgen int8"),
                        ("batchgen_int8_bf16kv_vs_llama_cpp", "batchgen int8 (bf16 KV)"),
                        ("batchgen_int8_int8kv_vs_llama_cpp", "batchgen int8 (int8 KV)"),
@@ -166,29 +207,45 @@ def format_table(result: dict) -> str:
             key = f"{ours.replace('-', '_')}_vs_{name.replace('-', '_')}"
             if key in r:
                 lines.append(f"{ours} vs {name}: {r[key]:.2f}x (generation time)")
-    for s in result["systems"]:          # bench --contend: the same system beside busy loops
+    return lines
+
+
+def _contention_lines(systems: list[dict]) -> list[str]:
+    """bench --contend: the same system beside busy loops."""
+    lines = []
+    for s in systems:
         e = s["extra"]
         if e.get("contention_ratio"):
             lines.append(f"{s['label']} beside {e['contend']} busy loop(s): {e['contended_wall_s']:.1f} s, "
                          f"{e['contention_ratio']:.2f}x its quiet time; tokens "
                          f"{'identical' if e['contended_same_tokens'] else 'CHANGED'}")
-    for s in result["systems"]:
+    return lines
+
+
+def _breakdown_lines(systems: list[dict]) -> list[str]:
+    """Each system's time breakdown, then int8's matmul bound against the float run."""
+    lines = []
+    for s in systems:
         if s["extra"].get("breakdown"):
             lines += ["", *format_breakdown(s["label"], s["extra"]["breakdown"])]
-    float_sys = next((s for s in result["systems"] if s["system"] == "batchgen" and not s["skipped"]
+    float_sys = next((s for s in systems if s["system"] == "batchgen" and not s["skipped"]
                       and s["extra"].get("breakdown")), None)
-    bounds = [line for s in result["systems"] if float_sys and s["system"] in INT8_SYSTEMS and not s["skipped"]
+    bounds = [line for s in systems if float_sys and s["system"] in INT8_SYSTEMS and not s["skipped"]
               and s["extra"].get("breakdown")
               for line in format_bound(s["label"], float_sys["label"], float_sys["extra"]["breakdown"],
                                        s["extra"]["breakdown"])]
     if bounds:
         lines += ["", "int8's matmul bound (bench.breakdown.matmul_bound):", *bounds]
-    if env.get("calibration"):
-        c = env["calibration"]
-        lines.append(f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "
-                     f"{c['memory_bandwidth'] / 1e9:.1f} GB/s{' (quick)' if c['quick'] else ''}; "
-                     "MFU counts model FLOPs each system computed (no padding, window-limited attention)")
-    return "\n".join(lines)
+    return lines
+
+
+def _calibration_lines(env: dict) -> list[str]:
+    if not env.get("calibration"):
+        return []
+    c = env["calibration"]
+    return [f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+            f"{c['memory_bandwidth'] / 1e9:.1f} GB/s{' (quick)' if c['quick'] else ''}; "
+            "MFU counts model FLOPs each system computed (no padding, window-limited attention)"]
 
 
 def save_json(result: dict, path: str | Path) -> Path:
