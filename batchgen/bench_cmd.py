@@ -25,7 +25,9 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--prefix-tokens", type=int, default=None, help="Shared system prompt + reference tokens per group.")
 @click.option("--doc-tokens", type=int, default=None, help="Document tokens per request.")
 @click.option("--output-tokens", type=int, default=None, help="Output tokens per request (greedy, ignore_eos).")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Alias, HF checkpoint dir or .gguf file.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="Alias, HF checkpoint dir or .gguf file; or a bench/models name (qwen2.5-0.5b-instruct, "
+              "llama-3.2-1b-instruct, ...: made-up weights, load_format dummy).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="Every system's dtype (auto: the engine's choice for this CPU).")
 @click.option("--threads", type=int, default=None, help="Torch threads for every system (default: torch's).")

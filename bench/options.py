@@ -4,17 +4,35 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.systems.registry import BENCH_SYSTEMS
 from bench.workloads import DEFAULT_HF_BATCH_SIZES, QUICK_HF_BATCH_SIZES, Workload, make_workload
 from engine.config import DEFAULT_MODEL
 from engine.dtype_policy import choose_dtype
 
+# Models at real sizes without their weights: bench/models/<name>/config.json, run with load_format dummy
+# (engine/loader/dummy.py); `--model NAME` takes a name from here.
+BENCH_MODELS = Path(__file__).resolve().parent / "models"
+
+
+def bench_models() -> tuple[str, ...]:
+    return tuple(sorted(p.parent.name for p in BENCH_MODELS.glob("*/config.json")))
+
+
+def bench_model(model: str) -> tuple[str, str]:
+    """(what the engine loads, load_format): a name of ``bench_models()`` is its config directory with made-up
+    weights; anything else (an alias, an HF directory, a .gguf file) loads as it is."""
+    if model in bench_models():
+        return str(BENCH_MODELS / model), "dummy"
+    return model, "auto"
+
 
 @dataclass(frozen=True)
 class BenchOptions:
     workload: Workload
     model: str = DEFAULT_MODEL
+    load_format: str = "auto"         # dummy: a bench/models config with made-up weights (bench_model)
     dtype: str = "bfloat16"
     threads: int | None = None
     systems: tuple[str, ...] = BENCH_SYSTEMS
@@ -31,7 +49,8 @@ class BenchOptions:
 
     def engine_args(self) -> dict:
         args = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "kv_cache_memory": self.kv_cache_memory, "num_threads": self.threads}
+                "kv_cache_memory": self.kv_cache_memory, "num_threads": self.threads,
+                "load_format": self.load_format if self.load_format != "auto" else None}
         return {k: v for k, v in args.items() if v is not None}
 
 
@@ -47,6 +66,8 @@ def options_from(shape: str, quick: bool, n=None, groups=None, prefix_tokens=Non
                       output_tokens=output_tokens)
     if hf_batch_sizes is None:
         hf_batch_sizes = QUICK_HF_BATCH_SIZES if quick else DEFAULT_HF_BATCH_SIZES
+    if "model" in kw and "load_format" not in kw:
+        kw["model"], kw["load_format"] = bench_model(kw["model"])
     if kw.get("dtype", "auto") == "auto":      # what the engine would choose on this CPU, for every system
         kw["dtype"] = choose_dtype("auto", "cpu").dtype
     return BenchOptions(workload=w, quick=quick, hf_batch_sizes=tuple(hf_batch_sizes), **kw)

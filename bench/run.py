@@ -21,7 +21,7 @@ from bench.systems.peer import check_peer, run_peer
 from bench.systems.registry import PEER_SYSTEMS, SYSTEMS
 from bench.systems.transformers import hf_continuous_batching_available, load_hf_model, run_hf_cb, run_hf_generate
 from bench.table import agreement, ratios
-from bench.workloads import build_prompts, warmup_prompts
+from bench.workloads import build_prompts, prompt_tokenizer, warmup_prompts
 from costmodel.calibrate import get_calibration
 from costmodel.roofline import Roofline
 from engine.config import EngineConfig
@@ -57,7 +57,7 @@ def _check_systems(opts: BenchOptions) -> None:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
     for name in PEER_SYSTEMS:
         if name in opts.systems:
-            check_peer(name, opts.model)
+            check_peer(name, opts.model, opts.load_format)
 
 
 def _environment(opts: BenchOptions) -> dict:
@@ -102,8 +102,8 @@ class _BenchRun:
         """The prompts (and roofline), built once from the model's tokenizer and config, before any system."""
         opts = self.opts
         if self.prompts is None:
-            src = resolve_model(opts.model)
-            tok = self.tokenizer = load_tokenizer(src)
+            src = resolve_model(opts.model, opts.load_format)
+            tok = self.tokenizer = prompt_tokenizer(load_tokenizer(src))
             mcfg = load_model_config(src)
             self.prompts = build_prompts(tok, opts.workload, opts.seed)
             if opts.roofline:

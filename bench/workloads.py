@@ -5,6 +5,7 @@ A prompt is ``[BOS] + prefix[group] + document[i]`` (see bench/__init__.py).
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 
@@ -115,6 +116,30 @@ def text_tokens(tokenizer, num_tokens: int, seed: int, header: str = "") -> list
     while len(ids) < num_tokens:
         ids += tokenizer.encode(" " + _sentences(rng, 16), add_special_tokens=False)
     return ids[:num_tokens]
+
+
+class WordIds:
+    """Token ids for a model with no tokenizer (``load_format: dummy`` on a bare config.json): each word of the
+    text a fixed id from its hash, within the vocabulary and clear of the special ids at either end of it. The
+    weights are made up, so what a token means does not matter; that the same text gives the same ids does."""
+    FIRST = 1000                          # ids below are left alone (byte tokens, specials of some vocabularies)
+
+    def __init__(self, vocab_size: int, bos_token_id: int | None):
+        self.span = max(1, min(vocab_size - 1024, 120_000) - self.FIRST)   # the top of a vocabulary holds specials
+        self.bos_token_id = bos_token_id
+        self.pad_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = [self.FIRST + int.from_bytes(hashlib.blake2s(w.encode(), digest_size=4).digest(), "little") % self.span
+               for w in text.split()]
+        return ([self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []) + ids
+
+
+def prompt_tokenizer(tokenizer):
+    """``tokenizer``, or ``WordIds`` where the model has none (engine.tokenizer.TokenIdsOnly)."""
+    if type(tokenizer).__name__ == "TokenIdsOnly":
+        return WordIds(tokenizer.vocab_size, tokenizer.bos_token_id)
+    return tokenizer
 
 
 @dataclass(frozen=True)

@@ -249,3 +249,30 @@ def test_a_peer_runs_again_beside_the_busy_loops(peers, tiny_llama_dir, monkeypa
     assert entered == [2] and res["extra"]["contend"] == 2
     assert res["extra"]["contended_wall_s"] == 2.0 and res["extra"]["contention_ratio"] == pytest.approx(1.0)
     assert res["extra"]["contended_same_tokens"] is True
+
+
+def test_a_dummy_model_runs_in_batchgen_and_the_peer_gets_the_same_weights(peers, tmp_path):
+    """--model NAME of bench/models: load_format dummy for batchgen, the prompts from WordIds (no tokenizer), and
+    vLLM's checkpoint of the same made-up weights written once under the peers dir."""
+    from bench.dummy_checkpoint import MARK
+    from bench.options import bench_model, bench_models
+
+    assert {"qwen2.5-0.5b-instruct", "llama-3.2-1b-instruct", "qwen2.5-1.5b-instruct"} <= set(bench_models())
+    assert bench_model("qwen2.5-0.5b-instruct") == (str(ROOT / "bench" / "models" / "qwen2.5-0.5b-instruct"),
+                                                    "dummy")
+    assert bench_model("gemma-3-270m") == ("gemma-3-270m", "auto")
+    cfg = tmp_path / "tiny-qwen2"
+    cfg.mkdir()
+    cfg.joinpath("config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}))
+    opts = _opts(str(cfg), ("batchgen", "vllm"), load_format="dummy")
+    result = run_bench(opts)
+    rows = {s["system"]: s for s in result["systems"]}
+    assert not rows["batchgen"]["skipped"] and not rows["vllm"]["skipped"], rows
+    req = json.loads((peers / "vllm" / "seen.json").read_text())["request"]
+    assert req["model"] == str(peers / "models" / "tiny-qwen2-dummy-bf16")
+    assert json.loads((Path(req["model"]) / MARK).read_text())["dtype"] == "bfloat16"
+    assert rows["vllm"]["prompt_tokens"] == rows["batchgen"]["prompt_tokens"]
+    assert all(1000 <= t < 2048 or t == 1 for p in req["prompts"] for t in p)       # WordIds within the vocabulary

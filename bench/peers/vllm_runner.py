@@ -29,8 +29,11 @@ def main(request_path: str, result_path: str) -> None:
 
     dtype = req.get("dtype") or "bfloat16"
     t = time.monotonic()
+    # a checkpoint without a tokenizer (bench/dummy_checkpoint.py): prompts are token ids, as they are anyway
+    no_tokenizer = not any(os.path.isfile(os.path.join(req["model"], f))
+                           for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     llm = LLM(model=req["model"], dtype=dtype, enable_prefix_caching=bool(req["prefix_caching"]),
-              max_model_len=int(req.get("max_model_len") or 4096), seed=0)
+              max_model_len=int(req.get("max_model_len") or 4096), seed=0, skip_tokenizer_init=no_tokenizer)
     load_s = time.monotonic() - t
 
     def run(prompts: list[list[int]], n: int):

@@ -8,7 +8,7 @@ import time
 from bench.breakdown import kernel_breakdown
 from bench.options import BenchOptions, say
 from bench.result import SystemResult
-from bench.workloads import STRUCTURED_SCHEMA, BenchPrompt, warmup_prompts
+from bench.workloads import STRUCTURED_SCHEMA, BenchPrompt, prompt_tokenizer, warmup_prompts
 from costmodel.roofline import Roofline
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -44,8 +44,8 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     # warmed up as it will run: a constrained system prepares its grammar backend's tokenizer view and compiles the
     # schema here, once per process (as the model load, not in the timed generate; its time is reported)
     t_warm = time.monotonic()
-    llm.generate(warmup_prompts(llm.get_tokenizer()), SamplingParams(temperature=0, ignore_eos=True, max_tokens=2,
-                                                                     structured_outputs=structured))
+    warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2, structured_outputs=structured)
+    llm.generate(warmup_prompts(prompt_tokenizer(llm.get_tokenizer())), warm)
     warmup_s = time.monotonic() - t_warm
     first_step = len(llm.step_stats)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T, structured_outputs=structured)

@@ -79,9 +79,14 @@ def peer_python(name: str) -> Path:
     return peers_dir() / PEERS[name].venv / "bin" / "python"
 
 
-def peer_model_dir(name: str, model: str) -> Path:
+def peer_model_dir(name: str, model: str, load_format: str = "auto") -> Path:
     """What the peer loads for ``model``: the converted HF copy of a GGUF (an HF directory as it is, for vLLM),
-    or the OpenVINO IR exported from it."""
+    or the OpenVINO IR exported from it; for a ``load_format: dummy`` model, the checkpoint of the same made-up
+    weights (``bench.dummy_checkpoint``, bf16; the IR exported from it)."""
+    if load_format == "dummy":
+        stem = Path(model).name + "-dummy"
+        suffix = "-bf16" if PEERS[name].venv == "vllm" else PEERS[name].model_suffix
+        return peers_dir() / "models" / f"{stem}{suffix}"
     src = resolve_model(model)
     path = Path(src.path)
     if src.kind != "gguf" and PEERS[name].venv == "vllm":
@@ -90,13 +95,19 @@ def peer_model_dir(name: str, model: str) -> Path:
     return peers_dir() / "models" / f"{stem}{PEERS[name].model_suffix}"
 
 
-def check_peer(name: str, model: str) -> None:
-    """Raise PeerMissing (saying which setup to run) unless the peer's venv and its model are there."""
+def check_peer(name: str, model: str, load_format: str = "auto") -> None:
+    """Raise PeerMissing (saying which setup to run) unless the peer's venv and its model are there. A dummy
+    model's checkpoint for vLLM is written here the first time (``bench.dummy_checkpoint``)."""
     how = f"bash {SETUP} {PEERS[name].venv}" + ("" if model == DEFAULT_MODEL else f" {model}")
     py = peer_python(name)
     if not py.exists():
         raise PeerMissing(f"{name}: no peer venv at {py.parent.parent}; set it up first with `{how}`")
-    mdir = peer_model_dir(name, model)
+    mdir = peer_model_dir(name, model, load_format)
+    if load_format == "dummy" and PEERS[name].venv == "vllm":
+        import torch
+
+        from bench.dummy_checkpoint import write_checkpoint
+        write_checkpoint(model, mdir, torch.bfloat16)
     if not mdir.is_dir():
         raise PeerMissing(f"{name}: the model is not converted for it ({mdir} missing); run `{how}`")
 
@@ -136,7 +147,7 @@ def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
     w = opts.workload
     if probe:
         prompts = prompts[:PROBE_PROMPTS]
-    return {"peer": name, "model": str(peer_model_dir(name, opts.model)),
+    return {"peer": name, "model": str(peer_model_dir(name, opts.model, opts.load_format)),
             "prompts": [list(p.token_ids) for p in prompts], "groups": [p.group for p in prompts],
             "warmup": [list(ids) for ids in warmup], "max_tokens": PROBE_TOKENS if probe else w.output_tokens,
             "threads": threads, "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096,
@@ -182,10 +193,10 @@ def _invoke(name: str, request: dict, threads: int, tag: str) -> tuple[dict | No
         return json.loads(res_path.read_text()), "", log
 
 
-def _choice_path(name: str, model: str) -> Path:
+def _choice_path(name: str, opts: BenchOptions) -> Path:
     from engine.kernels.cpu_features import cpu_signature
 
-    stem = Path(str(peer_model_dir(name, model))).name
+    stem = Path(str(peer_model_dir(name, opts.model, opts.load_format))).name
     cpu = hashlib.sha256(cpu_signature().encode()).hexdigest()[:12]
     return peers_dir() / "choices" / f"{PEERS[name].venv}-{stem}-{cpu}.json"
 
@@ -198,7 +209,7 @@ def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
     dtypes = PEERS[name].dtypes
     if len(dtypes) <= 1:
         return (dtypes[0] if dtypes else None), {}
-    path = _choice_path(name, opts.model)
+    path = _choice_path(name, opts)
     try:
         kept = json.loads(path.read_text())
         if kept.get("dtype") in dtypes:
@@ -224,7 +235,7 @@ def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: 
              threads: int) -> SystemResult:
     """One peer on the workload in its own venv, in its fastest dtype here; a run that fails is a skipped row
     saying why (and the log)."""
-    check_peer(name, opts.model)
+    check_peer(name, opts.model, opts.load_format)
     dtype, probes = choose_dtype(name, opts, prompts, warmup, threads)
     if PEERS[name].dtypes and dtype is None:
         return SystemResult(system=name, label=PEERS[name].label,
