@@ -131,10 +131,26 @@ def _system_rows(result: dict) -> list[str]:
 
 
 def _peer_load_lines(systems: list[dict]) -> list[str]:
-    """The peers in their venvs: load (weights, compile, KV) apart from wall."""
-    return [f"{s['label']} {s['extra'].get('version') or ''}: load {s['extra']['load_s']:.1f} s, "
-            f"warm-up {s['extra'].get('warmup_s') or 0:.1f} s (not in wall)"
-            for s in systems if not s["skipped"] and s["extra"].get("load_s") is not None]
+    """The peers in their venvs: load (weights, compile, KV) apart from wall; the dtype each ran in and what its
+    probes took (it runs at its best here); vLLM's platform and zentorch."""
+    lines = []
+    for s in systems:
+        x = s["extra"]
+        if s["skipped"] or x.get("load_s") is None:
+            continue
+        line = (f"{s['label']} {x.get('version') or ''}: load {x['load_s']:.1f} s, "
+                f"warm-up {x.get('warmup_s') or 0:.1f} s (not in wall)")
+        probes = {d: v for d, v in (x.get("dtype_probes") or {}).items() if d != "kept"}
+        if probes:
+            shown = ", ".join(f"{d} {v:.2f} s" if isinstance(v, float) else f"{d} failed" for d, v in probes.items())
+            line += f"; fastest of its dtypes: {x['dtype']} (probes: {shown}"
+            line += ", kept from an earlier run)" if "kept" in x["dtype_probes"] else ")"
+        if x.get("platform"):
+            line += f"; platform {x['platform']}"
+        if x.get("zentorch"):
+            line += f"; zentorch {x['zentorch']}"
+        lines.append(line)
+    return lines
 
 
 def _cache_ratio_lines(r: dict) -> list[str]:

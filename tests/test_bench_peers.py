@@ -137,6 +137,8 @@ def test_round_trip_through_fake_peers(peers, tiny_llama_dir):
     table = format_table(result)
     # both dtypes probed equal: the first listed runs, and the table names it
     assert "vllm bfloat16 0.0-fake: load 1.5 s, warm-up 0.2 s (not in wall)" in table and "openvino" in table
+    assert ("fastest of its dtypes: bfloat16 (probes: bfloat16 1.00 s, float32 1.00 s); platform FakePlatform"
+            in table)
 
 
 def test_outputs_are_per_prompt_and_agreement_counts_them(peers, tiny_llama_dir):

@@ -32,6 +32,10 @@ OV_PINS="openvino-genai==2026.4.1 optimum-intel==2.2.0 transformers==5.0.0"
 # load against the CPU torch (`operator torchvision::nms does not exist`), so it goes: a text export needs none.
 OV_DROP="torchvision"
 CONVERT_EXTRA="gguf==0.19.0 accelerate==1.16.0"   # transformers' GGUF reader, for the one-time conversion
+# AMD's zentorch (matches torch 2.13): vLLM's CPU backend switches to its ZenCpuPlatform when it imports and
+# /proc/cpuinfo says AuthenticAMD and avx512 (shared/PEERS.md). --no-deps: its pins would replace our torch.
+ZENTORCH_PINS="zentorch==2.13.0.2"
+ZENTORCH_DEPS="deprecated"
 
 log() { echo "[peers/setup $name $(date +%H:%M:%S)] $*" >&2; }
 
@@ -88,6 +92,24 @@ vllm)
         "pip install -q $VLLM_PINS" \
         "pip uninstall -q -y $VLLM_DROP" \
         "pip install -q $CONVERT_EXTRA"
+    zen=$env_dir/zentorch.txt        # what the bench reports: installed, or why not
+    if grep -q AuthenticAMD /proc/cpuinfo && grep -qw avx512f /proc/cpuinfo; then
+        if "$env_dir/bin/python" -c "import zentorch" 2>/dev/null; then
+            log "zentorch: installed"
+        else
+            log "zentorch: installing ($ZENTORCH_PINS)"
+            "$env_dir/bin/python" -m pip install -q --no-deps "$ZENTORCH_PINS" 2>&1 | { grep -v "is ignored" || true; } >&2
+            "$env_dir/bin/python" -m pip install -q "$ZENTORCH_DEPS" 2>&1 | { grep -v "is ignored" || true; } >&2
+        fi
+        if "$env_dir/bin/python" -c "import zentorch" 2>/dev/null; then
+            echo "installed: $ZENTORCH_PINS" > "$zen"
+        else
+            echo "failed to import after installing $ZENTORCH_PINS" > "$zen"
+        fi
+    else
+        echo "not installed: this CPU is not an AMD CPU with AVX-512 (vLLM uses ZenCpuPlatform only there)" > "$zen"
+    fi
+    log "zentorch: $(cat "$zen")"
     hf_copy "$env_dir/bin/python"
     log "ready: $env_dir/bin/python, model $HF_DIR"
     ;;

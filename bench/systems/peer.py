@@ -248,5 +248,8 @@ def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: 
     if dtype:
         res.label = f"{res.label} {dtype}"
         res.extra.update(dtype=dtype, dtype_probes=probes)
+    zen = peers_dir() / PEERS[name].venv / "zentorch.txt"       # written by setup.sh (vLLM: installed, or why not)
+    if zen.is_file():
+        res.extra["zentorch"] = zen.read_text().strip()
     res.extra["log"] = str(log)
     return res
