@@ -278,3 +278,27 @@ def test_a_dummy_model_runs_in_batchgen_and_the_peer_gets_the_same_weights(peers
     assert json.loads((Path(req["model"]) / MARK).read_text())["dtype"] == "bfloat16"
     assert rows["vllm"]["prompt_tokens"] == rows["batchgen"]["prompt_tokens"]
     assert all(1000 <= t < 2048 or t == 1 for p in req["prompts"] for t in p)       # WordIds within the vocabulary
+
+
+def test_size_sweep_rows_ratios_and_table(peers, tiny_llama_dir):
+    """bench.sweep: each shape sized for the model (documents scaled down for a larger one), its systems side by
+    side, peer seconds over ours as the ratio, skipped systems named under the table."""
+    from bench.sweep import SWEEP, SweepShape, format_sweep, run_sweep, sized
+
+    big = sized(SWEEP[0], 1.5e9)
+    assert big["n"] == max(SWEEP[0].sizes["groups"], round(SWEEP[0].sizes["n"] / 3))
+    assert sized(SWEEP[4], 8e9) == SWEEP[4].sizes                  # decode shapes keep their rows
+    shapes = (SweepShape("shared-prefix", "shared-prefix", dict(n=4, groups=2, prefix_tokens=32, doc_tokens=8,
+                                                                output_tokens=3), ("batchgen", "vllm")),
+              SweepShape("cache off", "shared-prefix", dict(n=4, groups=2, prefix_tokens=32, doc_tokens=8,
+                                                            output_tokens=3), ("batchgen-nocache", "vllm-nocache")))
+    seen = []
+    rows = run_sweep(_opts(tiny_llama_dir, ()), 0.5e9, shapes=shapes, peers=("vllm",), on_result=seen.append)
+    assert [r["label"] for r in rows] == ["shared-prefix", "cache off"] and len(seen) == 2
+    assert list(rows[1]["systems"]) == ["batchgen-nocache"]                      # vllm-nocache not set up: left out
+    ours = rows[0]["systems"]["batchgen"]["wall_s"]
+    assert rows[0]["ratios"] == {"vllm": round(2.0 / ours, 3)}
+    assert rows[0]["systems"]["vllm"]["dtype"] == "bfloat16"
+    table = format_sweep("tiny", "a CPU", rows)
+    assert table.startswith("Model tiny; CPU a CPU;")
+    assert "| shared-prefix | 2, 2, 32, 8, 4 |" in table                     # quick: a smoke size and "2.0 s (bfloat16)" in table and "vllm / ours" in table

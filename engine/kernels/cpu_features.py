@@ -39,6 +39,22 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_description() -> str:
+    """What a measurement names as its CPU: model name, family/model (what tells AMD Zen generations apart) and the
+    vector units, e.g. ``AMD EPYC (family 25 model 1; avx2 fma)``."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    units = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512_vnni", "avx512f", "avx_vnni", "avx2", "fma")
+                     if f in cpuinfo_flags())
+    where = f"family {fields['cpu family']} model {fields['model']}; " if "cpu family" in fields else ""
+    return f"{cpu_model_name()} ({where}{units or 'no x86 vector units listed'})"
+
+
 def cpu_signature() -> str:
     """Part of the kernel cache key: -march=native output must not move to another CPU (shared home directories)."""
     return _flags_line() or platform.processor() or platform.machine()

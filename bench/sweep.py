@@ -1,0 +1,116 @@
+"""``batchgen bench --model NAME --size-sweep``: every shape of the sweep on one model, batchgen's defaults and each
+peer at its best side by side in each, as one table of same-run ratios.
+
+The shapes are sized for the model so that one system takes roughly one to three minutes on 2 cores: the
+prefill-heavy shapes scale their document count with the model's parameters (``SWEEP_REFERENCE_PARAMS`` is the size
+they are written for), the decode shapes keep theirs (a step's cost grows with the model, the step count does not).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from bench.options import BenchOptions, say
+from bench.workloads import make_workload
+
+SWEEP_REFERENCE_PARAMS = 0.5e9
+
+
+@dataclass(frozen=True)
+class SweepShape:
+    label: str
+    shape: str                        # a bench.workloads shape
+    sizes: dict                       # at SWEEP_REFERENCE_PARAMS
+    systems: tuple[str, ...]          # batchgen's first: the ratios are against it
+    scale_n: bool = True              # fewer documents for a larger model
+
+
+_CACHE_ON = ("batchgen-default", "batchgen-int8", "vllm")
+_CACHE_OFF = ("batchgen-default-nocache", "vllm-nocache")
+SWEEP = (
+    SweepShape("shared-prefix", "shared-prefix",
+               dict(n=8, groups=2, prefix_tokens=1500, doc_tokens=400, output_tokens=64), _CACHE_ON),
+    SweepShape("shared-prefix, cache off", "shared-prefix",
+               dict(n=8, groups=2, prefix_tokens=1500, doc_tokens=400, output_tokens=64), _CACHE_OFF),
+    SweepShape("long-prompt", "long-prompt",
+               dict(n=4, groups=4, prefix_tokens=0, doc_tokens=2000, output_tokens=16), _CACHE_ON),
+    SweepShape("long-output", "long-output",
+               dict(n=4, groups=4, prefix_tokens=0, doc_tokens=300, output_tokens=256), _CACHE_ON, scale_n=False),
+    SweepShape("decode, 1 row", "short-prompt",
+               dict(n=1, groups=1, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False),
+    SweepShape("decode, 8 rows", "short-prompt",
+               dict(n=8, groups=8, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False),
+    SweepShape("decode, 48 rows", "short-prompt",
+               dict(n=48, groups=48, prefix_tokens=0, doc_tokens=64, output_tokens=64), _CACHE_ON, scale_n=False),
+)
+
+
+def sized(s: SweepShape, params: float, quick: bool = False) -> dict:
+    """The shape's sizes for a model of ``params`` parameters (``quick``: a smoke run of a few tokens)."""
+    sizes = dict(s.sizes)
+    if s.scale_n:
+        sizes["n"] = max(sizes["groups"], round(sizes["n"] * SWEEP_REFERENCE_PARAMS / params))
+    if quick:
+        sizes.update(n=min(sizes["n"], 2), groups=min(sizes["groups"], 2), output_tokens=4,
+                     prefix_tokens=min(sizes["prefix_tokens"], 64), doc_tokens=min(sizes["doc_tokens"], 32))
+    return sizes
+
+
+def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str, ...] = ("vllm", "vllm-nocache"),
+              on_result=None) -> list[dict]:
+    """Each shape through ``bench.run.run_bench`` with its systems (peers not in ``peers`` left out); one row per
+    shape: its sizes, each system's seconds (or why it was skipped), and batchgen's ratio against each peer."""
+    from bench.run import run_bench
+
+    rows = []
+    for s in shapes:
+        sizes = sized(s, params, opts.quick)
+        systems = tuple(n for n in s.systems if not n.startswith("vllm") or n in peers)
+        o = dataclasses.replace(opts, workload=make_workload(s.shape, **sizes), systems=systems)
+        say(opts, f"sweep: {s.label} {sizes} -> {', '.join(systems)}")
+        t = time.monotonic()
+        result = run_bench(o)
+        rows.append(sweep_row(s, sizes, result, time.monotonic() - t))
+        if on_result is not None:
+            on_result(rows)
+    return rows
+
+
+def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dict:
+    by = {r["system"]: r for r in result["systems"]}
+    ours = by.get(s.systems[0])
+    row = {"label": s.label, "sizes": sizes, "elapsed_s": round(elapsed_s, 1), "systems": {}, "ratios": {}}
+    for name, r in by.items():
+        row["systems"][name] = {"wall_s": r["wall_s"], "label": r["label"], "skipped": r["skipped"],
+                                "dtype": r["extra"].get("dtype"), "platform": r["extra"].get("platform"),
+                                "load_s": r["extra"].get("load_s"), "match_rate": r.get("match_rate")}
+    if ours and not ours["skipped"]:
+        for name, r in by.items():
+            if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
+                row["ratios"][name] = round(r["wall_s"] / ours["wall_s"], 3)
+    return row
+
+
+def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
+    """The sweep as a markdown table: per shape, each system's seconds and how many times batchgen's defaults are
+    faster (peer seconds / ours)."""
+    names = list(dict.fromkeys(n for r in rows for n in r["systems"]))
+    compared = [n for n in names if any(n in r["ratios"] for r in rows)]
+    head = ["shape", "sizes (n, groups, prefix, doc, out)"] + names + [f"{n} / ours" for n in compared]
+    out = [f"Model {model}; CPU {cpu}; {time.strftime('%Y-%m-%d')}", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        z = r["sizes"]
+        cells = [r["label"], f"{z['n']}, {z['groups']}, {z['prefix_tokens']}, {z['doc_tokens']}, {z['output_tokens']}"]
+        for n in names:
+            s = r["systems"].get(n)
+            cells.append("–" if s is None else ("skipped" if s["skipped"] else
+                                                f"{s['wall_s']:.1f} s" + (f" ({s['dtype']})" if s["dtype"] else "")))
+        cells += [f"{r['ratios'][n]:.2f}×" if n in r["ratios"] else "–" for n in compared]
+        out.append("| " + " | ".join(cells) + " |")
+    skipped = [f"- {r['label']}, {n}: {s['skipped']}" for r in rows for n, s in r["systems"].items() if s["skipped"]]
+    return "\n".join(out + ([""] + skipped if skipped else []))
+
+
+__all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "sweep_row", "format_sweep"]
