@@ -46,17 +46,52 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
     uri = job.output.path if job.output.is_uri else None
     layout = {"include_columns": list(job.passthrough_columns), "rows_per_shard": job.output.rows_per_shard,
               "keep_deleted_rows": job.output.keep_deleted_rows}
-    if jr.computed == 0 and jr.row_errors == 0 and out_path.exists() and mpath.exists():
-        try:
-            old = json.loads(mpath.read_text())
-        except (OSError, ValueError):
-            old = {}
-        if old.get("keys_digest") == jr.keys_digest and old.get("layout", layout) == layout:
-            jr.up_to_date = True
-            jr.manifest = old
-            if uri and not remote_exists(uri):          # assembled before, but the copy is gone (or failed)
-                publish_output(out_path, uri, mpath)
-            return
+    if _up_to_date(jr, out_path, mpath, uri, layout):
+        return
+    results, joined = _write_job_output(jr, info, out_path)
+    jr.state.compact(results)
+    for name in ("spill.arrow", "keys.arrow"):
+        jr.state.scratch(name).unlink(missing_ok=True)
+    manifest = {
+        "job": job.name, "job_file": job.file, "output": uri or str(out_path),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
+        "generation": dataclasses.asdict(jr.prompts.params), "versions": _versions(),
+        **_row_counts(jr, joined),
+        "this_run": _this_run(jr, info, wall_s, engine_s, prediction, distributed),
+        "structured": _structured(jr, joined),
+        "totals": _totals(joined),
+        "keys_digest": jr.keys_digest, "layout": layout,
+        "trace": None if trace_dir is None else str(trace_dir),
+    }
+    manifest["invariance"] = _invariance(job.name, info, mpath, jr.reused)
+    write_bytes_atomic(json.dumps(manifest, indent=2, default=str).encode(), manifest_path_for(out_path))
+    jr.manifest = manifest
+    if uri:
+        publish_output(out_path, uri, mpath)
+
+
+def _up_to_date(jr: JobRun, out_path: Path, mpath: Path, uri: str | None, layout: dict) -> bool:
+    """Nothing computed or failed, and the manifest has the same keys digest and layout: the output stands (and
+    is published again if its remote copy is gone); ``jr.up_to_date`` and ``jr.manifest`` say so."""
+    if not (jr.computed == 0 and jr.row_errors == 0 and out_path.exists() and mpath.exists()):
+        return False
+    try:
+        old = json.loads(mpath.read_text())
+    except (OSError, ValueError):
+        old = {}
+    if not (old.get("keys_digest") == jr.keys_digest and old.get("layout", layout) == layout):
+        return False
+    jr.up_to_date = True
+    jr.manifest = old
+    if uri and not remote_exists(uri):          # assembled before, but the copy is gone (or failed)
+        publish_output(out_path, uri, mpath)
+    return True
+
+
+def _write_job_output(jr: JobRun, info: EngineInfo, out_path: Path) -> tuple[pa.Table, pa.Table]:
+    """Join the row keys with the committed results and write the output; returns (results, joined)."""
+    job = jr.job
     openai = job.output.format == "openai_batch"
     kept = None if openai else _deleted_rows(jr, out_path)
     results = jr.state.load_done()
@@ -66,100 +101,100 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         raise RunError(f"job {job.name!r}: internal error assembling output ({joined.num_rows} rows for "
                        f"{jr.num_rows} inputs)")
     missing = joined.column("finish_reason").null_count
-    include = list(job.passthrough_columns)
     results_cols = joined.select([c for c in RESULT_COLUMNS if c != "row_key"] + ["row_key"])
     fields = [] if openai else jr.prompts.fields
-
-    def with_typed(part: pa.Table) -> pa.Table:
-        """An object schema's properties as typed columns, first among the results (``job.structured_output``)."""
-        if not fields:
-            return part
-        typed = typed_columns(part.column("summary").to_pylist(), part.column("json_error").to_pylist(), fields)
-        order = ["summary", "json_error"] + [c for c in part.column_names if c not in ("summary", "json_error")]
-        part = part.select(order)
-        return pa.Table.from_arrays(typed + part.columns, schema=pa.schema(fields + list(part.schema)))
-
-    def tables():
-        offset = 0
-        rows_per = job.output.rows_per_shard
-        source = iter_batches(job.input.path, job.input.format, include, job.input.batch_size,
-                              job.input.split, job.input.limit) if include else None
-        buf: list[pa.Table] = []
-        buffered = 0
-        while offset < jr.num_rows:
-            size = min(rows_per, jr.num_rows - offset)
-            part = with_typed(results_cols.slice(offset, size))
-            if source is not None:
-                while buffered < size:
-                    b = next(source)
-                    buf.append(pa.Table.from_batches([b]))
-                    buffered += b.num_rows
-                passthrough = pa.concat_tables(buf)
-                buf = [passthrough.slice(size)]
-                buffered -= size
-                passthrough = passthrough.slice(0, size)
-                part = pa.Table.from_arrays(passthrough.columns + part.columns,     # (field metadata kept)
-                                            schema=pa.schema(list(passthrough.schema) + list(part.schema)))
-            yield part.combine_chunks()
-            schema = part.schema
-            offset += size
-        if kept is not None and kept.num_rows:
-            kept_rows = _conform(kept, schema)
-            for start in range(0, kept_rows.num_rows, rows_per):
-                yield kept_rows.slice(start, rows_per).combine_chunks()
-
     if missing > 0 and jr.num_rows:
         raise RunError(f"job {job.name!r}: {missing} rows have no result; run again to resume")
     directory = not str(out_path).endswith(".parquet")
     if openai:
-        write_jsonl(tables(), out_path, job.input.id_column or "", info.name)
+        write_jsonl(_output_tables(jr, results_cols, fields, kept), out_path, job.input.id_column or "", info.name)
     elif jr.num_rows == 0:
-        empty = with_typed(results_cols.slice(0, 0))
+        empty = _with_typed(results_cols.slice(0, 0), fields)
         write_output(iter([kept if kept is not None and kept.num_rows else empty]), out_path, directory)
     else:
-        write_output(tables(), out_path, directory)
-    jr.state.compact(results)
-    for name in ("spill.arrow", "keys.arrow"):
-        jr.state.scratch(name).unlink(missing_ok=True)
+        write_output(_output_tables(jr, results_cols, fields, kept), out_path, directory)
+    return results, joined
+
+
+def _with_typed(part: pa.Table, fields: list) -> pa.Table:
+    """An object schema's properties as typed columns, first among the results (``job.structured_output``)."""
+    if not fields:
+        return part
+    typed = typed_columns(part.column("summary").to_pylist(), part.column("json_error").to_pylist(), fields)
+    order = ["summary", "json_error"] + [c for c in part.column_names if c not in ("summary", "json_error")]
+    part = part.select(order)
+    return pa.Table.from_arrays(typed + part.columns, schema=pa.schema(fields + list(part.schema)))
+
+
+def _output_tables(jr: JobRun, results_cols: pa.Table, fields: list, kept: pa.Table | None):
+    """The output's shards in input order: the passthrough columns streamed from the input again beside the
+    results, then the deleted rows kept (conformed to the output's schema)."""
+    job = jr.job
+    include = list(job.passthrough_columns)
+    offset = 0
+    rows_per = job.output.rows_per_shard
+    source = iter_batches(job.input.path, job.input.format, include, job.input.batch_size,
+                          job.input.split, job.input.limit) if include else None
+    buf: list[pa.Table] = []
+    buffered = 0
+    while offset < jr.num_rows:
+        size = min(rows_per, jr.num_rows - offset)
+        part = _with_typed(results_cols.slice(offset, size), fields)
+        if source is not None:
+            while buffered < size:
+                b = next(source)
+                buf.append(pa.Table.from_batches([b]))
+                buffered += b.num_rows
+            passthrough = pa.concat_tables(buf)
+            buf = [passthrough.slice(size)]
+            buffered -= size
+            passthrough = passthrough.slice(0, size)
+            part = pa.Table.from_arrays(passthrough.columns + part.columns,     # (field metadata kept)
+                                        schema=pa.schema(list(passthrough.schema) + list(part.schema)))
+        yield part.combine_chunks()
+        schema = part.schema
+        offset += size
+    if kept is not None and kept.num_rows:
+        kept_rows = _conform(kept, schema)
+        for start in range(0, kept_rows.num_rows, rows_per):
+            yield kept_rows.slice(start, rows_per).combine_chunks()
+
+
+def _row_counts(jr: JobRun, joined: pa.Table) -> dict:
+    """The manifest's rows, rows_with_error and deleted_rows."""
+    return {"rows": jr.num_rows + jr.deleted_kept,
+            "rows_with_error": joined.column("error").is_valid().to_pylist().count(True),
+            "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped}}
+
+
+def _this_run(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, prediction: dict | None,
+              distributed: dict | None) -> dict:
+    """The manifest's ``this_run``: rows, tokens, hit rates, times and speculation of this run."""
+    return {"computed": jr.computed, "reused": jr.reused, "changed": jr.changed,
+            "row_errors": jr.row_errors, "prompt_tokens": jr.prompt_tokens,
+            "cached_tokens": jr.cached_tokens, "output_tokens": jr.output_tokens,
+            "predicted_hit_rate": hit_rate(jr.predicted_cached, jr.planned_prompt_tokens),
+            "achieved_hit_rate": hit_rate(jr.cached_tokens, jr.prompt_tokens),
+            "wall_s": round(wall_s, 3),
+            "engine_s": round(engine_s, 3),   # after model load
+            "predicted_engine_s": prediction["engine_s"] if prediction else None,   # the whole plan
+            "predicted_job_engine_s": (round(jr.predicted_engine_s, 2)
+                                       if jr.predicted_engine_s is not None else None),
+            "load_s": info.load_time_s, "load_breakdown_s": dict(info.load_breakdown),
+            "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None,
+            "speculation": {"draft_tokens": jr.draft_tokens, "accepted_tokens": jr.accepted_tokens,
+                            "acceptance_rate": (round(jr.accepted_tokens / jr.draft_tokens, 4)
+                                                if jr.draft_tokens else None),
+                            "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
+                                                     if jr.spec_steps else None)},
+            "distributed": distributed}     # a Ray run (pipeline.execute.ray.driver): replicas, prefills
+
+
+def _totals(joined: pa.Table) -> dict:
+    """The manifest's ``totals``: prompt and cached tokens over every row of the output."""
     all_prompt = pc.sum(joined.column("prompt_tokens")).as_py() or 0
     all_cached = pc.sum(joined.column("cached_tokens")).as_py() or 0
-    all_errors = joined.column("error").is_valid().to_pylist().count(True)
-    manifest = {
-        "job": job.name, "job_file": job.file, "output": uri or str(out_path),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
-        "generation": dataclasses.asdict(jr.prompts.params), "versions": _versions(),
-        "rows": jr.num_rows + jr.deleted_kept, "rows_with_error": all_errors,
-        "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped},
-        "this_run": {"computed": jr.computed, "reused": jr.reused, "changed": jr.changed,
-                     "row_errors": jr.row_errors, "prompt_tokens": jr.prompt_tokens,
-                     "cached_tokens": jr.cached_tokens, "output_tokens": jr.output_tokens,
-                     "predicted_hit_rate": hit_rate(jr.predicted_cached, jr.planned_prompt_tokens),
-                     "achieved_hit_rate": hit_rate(jr.cached_tokens, jr.prompt_tokens),
-                     "wall_s": round(wall_s, 3),
-                     "engine_s": round(engine_s, 3),   # after model load
-                     "predicted_engine_s": prediction["engine_s"] if prediction else None,   # the whole plan
-                     "predicted_job_engine_s": (round(jr.predicted_engine_s, 2)
-                                                if jr.predicted_engine_s is not None else None),
-                     "load_s": info.load_time_s, "load_breakdown_s": dict(info.load_breakdown),
-                     "tokens_per_s": round((jr.prompt_tokens + jr.output_tokens) / wall_s, 1) if wall_s else None,
-                     "speculation": {"draft_tokens": jr.draft_tokens, "accepted_tokens": jr.accepted_tokens,
-                                     "acceptance_rate": (round(jr.accepted_tokens / jr.draft_tokens, 4)
-                                                         if jr.draft_tokens else None),
-                                     "mean_accepted_length": (round(jr.accepted_tokens / jr.spec_steps, 3)
-                                                              if jr.spec_steps else None)},
-                     "distributed": distributed},     # a Ray run (pipeline.execute.ray.driver): replicas, prefills
-        "structured": _structured(jr, joined),
-        "totals": {"prompt_tokens": all_prompt, "cached_tokens": all_cached,
-                   "hit_rate": hit_rate(all_cached, all_prompt)},
-        "keys_digest": jr.keys_digest, "layout": layout,
-        "trace": None if trace_dir is None else str(trace_dir),
-    }
-    manifest["invariance"] = _invariance(job.name, info, mpath, jr.reused)
-    write_bytes_atomic(json.dumps(manifest, indent=2, default=str).encode(), manifest_path_for(out_path))
-    jr.manifest = manifest
-    if uri:
-        publish_output(out_path, uri, mpath)
+    return {"prompt_tokens": all_prompt, "cached_tokens": all_cached, "hit_rate": hit_rate(all_cached, all_prompt)}
 
 
 def _invariance(job_name: str, info: EngineInfo, mpath: Path, reused: int) -> dict:

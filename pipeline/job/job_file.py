@@ -258,18 +258,7 @@ def _check_mapping(data: Any, schema: dict, prefix: str, problems: list[tuple[st
 def load_job(path: str | Path) -> Job:
     """Parse and shape-check one job file. Raises ``JobError`` listing every problem found."""
     file = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise JobError([Problem(file, None, f"cannot read job file ({e})")]) from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        detail = " ".join(str(x) for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x)
-        raise JobError([Problem(file, None, f"YAML syntax error: {detail or e}",
-                                mark.line + 1 if mark else None)]) from None
+    node, data = _read_yaml(path, file)
     lines = _line_map(node) if node is not None else {}
     raw: list[tuple[str, str]] = []
     d = _check_mapping(data if data is not None else {}, _TOP, "", raw)
@@ -283,69 +272,15 @@ def load_job(path: str | Path) -> Job:
         problems.append(Problem(file, "name", f"must be letters, digits, '-', '_' or '.'; got {name!r}",
                                 lines.get("name")))
     fmt = inp.get("format") or ("datasets" if _looks_like_saved_dataset(inp["path"]) else "parquet")
-    if fmt == "openai_batch":
-        # NOTE: each request's messages are its prompt, through the model's chat template; only on_too_long
-        # may be set (pipeline.io.openai_batch).
-        for k in pr or {}:
-            if k not in ("on_too_long", "reduce_template"):
-                problems.append(Problem(file, f"prompt.{k}", "not used with input.format openai_batch: each "
-                                        "request's messages are its prompt (only prompt.on_too_long applies)",
-                                        lines.get(f"prompt.{k}")))
-        pr = {**(pr or {}), "kind": "openai_batch", "chat_template": True, "document_column": "body",
-              "template": "{document}"}
-        inp = {"id_column": "custom_id", **inp}
-    elif pr is None:
-        problems.append(Problem(file, "prompt", "missing required key"))
-        pr = {}
+    inp, pr = _input_and_prompt(fmt, inp, pr, file, lines, problems)
     if out.get("format") == "openai_batch" and out.get("keep_deleted_rows"):
         problems.append(Problem(file, "output.keep_deleted_rows", "not supported with output.format openai_batch",
                                 lines.get("output.keep_deleted_rows")))
-    for a, b in (("system", "system_column"), ("reference", "reference_column")):
-        if a in pr and b in pr:
-            problems.append(Problem(file, f"prompt.{b}", f"give either prompt.{a} or prompt.{b}, not both",
-                                    lines.get(f"prompt.{b}")))
-    prompt = PromptSpec(**{k: v for k, v in pr.items()})
-    if "template" not in pr and pr.get("chat_template"):
-        prompt = dataclasses.replace(prompt, template=DEFAULT_CHAT_TEMPLATE)
-    if "document" not in prompt.placeholders:
-        problems.append(Problem(file, "prompt.template", "must contain the {document} placeholder",
-                                lines.get("prompt.template")))
-    if "{summaries}" not in prompt.reduce_template:
-        problems.append(Problem(file, "prompt.reduce_template", "must contain the {summaries} placeholder",
-                                lines.get("prompt.reduce_template")))
-    try:
-        list(string.Formatter().parse(prompt.template))
-    except ValueError as e:
-        problems.append(Problem(file, "prompt.template", f"not a valid template ({e}); write literal braces "
-                                "as {{ and }}", lines.get("prompt.template")))
-    for key in ("limit", "batch_size"):
-        if inp.get(key) is not None and inp[key] < 1:
-            problems.append(Problem(file, f"input.{key}", f"must be >= 1, got {inp[key]}",
-                                    lines.get(f"input.{key}")))
-    for key in ("rows_per_shard", "keep_runs"):
-        if out.get(key) is not None and out[key] < 1:
-            problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
+    prompt = _prompt_spec(pr, file, lines, problems)
+    _check_counts(inp, out, file, lines, problems)
     gen, eng = d.get("generation") or {}, d.get("engine") or {}
-    if gen.get("structured_outputs"):
-        try:
-            gen = {**gen, "structured_outputs": resolve_job_spec(gen["structured_outputs"], file)}
-        except ValueError as e:
-            sub, message = e.args
-            key = f"generation.structured_outputs.{sub}"
-            problems.append(Problem(file, key, message, _nearest_line(lines, key)))
-            gen = {k: v for k, v in gen.items() if k != "structured_outputs"}
-    built = {}
-    for section, build in (("generation", lambda: SamplingParams(**gen)),
-                           ("engine", lambda: EngineConfig.from_options(d.get("model", DEFAULT_MODEL), **eng))):
-        try:
-            built[section] = build()
-        except (BatchgenError, TypeError, ValueError) as e:
-            key = next((f"{section}.{k}" for k in (gen if section == "generation" else eng) if k in str(e)),
-                       section)
-            if isinstance(e, StructuredOutputError):
-                key = ".".join(filter(None, ("generation.structured_outputs", error_key(e, None))))
-                e = describe_error(e)
-            problems.append(Problem(file, key, str(e), _nearest_line(lines, key)))
+    gen = _resolve_structured(gen, file, lines, problems)
+    built = _build_sections(d.get("model", DEFAULT_MODEL), gen, eng, file, lines, problems)
     if "generation" in built:
         problems += _structured_problems(built["generation"], gen, file, lines, inp, out)
     if problems:
@@ -365,6 +300,104 @@ def load_job(path: str | Path) -> Job:
         generation=gen, engine=built["engine"], engine_options=tuple(sorted(eng)), schedule=d.get("schedule"),
         lines=lines,
     )
+
+
+def _read_yaml(path: str | Path, file: str) -> tuple[Any, Any]:
+    """The job file's YAML node tree (for line numbers) and data; JobError when unreadable or not YAML."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError([Problem(file, None, f"cannot read job file ({e})")]) from None
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader), yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        detail = " ".join(str(x) for x in (getattr(e, "problem", None), getattr(e, "context", None)) if x)
+        raise JobError([Problem(file, None, f"YAML syntax error: {detail or e}",
+                                mark.line + 1 if mark else None)]) from None
+
+
+def _input_and_prompt(fmt: str, inp: dict, pr: dict | None, file: str, lines: dict,
+                      problems: list[Problem]) -> tuple[dict, dict]:
+    """The input and prompt sections as the job uses them: an openai_batch input's prompt is fixed."""
+    if fmt == "openai_batch":
+        # NOTE: each request's messages are its prompt, through the model's chat template; only on_too_long
+        # may be set (pipeline.io.openai_batch).
+        for k in pr or {}:
+            if k not in ("on_too_long", "reduce_template"):
+                problems.append(Problem(file, f"prompt.{k}", "not used with input.format openai_batch: each "
+                                        "request's messages are its prompt (only prompt.on_too_long applies)",
+                                        lines.get(f"prompt.{k}")))
+        pr = {**(pr or {}), "kind": "openai_batch", "chat_template": True, "document_column": "body",
+              "template": "{document}"}
+        inp = {"id_column": "custom_id", **inp}
+    elif pr is None:
+        problems.append(Problem(file, "prompt", "missing required key"))
+        pr = {}
+    return inp, pr
+
+
+def _prompt_spec(pr: dict, file: str, lines: dict, problems: list[Problem]) -> PromptSpec:
+    """The prompt section as a ``PromptSpec``; its templates checked."""
+    for a, b in (("system", "system_column"), ("reference", "reference_column")):
+        if a in pr and b in pr:
+            problems.append(Problem(file, f"prompt.{b}", f"give either prompt.{a} or prompt.{b}, not both",
+                                    lines.get(f"prompt.{b}")))
+    prompt = PromptSpec(**{k: v for k, v in pr.items()})
+    if "template" not in pr and pr.get("chat_template"):
+        prompt = dataclasses.replace(prompt, template=DEFAULT_CHAT_TEMPLATE)
+    if "document" not in prompt.placeholders:
+        problems.append(Problem(file, "prompt.template", "must contain the {document} placeholder",
+                                lines.get("prompt.template")))
+    if "{summaries}" not in prompt.reduce_template:
+        problems.append(Problem(file, "prompt.reduce_template", "must contain the {summaries} placeholder",
+                                lines.get("prompt.reduce_template")))
+    try:
+        list(string.Formatter().parse(prompt.template))
+    except ValueError as e:
+        problems.append(Problem(file, "prompt.template", f"not a valid template ({e}); write literal braces "
+                                "as {{ and }}", lines.get("prompt.template")))
+    return prompt
+
+
+def _check_counts(inp: dict, out: dict, file: str, lines: dict, problems: list[Problem]) -> None:
+    for key in ("limit", "batch_size"):
+        if inp.get(key) is not None and inp[key] < 1:
+            problems.append(Problem(file, f"input.{key}", f"must be >= 1, got {inp[key]}",
+                                    lines.get(f"input.{key}")))
+    for key in ("rows_per_shard", "keep_runs"):
+        if out.get(key) is not None and out[key] < 1:
+            problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
+
+
+def _resolve_structured(gen: dict, file: str, lines: dict, problems: list[Problem]) -> dict:
+    """``generation.structured_outputs`` resolved (schema files read); dropped, with a problem, when it cannot be."""
+    if gen.get("structured_outputs"):
+        try:
+            gen = {**gen, "structured_outputs": resolve_job_spec(gen["structured_outputs"], file)}
+        except ValueError as e:
+            sub, message = e.args
+            key = f"generation.structured_outputs.{sub}"
+            problems.append(Problem(file, key, message, _nearest_line(lines, key)))
+            gen = {k: v for k, v in gen.items() if k != "structured_outputs"}
+    return gen
+
+
+def _build_sections(model: str, gen: dict, eng: dict, file: str, lines: dict, problems: list[Problem]) -> dict:
+    """The generation and engine sections built (``SamplingParams``, ``EngineConfig``): section -> the built one,
+    for those that build; a problem naming the key for those that do not."""
+    built = {}
+    for section, options in (("generation", gen), ("engine", eng)):
+        try:
+            built[section] = (SamplingParams(**gen) if section == "generation"
+                              else EngineConfig.from_options(model, **eng))
+        except (BatchgenError, TypeError, ValueError) as e:
+            key = next((f"{section}.{k}" for k in options if k in str(e)), section)
+            if isinstance(e, StructuredOutputError):
+                key = ".".join(filter(None, ("generation.structured_outputs", error_key(e, None))))
+                e = describe_error(e)
+            problems.append(Problem(file, key, str(e), _nearest_line(lines, key)))
+    return built
 
 
 def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: dict, inp: dict,

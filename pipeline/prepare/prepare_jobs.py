@@ -69,143 +69,194 @@ def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_
     """Stream the job's input; write keys (+ spill of rows to compute). Rows already committed are reused, bad
     rows are committed as error rows at once. ``heads`` / ``head_index`` collect the distinct prompt heads of
     every job on the model (the planner's groups)."""
-    job, prompts = jr.job, jr.prompts
-    r = prompts.renderer
-    id_col = job.input.id_column
-    cols = list(dict.fromkeys(([id_col] if id_col else []) + needed_columns(job.prompt)))
-    done = jr.state.load_done() if jr.state.dir.exists() else None
-    done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
-    done_ids = {k.rpartition("#")[0] for k in done_keys}
-    max_len = prompts.max_model_len
-    seen_ids: set[str] = set()
-    seen_keys: set[str] = set()
-    digest = hashlib.sha256()
-    groups, lens = [], []
-    keys_path, spill_path = jr.state.scratch("keys.arrow"), jr.state.scratch("spill.arrow")
-    if dry_run:
-        keys_w = spill_w = None
-    else:
-        jr.state.dir.mkdir(parents=True, exist_ok=True)
-        keys_w = pa.ipc.new_file(str(keys_path), KEYS_SCHEMA)
-        spill_w = pa.ipc.new_file(str(spill_path), SPILL_SCHEMA)
-    keyer = RowKeyer(prompts.fingerprint)          # = row_key(rid, rendered text, fingerprint)
-    row_idx = 0
-    gc_was_on = gc.isenabled()
-    gc.disable()    # millions of small id lists: the cyclic collector would walk them all, again and again
-    # (cost: docs/perf/code-notes-pipe.md)
+    return _JobPreparer(jr, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
+                        fail_fast=fail_fast).run()
 
-    def render_rows(rows: list[dict], row_idx: int) -> list:
+
+class _JobPreparer:
+    """One job's ``prepare``: what it has seen so far (ids, keys, the keys' digest), the planner's groups and
+    lengths of the rows to compute, and the keys / spill writers (none in a dry run)."""
+
+    def __init__(self, jr: JobRun, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
+                 fail_fast: bool):
+        self.jr, self.heads, self.head_index = jr, heads, head_index
+        self.dry_run, self.commit_rows, self.fail_fast = dry_run, commit_rows, fail_fast
+        self.job, self.prompts = jr.job, jr.prompts
+        self.r = self.prompts.renderer
+        self.id_col = self.job.input.id_column
+        self.max_len = self.prompts.max_model_len
+        done = jr.state.load_done() if jr.state.dir.exists() else None
+        self.done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
+        self.done_ids = {k.rpartition("#")[0] for k in self.done_keys}
+        self.seen_ids: set[str] = set()
+        self.seen_keys: set[str] = set()
+        self.digest = hashlib.sha256()
+        self.groups: list[int] = []
+        self.lens: list[int] = []
+        self.keyer = RowKeyer(self.prompts.fingerprint)          # = row_key(rid, rendered text, fingerprint)
+        self.keys_w = self.spill_w = None
+
+    def run(self) -> PreparedJob:
+        jr = self.jr
+        self._open_writers()
+        gc_was_on = gc.isenabled()
+        gc.disable()    # millions of small id lists: the cyclic collector would walk them all, again and again
+        # (cost: docs/perf/code-notes-pipe.md)
+        try:
+            num_rows = self._stream()
+        finally:
+            if gc_was_on:
+                gc.enable()
+            if self.keys_w is not None:
+                self.keys_w.close()
+                self.spill_w.close()
+        if not self.dry_run:
+            jr.commit()
+        jr.num_rows = num_rows
+        jr.ids = self.seen_ids
+        jr.spill_rows = len(self.groups)
+        jr.keys_digest = self.digest.hexdigest()
+        return PreparedJob(self.groups, self.lens)
+
+    def _open_writers(self) -> None:
+        if self.dry_run:
+            return
+        state = self.jr.state
+        keys_path, spill_path = state.scratch("keys.arrow"), state.scratch("spill.arrow")
+        state.dir.mkdir(parents=True, exist_ok=True)
+        self.keys_w = pa.ipc.new_file(str(keys_path), KEYS_SCHEMA)
+        self.spill_w = pa.ipc.new_file(str(spill_path), SPILL_SCHEMA)
+
+    def _stream(self) -> int:
+        """Every input batch, rendered, tokenized and finished; returns the number of input rows.
+
+        Two stages, one batch apart: the next batch renders (Python) while this one's documents tokenize on a
+        worker thread (the Rust tokenizer and Arrow's kernels run without the GIL). Rendering a batch ahead of
+        the previous one's keys may tokenize a duplicate the second stage then skips: harmless."""
+        job = self.job
+        cols = list(dict.fromkeys(([self.id_col] if self.id_col else []) + needed_columns(job.prompt)))
+        row_idx = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
+            inflight = None
+            for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
+                                      job.input.split, job.input.limit):
+                rows = batch.to_pylist()
+                rendered = self._render_rows(rows, row_idx)
+                todo = [k for k, (_, rr, key, _) in enumerate(rendered)
+                        if not isinstance(rr, RowError) and key not in self.done_keys and key not in self.seen_keys]
+                future = pool.submit(self._tokenize, [rendered[k][1].document for k in todo])
+                if inflight is not None:
+                    self._finish(*inflight)
+                inflight = (rows, row_idx, rendered, todo, future)
+                row_idx += len(rows)
+            if inflight is not None:
+                self._finish(*inflight)
+        return row_idx
+
+    def _row_id(self, row: dict, row_no: int) -> str:
+        id_col = self.id_col
+        rid = str(row[id_col]) if id_col else str(row_no)
+        if id_col and row[id_col] is None:
+            rid = f"<null id at row {row_no}>"
+        if rid in self.seen_ids and not self.job.input.allow_duplicate_ids:
+            raise RunError(f"{self.job.file}: input.id_column {id_col!r}: id {rid!r} appears more than "
+                           f"once (again at row {row_no}); ids must be unique, or set "
+                           "input.allow_duplicate_ids: true")
+        self.seen_ids.add(rid)
+        return rid
+
+    def _render_rows(self, rows: list[dict], row_idx: int) -> list:
+        """Per row: (row id, its rendering or the RowError, its row key, its parameter set's index)."""
+        prompts = self.prompts
         rendered: list = []
         for i, row in enumerate(rows):
-            rid = str(row[id_col]) if id_col else str(row_idx + i)
-            if id_col and row[id_col] is None:
-                rid = f"<null id at row {row_idx + i}>"
-            if rid in seen_ids and not job.input.allow_duplicate_ids:
-                raise RunError(f"{job.file}: input.id_column {id_col!r}: id {rid!r} appears more than "
-                               f"once (again at row {row_idx + i}); ids must be unique, or set "
-                               "input.allow_duplicate_ids: true")
-            seen_ids.add(rid)
+            rid = self._row_id(row, row_idx + i)
             pidx = 0
             try:
-                rr = r.render(row)
+                rr = self.r.render(row)
                 if rr.params:
                     pidx = prompts.params_index(rr.params)
-                key = keyer.key(rid, rr.head, rr.document + rr.tail + (f"\0{rr.params!r}" if rr.params else ""))
+                key = self.keyer.key(rid, rr.head,
+                                     rr.document + rr.tail + (f"\0{rr.params!r}" if rr.params else ""))
             except RowError as e:
                 rr, key = e, row_key(rid, "error:" + str(e) + repr(sorted(row.items(), key=str)),
                                      prompts.fingerprint)
             rendered.append((rid, rr, key, pidx))
         return rendered
 
-    def tokenize(docs: list[str]) -> list:
+    def _tokenize(self, docs: list[str]) -> list:
         # NOTE: a dry run needs only lengths: range(n) stands in for n ids (len and slicing behave alike)
-        return [range(n) for n in r.document_lengths(docs)] if dry_run else r.document_ids(docs)
+        return [range(n) for n in self.r.document_lengths(docs)] if self.dry_run else self.r.document_ids(docs)
 
-    def finish(rows: list[dict], row_idx: int, rendered: list, todo: list[int], tokenized) -> None:
+    def _finish(self, rows: list[dict], row_idx: int, rendered: list, todo: list[int], tokenized) -> None:
+        """One batch's keys, and the spill of its rows still to compute (rows seen or done before are skipped)."""
+        jr = self.jr
         doc_ids = dict(zip(todo, tokenized.result()))
         keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": [], "params": []}
         for k, (rid, rr, key, pidx) in enumerate(rendered):
             keys.append(key)
-            digest.update(key.encode() + b"\n")
-            if key in done_keys or key in seen_keys:
-                jr.reused += key in done_keys
+            self.digest.update(key.encode() + b"\n")
+            if key in self.done_keys or key in self.seen_keys:
+                jr.reused += key in self.done_keys
                 continue
-            seen_keys.add(key)
-            if rid in done_ids:
+            self.seen_keys.add(key)
+            if rid in self.done_ids:
                 jr.changed += 1
-            chunks = None
-            if not isinstance(rr, RowError):
-                head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
-                row_max = prompts.param_sets[pidx].max_tokens
-                try:
-                    ids = r.fit(head, doc_ids[k], tail, max_len, row_max)
-                except RowError as e:
-                    room = max_len - row_max - len(head) - len(tail)
-                    if job.prompt.on_too_long == "map_reduce" and room > 0:
-                        chunks = chunks_of(r, rr.document, room)
-                    else:
-                        rr = e
-            if isinstance(rr, RowError):
-                _row_error(jr, key, str(rr), row_idx + k, fail_fast)
-                continue
-            gid = head_index.setdefault("\0".join((rr.head, str(job.prompt.chat_template))), len(heads))
-            if gid == len(heads):
-                heads.append(head)
-            tail_id = prompts.tail_index(tail)
-            if chunks is not None:          # on_too_long: map_reduce (pipeline.prepare.long_docs)
-                parts = jr.long_docs.add(key, chunks, gid, tail_id, pidx, head_len=len(head), tail_len=len(tail))
-                todo_chunks = [(ck, c) for ck, c in parts if ck not in done_keys]
-            else:
-                todo_chunks = [(key, ids)]
-            part_params = pidx if chunks is None else prompts.unconstrained_index(pidx)   # parts: no schema
-            for ck, c in todo_chunks:
-                groups.append(gid)
-                lens.append(len(head) + len(c) + len(tail))
-                spill["row_key"].append(ck)
-                spill["group"].append(gid)
-                spill["doc_ids"].append(c)
-                spill["tail"].append(tail_id)
-                spill["params"].append(part_params)
-        if keys_w is not None:
-            keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
-                                                pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
-            if spill["row_key"]:
-                spill_w.write_batch(pa.record_batch(spill, schema=SPILL_SCHEMA))
-        if not dry_run and len(jr.pending) >= commit_rows:
+            self._spill_row(rr, key, pidx, doc_ids, k, row_idx + k, spill)
+        self._write(rows, row_idx, keys, spill)
+        if not self.dry_run and len(jr.pending) >= self.commit_rows:
             jr.commit()
 
-    try:
-        # Two stages, one batch apart: the next batch renders (Python) while this one's documents tokenize on
-        # a worker thread (the Rust tokenizer and Arrow's kernels run without the GIL). Rendering a batch ahead
-        # of the previous one's keys may tokenize a duplicate the second stage then skips: harmless.
-        with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
-            inflight = None
-            for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
-                                      job.input.split, job.input.limit):
-                rows = batch.to_pylist()
-                rendered = render_rows(rows, row_idx)
-                todo = [k for k, (_, rr, key, _) in enumerate(rendered)
-                        if not isinstance(rr, RowError) and key not in done_keys and key not in seen_keys]
-                future = pool.submit(tokenize, [rendered[k][1].document for k in todo])
-                if inflight is not None:
-                    finish(*inflight)
-                inflight = (rows, row_idx, rendered, todo, future)
-                row_idx += len(rows)
-            if inflight is not None:
-                finish(*inflight)
-    finally:
-        if gc_was_on:
-            gc.enable()
-        if keys_w is not None:
-            keys_w.close()
-            spill_w.close()
-    if not dry_run:
-        jr.commit()
-    jr.num_rows = row_idx
-    jr.ids = seen_ids
-    jr.spill_rows = len(groups)
-    jr.keys_digest = digest.hexdigest()
-    return PreparedJob(groups, lens)
+    def _spill_row(self, rr, key: str, pidx: int, doc_ids: dict, k: int, row_no: int, spill: dict) -> None:
+        """A new row: an error row, or its head group and the part(s) to compute in ``spill``."""
+        r, prompts = self.r, self.prompts
+        chunks = None
+        if not isinstance(rr, RowError):
+            head, tail = r.head_ids(rr.head), r.tail_ids(rr.tail)
+            row_max = prompts.param_sets[pidx].max_tokens
+            max_len = self.max_len
+            try:
+                ids = r.fit(head, doc_ids[k], tail, max_len, row_max)
+            except RowError as e:
+                room = max_len - row_max - len(head) - len(tail)
+                if self.job.prompt.on_too_long == "map_reduce" and room > 0:
+                    chunks = chunks_of(r, rr.document, room)
+                else:
+                    rr = e
+        if isinstance(rr, RowError):
+            _row_error(self.jr, key, str(rr), row_no, self.fail_fast)
+            return
+        gid = self._head_group(rr.head, head)
+        tail_id = prompts.tail_index(tail)
+        if chunks is not None:          # on_too_long: map_reduce (pipeline.prepare.long_docs)
+            parts = self.jr.long_docs.add(key, chunks, gid, tail_id, pidx, head_len=len(head), tail_len=len(tail))
+            todo_chunks = [(ck, c) for ck, c in parts if ck not in self.done_keys]
+        else:
+            todo_chunks = [(key, ids)]
+        part_params = pidx if chunks is None else prompts.unconstrained_index(pidx)   # parts: no schema
+        for ck, c in todo_chunks:
+            self.groups.append(gid)
+            self.lens.append(len(head) + len(c) + len(tail))
+            spill["row_key"].append(ck)
+            spill["group"].append(gid)
+            spill["doc_ids"].append(c)
+            spill["tail"].append(tail_id)
+            spill["params"].append(part_params)
+
+    def _head_group(self, head_text: str, head: list) -> int:
+        """The planner's group of a prompt head (and chat template), shared by every job on the model."""
+        gid = self.head_index.setdefault("\0".join((head_text, str(self.job.prompt.chat_template))),
+                                         len(self.heads))
+        if gid == len(self.heads):
+            self.heads.append(head)
+        return gid
+
+    def _write(self, rows: list[dict], row_idx: int, keys: list[str], spill: dict) -> None:
+        if self.keys_w is not None:
+            self.keys_w.write_batch(pa.record_batch([pa.array(range(row_idx, row_idx + len(rows)), pa.int64()),
+                                                     pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
+            if spill["row_key"]:
+                self.spill_w.write_batch(pa.record_batch(spill, schema=SPILL_SCHEMA))
 
 
 def _row_error(jr: JobRun, key: str, message: str, row_idx: int, fail_fast: bool) -> None:

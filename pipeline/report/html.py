@@ -190,7 +190,34 @@ def _replicas_html(dist: dict) -> str:
 
 
 def _single_html(run: TraceData, sm: dict) -> str:
-    t, mi, ph = sm["totals"], sm["model_info"], sm["phases"]
+    parts = _run_notes(run, sm)
+    parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
+                                                                for d in sm["diagnosis"]) + "</ul>")
+    dist = run.meta.get("distributed")
+    if dist:
+        parts.append(_replicas_html(dist))
+    parts.append(_totals_html(sm["totals"]))
+    parts.append(_phases_html(sm["phases"], sm["engine_time"]))
+    parts.append(_time_split_html(sm["time_split"]))
+    parts.append(_latency_html(sm["latency"]))
+    if run.num_requests:
+        parts.append(_latency_plot(run, sm))
+    if run.num_steps:
+        parts.append("<h2>Over time: throughput, batch composition, KV usage, cache hits</h2>" + _timeline_plot(run))
+    parts.append(_buckets_html(sm["thresholds"], sm["buckets"]))
+    parts.append("<h2>Roofline</h2>")
+    parts += _roofline_html(sm["roofline"])
+    parts.append("<h2>Data checks</h2>" + ("<p>Trace is consistent: output tokens = sampled tokens, "
+                                          "cached + computed = prompt tokens, TTFT ≥ queue wait.</p>"
+                                          if not sm["checks"] else
+                                          "<ul>" + "".join(f"<li>{html.escape(c)}</li>" for c in sm["checks"][:50])
+                                          + "</ul>"))
+    return "\n".join(parts)
+
+
+def _run_notes(run: TraceData, sm: dict) -> list[str]:
+    """The small print under the title: run and model; predicted engine time, weights, speculation, structure."""
+    mi = sm["model_info"]
     parts = [f"<p class='small'>run: {html.escape(sm['run'])} · model: {html.escape(str(mi.get('name')))} "
              f"({html.escape(str(mi.get('architecture')))}, {mi.get('dtype')}, {mi.get('device')}, "
              f"backend {mi.get('attention_backend', '–')})</p>"]
@@ -217,12 +244,11 @@ def _single_html(run: TraceData, sm: dict) -> str:
         mask_s = sum(v or 0 for v in run.requests.get("mask_s") or [])
         parts.append(f"<p class='small'>structured outputs: {forced} forced tokens ({forced / out_tokens:.0%} of the "
                      f"output, entered as prefill chunks), {masks} full masks applied, {mask_s:.3f} s masking</p>")
-    parts.append("<h2>Diagnosis</h2><ul class='diag'>" + "".join(f"<li>{html.escape(d)}</li>"
-                                                                for d in sm["diagnosis"]) + "</ul>")
-    dist = run.meta.get("distributed")
-    if dist:
-        parts.append(_replicas_html(dist))
-    parts.append("<h2>Totals</h2>" + _table(["", "value"], [
+    return parts
+
+
+def _totals_html(t: dict) -> str:
+    return "<h2>Totals</h2>" + _table(["", "value"], [
         ["documents", _fmt(t["documents"])], ["errors", _fmt(t["errors"])],
         ["prompt tokens", _fmt(t["prompt_tokens"])],
         ["&nbsp; cached (prefix hits)", f"{_fmt(t['cached_tokens'])} ({_fmt(t['cache_hit_rate'], '%')})"],
@@ -230,9 +256,11 @@ def _single_html(run: TraceData, sm: dict) -> str:
         ["wall time", _fmt(t["wall_s"], "s")], ["documents/s", _fmt(t["docs_per_s"])],
         ["output tokens/s", _fmt(t["output_tokens_per_s"])],
         ["all tokens/s (prompt + output)", _fmt(t["tokens_per_s"])],
-        ["engine steps", _fmt(t["steps"])], ["preemptions", _fmt(t["preemptions"])]]))
-    e = sm["engine_time"]
-    parts.append("<h2>Phases and engine time</h2>" + _table(["phase", "seconds"], [
+        ["engine steps", _fmt(t["steps"])], ["preemptions", _fmt(t["preemptions"])]])
+
+
+def _phases_html(ph: dict, e: dict) -> str:
+    return "<h2>Phases and engine time</h2>" + _table(["phase", "seconds"], [
         ["model load", _fmt(ph.get("load_s"), "s")], ["setup (run start → first step)", _fmt(ph.get("setup_s"), "s")],
         ["warm-up (first step)", _fmt(ph.get("warmup_s"), "s")],
         ["steady state (after warm-up)", _fmt(ph.get("steady_s"), "s")],
@@ -240,73 +268,71 @@ def _single_html(run: TraceData, sm: dict) -> str:
         ["&nbsp;&nbsp; of which mixed prefill + decode", _fmt(e["mixed_steps_s"], "s")],
         ["&nbsp; decode-only steps", _fmt(e["decode_steps_s"], "s")],
         ["&nbsp; outside engine steps", _fmt(e["outside_steps_s"], "s")],
-        ["wall (excluding load)", _fmt(ph.get("wall_s"), "s")]]))
-    ts = sm["time_split"]
+        ["wall (excluding load)", _fmt(ph.get("wall_s"), "s")]])
+
+
+def _time_split_html(ts: dict) -> str:
     rows = [["all", ts["overall"]]] + [[j or "(no job)", v] for j, v in ts["per_job"].items()]
-    parts.append("<h2>Time split per request (queue / prefill / decode)</h2>"
-                 "<p class='small'>Request-seconds summed over requests: queue = arrival → first scheduled; "
-                 "prefill = first scheduled → prompt done; decode = first token → finish.</p>" + _table(
-                     ["group", "requests", "queue", "prefill", "decode", "queue %", "prefill %", "decode %",
-                      "prompt tok", "cache hit", "output tok"],
-                     [[html.escape(str(g)), _fmt(v["requests"]), _fmt(v["queue_s"], "s"), _fmt(v["prefill_s"], "s"),
-                       _fmt(v["decode_s"], "s"), _fmt(v["queue_share"], "%"), _fmt(v["prefill_share"], "%"),
-                       _fmt(v["decode_share"], "%"), _fmt(v["prompt_tokens"]),
-                       _fmt(v["cached_tokens"] / v["prompt_tokens"] if v["prompt_tokens"] else None, "%"),
-                       _fmt(v["output_tokens"])] for g, v in rows]))
-    lat = sm["latency"]
-    parts.append("<h2>Latency distributions</h2>" + _table(
+    return ("<h2>Time split per request (queue / prefill / decode)</h2>"
+            "<p class='small'>Request-seconds summed over requests: queue = arrival → first scheduled; "
+            "prefill = first scheduled → prompt done; decode = first token → finish.</p>" + _table(
+                ["group", "requests", "queue", "prefill", "decode", "queue %", "prefill %", "decode %",
+                 "prompt tok", "cache hit", "output tok"],
+                [[html.escape(str(g)), _fmt(v["requests"]), _fmt(v["queue_s"], "s"), _fmt(v["prefill_s"], "s"),
+                  _fmt(v["decode_s"], "s"), _fmt(v["queue_share"], "%"), _fmt(v["prefill_share"], "%"),
+                  _fmt(v["decode_share"], "%"), _fmt(v["prompt_tokens"]),
+                  _fmt(v["cached_tokens"] / v["prompt_tokens"] if v["prompt_tokens"] else None, "%"),
+                  _fmt(v["output_tokens"])] for g, v in rows]))
+
+
+def _latency_html(lat: dict) -> str:
+    return "<h2>Latency distributions</h2>" + _table(
         ["metric", "n", "mean", "p50", "p90", "p99", "max"],
         [[name, _fmt(lat[k]["n"])] + [_fmt(lat[k][p], "ms") for p in ("mean", "p50", "p90", "p99", "max")]
          for name, k in (("TTFT", "ttft_s"), ("TPOT (per request mean)", "tpot_s"), ("inter-token", "itl_s"),
-                         ("queue wait", "queue_s"), ("end to end", "e2e_s"))]))
-    if run.num_requests:
-        parts.append(_latency_plot(run, sm))
-    if run.num_steps:
-        parts.append("<h2>Over time: throughput, batch composition, KV usage, cache hits</h2>" + _timeline_plot(run))
-    th = sm["thresholds"]
-    parts.append(f"<h2>Per shape bucket</h2><p class='small'>long prompt ≥ {th['prompt']} tokens, "
-                 f"long output ≥ {th['output']} tokens.</p>" + _table(
-                     ["bucket", "requests", "mean prompt", "mean output", "cache hit", "TTFT p50", "TTFT p90",
-                      "TPOT p50", "TPOT p90", "e2e p50"],
-                     [[b, _fmt(v["requests"]), _fmt(v["mean_prompt_tokens"]), _fmt(v["mean_output_tokens"]),
-                       _fmt(v["cache_hit_rate"], "%"), _fmt(v["ttft_s"]["p50"], "ms"), _fmt(v["ttft_s"]["p90"], "ms"),
-                       _fmt(v["tpot_s"]["p50"], "ms"), _fmt(v["tpot_s"]["p90"], "ms"), _fmt(v["e2e_s"]["p50"], "ms")]
-                      for b, v in sm["buckets"].items()]))
-    parts.append("<h2>Roofline</h2>")
-    roof = sm["roofline"]
+                         ("queue wait", "queue_s"), ("end to end", "e2e_s"))])
+
+
+def _buckets_html(th: dict, buckets: dict) -> str:
+    return (f"<h2>Per shape bucket</h2><p class='small'>long prompt ≥ {th['prompt']} tokens, "
+            f"long output ≥ {th['output']} tokens.</p>" + _table(
+                ["bucket", "requests", "mean prompt", "mean output", "cache hit", "TTFT p50", "TTFT p90",
+                 "TPOT p50", "TPOT p90", "e2e p50"],
+                [[b, _fmt(v["requests"]), _fmt(v["mean_prompt_tokens"]), _fmt(v["mean_output_tokens"]),
+                  _fmt(v["cache_hit_rate"], "%"), _fmt(v["ttft_s"]["p50"], "ms"), _fmt(v["ttft_s"]["p90"], "ms"),
+                  _fmt(v["tpot_s"]["p50"], "ms"), _fmt(v["tpot_s"]["p90"], "ms"), _fmt(v["e2e_s"]["p50"], "ms")]
+                 for b, v in buckets.items()]))
+
+
+def _roofline_html(roof: dict | None) -> list[str]:
+    """The roofline section under its heading: calibration, per-stage table, the tuner's steps, the plot."""
     if roof is None:
-        parts.append("<p class='warn'>No model config in this trace: FLOP and byte counts are unavailable.</p>")
-    else:
-        cal = roof["calibration"]
-        parts.append("<p class='small'>" + (
-            f"Calibration: {html.escape(str(cal.get('device_name')))} {cal.get('dtype')}: matmul peak "
-            f"{_fmt(cal['matmul_flops'], 'FLOP/s')}, memory bandwidth {_fmt(cal['memory_bandwidth'], 'B/s')} "
-            f"(ridge {cal['matmul_flops'] / cal['memory_bandwidth']:.0f} FLOP/B), measured "
-            f"{_when(cal.get('measured_at'))}{' in quick mode' if cal.get('quick') else ''}; a calibration "
-            "taken while other work ran understates the device." if cal else
-            "No calibration: run <code>batchgen calibrate</code>.") +
-            " MFU = achieved FLOP/s ÷ calibrated peak (prefill); MBU = achieved bytes/s ÷ calibrated bandwidth "
-            "(decode). Warm-up steps excluded.</p>")
-        parts.append(_table(["stage", "steps", "time", "FLOPs", "bytes", "FLOP/s", "bytes/s", "FLOP/byte",
-                             "MFU", "MBU", "mean decode seqs", "mean prefill tok"],
-                            [[name, _fmt(v["steps"]), _fmt(v["time_s"], "s"), _fmt(v["flops"], "FLOP"),
-                              _fmt(v["bytes"], "B"), _fmt(v["flops_per_s"], "FLOP/s"), _fmt(v["bytes_per_s"], "B/s"),
-                              _fmt(v["intensity"]), _fmt(v["mfu"], "%"), _fmt(v["mbu"], "%"),
-                              _fmt(v["mean_decode_seqs"]), _fmt(v["mean_prefill_tokens"])]
-                             for name, v in roof["stages"].items()]))
-        if roof.get("against_measured"):
-            parts.append("<p class='small'>Decode-only steps against this format's steps as the tuner timed them on "
-                         "this machine (engine.tuning; each row over 512 cached tokens):</p>")
-            parts.append(_table(["shape", "steps here", "median here", "tuner", "ratio"],
-                                [[m["shape"], _fmt(m["steps"]), _fmt(m["run_s"], "s"), _fmt(m["measured_s"], "s"),
-                                  f"{m['ratio']:.2f}x" if m["ratio"] else "—"] for m in roof["against_measured"]]))
-        parts.append(_roofline_plot(roof))
-    parts.append("<h2>Data checks</h2>" + ("<p>Trace is consistent: output tokens = sampled tokens, "
-                                          "cached + computed = prompt tokens, TTFT ≥ queue wait.</p>"
-                                          if not sm["checks"] else
-                                          "<ul>" + "".join(f"<li>{html.escape(c)}</li>" for c in sm["checks"][:50])
-                                          + "</ul>"))
-    return "\n".join(parts)
+        return ["<p class='warn'>No model config in this trace: FLOP and byte counts are unavailable.</p>"]
+    cal = roof["calibration"]
+    parts = ["<p class='small'>" + (
+        f"Calibration: {html.escape(str(cal.get('device_name')))} {cal.get('dtype')}: matmul peak "
+        f"{_fmt(cal['matmul_flops'], 'FLOP/s')}, memory bandwidth {_fmt(cal['memory_bandwidth'], 'B/s')} "
+        f"(ridge {cal['matmul_flops'] / cal['memory_bandwidth']:.0f} FLOP/B), measured "
+        f"{_when(cal.get('measured_at'))}{' in quick mode' if cal.get('quick') else ''}; a calibration "
+        "taken while other work ran understates the device." if cal else
+        "No calibration: run <code>batchgen calibrate</code>.") +
+        " MFU = achieved FLOP/s ÷ calibrated peak (prefill); MBU = achieved bytes/s ÷ calibrated bandwidth "
+        "(decode). Warm-up steps excluded.</p>"]
+    parts.append(_table(["stage", "steps", "time", "FLOPs", "bytes", "FLOP/s", "bytes/s", "FLOP/byte",
+                         "MFU", "MBU", "mean decode seqs", "mean prefill tok"],
+                        [[name, _fmt(v["steps"]), _fmt(v["time_s"], "s"), _fmt(v["flops"], "FLOP"),
+                          _fmt(v["bytes"], "B"), _fmt(v["flops_per_s"], "FLOP/s"), _fmt(v["bytes_per_s"], "B/s"),
+                          _fmt(v["intensity"]), _fmt(v["mfu"], "%"), _fmt(v["mbu"], "%"),
+                          _fmt(v["mean_decode_seqs"]), _fmt(v["mean_prefill_tokens"])]
+                         for name, v in roof["stages"].items()]))
+    if roof.get("against_measured"):
+        parts.append("<p class='small'>Decode-only steps against this format's steps as the tuner timed them on "
+                     "this machine (engine.tuning; each row over 512 cached tokens):</p>")
+        parts.append(_table(["shape", "steps here", "median here", "tuner", "ratio"],
+                            [[m["shape"], _fmt(m["steps"]), _fmt(m["run_s"], "s"), _fmt(m["measured_s"], "s"),
+                              f"{m['ratio']:.2f}x" if m["ratio"] else "—"] for m in roof["against_measured"]]))
+    parts.append(_roofline_plot(roof))
+    return parts
 
 
 def _compare_html(sms: list[dict]) -> str:
