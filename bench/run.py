@@ -128,7 +128,7 @@ class _BenchRun:
             res, llm = run_batchgen(opts, self.prompts, name, self.roof)
             self.model_info = self.model_info or llm.info.to_dict()
             if opts.contend:
-                del llm
+                llm = None
                 gc.collect()
                 say(opts, f"{name}: again beside {opts.contend} busy loop(s)")
                 with contention(opts.contend):
@@ -137,7 +137,7 @@ class _BenchRun:
         except ConfigError as e:        # a setting this model cannot take (an int8 KV cache off its head_dim)
             res = SystemResult(system=name, label=name, skipped=str(e))
         finally:
-            del llm
+            llm = None
             gc.collect()
         if not res.skipped:
             say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")

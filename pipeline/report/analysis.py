@@ -307,7 +307,7 @@ def _prefill_mfu_findings(p: dict) -> list[str]:
                 "load or on other settings; run `batchgen calibrate` again on an idle machine."]
     if p["mfu"] < 0.3:
         hint = (" Prefill chunks are small (mean {:.0f} tokens per step): raise max_num_batched_tokens."
-                .format(p["mean_prefill_tokens"]) if (p["mean_prefill_tokens"] or 0) < 512 else
+                .format(p["mean_prefill_tokens"]) if (p["mean_prefill_tokens"] or 512) < 512 else
                 " Check attention over long contexts and per-step overhead.")
         return [f"Prefill reaches {100 * p['mfu']:.0f}% of the calibrated matmul peak (MFU)." + hint]
     return []
