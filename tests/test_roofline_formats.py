@@ -49,3 +49,67 @@ def test_format_maps_to_its_peak_and_bytes():
     assert roof.decode_bytes([10]) == WEIGHT_PARAMS * 1.25 + 2 * (PER_TOKEN_LAYER * (4 + 10) + PER_TOKEN_LAYER * 2)
     assert Roofline.of_format(cfg, 4, 1.125, None).decode_bytes([10]) == flops.decode_step_bytes(cfg, [10], 4, 1.125)
     assert Roofline(cfg, 2, None).kv_bytes == 2                           # the old constructor: KV as the weights
+
+
+# ---- the int8 peak: the best of our kernel and torch._int_mm -------------------------------------------------
+def _fake_measures(monkeypatch, ours, int_mm):
+    """The two int8 measurements and the bandwidth replaced by fixed numbers (FLOP/s by M; None: unsupported)."""
+    from costmodel import calibrate as C
+    monkeypatch.setattr(C, "_int8_flops", lambda dev, m, k, n, reps: ours(m))
+    monkeypatch.setattr(C, "_int_mm_flops", lambda dev, m, k, n, reps: int_mm(m))
+    monkeypatch.setattr(C, "_bandwidth", lambda dev, nbytes, reps: (20e9, 30e9))
+    return C
+
+
+def test_int8_peak_is_the_best_of_both_kernels(monkeypatch):
+    C = _fake_measures(monkeypatch, ours=lambda m: 300e9 if m > 16 else 40e9, int_mm=lambda m: 500e9 if m > 16
+                       else 30e9)
+    cal = C.calibrate("cpu", "int8", quick=True, save=False)
+    assert cal.matmul_flops == 500e9 and cal.peak_kernel == "torch._int_mm"
+    assert cal.small_m_flops == 40e9                                      # per measurement, the better kernel
+    assert cal.matmul_by_shape == {"512x640x2048": 500e9} and cal.memory_bandwidth == 20e9
+    assert cal.kernel_flops == {"q8_linear": {"matmul_flops": 300e9, "small_m_flops": 40e9,
+                                              "by_shape": {"512x640x2048": 300e9}},
+                                "torch._int_mm": {"matmul_flops": 500e9, "small_m_flops": 30e9,
+                                                  "by_shape": {"512x640x2048": 500e9}}}
+    assert C.Calibration.from_dict(cal.to_dict()) == cal
+
+
+def test_int8_peak_without_int_mm_is_our_kernels(monkeypatch):
+    C = _fake_measures(monkeypatch, ours=lambda m: 300e9, int_mm=lambda m: None)     # torch._int_mm unsupported
+    cal = C.calibrate("cpu", "int8", quick=True, save=False)
+    assert (cal.matmul_flops, cal.peak_kernel, list(cal.kernel_flops)) == (300e9, "q8_linear", ["q8_linear"])
+
+
+def test_old_cached_calibrations_still_load():
+    from costmodel.calibrate import Calibration
+    old = {"device": "cpu-2t", "device_name": "cpu", "dtype": "int8", "matmul_flops": 1e11, "memory_bandwidth": 2e10,
+           "copy_bandwidth": 3e10, "small_m_flops": 1e10, "matmul_by_shape": {"512x640x2048": 1e11}}
+    cal = Calibration.from_dict(old)
+    assert cal.kernel_flops == {} and cal.peak_kernel == ""
+
+
+def test_cli_calibrate_all_formats(monkeypatch, tmp_path):
+    """--all-formats measures int8, bfloat16 and float32 (here: fake calibrations); --dtype with it is an error."""
+    from click.testing import CliRunner
+
+    from batchgen.report_cmd import calibrate_cmd
+    from costmodel import calibrate as C
+    asked = []
+
+    def fake(device, dtype, quick=False, cache_dir=None, save=True):
+        asked.append(dtype)
+        kernels = {"q8_linear": {"matmul_flops": 3e11, "small_m_flops": 4e10, "by_shape": {}},
+                   "torch._int_mm": {"matmul_flops": 5e11, "small_m_flops": 3e10, "by_shape": {}}}
+        return C.Calibration("cpu-2t", "cpu (2 threads)", dtype, 5e11, 2e10, 3e10, 4e10, {"512x640x2048": 5e11},
+                             kernels if dtype == "int8" else {}, "torch._int_mm" if dtype == "int8" else "")
+    monkeypatch.setattr(C, "calibrate", fake)
+    res = CliRunner().invoke(calibrate_cmd, ["--all-formats", "--quick", "--device", "cpu", "--cache-dir",
+                                             str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert asked == ["int8", "bfloat16", "float32"]
+    assert "matmul peak:       500.0 GOP/s (torch._int_mm)" in res.output
+    assert "         q8_linear: 300.0 GOP/s, 40.0 at M=16" in res.output
+    assert "matmul peak:       500.0 GFLOP/s\n" in res.output                 # the float formats: one kernel
+    bad = CliRunner().invoke(calibrate_cmd, ["--all-formats", "--dtype", "int8", "--device", "cpu"])
+    assert bad.exit_code == 2 and "--all-formats" in bad.output
