@@ -3,7 +3,8 @@ peaks (``costmodel.calibrate``), as MFU (achieved FLOP/s / matmul peak) and MBU 
 
 Used by ``batchgen report`` (per step of a recorded run: ``step_work``, ``stage_roofline``; pipeline/report reads
 the trace and hands its columns here), by ``batchgen bench``
-(per request of a system's run: ``Roofline``) and, for time rather than utilization, by ``batchgen plan``
+(per request of a system's run: ``Roofline``; a batchgen system's on the format its engine ran, ``RunFormat``:
+that format's calibrated peak, weight and KV bytes) and, for time rather than utilization, by ``batchgen plan``
 (``costmodel.predict`` prices steps with ``matmul_rate`` and the same ``costmodel.flops`` counts).
 
 Per recorded step (each step is one forward pass):

@@ -113,3 +113,111 @@ def test_cli_calibrate_all_formats(monkeypatch, tmp_path):
     assert "matmul peak:       500.0 GFLOP/s\n" in res.output                 # the float formats: one kernel
     bad = CliRunner().invoke(calibrate_cmd, ["--all-formats", "--dtype", "int8", "--device", "cpu"])
     assert bad.exit_code == 2 and "--all-formats" in bad.output
+
+
+# ---- the bench's fractions -------------------------------------------------------------------------------------
+def _request(prompt_len: int, cached: int, token_times: list[float]):
+    from types import SimpleNamespace
+    return SimpleNamespace(prompt_token_ids=[1] * prompt_len, num_cached_tokens=cached,
+                           metrics=SimpleNamespace(token_times=token_times))
+
+
+def _step(i: int, start: float, end: float, prefill: int, decode_seqs: int):
+    from engine.outputs import StepStats
+    return StepStats(step=i, start_time=start, end_time=end, num_prefill_tokens=prefill, num_decode_tokens=decode_seqs,
+                     num_prefill_seqs=2 if prefill else 0, num_decode_seqs=decode_seqs, num_running=2, num_waiting=0,
+                     kv_blocks_used=1, kv_blocks_total=8, prefix_cache_queries=0, prefix_cache_hits=0,
+                     num_preemptions=0, num_sampled=max(decode_seqs, 2 if prefill else 0))
+
+
+def _hand_run():
+    """Two prompts of 6 tokens (the second with 2 cached) prefilled in 1 s; a 2-row decode step (0.5 s), then two
+    1-row ones (0.25 s each), on the windowed tiny model in int8 weights + bf16 KV."""
+    outs = [_request(6, 0, [0.9, 1.2, 1.6, 1.9]), _request(6, 2, [0.9, 1.2])]
+    steps = [_step(0, 0.0, 1.0, 10, 0), _step(1, 1.0, 1.5, 0, 2), _step(2, 1.5, 1.75, 0, 1),
+             _step(3, 1.75, 2.0, 0, 1)]
+    fmt = RunFormat.of({"quantization": "int8", "dtype": "float32", "config": {"kv_cache_dtype": "bfloat16"}})
+    cal = {"matmul_flops": 57088.0, "memory_bandwidth": 16400.0, "peak_kernel": "torch._int_mm", "quick": False}
+    return outs, steps, fmt, Roofline.for_format(tiny(window=4, layers=WINDOWED), fmt, cal)
+
+
+def test_fractions_arithmetic_on_hand_made_steps():
+    """Prefill FLOPs (per token 2 x 1152 linear + 32 per attended key; LM head 1600 per sampled row):
+    16672 + 11872 = 28544 in 1 s, of a 57088 peak: 50 %. Decode-only bytes (weights 1952 x 1.25 = 2440; a context
+    c reads min(c, 4) + c bf16 tokens of 16 bytes and writes 2 x 16): 2856 + 2664 + 2680 = 8200 in 1 s of 16400
+    B/s: 50 %; 1-row steps 5344 in 0.5 s: 10688 B/s, 10688 / 16400."""
+    from bench.result import SystemResult
+    from bench.systems.batchgen import _batchgen_roofline, stage_sums, step_contexts
+    outs, steps, fmt, roof = _hand_run()
+    assert step_contexts(outs, steps) == {1: [7, 7], 2: [8], 3: [9]}
+    sums = stage_sums(outs, steps, roof)
+    assert sums == {"prefill_flops": 28544, "prefill_s": 1.0, "decode_bytes": 8200.0, "decode_s": 1.0,
+                    "decode1_bytes": 5344.0, "decode1_s": 0.5, "decode1_steps": 2,
+                    "flops": 28544 + 8512 + 4288 + 4320}
+    res = SystemResult("batchgen-int8-bf16kv", "batchgen-int8-bf16kv", wall_s=2.0)
+    _batchgen_roofline(res, outs, steps, roof, fmt)
+    assert res.prefill_peak_fraction == res.prefill_mfu == 0.5
+    assert res.decode_bound_fraction == res.decode_mbu == 0.5
+    assert res.decode1_bound_fraction == pytest.approx(10688 / 16400, rel=1e-12)
+    assert res.mfu == pytest.approx(45664 / 2.0 / 57088, rel=1e-12)
+    assert res.limits == {"format": "int8/float32/kv-bfloat16", "calibration_dtype": "int8", "matmul_flops": 57088.0,
+                          "memory_bandwidth": 16400.0, "peak_kernel": "torch._int_mm", "quick": False,
+                          "prefill_flops_per_s": 28544.0, "decode_bytes_per_s": 8200.0,
+                          "decode1_bytes_per_s": 10688.0, "decode1_steps": 2}
+
+
+def test_fractions_are_none_without_a_calibration_or_steps():
+    from bench.result import SystemResult
+    from bench.systems.batchgen import _batchgen_roofline
+    outs, steps, fmt, roof = _hand_run()
+    res = SystemResult("batchgen", "batchgen", wall_s=2.0)
+    _batchgen_roofline(res, outs, steps, Roofline.for_format(roof.mcfg, fmt, None), fmt)
+    assert (res.prefill_peak_fraction, res.decode_bound_fraction, res.decode1_bound_fraction) == (None, None, None)
+    assert res.limits["matmul_flops"] is None and res.limits["prefill_flops_per_s"] == 28544.0
+    res = SystemResult("batchgen", "batchgen", wall_s=2.0)
+    _batchgen_roofline(res, outs, steps[:2], roof, fmt)                    # no 1-row decode-only step
+    assert res.decode1_bound_fraction is None and res.limits["decode1_steps"] == 0
+
+
+def _system(label: str, limits=None, fractions=(None, None, None), fmt=None) -> dict:
+    return {"label": label, "system": label, "skipped": None, "extra": {"format": fmt} if fmt else {},
+            "limits": limits, "prefill_peak_fraction": fractions[0], "decode_bound_fraction": fractions[1],
+            "decode1_bound_fraction": fractions[2]}
+
+
+def test_table_line():
+    from bench.table import _limit_lines, limit_line
+    lim = {"format": "int8/float32/kv-bfloat16", "calibration_dtype": "int8", "matmul_flops": 517e9,
+           "memory_bandwidth": 20e9, "peak_kernel": "torch._int_mm", "quick": False, "prefill_flops_per_s": 212e9,
+           "decode_bytes_per_s": 11e9, "decode1_bytes_per_s": 12.6e9, "decode1_steps": 40}
+    q8 = _system("batchgen-default", lim, (0.41, 0.55, 0.63))
+    assert limit_line(q8) == ("batchgen-default (int8/float32/kv-bfloat16): prefill 41% of the int8 peak (212 of 517 "
+                              "GOP/s, torch._int_mm); decode at 1 row 63% of the bandwidth bound (12.6 of 20 GB/s, "
+                              "40 steps); all decode-only steps 55%")
+    f32 = _system("batchgen", {**lim, "format": "float32/float32/kv-float32", "calibration_dtype": "float32",
+                               "peak_kernel": "torch.matmul", "decode1_steps": 0}, (0.3, 0.5, None))
+    assert limit_line(f32) == ("batchgen (float32/float32/kv-float32): prefill 30% of the float32 peak (212 of 517 "
+                               "GFLOP/s, torch.matmul); decode at 1 row n/a (no 1-row decode-only steps); all "
+                               "decode-only steps 50%")
+    nocal = _system("batchgen-int8", {**lim, "matmul_flops": None})
+    assert limit_line(nocal) == "batchgen-int8 (int8/float32/kv-bfloat16): n/a (no calibration)"
+    noroof = _system("batchgen-nocache", fmt="float32/float32/kv-float32")          # --no-roofline
+    assert limit_line(noroof) == "batchgen-nocache (float32/float32/kv-float32): n/a (no calibration)"
+    old = _system("batchgen-int8", {**lim, "peak_kernel": None}, (0.41, 0.55, 0.63))   # cached before _int_mm
+    assert "(212 of 517 GOP/s, q8_linear only: recalibrate with `batchgen calibrate --dtype int8`)" in limit_line(old)
+    lines = _limit_lines([q8, _system("vllm"), {**_system("openvino"), "skipped": "not set up"}])
+    assert lines[2:] == [limit_line(q8), "vllm: n/a (no step stats)"]
+    assert _limit_lines([_system("vllm")]) == []                   # no batchgen system: no section
+
+
+def test_calibration_lines_name_each_formats_peak():
+    from bench.table import _calibration_lines
+    f32 = {"device": "cpu-2t", "matmul_flops": 100e9, "memory_bandwidth": 20e9, "quick": True,
+           "peak_kernel": "torch.matmul", "kernel_flops": {"torch.matmul": 100e9}}
+    q8 = {**f32, "matmul_flops": 517e9, "peak_kernel": "torch._int_mm",
+          "kernel_flops": {"q8_linear": 300e9, "torch._int_mm": 517e9}}
+    env = {"dtype": "float32", "calibration": f32, "calibrations": {"float32": f32}}
+    assert len(_calibration_lines(env)) == 1                          # only the bench's dtype: as before
+    lines = _calibration_lines({**env, "calibrations": {"float32": f32, "int8": q8}})
+    assert lines[1] == ("peaks per format: float32 100 GFLOP/s (torch.matmul) (quick); "
+                        "int8 517 GOP/s (torch._int_mm; q8_linear 300) (quick)")
