@@ -36,11 +36,16 @@ def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
     click.echo(f"report: {path}")
 
 
+ALL_FORMATS = ("int8", "bfloat16", "float32")       # calibrate --all-formats, in this order
+
+
 @click.command("calibrate")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16", "int8"]), default="auto",
               show_default=True, help="The engine dtype to measure matmuls at (auto: what the engine would choose; "
-              "int8: our int8 linear, as quantization: int8 runs).")
+              "int8: the int8 peak, the best of our int8 linear and torch._int_mm).")
+@click.option("--all-formats", is_flag=True, help="Measure (or --show) every format's peak one after another: "
+              "int8 (CPU only), bfloat16 and float32, the peaks bench's 'how close to the limit' lines divide by.")
 @click.option("--quick", is_flag=True, help="One matrix shape and a smaller buffer (seconds, less accurate).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Where calibrations are cached (default: $BATCHGEN_CACHE_DIR or ~/.cache/batchgen).")
@@ -48,7 +53,7 @@ def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
 @click.option("--retune", is_flag=True, help="Instead: measure again how to run --model here (the auto settings' "
               "decision, engine.tuning: formats and kernels timed, the fastest within the quality bar) and cache it.")
 @click.option("--model", default="gemma-3-270m", show_default=True, help="The model --retune measures.")
-def calibrate_cmd(device, dtype, quick, cache_dir, show, retune, model):
+def calibrate_cmd(device, dtype, all_formats, quick, cache_dir, show, retune, model):
     """Measure this device's matmul FLOP/s and memory bandwidth; cache them for report's roofline."""
     if retune:
         return _retune(model)
@@ -56,12 +61,29 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show, retune, model):
     # `batchgen` start
     import torch
 
-    from costmodel.calibrate import cache_path, calibrate, load_calibration
     from engine import choose_dtype
 
+    if all_formats and dtype != "auto":
+        raise click.UsageError("--all-formats measures int8, bfloat16 and float32; give it without --dtype")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    choice = choose_dtype(dtype, torch.device(device).type)
+    device_type = torch.device(device).type
+    if not all_formats:
+        _calibrate_one(device, choose_dtype(dtype, device_type), quick, cache_dir, show)
+        return
+    for i, fmt in enumerate(ALL_FORMATS):
+        if i:
+            click.echo("")
+        if fmt == "int8" and device_type != "cpu":
+            click.echo(f"dtype:             int8 skipped: it runs on the CPU only, not on {device}")
+            continue
+        _calibrate_one(device, choose_dtype(fmt, device_type), quick, cache_dir, show)
+
+
+def _calibrate_one(device: str, choice, quick: bool, cache_dir, show: bool) -> None:
+    """Measure (or, ``show``, load) and print one dtype's calibration."""
+    from costmodel.calibrate import cache_path, calibrate, load_calibration
+
     dtype = choice.dtype
     if choice.slow:
         click.echo(f"warning: {choice.reason}", err=True)
@@ -73,12 +95,19 @@ def calibrate_cmd(device, dtype, quick, cache_dir, show, retune, model):
     else:
         click.echo(f"calibrating {device} at {dtype}{' (quick)' if quick else ''} ...", err=True)
         cal = calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
+    unit = "GOP/s" if dtype == "int8" else "GFLOP/s"
     click.echo(f"device:            {cal.device_name} [{cal.device}]")
     click.echo(f"dtype:             {cal.dtype} ({choice.reason})")
-    click.echo(f"matmul peak:       {cal.matmul_flops / 1e9:,.1f} GFLOP/s")
+    click.echo(f"matmul peak:       {cal.matmul_flops / 1e9:,.1f} {unit}"
+               + (f" ({cal.peak_kernel})" if cal.peak_kernel else ""))
     for shape, v in cal.matmul_by_shape.items():
-        click.echo(f"  {shape:>16}: {v / 1e9:,.1f} GFLOP/s")
-    click.echo(f"matmul at M=16:    {cal.small_m_flops / 1e9:,.1f} GFLOP/s")
+        click.echo(f"  {shape:>16}: {v / 1e9:,.1f} {unit}")
+    if len(cal.kernel_flops) > 1:
+        for kernel, k in cal.kernel_flops.items():
+            small = f", {k['small_m_flops'] / 1e9:,.1f} at M=16" if k.get("small_m_flops") else ""
+            click.echo(f"  {kernel:>16}: {k['matmul_flops'] / 1e9:,.1f} {unit}{small}")
+    click.echo(f"matmul at M=16:    {cal.small_m_flops / 1e9:,.1f} {unit}" if cal.small_m_flops else
+               "matmul at M=16:    n/a")
     click.echo(f"memory bandwidth:  {cal.memory_bandwidth / 1e9:,.1f} GB/s read, "
                f"{cal.copy_bandwidth / 1e9:,.1f} GB/s copy")
     click.echo(f"ridge point:       {cal.ridge_point:,.1f} FLOP/byte")

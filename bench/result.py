@@ -22,6 +22,11 @@ class SystemResult:
     mfu: float | None = None          # flops / wall / calibrated peak
     prefill_mfu: float | None = None  # over the time spent in steps (batches) with prompt work
     decode_mbu: float | None = None   # decode-only steps: bytes moved / time / calibrated bandwidth
+    # how close to the limit (batchgen systems, on the roofline of the format that ran; docs/guide/reports.md):
+    prefill_peak_fraction: float | None = None    # prefill steps' FLOP/s / the format's matmul peak
+    decode_bound_fraction: float | None = None    # decode-only steps' bytes/s / the read bandwidth
+    decode1_bound_fraction: float | None = None   # the same over 1-row decode-only steps
+    limits: dict | None = None        # their format, peaks and achieved rates (bench.systems.batchgen.step_limits)
     match_rate: float | None = None   # fraction of requests whose output ids equal batchgen-nocache's
     skipped: str | None = None
     extra: dict = field(default_factory=dict)

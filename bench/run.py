@@ -23,7 +23,7 @@ from bench.systems.transformers import hf_continuous_batching_available, load_hf
 from bench.table import agreement, ratios
 from bench.workloads import build_prompts, prompt_tokenizer, warmup_prompts
 from costmodel.calibrate import get_calibration
-from costmodel.roofline import Roofline
+from costmodel.roofline import Roofline, RunFormat
 from engine.config import EngineConfig
 from engine.dtype_policy import DTYPES
 from engine.errors import ConfigError
@@ -46,8 +46,15 @@ def _git_commit() -> str | None:
         return None
 
 
-def _calibration(opts: BenchOptions, device: str):
-    return get_calibration(device, opts.dtype, quick=opts.quick)
+def _calibration(opts: BenchOptions, device: str, dtype: str | None = None):
+    return get_calibration(device, dtype or opts.dtype, quick=opts.quick)
+
+
+def _calibration_summary(cal) -> dict:
+    """What the result's env keeps of a calibration."""
+    return {"device": cal.device, "matmul_flops": cal.matmul_flops, "memory_bandwidth": cal.memory_bandwidth,
+            "quick": cal.quick, "peak_kernel": cal.peak_kernel,
+            "kernel_flops": {k: v["matmul_flops"] for k, v in cal.kernel_flops.items()}}
 
 
 def _check_systems(opts: BenchOptions) -> None:
@@ -85,8 +92,9 @@ class _BenchRun:
     def __init__(self, opts: BenchOptions, env: dict, on_progress=None):
         self.opts, self.env, self.on_progress = opts, env, on_progress
         self.results: list[SystemResult] = []
-        self.prompts = self.tokenizer = self.roof = None
+        self.prompts = self.tokenizer = self.roof = self.mcfg = None
         self.model_info = None
+        self.calibrations: dict[str, object] = {}    # calibration dtype -> Calibration (None: none here)
 
     def summary(self) -> dict:
         agreement(self.results)
@@ -104,15 +112,34 @@ class _BenchRun:
         if self.prompts is None:
             src = resolve_model(opts.model, opts.load_format)
             tok = self.tokenizer = prompt_tokenizer(load_tokenizer(src))
-            mcfg = load_model_config(src)
+            mcfg = self.mcfg = load_model_config(src)
             self.prompts = build_prompts(tok, opts.workload, opts.seed)
-            if opts.roofline:
-                cal = _calibration(opts, "cpu" if not torch.cuda.is_available() else "cuda")
+            if opts.roofline:        # the bench dtype's: transformers runs in it (batchgen: roof_for)
+                cal = self.calibration(opts.dtype)
                 dtype_bytes = 4 if opts.dtype == "float32" else 2
                 self.roof = Roofline(mcfg, dtype_bytes, cal)
-                self.env["calibration"] = {"device": cal.device, "matmul_flops": cal.matmul_flops,
-                                           "memory_bandwidth": cal.memory_bandwidth, "quick": cal.quick}
+                self.env["calibration"] = _calibration_summary(cal)
         return self.prompts
+
+    def calibration(self, dtype: str):
+        """This device's calibration at ``dtype`` (int8: the int8 peak), measured once if none is cached; None
+        where there is none (int8 off the CPU). Each one used lands in ``env["calibrations"]``."""
+        if dtype not in self.calibrations:
+            try:
+                cal = _calibration(self.opts, "cpu" if not torch.cuda.is_available() else "cuda", dtype)
+            except ValueError:
+                cal = None
+            self.calibrations[dtype] = cal
+            if cal is not None:
+                self.env.setdefault("calibrations", {})[dtype] = _calibration_summary(cal)
+        return self.calibrations[dtype]
+
+    def roof_for(self, fmt: RunFormat) -> Roofline | None:
+        """The roofline of the format a batchgen engine ran (its peak, weight and KV bytes); None: --no-roofline."""
+        if not self.opts.roofline:
+            return None
+        self.ensure_prompts()
+        return Roofline.for_format(self.mcfg, fmt, self.calibration(fmt.calibration_dtype))
 
     def batchgen_variants(self) -> None:
         for name in BATCHGEN_VARIANTS:
@@ -125,14 +152,14 @@ class _BenchRun:
         llm = None
         try:
             self.ensure_prompts()
-            res, llm = run_batchgen(opts, self.prompts, name, self.roof)
+            res, llm = run_batchgen(opts, self.prompts, name, self.roof_for)
             self.model_info = self.model_info or llm.info.to_dict()
             if opts.contend:
                 llm = None
                 gc.collect()
                 say(opts, f"{name}: again beside {opts.contend} busy loop(s)")
                 with contention(opts.contend):
-                    busy, llm = run_batchgen(opts, self.prompts, name, self.roof)
+                    busy, llm = run_batchgen(opts, self.prompts, name, self.roof_for)
                 _note_contention(res, busy, opts.contend)
         except ConfigError as e:        # a setting this model cannot take (an int8 KV cache off its head_dim)
             res = SystemResult(system=name, label=name, skipped=str(e))

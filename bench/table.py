@@ -98,6 +98,7 @@ def format_table(result: dict) -> str:
     lines += _peer_ratio_lines(r)
     lines += _contention_lines(systems)
     lines += _breakdown_lines(systems)
+    lines += _limit_lines(systems)
     lines += _calibration_lines(env)
     return "\n".join(lines)
 
@@ -255,13 +256,68 @@ def _breakdown_lines(systems: list[dict]) -> list[str]:
     return lines
 
 
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{v:.0%}"
+
+
+def _giga(v) -> str:
+    """A rate in giga-units, three significant digits."""
+    return "n/a" if v is None else f"{v / 1e9:.3g}"
+
+
+def limit_line(s: dict) -> str:
+    """One system's 'how close to the limit' line (issue 39): prefill against the matmul peak of the format that
+    ran, decode at 1 row (and all decode-only steps) against the bandwidth bound; n/a where unknown."""
+    lim = s.get("limits")
+    fmt = (lim or {}).get("format") or s["extra"].get("format")
+    head = f"{s['label']}{f' ({fmt})' if fmt else ''}"
+    if not fmt:
+        return f"{head}: n/a (no step stats)"
+    if not lim or not lim.get("matmul_flops"):
+        return f"{head}: n/a (no calibration)"
+    cd = lim["calibration_dtype"]
+    kernel = lim.get("peak_kernel") or ("q8_linear only: recalibrate with `batchgen calibrate --dtype int8`"
+                                        if cd == "int8" else "")
+    pre = (f"prefill {_pct(s.get('prefill_peak_fraction'))} of the {cd} peak ({_giga(lim['prefill_flops_per_s'])} of "
+           f"{_giga(lim['matmul_flops'])} {'GOP/s' if cd == 'int8' else 'GFLOP/s'}{f', {kernel}' if kernel else ''})")
+    bw = _giga(lim["memory_bandwidth"])
+    if lim.get("decode1_steps"):
+        dec1 = (f"decode at 1 row {_pct(s.get('decode1_bound_fraction'))} of the bandwidth bound "
+                f"({_giga(lim['decode1_bytes_per_s'])} of {bw} GB/s, {lim['decode1_steps']} steps)")
+    else:
+        dec1 = "decode at 1 row n/a (no 1-row decode-only steps)"
+    return f"{head}: {pre}; {dec1}; all decode-only steps {_pct(s.get('decode_bound_fraction'))}"
+
+
+def _limit_lines(systems: list[dict]) -> list[str]:
+    """Every system that ran, how close to this machine's limits (batchgen systems: step stats; others n/a)."""
+    ran = [s for s in systems if not s["skipped"]]
+    if not any(s.get("limits") or s["extra"].get("format") for s in ran):
+        return []
+    return ["", "how close to the limit (prefill FLOP/s / the format's matmul peak; decode-only bytes/s / read "
+                "bandwidth: docs/guide/reports.md):", *(limit_line(s) for s in ran)]
+
+
 def _calibration_lines(env: dict) -> list[str]:
     if not env.get("calibration"):
         return []
     c = env["calibration"]
-    return [f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "
-            f"{c['memory_bandwidth'] / 1e9:.1f} GB/s{' (quick)' if c['quick'] else ''}; "
-            "MFU counts model FLOPs each system computed (no padding, window-limited attention)"]
+    lines = [f"roofline: calibrated peak {c['matmul_flops'] / 1e9:.0f} GFLOP/s, "
+             f"{c['memory_bandwidth'] / 1e9:.1f} GB/s{' (quick)' if c['quick'] else ''}; "
+             "MFU counts model FLOPs each system computed (no padding, window-limited attention)"]
+    per = env.get("calibrations") or {}
+    if set(per) - {env.get("dtype")}:          # batchgen systems ran in other formats: their peaks too
+        lines.append("peaks per format: " + "; ".join(_peak_text(d, x) for d, x in per.items()))
+    return lines
+
+
+def _peak_text(dtype: str, c: dict) -> str:
+    """e.g. ``int8 517 GOP/s (torch._int_mm; q8_linear 300)``."""
+    unit = "GOP/s" if dtype == "int8" else "GFLOP/s"
+    others = [f"{k} {_giga(v)}" for k, v in (c.get("kernel_flops") or {}).items() if k != c.get("peak_kernel")]
+    kernel = "; ".join(([c["peak_kernel"]] if c.get("peak_kernel") else []) + others)
+    return (f"{dtype} {_giga(c['matmul_flops'])} {unit}" + (f" ({kernel})" if kernel else "")
+            + (" (quick)" if c.get("quick") else ""))
 
 
 def save_json(result: dict, path: str | Path) -> Path:

@@ -7,6 +7,11 @@ count (``cpu-2t``, ``cuda-nvidia-h200``), since both change the numbers.
 
     cal = load_calibration("cpu", "bfloat16") or calibrate("cpu", "bfloat16")
     cal.matmul_flops, cal.memory_bandwidth        # FLOP/s, bytes/s
+
+The matmul peak is the best of the kernels measured at that dtype (``kernel_flops``, ``peak_kernel``): torch's
+matmul for the float dtypes; for int8 both our int8 linear (``q8_linear``: csrc/qlinear.c, float32 activations
+quantized on the fly, as ``quantization: int8`` runs) and torch's int8 GEMM (``torch._int_mm``: oneDNN on the
+CPU), so that ``matmul_flops`` is this machine's int8 peak, not only our kernel's.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from engine.dtype_policy import DTYPES
 MATMUL_SHAPES = ((512, 640, 2048), (2048, 640, 2048), (2048, 2048, 640), (2048, 1024, 1024))
 QUICK_MATMUL_SHAPES = ((512, 640, 2048),)
 SMALL_M_SHAPE = (16, 640, 2048)   # a decode-sized batch: M of 16
+MATMUL_KERNEL, Q8_KERNEL, INT_MM_KERNEL = "torch.matmul", "q8_linear", "torch._int_mm"
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,11 @@ class Calibration:
     memory_bandwidth: float        # bytes/s read from a buffer well beyond cache
     copy_bandwidth: float          # bytes/s (read + write) of a large copy
     small_m_flops: float           # FLOP/s at M=16 (decode-sized batches)
-    matmul_by_shape: dict = field(default_factory=dict)   # "MxKxN" -> FLOP/s
+    matmul_by_shape: dict = field(default_factory=dict)   # "MxKxN" -> FLOP/s (the best kernel's)
+    # kernel -> {"matmul_flops", "small_m_flops", "by_shape"}: each kernel measured (int8: q8_linear and
+    # torch._int_mm); empty in calibrations cached before kernels were recorded
+    kernel_flops: dict = field(default_factory=dict)
+    peak_kernel: str = ""          # the kernel whose rate is matmul_flops ("": not recorded)
     num_threads: int = 0
     torch_version: str = ""
     measured_at: float = 0.0       # unix time
@@ -99,32 +109,59 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
               cache_dir: str | Path | None = None, save: bool = True) -> Calibration:
     """Measure matmul FLOP/s at ``dtype`` and memory bandwidth on ``device``; cache the result.
 
-    ``quick`` measures one matrix shape and a smaller buffer (well under a second on CPU): for tests.
+    ``quick`` measures one matrix shape and a smaller buffer (well under a second on CPU): for tests. Every kernel
+    of the dtype (``_kernels``) is measured; per shape, at M=16 and overall the best one counts.
     """
     dev = torch.device(device)
     if dtype not in (*DTYPES, "int8"):
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or int8, got {dtype!r}")
     if dtype == "int8" and dev.type != "cpu":
         raise ValueError("int8 (engine.quant.int8) runs on the CPU only")
-    # int8: our integer-dot-product linear (csrc/qlinear.c) with float32 activations, as quantization: int8 runs
-    measure = _int8_flops if dtype == "int8" else partial(_matmul_flops, dtype=DTYPES[dtype])
     reps = 3 if quick else 7
-    by_shape = {}
-    for m, k, n in (QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES):
-        by_shape[f"{m}x{k}x{n}"] = measure(dev, m=m, k=k, n=n, reps=reps)
-    m, k, n = SMALL_M_SHAPE
-    small_m = measure(dev, m=m, k=k, n=n, reps=reps * 4)
+    shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
+    kernels = {name: r for name, measure in _kernels(dtype).items()
+               if (r := _measure_kernel(dev, measure, shapes, reps)) is not None}
+    if not kernels:
+        raise RuntimeError(f"no matmul kernel ran at {dtype} on {dev}")
+    peak_kernel = max(kernels, key=lambda name: kernels[name]["matmul_flops"])
+    by_shape: dict[str, float] = {}
+    for k in kernels.values():
+        for shape, v in k["by_shape"].items():
+            by_shape[shape] = max(v, by_shape.get(shape, 0.0))
+    small_m = max((k["small_m_flops"] for k in kernels.values() if k["small_m_flops"] is not None), default=None)
     # NOTE: well beyond the last-level cache, which would read faster than DRAM (docs/perf/code-notes-perf.md).
     buf_bytes = (192 << 20) if quick else ((2 << 30) if dev.type == "cuda" else (1 << 30))
     read_bw, copy_bw = _bandwidth(dev, buf_bytes, reps)
     key, name = device_key(dev)
-    cal = Calibration(device=key, device_name=name, dtype=dtype, matmul_flops=max(by_shape.values()),
+    cal = Calibration(device=key, device_name=name, dtype=dtype, matmul_flops=kernels[peak_kernel]["matmul_flops"],
                       memory_bandwidth=read_bw, copy_bandwidth=copy_bw, small_m_flops=small_m,
-                      matmul_by_shape=by_shape, num_threads=torch.get_num_threads(),
-                      torch_version=torch.__version__, measured_at=time.time(), quick=quick)
+                      matmul_by_shape=by_shape, kernel_flops=kernels, peak_kernel=peak_kernel,
+                      num_threads=torch.get_num_threads(), torch_version=torch.__version__, measured_at=time.time(),
+                      quick=quick)
     if save:
         save_calibration(cal, cache_dir)
     return cal
+
+
+def _kernels(dtype: str) -> dict:
+    """kernel name -> measure(dev, m, k, n, reps) -> FLOP/s (None: the kernel does not take this shape here)."""
+    if dtype == "int8":
+        return {Q8_KERNEL: _int8_flops, INT_MM_KERNEL: _int_mm_flops}
+    return {MATMUL_KERNEL: partial(_matmul_flops, dtype=DTYPES[dtype])}
+
+
+def _measure_kernel(dev: torch.device, measure, shapes, reps: int) -> dict | None:
+    """One kernel over the shapes and at M=16: {"matmul_flops", "small_m_flops", "by_shape"}; None when it ran on
+    no shape."""
+    by_shape = {}
+    for m, k, n in shapes:
+        if (v := measure(dev, m=m, k=k, n=n, reps=reps)) is not None:
+            by_shape[f"{m}x{k}x{n}"] = v
+    if not by_shape:
+        return None
+    m, k, n = SMALL_M_SHAPE
+    small_m = measure(dev, m=m, k=k, n=n, reps=reps * 4)
+    return {"matmul_flops": max(by_shape.values()), "small_m_flops": small_m, "by_shape": by_shape}
 
 
 def get_calibration(device: str | torch.device, dtype: str, cache_dir: str | Path | None = None,
@@ -164,6 +201,23 @@ def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
     w, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(n, k)))
     x = torch.randn(m, k)
     secs = _timed(dev, lambda: qlinear.q8_linear(x, w, sw, cw, n), reps)
+    return 2.0 * m * k * n / secs
+
+
+@torch.inference_mode()
+def _int_mm_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float | None:
+    """torch's int8 GEMM (int8 x int8 -> int32; oneDNN on the CPU), the weight laid out as a linear's ([N, K],
+    transposed); None where this torch has no ``_int_mm`` or it does not take the shape (CUDA: M > 16, K and N
+    multiples of 8; the CPU takes any since torch 2.3)."""
+    if not hasattr(torch, "_int_mm") or (dev.type == "cuda" and (m <= 16 or k % 8 or n % 8)):
+        return None
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=dev)     # [M, K]
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)     # [N, K]
+    out = torch.empty(m, n, dtype=torch.int32, device=dev)
+    try:
+        secs = _timed(dev, lambda: torch._int_mm(a, w.t(), out=out), reps)
+    except (RuntimeError, NotImplementedError):
+        return None
     return 2.0 * m * k * n / secs
 
 

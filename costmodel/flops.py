@@ -12,6 +12,9 @@ Conventions (all counts are exact closed forms, no sampling):
   layer skips attention, o_proj and MLP for rows that do not sample (about 5 % of a prefill step's FLOPs).
 - A decode step reads every weight once (the LM head only if something is sampled) plus, per sequence,
   the K and V it attends to (window-limited on sliding layers) and writes one token of K/V.
+- Byte counts take an element size per kind: the weights' (``dtype_bytes``; int8 weights with their per-group
+  scales: ``costmodel.roofline.INT8_WEIGHT_BYTES``) and the KV cache's (``kv_dtype_bytes``, ``kv_cache_dtype``;
+  default: the weights'). Sizes may be fractional (1.25, 1.125): the counts are then floats.
 
         context_len          num_new_tokens
     [ cached / computed | q q q q q q q q q ]   query i (0-based) sits at position context_len + i
@@ -105,8 +108,8 @@ def decode_step_flops(config: ModelConfig, seq_context_lens: Iterable[int]) -> i
 
 
 # ---- bytes --------------------------------------------------------------------------------------------
-def kv_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int) -> int:
-    """K + V bytes of one token in one layer."""
+def kv_bytes_per_token_layer(config: ModelConfig, dtype_bytes: float) -> float:
+    """K + V bytes of one token in one layer (``dtype_bytes``: the KV cache's element size)."""
     return 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
 
 
@@ -136,26 +139,38 @@ def keys_read_range(windows: tuple[tuple[int | None, int], ...], lo: int, hi: in
     return sum(k * (upto(hi, w) - upto(lo - 1, w)) for w, k in windows)
 
 
-def kv_read_bytes(config: ModelConfig, context_len: int, dtype_bytes: int) -> int:
-    """K/V bytes one query at context ``context_len`` (itself included) reads, all layers, window-limited."""
-    return int(kv_bytes_per_token_layer(config, dtype_bytes) * keys_read(window_counts(config), context_len))
+def kv_read_bytes(config: ModelConfig, context_len: int, dtype_bytes: float) -> float:
+    """K/V bytes one query at context ``context_len`` (itself included) reads, all layers, window-limited
+    (``dtype_bytes``: the KV cache's element size; an int for whole-byte sizes, as before)."""
+    n = kv_bytes_per_token_layer(config, dtype_bytes) * keys_read(window_counts(config), context_len)
+    return int(n) if isinstance(dtype_bytes, int) else float(n)
 
 
-def weight_bytes(config: ModelConfig, dtype_bytes: int, with_lm_head: bool = True) -> int:
-    """Bytes of the weights one forward pass streams: the layers' matmuls (+ the LM head)."""
+def weight_bytes(config: ModelConfig, dtype_bytes: float, with_lm_head: bool = True) -> float:
+    """Bytes of the weights one forward pass streams: the layers' matmuls (+ the LM head); ``dtype_bytes`` per
+    parameter (int8 weights: their scales included, ``costmodel.roofline.INT8_WEIGHT_BYTES``)."""
     return (layers_params(config) + (lm_head_params(config) if with_lm_head else 0)) * dtype_bytes
 
 
-def decode_step_bytes(config: ModelConfig, seq_context_lens: Iterable[int], dtype_bytes: int) -> int:
-    """Bytes moved by one decode step: weights once, plus each sequence's K/V reads and its new K/V write.
+def decode_step_kv_bytes(config: ModelConfig, seq_context_lens: Iterable[int], kv_dtype_bytes: float) -> float:
+    """K/V bytes one decode step moves: each sequence's K/V reads and its new token's K/V write, all layers."""
+    lens = list(seq_context_lens)
+    kv_write = len(lens) * config.num_hidden_layers * kv_bytes_per_token_layer(config, kv_dtype_bytes)
+    return sum(kv_read_bytes(config, c, kv_dtype_bytes) for c in lens) + kv_write
+
+
+def decode_step_bytes(config: ModelConfig, seq_context_lens: Iterable[int], dtype_bytes: float,
+                      kv_dtype_bytes: float | None = None) -> float:
+    """Bytes moved by one decode step: weights once (``dtype_bytes`` per parameter), plus each sequence's K/V reads
+    and its new K/V write (``kv_dtype_bytes`` per element; default ``dtype_bytes``).
 
     ``seq_context_lens[i]`` = the tokens sequence i attends to, its new token included.
     """
     lens = list(seq_context_lens)
     if not lens:
         return 0
-    kv_write = len(lens) * config.num_hidden_layers * kv_bytes_per_token_layer(config, dtype_bytes)
-    return weight_bytes(config, dtype_bytes) + sum(kv_read_bytes(config, c, dtype_bytes) for c in lens) + kv_write
+    kv = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    return weight_bytes(config, dtype_bytes) + decode_step_kv_bytes(config, lens, kv)
 
 
 def to_dict(config: ModelConfig) -> dict:

@@ -3,7 +3,8 @@ peaks (``costmodel.calibrate``), as MFU (achieved FLOP/s / matmul peak) and MBU 
 
 Used by ``batchgen report`` (per step of a recorded run: ``step_work``, ``stage_roofline``; pipeline/report reads
 the trace and hands its columns here), by ``batchgen bench``
-(per request of a system's run: ``Roofline``) and, for time rather than utilization, by ``batchgen plan``
+(per request of a system's run: ``Roofline``; a batchgen system's on the format its engine ran, ``RunFormat``:
+that format's calibrated peak, weight and KV bytes) and, for time rather than utilization, by ``batchgen plan``
 (``costmodel.predict`` prices steps with ``matmul_rate`` and the same ``costmodel.flops`` counts).
 
 Per recorded step (each step is one forward pass):
@@ -21,6 +22,7 @@ bandwidth). Warm-up steps (the first of each session) are left out of both.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -28,6 +30,52 @@ import numpy as np
 from costmodel import flops as F
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# engine.quant.int8's packed weights: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
+INT8_WEIGHT_BYTES = 1.25
+# engine.quant.int8_kv's KV rows: per 32 values, 32 int8 quants and one float32 scale
+INT8_KV_BYTES = 1.125
+KV_BYTES = {**DTYPE_BYTES, "int8": INT8_KV_BYTES}     # kv_cache_dtype -> bytes per cached element
+
+
+@dataclass(frozen=True)
+class RunFormat:
+    """The format an engine ran (``EngineInfo``: quantization, dtype, kv_cache_dtype) and what the roofline takes
+    from it: the calibration to divide by (int8 weights: the int8 peak; else the activation dtype's), the weights'
+    bytes per parameter (int8: 1 byte plus its per-group scales) and the KV cache's bytes per element (its own
+    dtype, which may differ from the weights')."""
+    quantization: str                  # none | int8
+    dtype: str                         # activations (and float weights)
+    kv_cache_dtype: str
+
+    @classmethod
+    def of(cls, info) -> "RunFormat":
+        """From an ``EngineInfo`` or its dict (``kv_cache_dtype`` from its resolved config; default: dtype)."""
+        d = info if isinstance(info, Mapping) else info.to_dict()
+        dtype = d.get("dtype") or "bfloat16"
+        kv = (d.get("config") or {}).get("kv_cache_dtype")
+        return cls(d.get("quantization") or "none", dtype, kv if kv and kv != "auto" else dtype)
+
+    @property
+    def int8(self) -> bool:
+        return self.quantization == "int8"
+
+    @property
+    def calibration_dtype(self) -> str:
+        """The ``costmodel.calibrate`` dtype whose matmul peak this format's matmuls are held against."""
+        return "int8" if self.int8 else self.dtype
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        return INT8_WEIGHT_BYTES if self.int8 else DTYPE_BYTES.get(self.dtype, 2)
+
+    @property
+    def kv_bytes(self) -> float:
+        return KV_BYTES.get(self.kv_cache_dtype, self.weight_bytes_per_param)
+
+    @property
+    def label(self) -> str:
+        """weights/activations/kv-KV, e.g. ``int8/float32/kv-bfloat16``, ``float32/float32/kv-float32``."""
+        return f"{'int8' if self.int8 else self.dtype}/{self.dtype}/kv-{self.kv_cache_dtype}"
 
 
 def _peak(cal, key: str) -> float | None:
@@ -59,10 +107,23 @@ def mbu(nbytes: float, secs: float, cal) -> float | None:
 
 
 class Roofline:
-    """FLOP / byte counts of this workload's pieces, and the calibrated peaks to divide them by."""
+    """FLOP / byte counts of this workload's pieces, and the calibrated peaks to divide them by.
 
-    def __init__(self, mcfg, dtype_bytes: int, cal):
+    ``dtype_bytes``: the weights' bytes per parameter; ``kv_bytes``: the KV cache's per element (default: the
+    weights'). ``Roofline.of_format`` / ``Roofline.for_format`` build one for the format an engine ran."""
+
+    def __init__(self, mcfg, dtype_bytes: float, cal, kv_bytes: float | None = None):
         self.mcfg, self.dtype_bytes, self.cal = mcfg, dtype_bytes, cal
+        self.kv_bytes = dtype_bytes if kv_bytes is None else kv_bytes
+
+    @classmethod
+    def of_format(cls, mcfg, weight_bytes_per_param: float, kv_bytes: float, cal) -> "Roofline":
+        return cls(mcfg, weight_bytes_per_param, cal, kv_bytes)
+
+    @classmethod
+    def for_format(cls, mcfg, fmt: RunFormat, cal) -> "Roofline":
+        """``cal``: the calibration at ``fmt.calibration_dtype`` (or None: no fractions, counts only)."""
+        return cls.of_format(mcfg, fmt.weight_bytes_per_param, fmt.kv_bytes, cal)
 
     def request_flops(self, prompt_len: int, cached: int, output_tokens: int) -> float:
         f = F.prefill_flops(self.mcfg, prompt_len - cached, cached, num_sampled=1)
@@ -72,7 +133,7 @@ class Roofline:
         return F.decode_step_flops(self.mcfg, ctx_lens)
 
     def decode_bytes(self, ctx_lens: list[int]) -> float:
-        return F.decode_step_bytes(self.mcfg, ctx_lens, self.dtype_bytes)
+        return F.decode_step_bytes(self.mcfg, ctx_lens, self.dtype_bytes, self.kv_bytes)
 
     def mfu(self, fl: float, secs: float) -> float | None:
         return mfu(fl, secs, self.cal)
@@ -91,8 +152,10 @@ def column_array(col, dtype=float) -> np.ndarray:
     return np.asarray([np.nan if x is None else x for x in col], dtype=dtype)
 
 
-def step_work(steps: Columns, requests: Columns, config, dtype_bytes: int) -> dict[str, np.ndarray]:
-    """Per-step FLOPs and bytes (see the module docstring), plus decode contexts summed per step."""
+def step_work(steps: Columns, requests: Columns, config, dtype_bytes: float,
+              kv_dtype_bytes: float | None = None) -> dict[str, np.ndarray]:
+    """Per-step FLOPs and bytes (see the module docstring), plus decode contexts summed per step. ``dtype_bytes``
+    per weight, ``kv_dtype_bytes`` per cached K/V element (default: ``dtype_bytes``)."""
     s, r = steps, requests
     n = len(s.get("step", []))
     pre, dec = column_array(s["num_prefill_tokens"]), column_array(s["num_decode_tokens"])
@@ -101,14 +164,15 @@ def step_work(steps: Columns, requests: Columns, config, dtype_bytes: int) -> di
     order = np.argsort(starts, kind="stable")
     sorted_starts = starts[order]
     windows = F.window_counts(config)
-    kv_tok_layer = F.kv_bytes_per_token_layer(config, dtype_bytes)
+    kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    kv_tok_layer = F.kv_bytes_per_token_layer(config, kv_bytes)
     attn_per_key = 4 * config.num_attention_heads * config.head_dim
 
     dec_keys = np.zeros(n)
     pre_attn_total = pre_read_total = 0.0
     for prompt, cached, tts in zip(r["prompt_tokens"], r["cached_tokens"], r["token_times"]):
         pre_attn_total += F.attention_flops(config, prompt - cached, cached)
-        pre_read_total += F.kv_read_bytes(config, cached, dtype_bytes)
+        pre_read_total += F.kv_read_bytes(config, cached, kv_bytes)
         if tts and len(tts) > 1 and n:
             t = np.asarray(tts[1:], float)
             ctx = prompt + np.arange(1, len(tts), dtype=float)
@@ -126,11 +190,12 @@ def step_work(steps: Columns, requests: Columns, config, dtype_bytes: int) -> di
     return {"flops": flops, "bytes": nbytes, "decode_keys": dec_keys}
 
 
-def stage_roofline(steps: Columns, requests: Columns, config, dtype_bytes: int, cal, keep: np.ndarray) -> dict:
+def stage_roofline(steps: Columns, requests: Columns, config, dtype_bytes: float, cal, keep: np.ndarray,
+                   kv_dtype_bytes: float | None = None) -> dict:
     """Prefill and decode stages: time, FLOPs, bytes, achieved FLOP/s and bytes/s, intensity, MFU, MBU, over the
     steps ``keep`` selects (steps holding prefill tokens: prefill; decode tokens only: decode). MFU/MBU are None
     without a calibration (``cal``: a Calibration or its dict)."""
-    work = step_work(steps, requests, config, dtype_bytes)
+    work = step_work(steps, requests, config, dtype_bytes, kv_dtype_bytes)
     dur = column_array(steps["duration_s"])
     pre, dec = column_array(steps["num_prefill_tokens"]), column_array(steps["num_decode_tokens"])
     stages = {"prefill": keep & (pre > 0), "decode": keep & (pre == 0) & (dec > 0)}

@@ -86,6 +86,14 @@ def test_quick_runs_every_system_with_consistent_counts(quick_result):
     assert on["flops"] < off["flops"]                                                # the cache saved compute
     assert on["match_rate"] == 1.0 and off["match_rate"] == 1.0                      # float32 greedy: same tokens
     assert on["extra"]["preemptions"] == 0 and on["extra"]["steps"] >= w.output_tokens
+    # how close to the limit: on the roofline of the format each ran (float32 here; int8 weights: the int8 peak)
+    assert on["limits"]["format"] == "float32/float32/kv-float32" and on["limits"]["calibration_dtype"] == "float32"
+    assert on["prefill_peak_fraction"] == on["prefill_mfu"] > 0 and on["decode_bound_fraction"] == on["decode_mbu"]
+    q8 = systems["batchgen-int8"]
+    if not q8["skipped"]:
+        assert q8["limits"]["format"].startswith("int8/") and q8["limits"]["calibration_dtype"] == "int8"
+        assert "int8" in result["env"]["calibrations"]
+    assert systems["hf-generate bs=4"]["limits"] is None
 
 
 def test_ratios_table_and_json(quick_result, tmp_path):
@@ -99,6 +107,8 @@ def test_ratios_table_and_json(quick_result, tmp_path):
     for s in result["systems"]:
         assert s["label"] in table
     assert "vs best transformers" in table and "TTFT50 s" in table
+    assert "how close to the limit" in table and "batchgen (float32/float32/kv-float32): prefill " in table
+    assert "hf-generate bs=4: n/a (no step stats)" in table
     path = save_json(result, tmp_path / "b.json")
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))
     assert len(partials) == len(result["systems"])                                  # saved after each system

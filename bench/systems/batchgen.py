@@ -4,12 +4,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
+from typing import Callable
 
 from bench.breakdown import kernel_breakdown
 from bench.options import BenchOptions, say
 from bench.result import SystemResult
 from bench.workloads import STRUCTURED_SCHEMA, BenchPrompt, prompt_tokenizer, warmup_prompts
-from costmodel.roofline import Roofline
+from costmodel.roofline import Roofline, RunFormat
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
@@ -29,8 +30,15 @@ STRUCTURED_TWINS = {"batchgen-structured": "batchgen", "batchgen-default-structu
 BATCHGEN_VARIANTS.update({s: BATCHGEN_VARIANTS[base] for s, base in STRUCTURED_TWINS.items()})
 
 
-def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof) -> tuple[SystemResult, object]:
-    """One LLM per setting (a fresh prefix cache), a short warm-up, then the whole workload in one generate."""
+RoofFor = Callable[[RunFormat], "Roofline | None"]
+
+
+def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
+                 roof_for: RoofFor | None) -> tuple[SystemResult, object]:
+    """One LLM per setting (a fresh prefix cache), a short warm-up, then the whole workload in one generate.
+
+    ``roof_for(format)``: the roofline of the format the engine ran (``RunFormat.of(llm.info)``: its calibration,
+    weight and KV bytes), or None (no roofline: ``--no-roofline``)."""
     prefix_caching, quantization, spec, kv_dtype = BATCHGEN_VARIANTS[name]
     t = time.monotonic()
     # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway
@@ -70,6 +78,8 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
         res.extra["breakdown"] = bd.to_dict()
     res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
     res.extra["quantization"] = llm.info.quantization          # what auto resolved to (batchgen-default)
+    fmt = RunFormat.of(llm.info)
+    res.extra["format"] = fmt.label
     res.extra["warmup_s"] = round(warmup_s, 3)
     if structured is not None:
         res.extra.update(structured=_structured_summary(outs))
@@ -81,8 +91,9 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
                          speculating_steps=spec_steps,
                          mean_accepted_per_spec_step_seq=acc / max(sum(s.num_decode_seqs for s in steps
                                                                        if s.num_draft_tokens), 1))
+    roof = roof_for(fmt) if roof_for is not None else None
     if roof is not None:
-        _batchgen_roofline(res, outs, steps, roof)
+        _batchgen_roofline(res, outs, steps, roof, fmt)
     return res, llm
 
 
@@ -114,28 +125,72 @@ def _step_summary(steps) -> dict:
             "mean_prefill_tokens_per_step": (sum(s.num_prefill_tokens for s in pre) / len(pre)) if pre else None}
 
 
-def _batchgen_roofline(res: SystemResult, outs, steps, roof: Roofline) -> None:
-    """Assign each decode token to its step by time, so each step's context lengths are exact."""
+def step_contexts(outs, steps) -> dict[int, list[int]]:
+    """Each decode token's context (tokens it attends to, itself included) under the step that computed it: the
+    step whose span holds its token time."""
     starts = [s.start_time for s in steps]
     ctx_by_step: dict[int, list[int]] = {}
-    total = 0.0
     for o in outs:
         L = len(o.prompt_token_ids)
-        total += roof.request_flops(L, o.num_cached_tokens, 1)     # prefill + first token
         for k, t in enumerate(o.metrics.token_times[1:], start=1):
             ctx_by_step.setdefault(bisect.bisect_right(starts, t) - 1, []).append(L + k)
-    pre_flops, pre_s, dec_bytes, dec_s = total, 0.0, 0.0, 0.0
+    return ctx_by_step
+
+
+def stage_sums(outs, steps, roof: Roofline) -> dict:
+    """The run's model FLOPs, and what the fractions divide: steps with prompt work (FLOPs, seconds), decode-only
+    steps (bytes: weights once + K/V read and written, seconds) and, of those, the 1-row ones (num_decode_seqs 1)."""
+    ctx_by_step = step_contexts(outs, steps)
+    total = sum(roof.request_flops(len(o.prompt_token_ids), o.num_cached_tokens, 1) for o in outs)
+    sums = {"prefill_flops": total, "prefill_s": 0.0, "decode_bytes": 0.0, "decode_s": 0.0,
+            "decode1_bytes": 0.0, "decode1_s": 0.0, "decode1_steps": 0}
     for i, s in enumerate(steps):
         ctx = ctx_by_step.get(i, [])
-        d = s.end_time - s.start_time
+        d, fl = s.end_time - s.start_time, roof.decode_flops(ctx) if ctx else 0
+        total += fl
         if s.num_prefill_tokens:
-            pre_s += d
-            pre_flops += roof.decode_flops(ctx) if ctx else 0
+            sums["prefill_s"] += d
+            sums["prefill_flops"] += fl
         elif ctx:
-            dec_s += d
-            dec_bytes += roof.decode_bytes(ctx)
-        total += roof.decode_flops(ctx) if ctx else 0
-    res.flops = total
-    res.mfu = roof.mfu(total, res.wall_s)
-    res.prefill_mfu = roof.mfu(pre_flops, pre_s)
-    res.decode_mbu = roof.mbu(dec_bytes, dec_s)
+            nbytes = roof.decode_bytes(ctx)
+            sums["decode_s"] += d
+            sums["decode_bytes"] += nbytes
+            if s.num_decode_seqs == 1:
+                sums["decode1_s"] += d
+                sums["decode1_bytes"] += nbytes
+                sums["decode1_steps"] += 1
+    sums["flops"] = total
+    return sums
+
+
+def step_limits(sums: dict, roof: Roofline, fmt: RunFormat) -> dict:
+    """How close to the limit (issue 39): prefill FLOP/s over the format's matmul peak, decode-only (and 1-row
+    decode-only) bytes/s over the read bandwidth; fractions None without a calibration or without such steps."""
+    rate = lambda a, t: a / t if t > 0 else None  # noqa: E731
+    cal = roof.cal
+    get = (lambda k: cal.get(k)) if isinstance(cal, dict) else (lambda k: getattr(cal, k, None))
+    return {"format": fmt.label, "calibration_dtype": fmt.calibration_dtype,
+            "matmul_flops": get("matmul_flops") if cal else None,
+            "memory_bandwidth": get("memory_bandwidth") if cal else None,
+            "peak_kernel": (get("peak_kernel") or None) if cal else None, "quick": bool(cal and get("quick")),
+            "prefill_flops_per_s": rate(sums["prefill_flops"], sums["prefill_s"]),
+            "decode_bytes_per_s": rate(sums["decode_bytes"], sums["decode_s"]),
+            "decode1_bytes_per_s": rate(sums["decode1_bytes"], sums["decode1_s"]),
+            "decode1_steps": sums["decode1_steps"],
+            "prefill_peak_fraction": roof.mfu(sums["prefill_flops"], sums["prefill_s"]),
+            "decode_bound_fraction": roof.mbu(sums["decode_bytes"], sums["decode_s"]),
+            "decode1_bound_fraction": roof.mbu(sums["decode1_bytes"], sums["decode1_s"])}
+
+
+def _batchgen_roofline(res: SystemResult, outs, steps, roof: Roofline, fmt: RunFormat) -> None:
+    """MFU / MBU and the limit fractions on the roofline of the format that ran; decode tokens assigned to their
+    steps by time, so each step's context lengths are exact."""
+    sums = stage_sums(outs, steps, roof)
+    res.flops = sums["flops"]
+    res.mfu = roof.mfu(sums["flops"], res.wall_s)
+    res.prefill_mfu = roof.mfu(sums["prefill_flops"], sums["prefill_s"])
+    res.decode_mbu = roof.mbu(sums["decode_bytes"], sums["decode_s"])
+    res.limits = step_limits(sums, roof, fmt)
+    res.prefill_peak_fraction = res.limits.pop("prefill_peak_fraction")
+    res.decode_bound_fraction = res.limits.pop("decode_bound_fraction")
+    res.decode1_bound_fraction = res.limits.pop("decode1_bound_fraction")
