@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from bench.options import BenchOptions, say
+from bench.table import limit_line
 from bench.workloads import make_workload
 
 SWEEP_REFERENCE_PARAMS = 0.5e9
@@ -84,7 +85,8 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
     for name, r in by.items():
         row["systems"][name] = {"wall_s": r["wall_s"], "label": r["label"], "skipped": r["skipped"],
                                 "dtype": r["extra"].get("dtype"), "platform": r["extra"].get("platform"),
-                                "load_s": r["extra"].get("load_s"), "match_rate": r.get("match_rate")}
+                                "load_s": r["extra"].get("load_s"), "match_rate": r.get("match_rate"),
+                                "limit": limit_line(r) if not r["skipped"] and r.get("limits") else None}
     if ours and not ours["skipped"]:
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
@@ -110,7 +112,9 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
         cells += [f"{r['ratios'][n]:.2f}×" if n in r["ratios"] else "–" for n in compared]
         out.append("| " + " | ".join(cells) + " |")
     skipped = [f"- {r['label']}, {n}: {s['skipped']}" for r in rows for n, s in r["systems"].items() if s["skipped"]]
-    return "\n".join(out + ([""] + skipped if skipped else []))
+    limits = [f"- {r['label']}: {s['limit']}" for r in rows for s in r["systems"].values() if s.get("limit")]
+    return "\n".join(out + ([""] + skipped if skipped else [])
+                     + (["", "How close to the limit (docs/guide/reports.md):"] + limits if limits else []))
 
 
 __all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "sweep_row", "format_sweep"]
