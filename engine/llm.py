@@ -266,12 +266,12 @@ def _speculator(cfg, model):
     a decode step reads every weight once (fixed) and costs ~2 FLOPs per parameter per row (per row), counted
     from the loaded model's tensors; the engine then learns the real costs from its decode steps."""
     from engine.spec_decode.gating import StepCost
-    from engine.spec_decode.speculator import SpecConfig, Speculator
-    spec = SpecConfig.parse(cfg.speculative_config)
-    if spec is None:
+    from engine.spec_decode.speculator import Speculator
+    if cfg.speculative_config is None:
         return None
     params = sum(t.numel() for t in model.state_dict().values())
-    return Speculator(spec, cfg.max_model_len, StepCost(fixed_s=params * 2 / 30e9, per_row_s=2 * params / 300e9))
+    return Speculator(cfg.speculative_config, cfg.max_model_len,
+                      StepCost(fixed_s=params * 2 / 30e9, per_row_s=2 * params / 300e9))
 
 
 def _eos_ids(mcfg, tokenizer) -> tuple[int, ...]:

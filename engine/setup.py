@@ -64,7 +64,7 @@ class EngineSetup:
             name=self.source.name, identity=self.identity, architecture=self.model_config.architecture,
             dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
             max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.num_kv_blocks, attention_backend=self.backend.name,
-            path=str(self.source.path), dtype_reason=self.dtype_choice.reason, config=dataclasses.asdict(cfg),
+            path=str(self.source.path), dtype_reason=self.dtype_choice.reason, config=cfg.to_dict(),
             quantization=cfg.quantization, quantization_reason=self.quant_choice.reason, tuning=self.tuning,
             **extra)
 

@@ -105,19 +105,22 @@ def planning_llm_factory(config: EngineConfig) -> Engine:
     return PlanningEngine(setup=engine_setup(config))
 
 
-def engine_config_for(model: str, jobs: list[Job]) -> EngineConfig:
-    """The one engine config of the jobs on ``model``: what each job's engine: section wrote (they must agree
-    where two write the same key), the engine's defaults elsewhere."""
-    merged: dict = {}
-    for job in jobs:
+def engine_config_for(jobs: list[Job]) -> EngineConfig:
+    """The one engine config of jobs on one model: the first job's, with what the others' engine: sections wrote
+    where it kept the engine's default (two jobs writing the same key must agree)."""
+    config, written = jobs[0].engine, set(jobs[0].engine_options)
+    for job in jobs[1:]:
         for k in job.engine_options:
             v = getattr(job.engine, k)
-            if k in merged and merged[k] != v:
+            if k in written and getattr(config, k) != v:
                 raise RunError(f"{job.file}: engine.{k} is {v!r} but another job with model {job.model!r} "
-                               f"sets {merged[k]!r}; jobs on one model share one engine, so their engine "
+                               f"sets {getattr(config, k)!r}; jobs on one model share one engine, so their engine "
                                "settings must agree")
-            merged[k] = v
-    return EngineConfig.from_options(model, **merged)
+        fresh = {k: getattr(job.engine, k) for k in job.engine_options if k not in written}
+        if fresh:
+            config = dataclasses.replace(config, **fresh)
+            written |= set(fresh)
+    return config
 
 
 class Runner:
@@ -159,7 +162,7 @@ class Runner:
                     locked.append(st)
                 old_handlers = self._install_signal_handlers()
                 machine = self._admit(jobs, rec)
-            config = engine_config_for(model, jobs)
+            config = engine_config_for(jobs)
             llm, config, pinned_by = self._start_pinned(config, jobs, dry_run,
                                                         engine_format.recorded(states, config.model))
             t_loaded = time.monotonic()
@@ -258,8 +261,7 @@ class Runner:
                 raise TypeError(f"llm_factory returned {type(llm).__name__}, which lacks the engine.Engine door")
             return llm
         except BatchgenError as e:       # the engine's message, with the job files it comes from
-            written = {k: v for k, v in dataclasses.asdict(config).items()
-                       if any(k in job.engine_options for job in jobs)}
+            written = {k: v for k, v in config.to_dict().items() if any(k in job.engine_options for job in jobs)}
             raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: cannot start model {config.model!r}"
                            f"{' with engine ' + json.dumps(written) if written else ''}: {e}") from None
 
