@@ -231,34 +231,30 @@ def plan_pricer(info, model_config) -> Callable | None:
     from costmodel.calibrate import get_calibration
     # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration), their weights stream
     # at int8's bytes (INT8_WEIGHT_BYTES), KV at kv_cache_dtype's.
-    int8 = getattr(info, "quantization", "none") == "int8" and str(info.device).startswith("cpu")
-    cal = get_calibration(info.device, "int8" if int8 else info.dtype, quick=True)
-    dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
-    kv_bytes = DTYPE_BYTES.get(info.config.get("kv_cache_dtype") or info.dtype, dtype_bytes)
+    cfg = info.config
+    int8 = cfg.quantization == "int8" and str(cfg.device).startswith("cpu")
+    cal = get_calibration(cfg.device, "int8" if int8 else cfg.dtype, quick=True)
+    dtype_bytes = DTYPE_BYTES.get(cfg.dtype, 2)
+    kv_bytes = DTYPE_BYTES.get(cfg.kv_cache_dtype, dtype_bytes)
     measured = measured_steps(info)
 
     def price(plan, max_tokens) -> Prediction | None:
         if not plan.num_requests:
             return None
         return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
-                       int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
-                       cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes,
+                       cfg.max_num_batched_tokens, cfg.max_num_seqs, cal.matmul_flops, cal.memory_bandwidth,
+                       cal.small_m_flops, kv_dtype_bytes=kv_bytes,
                        weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None, measured=measured)
     return price
 
 
 def measured_steps(info) -> dict | None:
     """This machine's timed engine steps of ``info``'s format (engine.tuning), or None (none timed here, another
-    device, a stand-in engine)."""
-    if not str(info.device).startswith("cpu") or not info.config.get("model"):
+    device)."""
+    cfg = info.config
+    if not str(cfg.device).startswith("cpu"):
         return None
     # NOTE: lazy, as above (engine.tuning imports torch)
-    from engine import EngineConfig
     from engine.tuning.candidates import Format
     from engine.tuning.decision import measured_steps as lookup
-    try:
-        cfg = EngineConfig(**info.config)
-    except (TypeError, ValueError):
-        return None
-    fmt = Format(info.quantization, info.dtype, info.config.get("kv_cache_dtype") or info.dtype)
-    return lookup(cfg, info.identity, fmt)
+    return lookup(cfg, info.identity, Format(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype))

@@ -34,8 +34,9 @@ from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.setup import setup_engine
+from engine.setup import ModelTarget, locate, settle
 from engine.tokenizer import load_tokenizer
+from engine.tuning.format_decision import FormatDecision
 
 log = logging.getLogger("batchgen.engine")
 
@@ -50,9 +51,10 @@ class LLM:
             config = EngineConfig.from_options(model, dtype=dtype, **engine_args)
         elif engine_args:
             raise ConfigError(f"LLM(config=...) takes no further options, got {', '.join(sorted(engine_args))}")
-        if config.num_threads:                                  # before setup: the tuner measures with them
+        if config.num_threads:                                  # before tuning: the tuner measures with them
             torch.set_num_threads(config.num_threads)
-        setup = setup_engine(config, tune=True)                 # every automatic setting, resolved once
+        target = locate(config)                                 # the model and the device
+        setup = settle(target, self._tune(target))              # every other automatic setting, resolved once
         log_choice(setup.dtype_choice)                          # once per engine (validation stays quiet)
         # The one resolved config: the scheduler, runner, info and manifest all see this one.
         self.config = cfg = setup.config
@@ -99,6 +101,13 @@ class LLM:
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
         self._grammar_backend = None                # engine.structured: made by the first constrained request
+
+    def _tune(self, target: ModelTarget) -> FormatDecision:
+        """Tuning (vLLM's engine core likewise profiles before it sizes the KV cache): the format this engine computes
+        in. On a CPU with some of it ``auto``, this machine's decision for the model (engine.tuning), measured now
+        when none is cached: every candidate format loaded and timed on the model's shapes (seconds, once per model
+        and machine). Elsewhere, or with tuning off, the tables'."""
+        return target.decide_format(measure=True)
 
     # ---- info (self.info: EngineInfo; self.config: the resolved EngineConfig) ---------------------------
     def get_tokenizer(self):

@@ -103,8 +103,9 @@ def test_config_is_resolved_once_and_shared(tmp_path):
     assert llm.scheduler.config is cfg
     info = llm.info
     assert isinstance(info, EngineInfo) and isinstance(llm, Engine)
-    assert info.config == cfg.to_dict() and "auto" not in (info.dtype, info.device)
-    assert (info.block_size, info.max_model_len, info.max_num_seqs) == (16, cfg.max_model_len, cfg.max_num_seqs)
+    assert info.config is cfg and "auto" not in (cfg.dtype, cfg.device, cfg.quantization, cfg.kv_cache_dtype)
+    flat = info.to_dict()                              # the manifest's model section: the config's values, flat too
+    assert flat["config"] == cfg.to_dict() and (flat["dtype"], flat["block_size"]) == (cfg.dtype, 16)
     m = llm.model_config
     per_block = 2 * m.num_hidden_layers * 16 * m.num_key_value_heads * m.head_dim       # K and V, every layer
     assert info.num_kv_blocks == (1 << 20) // (per_block * (4 if cfg.dtype == "float32" else 2))

@@ -69,7 +69,7 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str, roof
     if bd is not None:
         res.extra["breakdown"] = bd.to_dict()
     res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
-    res.extra["quantization"] = llm.info.quantization          # what auto resolved to (batchgen-default)
+    res.extra["quantization"] = llm.info.config.quantization   # what auto resolved to (batchgen-default)
     res.extra["warmup_s"] = round(warmup_s, 3)
     if structured is not None:
         res.extra.update(structured=_structured_summary(outs))

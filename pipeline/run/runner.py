@@ -187,7 +187,7 @@ class Runner:
                                   "same command again to start.")
             work = plan.num_requests or any(jr.long_docs for jr in runs)   # long rows: maybe only reduces left
             choice = info.format_choice
-            exe: Execution = LocalExecution(llm, max(1, self.opts.window_factor * info.max_num_seqs),
+            exe: Execution = LocalExecution(llm, max(1, self.opts.window_factor * info.config.max_num_seqs),
                                             self.opts.max_open_groups)
             if self.opts.ray is not None and work:      # every replica computes in one format: the driver's
                 config, choice = engine_format.for_replicas(config, info)
@@ -201,7 +201,7 @@ class Runner:
                 exe.start()
                 if plan.num_requests:
                     self._execute(exe, batch, runs, llm)
-                for level in reduce_batches(runs, batch.heads, info.block_size):
+                for level in reduce_batches(runs, batch.heads, info.config.block_size):
                     self._execute(exe, level, runs, llm)
             finally:
                 exe.close()
@@ -414,7 +414,7 @@ class _Progress:
 
 def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
     """Impossible engine settings fail before compute (validation says the same, file by file)."""
-    problem = kv_pool_problem(info.num_kv_blocks, info.block_size, info.max_num_seqs)
+    problem = kv_pool_problem(info.num_kv_blocks, info.config.block_size, info.config.max_num_seqs)
     if problem:
         raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: engine: {problem}")
 
