@@ -15,6 +15,8 @@ import engine.tuning.decision as decision
 from engine.config import EngineConfig, Kernels, freeze_kernels
 from engine.dtype_policy import DtypeChoice
 from engine.kernels.families import TABLE_KERNELS
+from engine.loader import ModelSource
+from engine.models.config import ModelConfig
 from engine.quant.policy import QuantChoice
 from engine.tuning.candidates import Format, kernel_facts, table_choice
 
@@ -23,6 +25,7 @@ NOT_CACHED = "no decision cached for this model here (only an engine's load meas
 
 @dataclass(frozen=True)
 class FormatDecision:
+    """``EngineInfo.format``: each part of the format with why, and who decided (the tables, the tuner, a pin)."""
     quantization: QuantChoice          # none | int8, and why
     dtype: DtypeChoice                 # the activation dtype, and why
     kv_cache_dtype: str                # bfloat16 | float32 | float16 | int8
@@ -64,8 +67,8 @@ class FormatDecision:
         return {"mode": "pinned", "choice": self.pinned_choice, "reason": self.pinned_reason, "engine": own}
 
 
-def decide_format(cfg: EngineConfig, device_type: str, source, model_config, identity: str, *, measure: bool = False,
-                  retune: bool = False) -> FormatDecision:
+def decide_format(cfg: EngineConfig, device_type: str, source: ModelSource, model_config: ModelConfig, identity: str,
+                  *, measure: bool = False, retune: bool = False) -> FormatDecision:
     """The format for ``cfg`` (as written) on ``device_type`` for the model at ``source``. ``measure``: with no
     decision cached (or one measured on a busier machine), measure one now: this loads and times every candidate
     format, seconds of work. ``retune``: measure even if one is cached (``batchgen calibrate --retune``)."""
