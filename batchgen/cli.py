@@ -97,8 +97,8 @@ def plan(job_files):
         if pr is not None:
             click.echo(f"  predicted engine time: {pr.engine_s:.1f}s ({pr.prefill_s:.1f}s in steps with prompt "
                        f"tokens, {pr.decode_s:.1f}s decode-only; {pr.steps} steps; assumes every document "
-                       f"generates max_tokens; model load not included) on {report.engine_info.device}, "
-                       f"{report.engine_info.dtype}")
+                       f"generates max_tokens; model load not included) on {report.engine_info.config.device}, "
+                       f"{report.engine_info.config.dtype}")
 
 
 @main.command()

@@ -115,10 +115,10 @@ def _calibrate_one(device: str, choice, quick: bool, cache_dir, show: bool) -> N
 
 
 def _retune(model: str) -> None:
-    from engine import EngineConfig, setup_engine
+    from engine import EngineConfig, tune_format
 
     click.echo(f"measuring how to run {model} on this machine (about 15 s) ...", err=True)
-    rec = setup_engine(EngineConfig.from_options(model), retune=True).info().tuning
+    rec = tune_format(EngineConfig.from_options(model), retune=True).record()
     if rec.get("mode") != "tuned":
         click.echo(f"not tuned: {rec.get('reason')}")
         return

@@ -70,50 +70,76 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     max_tokens = np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), prompt_len.shape)
     c = _Costs(config, dtype_bytes, kv_dtype_bytes, weight_dtype_bytes, matmul_flops, small_m_flops,
                memory_bandwidth)
-    windows, per_key, kv_tok, lin_tok = c.windows, c.per_key, c.kv_tok, c.lin_tok
     scale_prefill, scale_decode = _scales(c, measured)
 
     def price(flops, nbytes, attn, rows: int, sampled: int, prefill: bool):
         """The roofline's price, scaled to this machine's measured steps (``measured``) where given."""
         return c.price(flops, nbytes, attn, rows, sampled) * (scale_prefill if prefill else scale_decode(rows))
 
-    def keys(ctx: np.ndarray) -> float:                   # keys the queries at these contexts attend to, all layers
-        return float(F.keys_read(windows, ctx).sum())
+    run = _Replay(c, price, prompt_len, cached, max_tokens, max_num_batched_tokens, max_num_seqs)
+    run.replay(fast_forward)
+    shapes = (measured or {}).get("shapes") or None
+    basis = f"measured steps ({measured['source']})" if shapes else "roofline"
+    return Prediction(float(run.t_pre + run.t_dec), float(run.t_pre), float(run.t_dec), run.steps,
+                      int(max_tokens.sum()), basis, shapes)
 
-    waiting = deque(range(len(prompt_len)))
-    running: list[_Seq] = []
-    t_pre = t_dec = 0.0
-    steps = 0
-    while waiting or running:
-        if (fast_forward and running and all(r.decoding for r in running) and len(running) <= max_num_batched_tokens
-                and (not waiting or len(running) >= max_num_seqs)):
-            # Decode-only steps until the first request finishes: nothing else can change in between, so they
-            # are priced together (the same per-step arithmetic, elementwise, summed in step order).
-            n, k = len(running), min(r.left for r in running)
-            ctx = np.asarray([r.pos + 1 for r in running], dtype=np.int64)[:, None] + np.arange(k)[None, :]
-            keys_k = F.keys_read(windows, ctx).sum(axis=0).astype(np.float64)
-            flops = lin_tok * n
-            nbytes = kv_tok * keys_k + kv_tok * config.num_hidden_layers * n + c.w_all
-            for t in price(flops, nbytes, per_key * keys_k, n, n, False).tolist():
-                t_dec += t
-            steps += k
-            for r in running:
-                r.pos += k
-                r.left -= k
-            running = [r for r in running if r.left > 0]
-            continue
-        budget = max_num_batched_tokens
-        decodes = [r for r in running if r.decoding][:budget]            # decodes first: one token each
+
+class _Replay:
+    """The scheduler's token-budget loop, coarsely, over the plan's requests; each step priced by ``price``."""
+
+    def __init__(self, c: _Costs, price: Callable, prompt_len: np.ndarray, cached: np.ndarray, max_tokens: np.ndarray,
+                 max_num_batched_tokens: int, max_num_seqs: int):
+        self.c, self.price = c, price
+        self.prompt_len, self.cached, self.max_tokens = prompt_len, cached, max_tokens
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting = deque(range(len(prompt_len)))
+        self.running: list[_Seq] = []
+        self.t_pre = self.t_dec = 0.0
+        self.steps = 0
+
+    def replay(self, fast_forward: bool) -> None:
+        while self.waiting or self.running:
+            running = self.running
+            if (fast_forward and running and all(r.decoding for r in running)
+                    and len(running) <= self.max_num_batched_tokens
+                    and (not self.waiting or len(running) >= self.max_num_seqs)):
+                self._decode_stretch()
+            else:
+                self._step()
+            self.running = [r for r in self.running if r.left > 0]
+
+    def _decode_stretch(self) -> None:
+        """Decode-only steps until the first request finishes: nothing else can change in between, so they are
+        priced together (the same per-step arithmetic, elementwise, summed in step order)."""
+        c, running = self.c, self.running
+        n, k = len(running), min(r.left for r in running)
+        ctx = np.asarray([r.pos + 1 for r in running], dtype=np.int64)[:, None] + np.arange(k)[None, :]
+        keys_k = F.keys_read(c.windows, ctx).sum(axis=0).astype(np.float64)
+        nbytes = c.kv_tok * keys_k + c.kv_tok * c.config.num_hidden_layers * n + c.w_all
+        for t in self.price(c.lin_tok * n, nbytes, c.per_key * keys_k, n, n, False).tolist():
+            self.t_dec += t
+        self.steps += k
+        for r in running:
+            r.pos += k
+            r.left -= k
+
+    def _step(self) -> None:
+        """One step: decodes first (one token each), then prefill chunks of running requests, then new requests in
+        plan order, under the token budget and ``max_num_seqs``."""
+        c, running = self.c, self.running
+        budget = self.max_num_batched_tokens
+        decodes = [r for r in running if r.decoding][:budget]
         budget -= len(decodes)
         chunks: list[tuple[_Seq, int]] = []
-        for r in running:                                  # then prefill chunks of running requests
+        for r in running:
             if not r.decoding and budget > 0:
                 n = min(r.prompt - r.pos, budget)
                 chunks.append((r, n))
                 budget -= n
-        while waiting and budget > 0 and len(running) < max_num_seqs:   # then new requests, plan order
-            i = waiting.popleft()
-            r = _Seq(pos=int(min(cached[i], prompt_len[i] - 1)), prompt=int(prompt_len[i]), left=int(max_tokens[i]))
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
+            i = self.waiting.popleft()
+            r = _Seq(pos=int(min(self.cached[i], self.prompt_len[i] - 1)), prompt=int(self.prompt_len[i]),
+                     left=int(self.max_tokens[i]))
             running.append(r)
             n = min(r.prompt - r.pos, budget)
             chunks.append((r, n))
@@ -121,36 +147,31 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
         flops = nbytes = attn = 0.0
         sampled = 0
         for r, n in chunks:
-            attn += per_key * F.keys_read_range(windows, r.pos + 1, r.pos + n)
-            flops += lin_tok * n
-            nbytes += kv_tok * float(F.keys_read(windows, r.pos)) + kv_tok * config.num_hidden_layers * n
+            attn += c.per_key * F.keys_read_range(c.windows, r.pos + 1, r.pos + n)
+            flops += c.lin_tok * n
+            nbytes += c.kv_tok * float(F.keys_read(c.windows, r.pos)) + c.kv_tok * c.config.num_hidden_layers * n
             r.pos += n
             if r.pos == r.prompt:                          # the chunk that ends the prompt samples a token
                 r.decoding = True
                 r.left -= 1
                 sampled += 1
         if decodes:
-            ctx = np.asarray([r.pos + 1 for r in decodes])
-            k = keys(ctx)
-            flops += lin_tok * len(decodes)
-            attn += per_key * k
-            nbytes += kv_tok * k + kv_tok * config.num_hidden_layers * len(decodes)
+            k = float(F.keys_read(c.windows, np.asarray([r.pos + 1 for r in decodes])).sum())
+            flops += c.lin_tok * len(decodes)
+            attn += c.per_key * k
+            nbytes += c.kv_tok * k + c.kv_tok * c.config.num_hidden_layers * len(decodes)
             for r in decodes:
                 r.pos += 1
                 r.left -= 1
             sampled += len(decodes)
         rows = len(decodes) + sum(n for _, n in chunks)
         nbytes += c.w_all if sampled else c.w_layers
-        t = float(price(flops, nbytes, attn, rows, sampled, bool(chunks)))
+        t = float(self.price(flops, nbytes, attn, rows, sampled, bool(chunks)))
         if chunks:
-            t_pre += t
+            self.t_pre += t
         else:
-            t_dec += t
-        steps += 1
-        running = [r for r in running if r.left > 0]
-    shapes = (measured or {}).get("shapes") or None
-    basis = f"measured steps ({measured['source']})" if shapes else "roofline"
-    return Prediction(float(t_pre + t_dec), float(t_pre), float(t_dec), steps, int(max_tokens.sum()), basis, shapes)
+            self.t_dec += t
+        self.steps += 1
 
 
 class _Costs:
@@ -231,34 +252,30 @@ def plan_pricer(info, model_config) -> Callable | None:
     from costmodel.calibrate import get_calibration
     # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration), their weights stream
     # at int8's bytes (INT8_WEIGHT_BYTES), KV at kv_cache_dtype's.
-    int8 = getattr(info, "quantization", "none") == "int8" and str(info.device).startswith("cpu")
-    cal = get_calibration(info.device, "int8" if int8 else info.dtype, quick=True)
-    dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
-    kv_bytes = DTYPE_BYTES.get(info.config.get("kv_cache_dtype") or info.dtype, dtype_bytes)
+    cfg = info.config
+    int8 = cfg.quantization == "int8" and str(cfg.device).startswith("cpu")
+    cal = get_calibration(cfg.device, "int8" if int8 else cfg.dtype, quick=True)
+    dtype_bytes = DTYPE_BYTES.get(cfg.dtype, 2)
+    kv_bytes = DTYPE_BYTES.get(cfg.kv_cache_dtype, dtype_bytes)
     measured = measured_steps(info)
 
     def price(plan, max_tokens) -> Prediction | None:
         if not plan.num_requests:
             return None
         return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
-                       int(info.config.get("max_num_batched_tokens", 4096)), info.max_num_seqs,
-                       cal.matmul_flops, cal.memory_bandwidth, cal.small_m_flops, kv_dtype_bytes=kv_bytes,
+                       cfg.max_num_batched_tokens, cfg.max_num_seqs, cal.matmul_flops, cal.memory_bandwidth,
+                       cal.small_m_flops, kv_dtype_bytes=kv_bytes,
                        weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None, measured=measured)
     return price
 
 
 def measured_steps(info) -> dict | None:
     """This machine's timed engine steps of ``info``'s format (engine.tuning), or None (none timed here, another
-    device, a stand-in engine)."""
-    if not str(info.device).startswith("cpu") or not info.config.get("model"):
+    device)."""
+    cfg = info.config
+    if not str(cfg.device).startswith("cpu"):
         return None
     # NOTE: lazy, as above (engine.tuning imports torch)
-    from engine import EngineConfig
     from engine.tuning.candidates import Format
     from engine.tuning.decision import measured_steps as lookup
-    try:
-        cfg = EngineConfig(**info.config)
-    except (TypeError, ValueError):
-        return None
-    fmt = Format(info.quantization, info.dtype, info.config.get("kv_cache_dtype") or info.dtype)
-    return lookup(cfg, info.identity, fmt)
+    return lookup(cfg, info.identity, Format(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype))

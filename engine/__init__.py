@@ -16,7 +16,7 @@ _apply_omp_wait()      # NOTE: before anything loads torch's OpenMP runtime (eng
 
 # Imported on first use, so `import engine` stays cheap (these pull in torch or the model code).
 _LAZY = {"LLM": ("engine.llm", "LLM"), "PlanningEngine": ("engine.setup", "PlanningEngine"),
-         "setup_engine": ("engine.setup", "setup_engine"),
+         "setup_engine": ("engine.setup", "setup_engine"), "tune_format": ("engine.setup", "tune_format"),
          "choose_dtype": ("engine.dtype_policy", "choose_dtype"),
          "resolve_model": ("engine.loader.resolve", "resolve_model"),
          "load_model_config": ("engine.loader", "load_model_config")}
@@ -33,4 +33,4 @@ def __getattr__(name):
 __all__ = ["LLM", "PlanningEngine", "SamplingParams", "EngineConfig", "DEFAULT_MODEL", "Engine", "EngineInfo",
            "Tokenizer", "RequestOutput", "RequestMetrics", "StepStats", "BatchgenError", "ConfigError",
            "ModelLoadError", "StructuredOutputsParams", "StructuredOutputError", "check_structured",
-           "choose_dtype", "setup_engine", "resolve_model", "load_model_config"]
+           "choose_dtype", "setup_engine", "tune_format", "resolve_model", "load_model_config"]

@@ -4,15 +4,17 @@ pipeline may call on it (``Engine``) and on its tokenizer (``Tokenizer``). ``eng
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
+from engine.config import EngineConfig
 from engine.outputs import RequestOutput, StepStats
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:                  # the model code pulls in torch; the door stays cheap to import
+if TYPE_CHECKING:                  # the model code and the tuner pull in torch; the door stays cheap to import
     from engine.models.config import ModelConfig
+    from engine.tuning.format_decision import FormatDecision
 
 
 @dataclass(frozen=True)
@@ -21,27 +23,18 @@ class EngineInfo:
     name: str                          # the model's display name (alias or file/dir name)
     identity: str                      # fingerprint of the model files (row keys, manifests, caches)
     architecture: str                  # e.g. Gemma3ForCausalLM
-    dtype: str                         # resolved: bfloat16 | float16 | float32
-    device: str                        # resolved: cpu | cuda | cuda:N
-    max_model_len: int
-    block_size: int                    # KV block size in tokens (the prefix cache's granularity)
-    max_num_seqs: int
+    config: EngineConfig               # the resolved config: dtype, device, max_model_len, block size, formats, ...
     num_kv_blocks: int | None = None   # KV pool size in blocks (None: unbounded, e.g. a fake)
     attention_backend: str = "torch"
     path: str = ""                     # the model file or directory
-    dtype_reason: str = ""             # why this dtype (engine.dtype_policy)
+    # engine.tuning.format_decision: the format (weights, activations, KV cache, kernels), why each part, and
+    # whether the tables or the tuner decided; None where nothing was decided (fakes)
+    format: FormatDecision | None = None
     cpu_kernels: str = ""              # which native kernel build runs, or why none
     load_time_s: float = 0.0
     load_breakdown: dict = field(default_factory=dict)   # phase -> seconds, plus "weights_from"
-    config: dict = field(default_factory=dict)           # the resolved EngineConfig, as a dict
-    quantization: str = "none"         # resolved: none | int8 (engine.quant.policy)
-    quantization_reason: str = ""
     weight_bytes: int = 0              # resident bytes of the loaded weights (int8 packs included)
     omp_wait: str = ""                 # how OpenMP threads wait at barriers (engine.omp_wait)
-    # engine.tuning: {"mode": "tuned", "source": measured | cached, "choice", "reason", "candidates" (with their
-    # times), "kernels", ...} or {"mode": "table", "reason", "pending" (only when True: no decision cached yet)}
-    # where the tables decided; a pipeline run pinned to a job's recorded format says {"mode": "pinned", ...}
-    tuning: dict = field(default_factory=dict)
     # engine.invariance: what a row's tokens depend on besides the row (model, formats, kernel build, threads, ...)
     # and its "fingerprint"; empty where not computed (planning, fakes)
     invariance: dict = field(default_factory=dict)
@@ -49,13 +42,24 @@ class EngineInfo:
     @property
     def format_choice(self) -> dict:
         """What ``EngineConfig.pinned`` takes: the resolved format and kernel families of this engine."""
-        return {"quantization": self.quantization, "dtype": self.dtype,
-                "kv_cache_dtype": self.config.get("kv_cache_dtype") or self.dtype,
-                "kernels": dict(self.config.get("kernels") or {})}
+        c = self.config
+        return {"quantization": c.quantization, "dtype": c.dtype, "kv_cache_dtype": c.kv_cache_dtype,
+                "kernels": dict(c.kernels or {})}
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready (manifests, traces, the report)."""
-        return dataclasses.asdict(self)
+        """JSON-ready (manifests, traces, the report): the resolved settings flat beside the whole config, the
+        format's reasons and its tuning record."""
+        c, fmt = self.config, self.format
+        return copy.deepcopy({
+            "name": self.name, "identity": self.identity, "architecture": self.architecture, "dtype": c.dtype,
+            "device": c.device, "max_model_len": c.max_model_len, "block_size": c.block_size,
+            "max_num_seqs": c.max_num_seqs, "num_kv_blocks": self.num_kv_blocks,
+            "attention_backend": self.attention_backend, "path": self.path,
+            "dtype_reason": fmt.dtype.reason if fmt else "", "cpu_kernels": self.cpu_kernels,
+            "load_time_s": self.load_time_s, "load_breakdown": self.load_breakdown, "config": c.to_dict(),
+            "quantization": c.quantization, "quantization_reason": fmt.quantization.reason if fmt else "",
+            "weight_bytes": self.weight_bytes, "omp_wait": self.omp_wait, "tuning": fmt.record() if fmt else {},
+            "invariance": self.invariance})
 
 
 class Tokenizer(Protocol):

@@ -34,8 +34,9 @@ from engine.outputs import RequestMetrics, RequestOutput, StepStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.setup import setup_engine
+from engine.setup import ModelTarget, locate, settle
 from engine.tokenizer import load_tokenizer
+from engine.tuning.format_decision import FormatDecision
 
 log = logging.getLogger("batchgen.engine")
 
@@ -50,9 +51,10 @@ class LLM:
             config = EngineConfig.from_options(model, dtype=dtype, **engine_args)
         elif engine_args:
             raise ConfigError(f"LLM(config=...) takes no further options, got {', '.join(sorted(engine_args))}")
-        if config.num_threads:                                  # before setup: the tuner measures with them
+        if config.num_threads:                                  # before tuning: the tuner measures with them
             torch.set_num_threads(config.num_threads)
-        setup = setup_engine(config, tune=True)                 # every automatic setting, resolved once
+        target = locate(config)                                 # the model and the device
+        setup = settle(target, self._tune(target))              # every other automatic setting, resolved once
         log_choice(setup.dtype_choice)                          # once per engine (validation stays quiet)
         # The one resolved config: the scheduler, runner, info and manifest all see this one.
         self.config = cfg = setup.config
@@ -99,6 +101,13 @@ class LLM:
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
         self._grammar_backend = None                # engine.structured: made by the first constrained request
+
+    def _tune(self, target: ModelTarget) -> FormatDecision:
+        """Tuning (vLLM's engine core likewise profiles before it sizes the KV cache): the format this engine computes
+        in. On a CPU with some of it ``auto``, this machine's decision for the model (engine.tuning), measured now
+        when none is cached: every candidate format loaded and timed on the model's shapes (seconds, once per model
+        and machine). Elsewhere, or with tuning off, the tables'."""
+        return target.decide_format(measure=True)
 
     # ---- info (self.info: EngineInfo; self.config: the resolved EngineConfig) ---------------------------
     def get_tokenizer(self):
@@ -266,12 +275,12 @@ def _speculator(cfg, model):
     a decode step reads every weight once (fixed) and costs ~2 FLOPs per parameter per row (per row), counted
     from the loaded model's tensors; the engine then learns the real costs from its decode steps."""
     from engine.spec_decode.gating import StepCost
-    from engine.spec_decode.speculator import SpecConfig, Speculator
-    spec = SpecConfig.parse(cfg.speculative_config)
-    if spec is None:
+    from engine.spec_decode.speculator import Speculator
+    if cfg.speculative_config is None:
         return None
     params = sum(t.numel() for t in model.state_dict().values())
-    return Speculator(spec, cfg.max_model_len, StepCost(fixed_s=params * 2 / 30e9, per_row_s=2 * params / 300e9))
+    return Speculator(cfg.speculative_config, cfg.max_model_len,
+                      StepCost(fixed_s=params * 2 / 30e9, per_row_s=2 * params / 300e9))
 
 
 def _eos_ids(mcfg, tokenizer) -> tuple[int, ...]:

@@ -1,6 +1,8 @@
-"""Everything an engine settles before it touches weights, in one place: the resolved ``EngineConfig`` (dtype
-by device and ISA, device, block size for the attention backend, max_model_len), the model's config and
-identity, and the KV pool size. ``LLM`` builds on it; ``PlanningEngine`` stops there.
+"""Everything an engine settles without weights, in one place: the model (its files, config and identity) and the
+device (``ModelTarget``), then, for a format (``engine.tuning.format_decision``), the resolved ``EngineConfig``
+(dtype, device, block size for the attention backend, max_model_len, formats, kernel families) and the KV pool
+size (``EngineSetup``). ``setup_engine`` takes the format the tables or this machine's cached tuning decision give;
+``LLM`` decides it in its own tuning phase (measuring when none is cached), then settles the rest the same way.
 
 ``PlanningEngine`` answers what a dry run (``batchgen plan``) asks of an engine — ``info``, ``model_config``,
 the tokenizer — without loading weights or allocating the KV pool, so planning a large input costs the
@@ -10,30 +12,51 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 import engine.quant.int8_kv as int8_kv
-import engine.tuning.decision as decision
 from engine.attention.backend import AttentionBackend
 from engine.attention.selector import get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.dtype_policy import DTYPES, DtypeChoice, log_choice
 from engine.errors import ConfigError
 from engine.interface import EngineInfo
-from engine.kernels.families import TABLE_KERNELS
 from engine.loader import ModelSource, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
 from engine.memory import num_kv_blocks
 from engine.models.config import ModelConfig
 from engine.quant.policy import QuantChoice
-from engine.tuning.candidates import Format, kernel_facts, table_choice
+from engine.tuning.format_decision import FormatDecision, decide_format
 
 log = logging.getLogger("batchgen.engine")
 
 # kv_cache_dtype -> the pool's torch dtype (int8: engine.quant.int8_kv's byte layout)
 KV_DTYPES = {**DTYPES, "int8": torch.int8}
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    """What an engine is for, settled first: the config as written, the model and the device."""
+    requested: EngineConfig
+    source: ModelSource
+    model_config: ModelConfig
+    identity: str
+    device: torch.device
+
+    def decide_format(self, measure: bool = False, retune: bool = False) -> FormatDecision:
+        """``engine.tuning.format_decision.decide_format`` for this model here (``measure``: seconds of timing)."""
+        return decide_format(self.requested, self.device.type, self.source, self.model_config, self.identity,
+                             measure=measure, retune=retune)
+
+
+def locate(cfg: EngineConfig) -> ModelTarget:
+    """The model of ``cfg`` (ModelLoadError naming what is wrong) and its device."""
+    source = resolve_model(cfg.model, cfg.load_format)        # a bad model spec is the first thing to report
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
+    return ModelTarget(cfg, source, load_model_config(source), model_identity(source), device)
 
 
 @dataclass(frozen=True)
@@ -43,12 +66,22 @@ class EngineSetup:
     model_config: ModelConfig
     identity: str
     device: torch.device
-    dtype_choice: DtypeChoice
-    quant_choice: QuantChoice
+    format: FormatDecision
     backend: AttentionBackend
     num_kv_blocks: int
-    kernels: dict | None = None    # C or torch per kernel family (engine.tuning's choice); None: the table's
-    tuning: dict = field(default_factory=dict)     # EngineInfo.tuning: the decision, or why the tables decided
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        return self.format.dtype
+
+    @property
+    def quant_choice(self) -> QuantChoice:
+        return self.format.quantization
+
+    @property
+    def kernels(self) -> dict | None:
+        """C or torch per kernel family (None: the table's, no kernel library here)."""
+        return dict(self.config.kernels) if self.config.kernels else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -59,67 +92,48 @@ class EngineSetup:
         return KV_DTYPES[self.config.kv_cache_dtype]
 
     def info(self, **extra) -> EngineInfo:
-        cfg = self.config
-        return EngineInfo(
-            name=self.source.name, identity=self.identity, architecture=self.model_config.architecture,
-            dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs, num_kv_blocks=self.num_kv_blocks, attention_backend=self.backend.name,
-            path=str(self.source.path), dtype_reason=self.dtype_choice.reason, config=dataclasses.asdict(cfg),
-            quantization=cfg.quantization, quantization_reason=self.quant_choice.reason, tuning=self.tuning,
-            **extra)
+        return EngineInfo(name=self.source.name, identity=self.identity, architecture=self.model_config.architecture,
+                          config=self.config, num_kv_blocks=self.num_kv_blocks, attention_backend=self.backend.name,
+                          path=str(self.source.path), format=self.format, **extra)
 
 
-def setup_engine(cfg: EngineConfig, tune: bool = False, retune: bool = False) -> EngineSetup:
-    """Resolve the model and every automatic setting of ``cfg``; ConfigError / ModelLoadError name what is wrong.
-
-    ``auto`` settings on a CPU take the tuner's cached decision for this model and machine (engine.tuning); with
-    none cached, ``tune`` measures one (an engine's load) and otherwise the tables decide (planning, validation).
-    ``retune``: measure again even if one is cached (``batchgen calibrate --retune``)."""
-    source = resolve_model(cfg.model, cfg.load_format)        # a bad model spec is the first thing to report
-    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(cfg.device if cfg.device != "auto" else auto_device)
-    quantized_source = source.kind == "gguf"
-    untuned = decision.tunable(cfg, device.type)
-    needs_kernels = device.type == "cpu" and (untuned is None or cfg.quantization == "int8" or
-                                              (cfg.quantization == "auto" and quantized_source))
-    facts = kernel_facts(device.type, needs_kernels)
-    quant, choice, kv = table_choice(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype, device.type, quantized_source,
-                                     facts)
-    mcfg = load_model_config(source)
-    identity = model_identity(source)
-    kernels, tuning = None, decision.table_record(untuned or "no decision cached for this model here (only an "
-                                                            "engine's load measures one)", pending=untuned is None)
-    if untuned is None:
-        tuned = decision.resolve(cfg, mcfg, source, identity, quantized_source, facts,
-                                 Format(quant.name, choice.dtype, kv), measure=tune or retune, retune=retune)
-        if tuned is not None:                             # explicit fields keep the table's reason (they won)
-            tq, tc, kv, kernels = tuned.choices()
-            quant = tq if cfg.quantization == "auto" else quant
-            choice = tc if cfg.dtype == "auto" else choice
-            tuning = tuned.record()
-    if device.type == "cpu" and choice.dtype == "float16":
+def settle(target: ModelTarget, fmt: FormatDecision) -> EngineSetup:
+    """Every automatic setting of ``target.requested`` resolved with the format ``fmt``, and the KV pool sized;
+    ConfigError names a setting that cannot run here."""
+    cfg, device, mcfg = target.requested, target.device, target.model_config
+    dtype, kv = fmt.dtype.dtype, fmt.kv_cache_dtype
+    if device.type == "cpu" and dtype == "float16":
         raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
-    if cfg.kernels:                                       # explicit families win over the measured ones
-        kernels = {**(kernels or {}), **cfg.kernels}
+    kernels = dict(fmt.kernels) if fmt.kernels else None
     backend = get_backend(cfg.attention_backend, device, kernels)
     block_size = backend.block_size_for(cfg.block_size)
     if block_size != cfg.block_size:
         log.info("block_size %d -> %d for the %s backend", cfg.block_size, block_size, backend.name)
     max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    cfg = dataclasses.replace(cfg, dtype=choice.dtype, device=str(device), block_size=block_size,
-                              max_model_len=max_model_len, quantization=quant.name)
-    if kv != choice.dtype:
-        if device.type != "cpu":
-            raise ConfigError(f"kv_cache_dtype: {kv} differs from dtype {choice.dtype}; on {device.type} the KV "
-                              "cache is kept in the activation dtype (use auto)")
+    if kv != dtype and device.type != "cpu":
+        raise ConfigError(f"kv_cache_dtype: {kv} differs from dtype {dtype}; on {device.type} the KV "
+                          "cache is kept in the activation dtype (use auto)")
     if kv == "int8" and not int8_kv.supported(mcfg.head_dim):
         raise ConfigError(f"kv_cache_dtype: int8 needs head_dim a multiple of {int8_kv.GROUP} (groups of "
                           f"{int8_kv.GROUP} share a scale); this model's is {mcfg.head_dim}")
-    if facts.kernels:                         # the resolved families (recorded, and what a pinned config repeats)
-        kernels = {**TABLE_KERNELS, **(kernels or {})}
-    cfg = dataclasses.replace(cfg, kv_cache_dtype=kv, kernels=kernels if facts.kernels else cfg.kernels)
+    cfg = dataclasses.replace(cfg, dtype=dtype, device=str(device), block_size=block_size, max_model_len=max_model_len,
+                              quantization=fmt.quantization.name, kv_cache_dtype=kv, kernels=fmt.kernels)
     blocks = num_kv_blocks(cfg, mcfg, KV_DTYPES[kv], device, block_size, max_model_len)
-    return EngineSetup(cfg, source, mcfg, identity, device, choice, quant, backend, blocks, kernels, tuning)
+    return EngineSetup(cfg, target.source, mcfg, target.identity, device, fmt, backend, blocks)
+
+
+def setup_engine(cfg: EngineConfig) -> EngineSetup:
+    """Resolve the model and every automatic setting of ``cfg`` without weights; ConfigError / ModelLoadError name
+    what is wrong. ``auto`` formats on a CPU take the tuner's cached decision for this model and machine
+    (engine.tuning); with none cached, the tables decide (planning, validation): ``format.pending`` says so."""
+    target = locate(cfg)
+    return settle(target, target.decide_format())
+
+
+def tune_format(cfg: EngineConfig, retune: bool = False) -> FormatDecision:
+    """The format of ``cfg`` here, measured now when no decision is cached (``retune``: even if one is) — what an
+    engine's load would decide, for a process that loads none (a Ray driver, ``batchgen calibrate --retune``)."""
+    return locate(cfg).decide_format(measure=True, retune=retune)
 
 
 class PlanningEngine:
@@ -152,4 +166,4 @@ class PlanningEngine:
         return 0
 
 
-__all__ = ["EngineSetup", "setup_engine", "PlanningEngine"]
+__all__ = ["ModelTarget", "EngineSetup", "locate", "settle", "setup_engine", "tune_format", "PlanningEngine"]

@@ -128,10 +128,12 @@ class FakeLLM:
 
     @property
     def info(self):
+        from engine import EngineConfig
         from engine.interface import EngineInfo
-        return EngineInfo(name="fake", identity="fake-identity", architecture="Fake", dtype="float32", device="cpu",
-                          max_model_len=self.max_model_len, block_size=self.block_size,
-                          max_num_seqs=self.config.max_num_seqs, load_time_s=0.01)
+        config = EngineConfig("fake", dtype="float32", device="cpu", max_model_len=self.max_model_len,
+                              block_size=self.block_size, max_num_seqs=self.config.max_num_seqs, quantization="none",
+                              kv_cache_dtype="float32")
+        return EngineInfo(name="fake", identity="fake-identity", architecture="Fake", config=config, load_time_s=0.01)
 
     def _chain(self, ids):
         h, out = "", []

@@ -63,8 +63,8 @@ def test_engine_uses_the_choice_and_reports_it(features, want, tmp_path, monkeyp
     path = save_tiny(tiny_hf_model("llama"), tmp_path).path
     with caplog.at_level(logging.INFO, logger="batchgen.engine"):
         llm = LLM(str(path), num_gpu_blocks_override=8, device="cpu")
-    assert llm.info.dtype == want
-    assert llm.info.dtype_reason == choose_dtype("auto", "cpu", features).reason
+    assert llm.info.config.dtype == want
+    assert llm.info.format.dtype.reason == choose_dtype("auto", "cpu", features).reason
     assert sum("dtype: " in r.getMessage() for r in caplog.records) == 1                 # logged once
     assert next(p for p in llm.model.parameters()).dtype == getattr(torch, want)
 
@@ -76,6 +76,6 @@ def test_engine_warns_on_explicit_slow_bfloat16(tmp_path, monkeypatch, caplog):
     path = save_tiny(tiny_hf_model("llama"), tmp_path).path
     with caplog.at_level(logging.INFO, logger="batchgen.engine"):
         llm = LLM(str(path), dtype="bfloat16", num_gpu_blocks_override=8, device="cpu")
-    assert llm.info.dtype == "bfloat16"
+    assert llm.info.config.dtype == "bfloat16"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "dtype: " in r.getMessage()]
     assert len(warnings) == 1 and "no bf16 matmul units" in warnings[0].getMessage()

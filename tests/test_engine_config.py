@@ -52,11 +52,33 @@ def test_options_by_name_and_a_whole_config_build_the_same_engine(tmp_path):
     options = dict(dtype="float32", max_num_batched_tokens=512, speculative_config="off", kv_cache_memory=1 << 20)
     by_name = LLM(str(tmp_path), **options)
     whole = LLM(config=EngineConfig.from_options(str(tmp_path), **options))
-    assert by_name.config == whole.config and whole.config.speculative_config == "off"
+    assert by_name.config == whole.config and whole.config.speculative_config is None
     with pytest.raises(ConfigError, match="no further options, got max_num_seqs"):
         LLM(config=EngineConfig(str(tmp_path)), max_num_seqs=4)
     with pytest.raises(ConfigError, match="unknown engine option.*\\bblocksize\\b"):
         EngineConfig.from_options(str(tmp_path), blocksize=16)
+
+
+def test_a_config_is_hashable_and_equal_meanings_are_equal():
+    """speculative_config and kernels take the user's forms and are kept frozen: equal meanings, equal configs (one
+    hash), and ``to_dict`` (the manifest's form) is what ``from_options`` takes back."""
+    from engine.config import Kernels, SpecConfig
+    spec = {"num_speculative_tokens": 6, "gating": "always"}
+    a = EngineConfig.from_options("m", speculative_config=spec, kernels={"attention": "torch", "elementwise": "c"})
+    b = EngineConfig("m", speculative_config=SpecConfig(**spec), kernels=Kernels({"elementwise": "c",
+                                                                                  "attention": "torch"}))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.kernels == {"elementwise": "c", "attention": "torch"} and a.kernels["attention"] == "torch"
+    assert EngineConfig(speculative_config="auto") == EngineConfig() and EngineConfig(speculative_config="off") == \
+        EngineConfig(speculative_config=None)
+    assert EngineConfig().to_dict()["speculative_config"] == "auto" and EngineConfig(kernels={}).kernels is None
+    assert EngineConfig.from_options(**a.to_dict()) == a
+    assert a.to_dict()["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 6,
+                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 5, "gating": "always"}
+    with pytest.raises(ConfigError, match="kernels must be a mapping"):
+        EngineConfig(kernels="c")
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be in 1..16"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 40})
 
 
 def test_kv_budget_beyond_machine_memory_is_a_clear_error(tmp_path):
@@ -69,8 +91,6 @@ def test_kv_budget_beyond_machine_memory_is_a_clear_error(tmp_path):
 
 def test_config_is_resolved_once_and_shared(tmp_path):
     """LLM resolves every auto/None once; the scheduler, the info and the manifest see that one config."""
-    import dataclasses
-
     from engine import LLM
     from engine.dtype_policy import choose_dtype
     from engine.interface import Engine, EngineInfo
@@ -83,8 +103,9 @@ def test_config_is_resolved_once_and_shared(tmp_path):
     assert llm.scheduler.config is cfg
     info = llm.info
     assert isinstance(info, EngineInfo) and isinstance(llm, Engine)
-    assert info.config == dataclasses.asdict(cfg) and "auto" not in (info.dtype, info.device)
-    assert (info.block_size, info.max_model_len, info.max_num_seqs) == (16, cfg.max_model_len, cfg.max_num_seqs)
+    assert info.config is cfg and "auto" not in (cfg.dtype, cfg.device, cfg.quantization, cfg.kv_cache_dtype)
+    flat = info.to_dict()                              # the manifest's model section: the config's values, flat too
+    assert flat["config"] == cfg.to_dict() and (flat["dtype"], flat["block_size"]) == (cfg.dtype, 16)
     m = llm.model_config
     per_block = 2 * m.num_hidden_layers * 16 * m.num_key_value_heads * m.head_dim       # K and V, every layer
     assert info.num_kv_blocks == (1 << 20) // (per_block * (4 if cfg.dtype == "float32" else 2))

@@ -12,6 +12,7 @@ import pytest
 
 import pipeline.run.engine_format as engine_format
 from engine import ConfigError, EngineConfig
+from engine.config import Kernels
 from engine.interface import EngineInfo
 from pipeline.job.state import job_dir_for
 from tests.conftest import FakeLLM, make_docs
@@ -36,9 +37,20 @@ class FormatLLM(FakeLLM):
     @property
     def info(self):
         base = super().info
-        return dataclasses.replace(base, dtype=self.fmt["dtype"], quantization=self.fmt["quantization"],
-                                   config={"kv_cache_dtype": self.fmt["kv_cache_dtype"],
-                                           "kernels": self.fmt["kernels"]}, tuning={"mode": "tuned"})
+        return dataclasses.replace(base, config=dataclasses.replace(base.config, **self.fmt),
+                                   format=_format(self.fmt))
+
+
+def _format(fmt: dict, mode: str = "tuned"):
+    """A FormatDecision of the format ``fmt``: the tuner's (``tuned``, as cached), the tables' (``table``), or the
+    tables' while this machine has no decision cached (``pending``)."""
+    from engine.dtype_policy import DtypeChoice
+    from engine.quant.policy import QuantChoice
+    from engine.tuning.decision import Decision
+    from engine.tuning.format_decision import FormatDecision
+    tuned = Decision(key={}, choice=fmt, reason="fastest", source="cached") if mode == "tuned" else None
+    return FormatDecision(QuantChoice(fmt["quantization"], "q"), DtypeChoice(fmt["dtype"], "d"), fmt["kv_cache_dtype"],
+                          Kernels(fmt["kernels"]), tuned, "BATCHGEN_TUNE=off" if mode == "table" else "")
 
 
 @pytest.fixture
@@ -74,7 +86,7 @@ def test_a_later_run_computes_in_the_recorded_format(tmp_path, machine, capsys):
     pinned = machine.configs[-1]
     assert (pinned.quantization, pinned.dtype, pinned.kv_cache_dtype, pinned.kernels) == (
         "int8", "float32", "bfloat16", INT8["kernels"])
-    tuning = reports[0].engine_info.tuning
+    tuning = reports[0].engine_info.format.record()
     assert tuning["mode"] == "pinned" and tuning["choice"] == INT8 and engine_format.FILE in tuning["reason"]
     manifest = json.loads((tmp_path / "out/nightly.parquet.manifest.json").read_text())
     assert manifest["model"]["tuning"]["mode"] == "pinned"
@@ -118,23 +130,19 @@ def test_replicas_get_the_drivers_format_measured_once_when_none_is_cached(monke
     import engine
     measured = []
 
-    class Setup:
-        def info(self):
-            return EngineInfo("m", "id", "A", "bfloat16", "cpu", 64, 16, 8, quantization="none",
-                              config={"kv_cache_dtype": "bfloat16", "kernels": BF16["kernels"]},
-                              tuning={"mode": "tuned"})
+    def tune_format(cfg, retune=False):
+        measured.append(cfg)
+        return _format(BF16)
 
-    monkeypatch.setattr(engine, "setup_engine", lambda cfg, tune=False: measured.append(tune) or Setup(),
-                        raising=False)
-    planning = EngineInfo("m", "id", "A", "float32", "cpu", 64, 16, 8, quantization="int8",
-                          config={"kv_cache_dtype": "bfloat16", "kernels": INT8["kernels"]})
-    cached = dataclasses.replace(planning, tuning={"mode": "tuned", "source": "cached"})
-    cfg, choice = engine_format.for_replicas(EngineConfig("m"), cached)
+    monkeypatch.setattr(engine, "tune_format", tune_format, raising=False)
+
+    def planning(mode):              # the driver's planning engine: int8, decided as ``mode`` says
+        config = EngineConfig("m", device="cpu", max_model_len=64, max_num_seqs=8, **INT8)
+        return EngineInfo("m", "id", "A", config, format=_format(INT8, mode))
+
+    cfg, choice = engine_format.for_replicas(EngineConfig("m"), planning("tuned"))
     assert not measured and choice == INT8 and cfg.quantization == "int8" and cfg.kernels == INT8["kernels"]
-    table = dataclasses.replace(planning, tuning={"mode": "table", "reason": "BATCHGEN_TUNE=off"})
-    cfg, choice = engine_format.for_replicas(EngineConfig("m"), table)      # the tables decide: nothing to measure
-    assert not measured and choice == INT8
-    none_cached = dataclasses.replace(planning, tuning={"mode": "table", "reason": "no decision cached",
-                                                        "pending": True})
-    cfg, choice = engine_format.for_replicas(EngineConfig("m"), none_cached)
-    assert measured == [True] and choice == BF16 and cfg.dtype == "bfloat16"
+    cfg, choice = engine_format.for_replicas(EngineConfig("m"), planning("table"))
+    assert not measured and choice == INT8                       # the tables decide: nothing to measure
+    cfg, choice = engine_format.for_replicas(EngineConfig("m"), planning("pending"))
+    assert measured == [EngineConfig("m")] and choice == BF16 and cfg.dtype == "bfloat16"

@@ -416,7 +416,7 @@ def test_tiny_model_close_to_float32(tiny_dir, monkeypatch, tmp_path):
     seqs = [torch.randint(3, VOCAB, (520,), generator=g).tolist() for _ in range(4)]
     fp32 = LLM(str(tiny_dir), dtype="float32", kv_cache_memory=8 << 20)
     q8 = LLM(str(tiny_dir), quantization="int8", kv_cache_memory=8 << 20)
-    assert q8.info.quantization == "int8" and q8.info.dtype == "float32"      # auto dtype under int8
+    assert q8.info.config.quantization == "int8" and q8.info.config.dtype == "float32"     # auto dtype under int8
     assert q8.info.weight_bytes < 0.5 * fp32.info.weight_bytes
     ref = torch.cat([run_chunks(fp32.model, s, [300, 220], block_size=16) for s in seqs])
     out = torch.cat([run_chunks(q8.model, s, [300, 220], block_size=16) for s in seqs])

@@ -114,11 +114,13 @@ def test_two_jobs_same_output_and_name(good):
 
 
 def test_engine_switch_or_mapping_settings(good):
-    """speculative_config takes off / auto (YAML's bare off is false) or a mapping; a bad one names the key."""
+    """speculative_config takes off / auto (YAML's bare off is false) or a mapping, kept as a SpecConfig (or None);
+    a bad one names the key."""
+    from engine.config import SpecConfig
     from pipeline.job.job_file import JobError
     tmp_path, text = good
-    for value, want in (("off", "off"), ("auto", "auto"), ("{num_speculative_tokens: 6, gating: always}",
-                                                         {"num_speculative_tokens": 6, "gating": "always"})):
+    for value, want in (("off", None), ("auto", SpecConfig()), ("{num_speculative_tokens: 6, gating: always}",
+                                                              SpecConfig(num_speculative_tokens=6, gating="always"))):
         job = load_job(write(tmp_path, text + f"engine:\n  speculative_config: {value}\n"))
         assert job.engine.speculative_config == want and job.engine_options == ("speculative_config",)
     with pytest.raises(JobError, match=r"engine.speculative_config: .*num_speculative_tokens must be in 1..16"):

@@ -55,7 +55,7 @@ def test_engine_generates_with_a_bf16_cache(tiny_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     llm = LLM(str(tiny_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory=8 << 20)
     assert all(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 for k, v in llm.runner.kv_caches)
-    assert llm.info.config["kv_cache_dtype"] == "bfloat16"
+    assert llm.info.config.kv_cache_dtype == "bfloat16"
     prompts = [[5, 6, 7, 8] * 10 + [i + 9] for i in range(3)]               # a shared prefix: cache hits
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [6, 6, 6] and all(o.error is None for o in outs)

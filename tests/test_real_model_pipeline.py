@@ -117,7 +117,7 @@ output: {{path: {tmp_path}/out/count.parquet}}
 """)
     opts = RunOptions(quiet=True, record_history=False)
     dry = run_jobs([load_job(job)], options=opts, dry_run=True)[0]
-    fake = lambda config: FakeLLM(tok, max_model_len=dry.engine_info.max_model_len)     # noqa: E731
+    fake = lambda config: FakeLLM(tok, max_model_len=dry.engine_info.config.max_model_len)     # noqa: E731
     real = run_jobs([load_job(job)], llm_factory=fake, options=opts)[0]
     assert real.plan.num_requests == dry.plan.num_requests == 240
     assert (real.plan.prompt_tokens, real.plan.cached_tokens) == (dry.plan.prompt_tokens, dry.plan.cached_tokens)

@@ -108,10 +108,12 @@ def tuning(tmp_path, monkeypatch):
     return state
 
 
-def _setup(model_dir, tune=True, **kw):
-    from engine import setup_engine
-    return setup_engine(EngineConfig(model_dir, kv_cache_memory=16 << 20, max_num_seqs=8,
-                                     max_num_batched_tokens=256, **kw), tune=tune)
+def _setup(model_dir, tune=True, retune=False, **kw):
+    """What an engine's load settles (``tune``: its tuning phase measures when due), or planning (not ``tune``)."""
+    from engine.setup import locate, settle
+    target = locate(EngineConfig(model_dir, kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256,
+                                 **kw))
+    return settle(target, target.decide_format(measure=tune, retune=retune))
 
 
 def test_the_decision_follows_the_timings_and_is_cached_and_recorded(tiny_llama_dir, tuning):
@@ -119,15 +121,29 @@ def test_the_decision_follows_the_timings_and_is_cached_and_recorded(tiny_llama_
     s = _setup(tiny_llama_dir)
     assert (s.config.dtype, s.config.kv_cache_dtype, s.config.quantization) == ("float32", "float32", "none")
     assert len(tuning.calls) == 1 and {F32, BF16, F32_KV16} <= tuning.calls[0]
-    rec = s.info().tuning
+    rec = s.format.record()
     assert rec["mode"] == "tuned" and rec["source"] == "measured" and rec["choice"]["dtype"] == "float32"
     assert {c["name"]: c["score_ms"] for c in rec["candidates"]}[BF16] == pytest.approx(3000.0)
     assert F32 in rec["reason"] and s.dtype_choice.reason.startswith("tuned")
     again = _setup(tiny_llama_dir)                      # cached: not measured again
-    assert len(tuning.calls) == 1 and again.info().tuning["source"] == "cached"
+    assert len(tuning.calls) == 1 and again.format.record()["source"] == "cached"
     assert again.config.dtype == "float32"
     planning = _setup(tiny_llama_dir, tune=False)       # planning reads the cached decision too
     assert planning.config.dtype == "float32" and len(tuning.calls) == 1
+
+
+def test_setup_never_measures_an_engines_load_does(tiny_llama_dir, tuning):
+    """setup_engine settles only what needs no weights: with no decision cached the tables decide (pending); LLM's
+    tuning phase measures one, which a later setup reads and resolves to the engine's config."""
+    from engine import LLM, setup_engine
+    tuning.times = {F32: 1.0, BF16: 3.0, F32_KV16: 2.0}
+    cfg = EngineConfig(tiny_llama_dir, kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256,
+                       speculative_config="off")
+    assert setup_engine(cfg).format.pending and not tuning.calls
+    llm = LLM(config=cfg)
+    assert len(tuning.calls) == 1 and llm.info.format.tuned.source == "measured"
+    after = setup_engine(cfg)
+    assert after.format.tuned.source == "cached" and after.config == llm.config and len(tuning.calls) == 1
 
 
 def test_kernel_families_follow_their_timings(tiny_llama_dir, tuning):
@@ -152,7 +168,7 @@ def test_the_attention_family_follows_its_timings_and_explicit_kernels_win(tiny_
     s = _setup(tiny_llama_dir)
     assert s.config.kv_cache_dtype == "bfloat16" and s.kernels["attention"] == "torch"
     assert s.backend.prefill == "torch"
-    assert s.info().tuning["kernels"]["attention"]["chosen"] == "torch"
+    assert s.format.record()["kernels"]["attention"]["chosen"] == "torch"
     tuning.times.update({"attention:c@float32": 0.1, "attention:torch@float32": 0.2})
     s = setup_retuned(tiny_llama_dir)
     assert s.kernels["attention"] == "c" and s.backend.prefill == "c"
@@ -169,9 +185,7 @@ def test_a_bad_kernels_setting_names_the_family():
 
 
 def setup_retuned(model_dir):
-    from engine import setup_engine
-    return setup_engine(EngineConfig(model_dir, kv_cache_memory=16 << 20, max_num_seqs=8,
-                                     max_num_batched_tokens=256), retune=True)
+    return _setup(model_dir, retune=True)
 
 
 def test_a_changed_cpu_signature_measures_again(tiny_llama_dir, tuning, monkeypatch):
@@ -200,7 +214,7 @@ def test_a_corrupt_or_mismatched_decision_is_rebuilt(tiny_llama_dir, tuning, dam
         d["key"]["cpu"] = "another CPU"
         damage = json.dumps(d)
     path.write_text(damage)
-    planning = _setup(tiny_llama_dir, tune=False).info().tuning       # planning: the tables decide, measuring
+    planning = _setup(tiny_llama_dir, tune=False).format.record()       # planning: the tables decide, measuring
     assert planning["mode"] == "table" and planning["pending"]       # left to an engine's load
     assert not path.exists()                                                      # ... and the bad file is gone
     s = _setup(tiny_llama_dir)
@@ -214,14 +228,14 @@ def test_explicit_settings_win(tiny_llama_dir, tuning):
     assert s.config.dtype == "float32" and s.dtype_choice.reason == "float32 requested"
     assert all("/float32/" in c for c in tuning.calls[0] if "/" in c)     # only float32 formats were measured
     s = _setup(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", quantization="none")
-    assert len(tuning.calls) == 1 and s.info().tuning["mode"] == "table"   # all explicit: nothing measured
+    assert len(tuning.calls) == 1 and s.format.record()["mode"] == "table"   # all explicit: nothing measured
     assert s.config.kv_cache_dtype == "float32"
 
 
 def test_off_means_the_tables(tiny_llama_dir, tuning, monkeypatch):
     monkeypatch.setenv("BATCHGEN_TUNE", "off")
     s = _setup(tiny_llama_dir)
-    assert not tuning.calls and s.info().tuning == {"mode": "table", "reason": "BATCHGEN_TUNE=off: the tables decide"}
+    assert not tuning.calls and s.format.record() == {"mode": "table", "reason": "BATCHGEN_TUNE=off: the tables decide"}
     assert s.kernels is None
 
 
@@ -232,11 +246,11 @@ def test_tokens_are_unchanged_by_the_tuner(tiny_llama_dir, tuning, monkeypatch):
     prompts = ["the customer asked about a refund", "billing account password reset", "screen damage"] * 2
     params = SamplingParams(max_tokens=12, temperature=0.0)
     tuned = LLM(tiny_llama_dir, **opts)
-    assert tuned.info.tuning["source"] == "measured" and tuned.config.dtype == "float32"
+    assert tuned.info.format.record()["source"] == "measured" and tuned.config.dtype == "float32"
     assert tuned.model.model.layers[0].ops.kernels == {"elementwise": "c", "lm_head": "c", "attention": "c"}
     monkeypatch.setenv("BATCHGEN_TUNE", "off")
     named = LLM(tiny_llama_dir, dtype="float32", quantization="none", kv_cache_dtype="float32", **opts)
-    assert named.info.tuning["mode"] == "table"
+    assert named.info.format.record()["mode"] == "table"
     assert ([o.token_ids for o in tuned.generate(prompts, params)] ==
             [o.token_ids for o in named.generate(prompts, params)])
 
@@ -290,13 +304,13 @@ def test_a_decision_measured_on_a_busy_machine_is_measured_again_when_quieter(ti
     monkeypatch.setattr(decision, "load_average", lambda: load["now"])
     monkeypatch.setattr(decision.os, "cpu_count", lambda: 2)
     first = _setup(tiny_llama_dir)
-    assert first.info().tuning["load_average"] == 9.0 and len(tuning.calls) == 1
+    assert first.format.record()["load_average"] == 9.0 and len(tuning.calls) == 1
     load["now"] = 6.0                                   # still busy: the cached decision stands
-    assert _setup(tiny_llama_dir).info().tuning["source"] == "cached" and len(tuning.calls) == 1
-    assert _setup(tiny_llama_dir, tune=False).info().tuning["source"] == "cached"     # planning never measures
+    assert _setup(tiny_llama_dir).format.record()["source"] == "cached" and len(tuning.calls) == 1
+    assert _setup(tiny_llama_dir, tune=False).format.record()["source"] == "cached"     # planning never measures
     load["now"] = 0.5                                   # quiet: measured again, and that decision is kept
-    assert _setup(tiny_llama_dir).info().tuning["source"] == "measured" and len(tuning.calls) == 2
-    assert _setup(tiny_llama_dir).info().tuning["source"] == "cached" and len(tuning.calls) == 2
+    assert _setup(tiny_llama_dir).format.record()["source"] == "measured" and len(tuning.calls) == 2
+    assert _setup(tiny_llama_dir).format.record()["source"] == "cached" and len(tuning.calls) == 2
 
 
 def test_a_far_slower_format_is_dropped_within_the_first_round():

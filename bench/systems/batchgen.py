@@ -77,7 +77,7 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
     if bd is not None:
         res.extra["breakdown"] = bd.to_dict()
     res.extra["preemptions"] = sum(o.metrics.num_preemptions for o in outs)
-    res.extra["quantization"] = llm.info.quantization          # what auto resolved to (batchgen-default)
+    res.extra["quantization"] = llm.info.config.quantization   # what auto resolved to (batchgen-default)
     fmt = RunFormat.of(llm.info)
     res.extra["format"] = fmt.label
     res.extra["warmup_s"] = round(warmup_s, 3)

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup), wired in by the scheduler (drafts under the token budget,
 verified KV only), the model runner (logits at every draft position) and the LLM (stops token by token):
 
-    speculator.py SpecConfig (EngineConfig.speculative_config) and which requests draft this step
+    speculator.py which requests draft this step, and how many (its SpecConfig is in engine.config)
     ngram.py      proposer: the tokens that followed the most recent earlier occurrence of the context's last
                   n tokens (longest n in [prompt_lookup_min, prompt_lookup_max]), in C (csrc/ngram.c)
     rejection.py  verification: greedy (accept while draft == argmax) and rejection sampling for temperature > 0

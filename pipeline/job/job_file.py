@@ -67,7 +67,7 @@ _OUTPUT = {
 def _dataclass_schema(cls, skip=()) -> dict:
     kinds = {"int": int, "float": float, "bool": bool, "str": str, "int | None": int, "float | None": float,
              "str | None": str, "tuple[str, ...]": list, "tuple[int, ...]": "int_list", "int | str | None": str,
-             "dict | str | None": "switch_or_mapping", "dict | None": "mapping"}
+             "SpecConfig | None": "switch_or_mapping", "Kernels | None": "mapping"}
     return {f.name: (kinds.get(str(f.type), str), False) for f in dataclasses.fields(cls) if f.name not in skip}
 
 

@@ -59,8 +59,8 @@ def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: b
         req_len.append(np.asarray(ln, dtype=np.int64))
     job_a, local_a = np.concatenate(req_job), np.concatenate(req_local)
     groups, lens = np.concatenate(req_group), np.concatenate(req_len)
-    plan = (make_plan(heads, groups, lens, info.block_size) if order == "planned"
-            else unplanned(groups, lens, info.block_size, order))
+    plan = (make_plan(heads, groups, lens, info.config.block_size) if order == "planned"
+            else unplanned(groups, lens, info.config.block_size, order))
     return Batch(plan, heads, SpilledRequests(runs, job_a, local_a), job_a, [jr.prompts for jr in runs])
 
 

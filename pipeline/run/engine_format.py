@@ -81,18 +81,18 @@ def for_replicas(config: EngineConfig, info: EngineInfo) -> tuple[EngineConfig, 
     """The config every Ray replica loads, with the format fixed: the driver's (``info``: its planning engine, which
     read this machine's cached decision), or, with none cached here, one measured now in this process — otherwise
     each replica would measure its own and rows would differ by replica. Returns (config, the format)."""
-    if info.tuning.get("pending"):            # tunable here, but no decision cached yet
-        from engine import setup_engine  # NOTE: lazy: resolving imports torch (the planning engine already did)
+    choice = info.format_choice
+    if info.format is not None and info.format.pending:      # tunable here, but no decision cached yet
+        from engine import tune_format  # NOTE: lazy: measuring imports torch (the planning engine already did)
         log.info("no tuning decision cached for %s here: measuring once in the driver, for every replica",
                  config.model)
-        info = setup_engine(config, tune=True).info()
-    return config.pinned(info.format_choice), info.format_choice
+        choice = tune_format(config).choice
+    return config.pinned(choice), choice
 
 
 def noted(info: EngineInfo, pinned_by: Recorded | None) -> EngineInfo:
-    """``info`` with its tuning record saying the format was pinned by an earlier run's record (the manifest)."""
-    if pinned_by is None:
+    """``info`` with its format saying it was pinned by an earlier run's record (the manifest)."""
+    if pinned_by is None or info.format is None:
         return info
-    return dataclasses.replace(info, tuning={"mode": "pinned", "choice": pinned_by.choice,
-                                             "reason": f"the format the jobs' earlier rows were computed in "
-                                                       f"({pinned_by.path})", "engine": info.tuning})
+    reason = f"the format the jobs' earlier rows were computed in ({pinned_by.path})"
+    return dataclasses.replace(info, format=info.format.pinned(pinned_by.choice, reason))

@@ -105,19 +105,22 @@ def planning_llm_factory(config: EngineConfig) -> Engine:
     return PlanningEngine(setup=engine_setup(config))
 
 
-def engine_config_for(model: str, jobs: list[Job]) -> EngineConfig:
-    """The one engine config of the jobs on ``model``: what each job's engine: section wrote (they must agree
-    where two write the same key), the engine's defaults elsewhere."""
-    merged: dict = {}
-    for job in jobs:
+def engine_config_for(jobs: list[Job]) -> EngineConfig:
+    """The one engine config of jobs on one model: the first job's, with what the others' engine: sections wrote
+    where it kept the engine's default (two jobs writing the same key must agree)."""
+    config, written = jobs[0].engine, set(jobs[0].engine_options)
+    for job in jobs[1:]:
         for k in job.engine_options:
             v = getattr(job.engine, k)
-            if k in merged and merged[k] != v:
+            if k in written and getattr(config, k) != v:
                 raise RunError(f"{job.file}: engine.{k} is {v!r} but another job with model {job.model!r} "
-                               f"sets {merged[k]!r}; jobs on one model share one engine, so their engine "
+                               f"sets {getattr(config, k)!r}; jobs on one model share one engine, so their engine "
                                "settings must agree")
-            merged[k] = v
-    return EngineConfig.from_options(model, **merged)
+        fresh = {k: getattr(job.engine, k) for k in job.engine_options if k not in written}
+        if fresh:
+            config = dataclasses.replace(config, **fresh)
+            written |= set(fresh)
+    return config
 
 
 class Runner:
@@ -159,7 +162,7 @@ class Runner:
                     locked.append(st)
                 old_handlers = self._install_signal_handlers()
                 machine = self._admit(jobs, rec)
-            config = engine_config_for(model, jobs)
+            config = engine_config_for(jobs)
             llm, config, pinned_by = self._start_pinned(config, jobs, dry_run,
                                                         engine_format.recorded(states, config.model))
             t_loaded = time.monotonic()
@@ -167,44 +170,20 @@ class Runner:
             _check_kv_pool(info, jobs)
             tok = llm.get_tokenizer()
             runs = [new_job_run(job, st, tok, info) for job, st in zip(jobs, states)]
-            batch = prepare_jobs(runs, info, self.opts.order, dry_run=dry_run, commit_rows=self.opts.commit_rows,
-                                 fail_fast=self.opts.fail_fast)
-            plan, pjob = batch.plan, batch.job[batch.plan.order]
-            for j, jr in enumerate(runs):
-                mask = pjob == j
-                jr.predicted_cached = int(plan.cached[mask].sum())
-                jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
-            report = RunReport(runs, plan, 0.0, info, prediction=self._predict(llm, runs, plan, pjob))
-            predicted = report.prediction.to_dict() if report.prediction else None
+            batch, report = self._plan(llm, runs, dry_run)
             if dry_run:
                 report.wall_s = time.monotonic() - t0
                 return report
             if self._stop_reason is not None:
                 raise Interrupted(f"stopped ({self._stop_reason}) before any document was computed. Run the "
                                   "same command again to start.")
-            work = plan.num_requests or any(jr.long_docs for jr in runs)   # long rows: maybe only reduces left
-            choice = info.format_choice
-            exe: Execution = LocalExecution(llm, max(1, self.opts.window_factor * info.max_num_seqs),
-                                            self.opts.max_open_groups)
-            if self.opts.ray is not None and work:      # every replica computes in one format: the driver's
-                config, choice = engine_format.for_replicas(config, info)
-                exe = RayExecution(self.opts.ray, config, info, self.echo)
+            work = batch.plan.num_requests or any(jr.long_docs for jr in runs)   # long rows: maybe only reduces left
+            exe = self._execution(llm, config, states, work)
+            predicted = report.prediction.to_dict() if report.prediction else None
             if work:
-                engine_format.store(states, choice, config.model)
                 rec.start_trace(llm, states[0], t_loaded, predicted)
             report.trace_dir = rec.trace_dir
-            distributed = None
-            try:
-                exe.start()
-                if plan.num_requests:
-                    self._execute(exe, batch, runs, llm)
-                for level in reduce_batches(runs, batch.heads, info.block_size):
-                    self._execute(exe, level, runs, llm)
-            finally:
-                exe.close()
-                distributed = exe.summary()
-                if distributed is not None and rec.trace is not None:
-                    rec.trace.distributed = distributed
+            distributed = self._compute(exe, batch, runs, llm)
             info = report.engine_info = engine_format.noted(exe.engine_info(), pinned_by)
             engine_s = report.engine_s = rec.engine_s = time.monotonic() - t_loaded
             for jr in runs:
@@ -233,6 +212,46 @@ class Runner:
             for st in locked:
                 st.unlock()
 
+    def _plan(self, llm: Engine, runs: list[JobRun], dry_run: bool) -> tuple[Batch, RunReport]:
+        """Steps 1 and 2: prepare every job's rows and plan them as one batch, priced (``costmodel.predict``)."""
+        batch = prepare_jobs(runs, llm.info, self.opts.order, dry_run=dry_run, commit_rows=self.opts.commit_rows,
+                             fail_fast=self.opts.fail_fast)
+        plan, pjob = batch.plan, batch.job[batch.plan.order]
+        for j, jr in enumerate(runs):
+            mask = pjob == j
+            jr.predicted_cached = int(plan.cached[mask].sum())
+            jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
+        return batch, RunReport(runs, plan, 0.0, llm.info, prediction=self._predict(llm, runs, plan, pjob))
+
+    def _execution(self, llm: Engine, config: EngineConfig, states: list[RunState], work: bool) -> Execution:
+        """Where the plan computes: in this process, or on Ray replicas all loading the driver's format; the format
+        is recorded for the jobs' later runs (``engine_format``)."""
+        info, choice = llm.info, llm.info.format_choice
+        exe: Execution = LocalExecution(llm, max(1, self.opts.window_factor * info.config.max_num_seqs),
+                                        self.opts.max_open_groups)
+        if self.opts.ray is not None and work:      # every replica computes in one format: the driver's
+            config, choice = engine_format.for_replicas(config, info)
+            exe = RayExecution(self.opts.ray, config, info, self.echo)
+        if work:
+            engine_format.store(states, choice, config.model)
+        return exe
+
+    def _compute(self, exe: Execution, batch: Batch, runs: list[JobRun], llm: Engine) -> dict | None:
+        """Step 3: the planned batch, then the long rows' reduce levels; returns the distributed run's summary."""
+        distributed = None
+        try:
+            exe.start()
+            if batch.plan.num_requests:
+                self._execute(exe, batch, runs, llm)
+            for level in reduce_batches(runs, batch.heads, llm.info.config.block_size):
+                self._execute(exe, level, runs, llm)
+        finally:
+            exe.close()
+            distributed = exe.summary()
+            if distributed is not None and self._rec.trace is not None:
+                self._rec.trace.distributed = distributed
+        return distributed
+
     def _start_pinned(self, config: EngineConfig, jobs: list[Job], dry_run: bool, earlier: Recorded | None
                       ) -> tuple[Engine, EngineConfig, Recorded | None]:
         """(engine, its config, the record it was pinned by): ``earlier`` is the format these jobs' rows were computed
@@ -258,8 +277,7 @@ class Runner:
                 raise TypeError(f"llm_factory returned {type(llm).__name__}, which lacks the engine.Engine door")
             return llm
         except BatchgenError as e:       # the engine's message, with the job files it comes from
-            written = {k: v for k, v in dataclasses.asdict(config).items()
-                       if any(k in job.engine_options for job in jobs)}
+            written = {k: v for k, v in config.to_dict().items() if any(k in job.engine_options for job in jobs)}
             raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: cannot start model {config.model!r}"
                            f"{' with engine ' + json.dumps(written) if written else ''}: {e}") from None
 
@@ -412,7 +430,7 @@ class _Progress:
 
 def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
     """Impossible engine settings fail before compute (validation says the same, file by file)."""
-    problem = kv_pool_problem(info.num_kv_blocks, info.block_size, info.max_num_seqs)
+    problem = kv_pool_problem(info.num_kv_blocks, info.config.block_size, info.config.max_num_seqs)
     if problem:
         raise RunError(f"{', '.join(sorted({j.file for j in jobs}))}: engine: {problem}")
 

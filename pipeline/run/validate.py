@@ -6,10 +6,8 @@ the key and its YAML line (see ``Job.problem``).
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
-import json
 import os
 from pathlib import Path
 
@@ -142,15 +140,11 @@ def kv_pool_problem(num_blocks: int | None, block_size: int, max_num_seqs: int) 
             "engine.kv_cache_memory (or num_gpu_blocks_override) or lower engine.max_num_seqs")
 
 
+@functools.lru_cache(maxsize=16)
 def engine_setup(config: EngineConfig):
     """Jobs on one model with the same engine settings resolve once per process (validation and the plan)."""
-    return _engine_setup(json.dumps(dataclasses.asdict(config), sort_keys=True))
-
-
-@functools.lru_cache(maxsize=16)
-def _engine_setup(config_json: str):       # keyed by the config's JSON: a speculative_config mapping is unhashable
     from engine import setup_engine  # NOTE: here, not at the top: resolving imports torch
-    return setup_engine(EngineConfig(**json.loads(config_json)))
+    return setup_engine(config)
 
 
 def validate_files(paths: list[str]) -> tuple[list[Job], list[Problem]]:

@@ -153,7 +153,7 @@ class RayExecution:
         self.threads = o.threads or max(1, int(self.num_cpus))
         # enough for every replica to die twice, plus isolating one killer request (halving, then its tries)
         self.max_restarts = o.max_restarts if o.max_restarts is not None else \
-            2 * self.replicas + self.info.max_num_seqs.bit_length() + o.max_tries
+            2 * self.replicas + self.info.config.max_num_seqs.bit_length() + o.max_tries
 
     def close(self) -> None:
         """Stop the actors (and the local Ray instance this started); safe to call twice."""
@@ -193,7 +193,7 @@ class RayExecution:
             i = next((i for i in range(n) if ha[i] != hb[i]), n)
             return i // bs * bs
         self.batch = batch
-        asg = self.assigner = Assigner(make_units(batch.plan, batch.max_tokens(), self.info.max_num_seqs),
+        asg = self.assigner = Assigner(make_units(batch.plan, batch.max_tokens(), self.info.config.max_num_seqs),
                                        self.replicas, self.opts.max_tries, shared=shared)
         self.first_assigner = self.first_assigner or asg
         # NOTE: the replicas outlive one plan (map_reduce runs a plan per reduce level): loaded once, caches kept.
@@ -223,7 +223,7 @@ class RayExecution:
 
     def _poll(self) -> Iterator[tuple[int, RequestOutput]]:
         ray, asg, batch, slots = self.ray, self.assigner, self.batch, self.slots
-        window = max(1, 3 * self.info.max_num_seqs)
+        window = max(1, 3 * self.info.config.max_num_seqs)
         for s in slots:
             if s.ready and s.busy is None and s.index not in asg.retired:
                 units = asg.take(s.index, window - asg.rows_in_flight(s.index))
@@ -277,9 +277,9 @@ class RayExecution:
         st = s.stats
         st.host, st.node, st.pid = res["host"], res["node"], res["pid"]
         st.load_s, st.threads = res["load_s"], res["threads"]
-        st.dtype, st.cpu_kernels = info.dtype, info.cpu_kernels
+        st.dtype, st.cpu_kernels = info.config.dtype, info.cpu_kernels
         self.echo(f"replica {s.index}{f'.{s.incarnation}' if s.incarnation else ''}: {st.host} pid {st.pid}, "
-                  f"{st.threads} thread(s), {info.dtype}, loaded in {st.load_s:.1f}s")
+                  f"{st.threads} thread(s), {info.config.dtype}, loaded in {st.load_s:.1f}s")
 
     def _lost(self, i: int, err: Exception) -> Iterator[tuple[int, RequestOutput]]:
         """Replica slot ``i`` died: requeue its unfinished units (or give them up: their error outputs are yielded)
