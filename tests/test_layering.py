@@ -26,8 +26,6 @@ LONG_FUNCTION_EXCEPTIONS = frozenset({
     "engine/model_runner.py:execute",
     "engine/sampler.py:build",
     "engine/scheduler.py:schedule",
-    "costmodel/predict.py:predict",
-    "pipeline/run/runner.py:_run_model",
 })
 
 
