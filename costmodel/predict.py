@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from costmodel import flops as F
-from costmodel.roofline import DTYPE_BYTES, matmul_rate
+from costmodel.roofline import DTYPE_BYTES, INT8_WEIGHT_BYTES, KV_BYTES, matmul_rate
 
 # Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (part of every step;
 # measured: docs/perf/code-notes-perf.md).
@@ -46,8 +46,6 @@ class Prediction:
                 "measured_steps": self.measured_steps}
 
 
-# engine.quant.int8's packed format: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
-INT8_WEIGHT_BYTES = 1.25
 
 
 def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_batched_tokens: int,
@@ -255,16 +253,20 @@ def plan_pricer(info, model_config) -> Callable | None:
     cfg = info.config
     int8 = cfg.quantization == "int8" and str(cfg.device).startswith("cpu")
     cal = get_calibration(cfg.device, "int8" if int8 else cfg.dtype, quick=True)
+    # the engine's own int8 kernel runs the linears, whatever other int8 kernel set the machine's peak
+    ours = (cal.kernel_flops or {}).get("q8_linear") if int8 else None
+    mm_flops, small_flops = (ours["matmul_flops"], ours["small_m_flops"]) if ours else (cal.matmul_flops,
+                                                                                         cal.small_m_flops)
     dtype_bytes = DTYPE_BYTES.get(cfg.dtype, 2)
-    kv_bytes = DTYPE_BYTES.get(cfg.kv_cache_dtype, dtype_bytes)
+    kv_bytes = KV_BYTES.get(cfg.kv_cache_dtype, dtype_bytes)
     measured = measured_steps(info)
 
     def price(plan, max_tokens) -> Prediction | None:
         if not plan.num_requests:
             return None
         return predict(plan.prompt_len, plan.cached, max_tokens, model_config, dtype_bytes,
-                       cfg.max_num_batched_tokens, cfg.max_num_seqs, cal.matmul_flops, cal.memory_bandwidth,
-                       cal.small_m_flops, kv_dtype_bytes=kv_bytes,
+                       cfg.max_num_batched_tokens, cfg.max_num_seqs, mm_flops, cal.memory_bandwidth,
+                       small_flops, kv_dtype_bytes=kv_bytes,
                        weight_dtype_bytes=INT8_WEIGHT_BYTES if int8 else None, measured=measured)
     return price
 
