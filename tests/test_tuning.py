@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import engine.tuning.candidates as candidates
 import engine.tuning.decision as decision
 import engine.tuning.probe as probe
 from engine import EngineConfig, SamplingParams
@@ -92,6 +93,9 @@ def tuning(tmp_path, monkeypatch):
     that runs every task once (so the real tasks are built and run) and records the formats it was given."""
     monkeypatch.setenv("BATCHGEN_TUNE", "on")
     monkeypatch.setattr(decision, "cache_root", lambda: tmp_path)
+    # NOTE: bf16 is a candidate only where the CPU has bf16 matmul units; these tests choose between float32 and
+    # bf16 by injected timings, so they say it has them on every CPU (bf16 runs everywhere, only slower without)
+    monkeypatch.setattr(candidates, "cpu_has_bf16_matmul", lambda features=None: True)
     calls: list[set[str]] = []
 
     def fake_measure(tasks, *args, **kwargs):          # the formats' phase is a call, the families' not counted
