@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from engine.sampler import exponential_race
+
 
 def verify_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
     """target[i]: the argmax at position i, for i in 0..len(draft). Returns the tokens to emit (1..k+1)."""
@@ -44,9 +46,8 @@ def rejection_sample(draft: Sequence[int], probs: torch.Tensor,
     probs = probs.float()
     out = []
     for i in range(k + 1):
-        q = torch.empty_like(probs[i]).exponential_(generator=generators[i])
-        # NOTE: exponential_ can return exactly 0; clamp so a zero-probability token never wins (as the sampler)
-        t = int((probs[i] / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax())
+        # NOTE: one position at a time: an unseeded request's stream is drawn only up to the first rejection
+        t = int(exponential_race(probs[i:i + 1], [(0, generators[i])], draw_default=False)[0])
         out.append(t)
         if i < k and t != draft[i]:
             return out

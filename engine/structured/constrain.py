@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.sampler import Sampler, SamplingMetadata, exponential_race, greedy
+from engine.sampler import Sampler, SamplingMetadata, greedy
 from engine.spec_decode.rejection import rejection_sample
 
 _NEG_INF = float("-inf")
@@ -38,7 +38,7 @@ def masked_choice(logits: torch.Tensor, allowed: torch.Tensor, md: SamplingMetad
         masked = torch.where(empty, torch.where(allowed, logits.float(), _NEG_INF), masked)
     if md.all_greedy:
         return greedy(masked)
-    sampled = exponential_race(_allowed_probs(processed, allowed, masked, md), md)
+    sampled = Sampler.draw(_allowed_probs(processed, allowed, masked, md), md)
     return sampled if md.greedy_rows is None else torch.where(md.greedy_rows, greedy(masked), sampled)
 
 
