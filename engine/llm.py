@@ -18,9 +18,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+import engine.attention.key_shift as key_shift
 import engine.kernels.library as library
 import engine.omp_wait as omp_wait
-import engine.quant.key_shift as key_shift
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer

@@ -28,7 +28,7 @@ _PAD_ID = -1  # padding in the ragged token-id tensors; mapped to an extra, disc
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A torch.Generator on ``device`` seeded with ``seed`` (the engine's shared one, or a seeded request's draw at
-    one output position: engine.seeded_draws)."""
+    one output position: engine.sample.seeded_draws)."""
     generator = torch.Generator(device=torch.device(device))
     generator.manual_seed(int(seed))
     return generator

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.sampler import Sampler, SamplingMetadata, greedy
-from engine.spec_decode.rejection import rejection_sample
+from engine.sample.rejection import rejection_sample
+from engine.sample.sampler import Sampler, SamplingMetadata, greedy
 
 _NEG_INF = float("-inf")
 # Up to this many allowed tokens, a greedy row's masked choice reads only their rows of an int8 LM head (about 8 ms
@@ -125,7 +125,7 @@ def verify(req, draft: list[int], logits: torch.Tensor, md: SamplingMetadata,
     masked distributions (every position's mask: speculation with sampling is rare here). ``md``: the k + 1
     rows' metadata, ``row_metadata(j)``: row j's alone. The matcher is left
     where it was; the emitted tokens are consumed afterwards like any sampled token. ``generator``: the draws
-(a seeded request's: one per position, engine.seeded_draws)."""
+(a seeded request's: one per position, engine.sample.seeded_draws)."""
     g = req.grammar
     g.sync(req.output_token_ids)
     out: list[int] = []
