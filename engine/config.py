@@ -1,4 +1,5 @@
-"""EngineConfig: one frozen config for the engine, validated once, passed down."""
+"""EngineConfig: one frozen config for the engine, validated once, passed down (SpecConfig: its speculative_config
+parsed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,45 @@ PINNABLE = ("quantization", "dtype", "kv_cache_dtype")     # the format: what th
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """``EngineConfig.speculative_config`` parsed (vLLM's names; engine.spec_decode runs it)::
+
+        speculative_config: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 5,
+                             gating: auto}     # auto: only when it pays (spec_decode/gating.py); always: every step
+    """
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    gating: str = "auto"                      # auto | always
+
+    @classmethod
+    def parse(cls, value) -> "SpecConfig | None":
+        """None / "off" -> None; "auto" -> the defaults; a dict of vLLM's names."""
+        if value is None or value == "off":
+            return None
+        if value == "auto":
+            return cls()
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be off, auto or a mapping, got {value!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        cfg = cls(**value)
+        if cfg.method != "ngram":
+            raise ConfigError(f"speculative_config.method: only ngram is supported, got {cfg.method!r}")
+        if not 1 <= cfg.num_speculative_tokens <= 16:
+            raise ConfigError("speculative_config.num_speculative_tokens must be in 1..16")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ConfigError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if cfg.gating not in ("auto", "always"):
+            raise ConfigError(f"speculative_config.gating must be auto or always, got {cfg.gating!r}")
+        return cfg
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"                      # auto -> by device and ISA (engine.dtype_policy); or float32,
@@ -34,7 +74,7 @@ class EngineConfig:
     attention_backend: str = "auto"          # auto | torch | flash_attn
     seed: int = 0
     num_threads: int | None = None           # CPU: torch threads; None -> leave torch's default
-    speculative_config: dict | str | None = "auto"  # n-gram speculation (engine.spec_decode.speculator): None /
+    speculative_config: dict | str | None = "auto"  # n-gram speculation (SpecConfig, engine.spec_decode): None /
                                              # "off", "auto", or {method: ngram, num_speculative_tokens, ...}
     quantization: str = "auto"               # auto: int8 for GGUF weights on CPUs where measured faster within
                                              # the quality bar, else none (engine.quant.policy) | none: weights in
@@ -78,7 +118,6 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        from engine.spec_decode.speculator import SpecConfig
         SpecConfig.parse(self.speculative_config)      # raises ConfigError naming what is wrong
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")

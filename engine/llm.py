@@ -265,8 +265,9 @@ def _speculator(cfg, model):
     """engine.spec_decode.speculator.Speculator for ``cfg.speculative_config``, or None. Its step-cost prior:
     a decode step reads every weight once (fixed) and costs ~2 FLOPs per parameter per row (per row), counted
     from the loaded model's tensors; the engine then learns the real costs from its decode steps."""
+    from engine.config import SpecConfig
     from engine.spec_decode.gating import StepCost
-    from engine.spec_decode.speculator import SpecConfig, Speculator
+    from engine.spec_decode.speculator import Speculator
     spec = SpecConfig.parse(cfg.speculative_config)
     if spec is None:
         return None

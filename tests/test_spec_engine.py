@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import SpecConfig
 from engine.errors import ConfigError
-from engine.spec_decode.speculator import SpecConfig
 from tests.model_utils import VOCAB, save_tiny, tiny_hf_model
 
 ALWAYS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

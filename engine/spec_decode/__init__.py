@@ -2,7 +2,7 @@
 verified KV only, stops token by token) and the model runner (logits at every draft position; verification:
 engine.sample.rejection):
 
-    speculator.py SpecConfig (EngineConfig.speculative_config) and which requests draft this step
+    speculator.py which requests draft this step, and how many (under engine.config.SpecConfig)
     ngram.py      proposer: the tokens that followed the most recent earlier occurrence of the context's last
                   n tokens (longest n in [prompt_lookup_min, prompt_lookup_max]), in C (csrc/ngram.c)
     gating.py     when speculating pays: expected tokens per step vs the cost of n * (k + 1) rows

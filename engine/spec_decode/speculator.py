@@ -1,9 +1,5 @@
-"""The engine's speculation policy: which decoding requests get n-gram drafts this step, and how many.
-
-``SpecConfig`` is ``EngineConfig.speculative_config`` parsed (vLLM's names)::
-
-    speculative_config: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 5,
-                         gating: auto}          # auto: only when it pays (gating.py); always: every step
+"""The engine's speculation policy: which decoding requests get n-gram drafts this step, and how many, under
+``engine.config.SpecConfig`` (``EngineConfig.speculative_config`` parsed).
 
 A request speculates when it decodes (one token left to compute) and has room: drafts never go past
 ``max_tokens`` or ``max_model_len``. Penalties and min_tokens bans apply at every draft position as if the
@@ -12,45 +8,9 @@ token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import engine.spec_decode.gating as gating
 import engine.spec_decode.ngram as ngram
-from engine.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-    gating: str = "auto"                      # auto | always
-
-    @classmethod
-    def parse(cls, value) -> "SpecConfig | None":
-        """None / "off" -> None; "auto" -> the defaults; a dict of vLLM's names."""
-        if value is None or value == "off":
-            return None
-        if value == "auto":
-            return cls()
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be off, auto or a mapping, got {value!r}")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        cfg = cls(**value)
-        if cfg.method != "ngram":
-            raise ConfigError(f"speculative_config.method: only ngram is supported, got {cfg.method!r}")
-        if not 1 <= cfg.num_speculative_tokens <= 16:
-            raise ConfigError("speculative_config.num_speculative_tokens must be in 1..16")
-        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-            raise ConfigError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if cfg.gating not in ("auto", "always"):
-            raise ConfigError(f"speculative_config.gating must be auto or always, got {cfg.gating!r}")
-        return cfg
+from engine.config import SpecConfig
 
 
 def eligible(req, max_model_len: int) -> bool:
