@@ -1,6 +1,7 @@
 """The tree's shape, held: packages import only downwards (engine <- costmodel <- pipeline <- bench <- batchgen),
-no two modules import each other (directly or round a longer loop, imports inside functions included, those under
-``if TYPE_CHECKING:`` aside), no Python file over 500 lines, and a README that stays a door (<= 15,000 bytes).
+inside engine/ its parts import only downwards too (``ENGINE_ORDER``), no two modules import each other (directly
+or round a longer loop), imports inside functions included and those under ``if TYPE_CHECKING:`` aside everywhere,
+no Python file over 500 lines, and a README that stays a door (<= 15,000 bytes).
 
 Each rule is checked on the real tree and, so the check itself can fail, on a small tree that breaks it.
 """
@@ -15,6 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lower rank first: a module may import its own package and packages of lower rank only.
 LAYERS = ("engine", "costmodel", "pipeline", "bench", "batchgen")
 MAX_LINES = 500
+# engine/'s parts (a top-level module, or a subpackage with all its modules), lowest first: a part imports only
+# itself and parts listed before it. "__init__" is the package's own door (engine/__init__.py).
+ENGINE_ORDER = (
+    "errors", "cache_root", "outputs", "scheduler_output", "omp_wait", "cpu_tuning",    # plain records, no deps
+    "kernels", "dtype_policy", "invariance",                                              # the machine
+    "config", "structured", "sampling_params", "request", "detokenizer", "interface",     # what is asked
+    "block_pool", "kv_cache_manager", "scheduler",                                        # who computes what
+    "quant", "attention", "models", "loader", "tokenizer", "memory",                      # the model
+    "sample", "spec_decode", "model_runner",                                              # one step's compute
+    "tuning", "setup", "llm", "__init__",                                                 # start-up, the door
+)
 README_MAX_BYTES = 15_000
 
 
@@ -109,6 +121,24 @@ def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
                   if rank[t.split(".")[0]] > rank[m.split(".")[0]])
 
 
+def part_of(module: str) -> str:
+    """``engine.sample.sampler`` -> ``sample``; ``engine.llm`` -> ``llm``; ``engine`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def backward_imports(graph: dict[str, set[str]], order=ENGINE_ORDER, package: str = "engine") -> list[str]:
+    """Imports inside ``package`` from one part to a part listed after it in ``order``, and modules of a part
+    ``order`` does not list."""
+    rank = {part: i for i, part in enumerate(order)}
+    inside = {m: targets for m, targets in graph.items() if m.split(".")[0] == package}
+    found = [f"{m}: its part {part_of(m)!r} has no rank" for m in inside if part_of(m) not in rank]
+    found += [f"{m} imports {t}" for m, targets in inside.items() for t in targets
+              if t.split(".")[0] == package and part_of(m) in rank and part_of(t) != part_of(m)
+              and rank.get(part_of(t), -1) > rank[part_of(m)]]
+    return sorted(found)
+
+
 def long_files(root: Path, limit: int = MAX_LINES) -> list[str]:
     paths = [p for d in (*LAYERS, "tests", "sample_data") for p in (root / d).rglob("*.py")]
     return sorted(f"{p.relative_to(root)}: {n} lines" for p in paths
@@ -127,6 +157,10 @@ def test_no_import_cycles():
 
 def test_packages_import_only_downwards():
     assert upward_imports(import_graph(ROOT)) == []
+
+
+def test_engine_parts_import_only_downwards():
+    assert backward_imports(import_graph(ROOT, ("engine",))) == []
 
 
 def test_no_python_file_over_500_lines():
@@ -179,6 +213,26 @@ def test_an_upward_import_is_found(tmp_path, relative):
     graph = import_graph(root, ("engine", "pipeline"))
     assert upward_imports(graph, ("engine", "pipeline")) == ["engine.llm imports pipeline.runner"]
     assert ("pipeline.job" in graph["pipeline.runner"]) == relative
+
+
+def test_a_backward_import_inside_engine_is_found(tmp_path):
+    root = _tree(tmp_path, {
+        "engine/__init__.py": "from engine.scheduler import Scheduler\n",
+        "engine/errors.py": "",
+        "engine/config.py": "from engine.errors import ConfigError\n"
+                            "def check():\n    from engine.sample.sampler import draw\n",
+        "engine/sample/__init__.py": "",
+        "engine/sample/sampler.py": "from engine.sample import rejection\nfrom engine.config import check\n",
+        "engine/sample/rejection.py": "from typing import TYPE_CHECKING\n"
+                                      "if TYPE_CHECKING:\n    from engine.scheduler import Scheduler\n",
+        "engine/scheduler.py": "import engine.errors\n",
+        "engine/extra.py": "",
+    })
+    order = ("errors", "config", "sample", "scheduler", "__init__")
+    assert backward_imports(import_graph(root, ("engine",)), order) == [
+        "engine.config imports engine.sample.sampler",
+        "engine.extra: its part 'extra' has no rank",
+    ]
 
 
 def test_a_long_file_is_found(tmp_path):
