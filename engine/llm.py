@@ -4,9 +4,9 @@
     outs = llm.generate(prompts, SamplingParams(max_tokens=64))    # one RequestOutput per prompt
 
 It implements ``engine.interface.Engine``: the pipeline drives it incrementally (``add_request`` / ``step`` /
-``has_unfinished_requests``), pins a group's shared prefix with ``pin_prefix`` / ``unpin_prefix``, and reads
-``info`` (an ``EngineInfo``). ``config`` is the resolved ``EngineConfig``. Nothing outside engine/ reaches
-further in than ``engine/__init__.py`` exports.
+``has_unfinished_requests``; a step returns the outputs that finished in it and its ``StepStats``), pins a group's
+shared prefix with ``pin_prefix`` / ``unpin_prefix``, and reads ``info`` (an ``EngineInfo``). ``config`` is the
+resolved ``EngineConfig``. Nothing outside engine/ reaches further in than ``engine/__init__.py`` exports.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -83,7 +83,7 @@ class LLM:
             key_shift.calibrate(self.model, self.tokenizer.encode(key_shift.CALIBRATION_TEXT), self.dtype)
         self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len, speculator=_speculator(cfg, self.model))
         marks("kv_cache_s")
-        self.step_stats: list[StepStats] = []
+        self._num_steps = 0
         self.load_time_s = time.monotonic() - t0
         self.info = setup.info(cpu_kernels=library.describe() if self.device.type == "cpu" else "",
                                load_time_s=round(self.load_time_s, 3), weight_bytes=weight_bytes(self.model),
@@ -151,20 +151,21 @@ class LLM:
     def unpin_prefix(self, pin_id: int) -> None:
         self.scheduler.unpin(pin_id)
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run and postprocess one step; return the requests that finished in it."""
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """Schedule, run and postprocess one step; return the requests that finished in it and the step's stats
+        (the engine keeps none: a caller that records steps aggregates them)."""
         t0 = time.monotonic()
         out = self.scheduler.schedule()
         new_tokens = self.runner.execute(out, self._requests)      # request id -> the token(s) it sampled
         finished = self.scheduler.update_from_output(out, new_tokens, self.runner.forced)
-        stats = StepStats(step=len(self.step_stats), start_time=t0, end_time=time.monotonic(),
+        stats = StepStats(step=self._num_steps, start_time=t0, end_time=time.monotonic(),
                           **self.scheduler.last_step_stats())
-        self.step_stats.append(stats)
+        self._num_steps += 1
         self._learn_step_cost(stats)
         results = [self._make_output(r) for r in finished]
         for r in finished:
             self._forget(r.request_id)
-        return results
+        return results, stats
 
     def _learn_step_cost(self, stats: StepStats) -> None:
         """A decode-only step's duration teaches speculation's gating what a step of that many rows costs."""
@@ -199,8 +200,10 @@ class LLM:
     # ---- batch API -----------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priorities: Iterable[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+                 priorities: Iterable[int] | None = None, use_tqdm: bool = False,
+                 on_step: Callable[[StepStats], None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. ``on_step``: called with each
+        step's stats (e.g. ``steps.append``)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None:
@@ -219,7 +222,10 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         while self.has_unfinished_requests():
-            for o in self.step():
+            outputs, stats = self.step()
+            if on_step is not None:
+                on_step(stats)
+            for o in outputs:
                 results[o.request_id] = o
                 if bar:
                     bar.update(1)
