@@ -12,3 +12,9 @@ def cache_root() -> Path:
     if base:
         return Path(base)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchgen"
+
+
+def tokenizers_dir() -> Path:
+    """Per model identity: its converted tokenizer (engine.tokenizer) and llguidance's token bytes
+    (engine.structured.llguidance_backend)."""
+    return cache_root() / "tokenizers"

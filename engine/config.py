@@ -24,9 +24,14 @@ DEFAULT_CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 QUANTIZATIONS = ("none", "int8", "auto")
 PINNABLE = ("quantization", "dtype", "kv_cache_dtype")     # the format: what the tuner decides
 
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """``EngineConfig.speculative_config``: n-gram speculation (engine.spec_decode), by vLLM's names."""
+    """``EngineConfig.speculative_config``: n-gram speculation (engine.spec_decode), by vLLM's names::
+
+        speculative_config: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 5,
+                             gating: auto}     # auto: only when it pays (spec_decode/gating.py); always: every step
+    """
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2

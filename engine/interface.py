@@ -90,15 +90,13 @@ class Engine(Protocol):
     @property
     def model_config(self) -> ModelConfig | None: ...   # the model's shape (FLOP/byte counts); None for a fake
 
-    @property
-    def step_stats(self) -> list[StepStats]: ...
-
     def get_tokenizer(self) -> Tokenizer: ...
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     priority: int = 0) -> None: ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """One step: the requests that finished in it, and its stats (kept by the caller that records them)."""
 
     def has_unfinished_requests(self) -> bool: ...
 

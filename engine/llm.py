@@ -4,9 +4,9 @@
     outs = llm.generate(prompts, SamplingParams(max_tokens=64))    # one RequestOutput per prompt
 
 It implements ``engine.interface.Engine``: the pipeline drives it incrementally (``add_request`` / ``step`` /
-``has_unfinished_requests``), pins a group's shared prefix with ``pin_prefix`` / ``unpin_prefix``, and reads
-``info`` (an ``EngineInfo``). ``config`` is the resolved ``EngineConfig``. Nothing outside engine/ reaches
-further in than ``engine/__init__.py`` exports.
+``has_unfinished_requests``; a step returns the outputs that finished in it and its ``StepStats``), pins a group's
+shared prefix with ``pin_prefix`` / ``unpin_prefix``, and reads ``info`` (an ``EngineInfo``). ``config`` is the
+resolved ``EngineConfig``. Nothing outside engine/ reaches further in than ``engine/__init__.py`` exports.
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
+import engine.attention.key_shift as key_shift
 import engine.kernels.library as library
 import engine.omp_wait as omp_wait
-import engine.quant.key_shift as key_shift
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
@@ -31,7 +31,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.models import weight_bytes
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.setup import ModelTarget, locate, settle
@@ -85,7 +85,7 @@ class LLM:
             key_shift.calibrate(self.model, self.tokenizer.encode(key_shift.CALIBRATION_TEXT), self.dtype)
         self.scheduler = Scheduler(cfg, num_blocks, cfg.max_model_len, speculator=_speculator(cfg, self.model))
         marks("kv_cache_s")
-        self.step_stats: list[StepStats] = []
+        self._num_steps = 0
         self.load_time_s = time.monotonic() - t0
         self.info = setup.info(cpu_kernels=library.describe() if self.device.type == "cpu" else "",
                                load_time_s=round(self.load_time_s, 3), weight_bytes=weight_bytes(self.model),
@@ -97,7 +97,6 @@ class LLM:
                  ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in marks.spans.items()), self.info.weight_bytes / 1e6,
                  setup.quant_choice.reason)
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
         self._grammar_backend = None                # engine.structured: made by the first constrained request
@@ -124,11 +123,11 @@ class LLM:
         else:
             token_ids, text = [int(t) for t in prompt], None
         req = Request(request_id, token_ids, params, priority=priority, eos_token_ids=self.eos_token_ids)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         if params.structured_outputs is not None:
             self._attach_grammar(req)        # a constraint that cannot compile finishes this request with an error
         self._requests[request_id] = req
         self._prompts[request_id] = text
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         self.scheduler.add_request(req)      # an empty or never-fitting prompt finishes there with an error
 
     def _attach_grammar(self, req: Request) -> None:
@@ -161,47 +160,30 @@ class LLM:
     def unpin_prefix(self, pin_id: int) -> None:
         self.scheduler.unpin(pin_id)
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return the requests that finished in it."""
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        """Schedule, run and postprocess one step; return the requests that finished in it and the step's stats
+        (the engine keeps none: a caller that records steps aggregates them)."""
         t0 = time.monotonic()
         out = self.scheduler.schedule()
         new_tokens = self.runner.execute(out, self._requests)      # request id -> the token(s) it sampled
-        before = {rid: self._requests[rid].num_output_tokens for rid in new_tokens}
         finished = self.scheduler.update_from_output(out, new_tokens, self.runner.forced)
-        done = {r.request_id for r in finished}
-        for rid, toks in new_tokens.items():
-            req = self._requests[rid]
-            appended = req.output_token_ids[before[rid]:]           # a stop may have cut a verified run short
-            for j, tok in enumerate(appended):
-                if not self._detok[rid].append(tok):
-                    continue
-                extra = len(appended) - j - 1                       # tokens after a stop string: never emitted
-                if extra:
-                    del req.output_token_ids[-extra:], req.all_token_ids[-extra:], req.token_times[-extra:]
-                if rid in done:                                     # also ended by EOS / length in the same run
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason
-                else:
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, self._detok[rid].stop_reason)
-                    finished.append(req)
-                break
-        kept = {rid: self._requests[rid].num_output_tokens - before[rid] for rid in new_tokens}
-        accepted = sum(min(kept[rid], len(t) - 1) for rid, t in new_tokens.items() if isinstance(t, list))
-        # NOTE: the scheduler already counted the rest of StepStats when it scheduled this step.
-        end = time.monotonic()
-        stats = self.scheduler.last_step_stats()
-        self.step_stats.append(StepStats(step=len(self.step_stats), start_time=t0, end_time=end,
-                                         num_accepted_tokens=accepted, num_emitted_tokens=sum(kept.values()),
-                                         **stats))
-        spec = self.scheduler.speculator
-        if spec is not None and not stats["num_prefill_tokens"] and stats["num_decode_tokens"]:
-            spec.cost.observe(stats["num_decode_tokens"], end - t0)          # decode-only: the gating's cost model
+        stats = StepStats(step=self._num_steps, start_time=t0, end_time=time.monotonic(),
+                          **self.scheduler.last_step_stats())
+        self._num_steps += 1
+        self._learn_step_cost(stats)
         results = [self._make_output(r) for r in finished]
         for r in finished:
             self._forget(r.request_id)
-        return results
+        return results, stats
+
+    def _learn_step_cost(self, stats: StepStats) -> None:
+        """A decode-only step's duration teaches speculation's gating what a step of that many rows costs."""
+        spec = self.scheduler.speculator
+        if spec is not None and not stats.num_prefill_tokens and stats.num_decode_tokens:
+            spec.cost.observe(stats.num_decode_tokens, stats.end_time - stats.start_time)
 
     def _make_output(self, req: Request) -> RequestOutput:
-        detok = self._detok[req.request_id]
+        detok = req.detokenizer
         m = RequestMetrics(
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
             prefill_start_time=req.prefill_start_time, prefill_end_time=req.prefill_end_time,
@@ -221,15 +203,16 @@ class LLM:
 
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
-        self._detok.pop(rid, None)
         self._prompts.pop(rid, None)
         self.runner.release(rid)
 
     # ---- batch API -----------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priorities: Iterable[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+                 priorities: Iterable[int] | None = None, use_tqdm: bool = False,
+                 on_step: Callable[[StepStats], None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order. ``on_step``: called with each
+        step's stats (e.g. ``steps.append``)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None:
@@ -248,7 +231,10 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         while self.has_unfinished_requests():
-            for o in self.step():
+            outputs, stats = self.step()
+            if on_step is not None:
+                on_step(stats)
+            for o in outputs:
                 results[o.request_id] = o
                 if bar:
                     bar.update(1)

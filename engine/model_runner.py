@@ -13,13 +13,13 @@ import mmap
 import torch
 
 import engine.quant.int8_kv as int8_kv
+import engine.sample.constrain as constrain
 from engine.attention.metadata import AttentionMetadata
 from engine.request import Request
-from engine.sampler import Sampler, SamplingMetadata, greedy, make_generator
+from engine.sample.rejection import rejection_sample, verify_greedy
+from engine.sample.sampler import Sampler, SamplingMetadata, greedy, make_generator
+from engine.sample.seeded_draws import position_generator
 from engine.scheduler_output import SchedulerOutput
-from engine.seeded_draws import position_generator
-from engine.spec_decode.rejection import rejection_sample, verify_greedy
-from engine.structured import constrain
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -190,7 +190,7 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, reqs: list[Request], drafts: dict[str, list[int]]) -> dict:
         """A step with speculating requests: plain rows sample as usual; a speculating request's k + 1 rows
-        verify its drafts (engine.spec_decode.rejection) and give it a list of tokens."""
+        verify its drafts (engine.sample.rejection) and give it a list of tokens."""
         out: dict[str, int | list[int]] = {}
         plain_rows, plain_reqs, row = [], [], 0
         spans = []
@@ -209,7 +209,8 @@ class ModelRunner:
             rows, d = logits[start:start + nd + 1], drafts[r.request_id]
             p = r.sampling_params
             md = self._draft_metadata(r, d, range(nd + 1))
-            # the request's draws at its next nd + 1 output positions (engine.seeded_draws), as plain steps make them
+            # the request's draws at its next nd + 1 output positions (engine.sample.seeded_draws), as plain steps
+            # make them
             gens = ([self._generator(r, j) for j in range(nd + 1)] if p.seed is not None
                     else self.default_generator)
             if r.grammar is not None and not r.grammar.error:

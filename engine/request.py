@@ -52,6 +52,7 @@ class Request:
     num_spec_steps: int = 0            # steps that verified drafts for it (mean accepted length = accepted / this)
     num_forced_tokens: int = 0         # structured outputs: tokens the grammar forced (appended without sampling)
     grammar: Any = None                # structured outputs: engine.structured.state.RequestGrammar, or None
+    detokenizer: Any = None            # its text and stop strings: engine.detokenizer.IncrementalDetokenizer, or None
     # Block hashes of the request's full blocks, filled incrementally by the KV cache manager.
     block_hashes: list = field(default_factory=list)
 
@@ -84,6 +85,15 @@ class Request:
         self.token_times.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
+
+    def finish(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End the request with a finished ``status`` (``stop_reason``: the stop token id or stop string)."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        self.status = status
+        self.finish_time = time.monotonic()
+        if stop_reason is not None:
+            self.stop_reason = stop_reason
 
     @property
     def is_finished(self) -> bool:

@@ -1,4 +1,5 @@
-"""Scheduler: token budget, chunked prefill, continuous batching, preemption; schedule() / update_from_output().
+"""Scheduler: token budget, chunked prefill, continuous batching, preemption, finishing; schedule() /
+update_from_output().
 
 One loop, no prefill/decode phases (vLLM v1's idea): each step every request is granted
 ``min(num_tokens - num_computed_tokens, budget)`` tokens. Running requests go first (one-token decodes, then
@@ -6,7 +7,8 @@ prefill chunks), then waiting requests join in (priority, arrival) order while t
 
 Protocol, per step:  out = schedule();  run the model on out;  finished = update_from_output(out, new_tokens).
 Call update_from_output for every output, even an empty one: it also returns the requests that schedule()
-finished with FINISHED_ERROR.
+finished with FINISHED_ERROR. Every request ends here (``Request.finish``): length, EOS, stop ids, stop strings
+(the request's detokenizer sees each output token as it is appended), errors and aborts.
 """
 from __future__ import annotations
 
@@ -67,8 +69,7 @@ class Scheduler:
         error = req.error or self._never_fits(req)     # req.error: e.g. a grammar that does not compile
         if error is not None:
             req.error = error
-            req.status = RequestStatus.FINISHED_ERROR
-            req.finish_time = time.monotonic()
+            req.finish(RequestStatus.FINISHED_ERROR)
             self._new_errors.append(req)
             return
         req.status = RequestStatus.WAITING
@@ -90,30 +91,19 @@ class Scheduler:
         return None
 
     def abort_request(self, req_id: str) -> Request | None:
-        """Finish a request with FINISHED_ABORTED (no-op for unknown / finished ids). Returns it."""
-        return self.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
-
-    def finish_request(self, req_id: str, status: RequestStatus,
-                       stop_reason: int | str | None = None) -> Request | None:
-        """Finish a request from outside (the LLM layer's stop strings, aborts): frees its blocks."""
-        if not status.finished:
-            raise ValueError(f"{status} is not a finished status")
+        """Finish a request with FINISHED_ABORTED and free its blocks (no-op for unknown / finished ids). Returns it."""
         req = self.requests.get(req_id)
-        if req is None:
-            return None
-        if stop_reason is not None:
-            req.stop_reason = stop_reason
-        self._finish(req, status)
+        if req is not None:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         if req.status == RequestStatus.RUNNING:
             self._remove_running(req)
             self.kv_cache_manager.free(req)
         else:
             self._num_waiting -= 1      # its heap entry is skipped lazily
-        req.status = status
-        req.finish_time = time.monotonic()
+        req.finish(status, stop_reason)
         del self.requests[req.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -283,14 +273,14 @@ class Scheduler:
     # ---- update -------------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, new_tokens: dict[str, int | list[int]],
                            forced: dict[str, list[int]] | None = None) -> list[Request]:
-        """Append the sampled tokens and finish requests that stop.
+        """Append the sampled tokens and finish the requests that stop (nano-vllm's postprocess).
 
         Args:
             scheduler_output: the output of the last schedule().
             new_tokens: request id -> token id (or, for a request that speculated, the verified tokens: the
                 accepted drafts and one more), for every scheduled request with ``sample=True``. Tokens are
-                appended one by one; EOS, stop ids and max_tokens are checked after each, so nothing after a
-                stop is appended.
+                appended one by one; stop strings, EOS, stop ids and the length limits are checked after each
+                (``_check_stop``), so nothing after a stop is appended.
             forced: request id -> tokens a grammar forces after the sampled ones (structured outputs): appended
                 the same way, uncomputed, so the next step computes them as one prefill chunk.
         Returns:
@@ -299,6 +289,7 @@ class Scheduler:
         now = time.monotonic()
         finished = self._step_errors
         self._step_errors = []
+        num_emitted = num_accepted = 0                # this step's, over all requests
         for sr in scheduler_output.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -326,37 +317,44 @@ class Scheduler:
                 req.num_computed_tokens = sr.start_pos + 1 + accepted
             elif self.speculator is not None:
                 self.speculator.observe(sr.request_id, toks[0])
-            status = None
+            stop = None
             run = toks + list((forced or {}).get(sr.request_id, ()))
             for j, t in enumerate(run):
                 req.append_output_token(int(t), now)
                 req.num_forced_tokens += j >= len(toks)
-                status = self._check_stop(req)
-                if status is not None:
-                    if (status == RequestStatus.FINISHED_LENGTH and req.grammar is not None and j + 1 < len(run)
+                num_emitted += 1
+                num_accepted += bool(sr.draft_token_ids) and j < len(toks) - 1
+                stop = self._check_stop(req)
+                if stop is not None:
+                    if (stop[0] == RequestStatus.FINISHED_LENGTH and req.grammar is not None and j + 1 < len(run)
                             and run[j + 1] in req.eos_token_ids):
-                        status = RequestStatus.FINISHED_STOPPED     # the grammar ended right at the limit
+                        stop = (RequestStatus.FINISHED_STOPPED, None)    # the grammar ended right at the limit
                     break
-            if status is not None:
-                self._finish(req, status)
+            if stop is not None:
+                self._finish(req, *stop)
                 finished.append(req)
+        self._stats.update(num_emitted_tokens=num_emitted, num_accepted_tokens=num_accepted)
         return finished
 
-    def _check_stop(self, req: Request) -> RequestStatus | None:
+    def _check_stop(self, req: Request) -> tuple[RequestStatus, int | str | None] | None:
+        """Whether the output token just appended ends ``req``: (finished status, stop reason), else None.
+
+        The detokenizer sees every output token; a stop string it completes wins over what else the token ends."""
         params = req.sampling_params
         token = req.output_token_ids[-1]
+        if req.detokenizer is not None and req.detokenizer.append(token):
+            return RequestStatus.FINISHED_STOPPED, req.detokenizer.stop_reason
         if req.grammar is not None and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED   # a grammar allows EOS only where it accepts: it ends the output
+            return RequestStatus.FINISHED_STOPPED, None   # a grammar allows EOS only where it accepts: it ends there
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, None
             if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, token
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_LENGTH, None
         if req.num_tokens > self.num_blocks * self.block_size:
-            return RequestStatus.FINISHED_LENGTH    # the next step could not hold its KV in the whole pool
+            return RequestStatus.FINISHED_LENGTH, None    # the next step could not hold its KV in the whole pool
         return None
 
     # ---- stats --------------------------------------------------------------------------------------
@@ -377,8 +375,11 @@ class Scheduler:
             "num_preemptions": len(out.preempted),
             "num_sampled": sum(1 + len(s.draft_token_ids) for s in out.scheduled if s.sample),
             "num_draft_tokens": sum(len(s.draft_token_ids) for s in out.scheduled),
+            "num_accepted_tokens": 0,       # known after the step: update_from_output
+            "num_emitted_tokens": 0,
         }
 
     def last_step_stats(self) -> dict[str, int]:
-        """Counters of the last schedule(), keyed like engine.outputs.StepStats fields."""
+        """Counters of the last step, keyed like engine.outputs.StepStats fields: what schedule() granted, and
+        after update_from_output the tokens it emitted and the drafts among them that were accepted."""
         return self._stats

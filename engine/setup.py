@@ -149,7 +149,6 @@ class PlanningEngine:
         self.model_config = self.setup.model_config
         self.info = self.setup.info(cpu_kernels="not loaded (planning only)")
         self.tokenizer = load_tokenizer(self.setup.source, self.setup.identity)
-        self.step_stats: list = []
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -14,17 +14,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.cache_root import cache_root as batchgen_cache_root
+from engine.cache_root import tokenizers_dir
 from engine.errors import ModelLoadError
 from engine.loader.resolve import ModelSource, model_identity
 
 # Bump when the conversion changes, so stale caches are rebuilt rather than trusted.
 _CACHE_VERSION = "1"
 _MARKER = "batchgen_tokenizer.txt"
-
-
-def cache_root() -> Path:
-    return batchgen_cache_root() / "tokenizers"
 
 
 # Gemma's turn format, for Gemma GGUF files that ship no template (the default model's does not).
@@ -110,7 +106,7 @@ def load_gguf_tokenizer(path: Path, identity: str | None = None, use_cache: bool
     """Tokenizer of a GGUF file, from the cache when present (and valid), else converted and cached."""
     if identity is None:
         identity = model_identity(ModelSource(kind="gguf", path=path, name=path.stem))
-    cache_dir = cache_root() / identity
+    cache_dir = tokenizers_dir() / identity
     if use_cache and _cache_valid(cache_dir):
         try:
             return _load_cached(cache_dir)
@@ -198,4 +194,4 @@ def _save_cache(tok, cache_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["TokenIdsOnly", "load_tokenizer", "load_gguf_tokenizer", "convert_gguf_tokenizer", "cache_root"]
+__all__ = ["TokenIdsOnly", "load_tokenizer", "load_gguf_tokenizer", "convert_gguf_tokenizer"]

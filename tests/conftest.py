@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import time
 import types
 
 import pytest
@@ -121,7 +122,6 @@ class FakeLLM:
         self.steps = 0
         self.added: list[str] = []
         self.model_config = None
-        self.step_stats: list = []
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -162,17 +162,20 @@ class FakeLLM:
         self.pins.pop(pin_id, None)
 
     def step(self):
-        from engine.outputs import RequestMetrics, RequestOutput
+        from engine.outputs import RequestMetrics, RequestOutput, StepStats
+        start = time.monotonic()
         self.steps += 1
         self.waiting.sort(key=lambda r: (r[0], r[1]))
         batch, self.waiting = self.waiting[:self.config.max_num_seqs], self.waiting[self.config.max_num_seqs:]
         outs = []
+        queries = hits = 0
         for _, _, rid, ids, params in batch:
             chain = self._chain(ids)
             hit = 0
             while hit < min(len(chain), (len(ids) - 1) // self.block_size) and chain[hit] in self.cache:
                 hit += 1
             self.cache.update(chain)
+            queries, hits = queries + len(ids), hits + hit * self.block_size
             m = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, prefill_start_time=0.1,
                                prefill_end_time=0.2, first_token_time=0.2, token_times=[0.2, 0.3], finish_time=0.3)
             if len(ids) > self.max_model_len:
@@ -187,7 +190,15 @@ class FakeLLM:
                 m.num_forced_tokens, m.num_masks_applied, m.mask_time_s = 2, 1, 0.001
             outs.append(RequestOutput(rid, None, ids, text, list(range(3, 3 + n_out)), finish,
                                       hit * self.block_size, m))
-        return outs
+        # as if every request's prompt and its decodes ran in this one step (consistent for pipeline.trace)
+        emitted = sum(len(o.token_ids) for o in outs)
+        decoded = sum(max(len(o.token_ids) - 1, 0) for o in outs)
+        stats = StepStats(step=self.steps - 1, start_time=start, end_time=time.monotonic(),
+                          num_prefill_tokens=queries - hits, num_decode_tokens=decoded, num_prefill_seqs=len(batch),
+                          num_decode_seqs=0, num_running=0, num_waiting=len(self.waiting), kv_blocks_used=0,
+                          kv_blocks_total=0, prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=0,
+                          num_sampled=len(outs), num_emitted_tokens=emitted)
+        return outs, stats
 
 
 def example_output(params, ids=()) -> str:

@@ -26,10 +26,10 @@ def _run(gemma_dir, quantization):
     llm = LLM(gemma_dir, dtype="float32", quantization=quantization, block_size=4, kv_cache_memory=8 << 20)
     prompts = [[1 + (7 * i + j) % 50 for j in range(PROMPT)] for i in range(N_SEQ)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=OUT)
-    first = len(llm.step_stats)
+    steps = []
     with kernel_breakdown() as bd:
-        outs = llm.generate(prompts, params)
-    return llm, llm.step_stats[first:], bd, outs
+        outs = llm.generate(prompts, params, on_step=steps.append)
+    return llm, steps, bd, outs
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])

@@ -47,11 +47,13 @@ def reference(llama_dir):
 @pytest.mark.parametrize("caching", [True, False])
 def test_batched_greedy_equals_single(llama_dir, reference, budget, caching):
     llm = _llm(llama_dir, max_num_batched_tokens=budget, enable_prefix_caching=caching)
-    outs = llm.generate(_prompts(), GREEDY)
+    steps = []
+    outs = llm.generate(_prompts(), GREEDY, on_step=steps.append)
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" for o in outs)
+    assert [s.step for s in steps] == list(range(len(steps)))
     if budget == 7:  # prompts longer than the budget were split across steps
-        assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.step_stats)
+        assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
 
 
 def test_engine_without_the_c_kernels_gives_the_same_tokens(llama_dir, reference, monkeypatch):
@@ -69,9 +71,10 @@ def test_engine_without_the_c_kernels_gives_the_same_tokens(llama_dir, reference
 def test_preemption_keeps_results(llama_dir, reference):
     # 14 blocks of 4 tokens: far too few for 8 sequences of up to 172 tokens at once.
     llm = _llm(llama_dir, num_gpu_blocks_override=48, max_num_batched_tokens=64)
-    outs = llm.generate(_prompts(), GREEDY)
+    steps = []
+    outs = llm.generate(_prompts(), GREEDY, on_step=steps.append)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
-    assert sum(s.num_preemptions for s in llm.step_stats) > 0
+    assert sum(s.num_preemptions for s in steps) > 0
     assert [o.token_ids for o in outs] == reference
 
 
@@ -88,13 +91,14 @@ def test_shared_prefix_is_computed_once(llama_dir):
     prompts = [shared + torch.randint(3, VOCAB, (50,), generator=g).tolist() for _ in range(5)]
     llm = LLM(llama_dir, dtype="float32", block_size=16, max_num_batched_tokens=2048)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    first = llm.generate(prompts[:1], params)[0]
+    steps = []
+    first = llm.generate(prompts[:1], params, on_step=steps.append)[0]
     assert first.finish_reason == "length"
-    rest = llm.generate(prompts[1:], params)
+    rest = llm.generate(prompts[1:], params, on_step=steps.append)
     full_blocks = 1000 // 16 * 16
     assert first.num_cached_tokens == 0
     assert [o.num_cached_tokens for o in rest] == [full_blocks] * 4
-    computed = sum(s.num_prefill_tokens for s in llm.step_stats)
+    computed = sum(s.num_prefill_tokens for s in steps)
     assert computed == 5 * 1050 - 4 * full_blocks
     # and the cache changes nothing
     cold = LLM(llama_dir, dtype="float32", block_size=16, enable_prefix_caching=False)

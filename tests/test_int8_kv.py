@@ -213,7 +213,7 @@ def test_a_key_shift_leaves_attention_unchanged(gemma_dir):
 
 
 def test_int8_engines_calibrate_the_same_shifts(gemma_dir):
-    import engine.quant.key_shift as key_shift
+    import engine.attention.key_shift as key_shift
     from engine.llm import LLM
 
     shifts = []

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from engine.sample.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,

@@ -275,6 +275,42 @@ def test_stop_token_respects_min_tokens_and_wins_over_length():
     assert req.status == RequestStatus.FINISHED_STOPPED
 
 
+class StopStringAt:
+    """A detokenizer stand-in: the stop string "END" completes with token ``token``."""
+
+    def __init__(self, token):
+        self.token, self.stop_reason, self.seen = token, None, []
+
+    def append(self, token_id):
+        self.seen.append(token_id)
+        if token_id == self.token:
+            self.stop_reason = "END"
+        return self.stop_reason is not None
+
+
+def test_stop_string_ends_the_run_where_it_completes():
+    sched = make_sched()
+    req = make_req("r", range(5), max_tokens=10)
+    req.detokenizer = StopStringAt(31)
+    sched.add_request(req)
+    out = sched.schedule()
+    # the sampled token, then tokens a grammar forced: nothing after the stop string is appended
+    assert sched.update_from_output(out, {"r": 30}, forced={"r": [31, 32, 33]}) == [req]
+    assert req.output_token_ids == [30, 31] and req.all_token_ids[5:] == [30, 31] and len(req.token_times) == 2
+    assert req.detokenizer.seen == [30, 31] and req.num_forced_tokens == 1
+    assert (req.status, req.stop_reason) == (RequestStatus.FINISHED_STOPPED, "END")
+    assert (sched.last_step_stats()["num_emitted_tokens"], sched.kv_cache_manager.num_used_blocks) == (2, 0)
+    assert sched.get_request("r") is None and not sched.has_unfinished_requests()
+
+
+def test_stop_string_wins_over_eos_and_length_on_the_same_token():
+    for kwargs in ({"max_tokens": 10}, {"max_tokens": 1, "ignore_eos": True}):
+        req = make_req("r", range(5), **kwargs)
+        req.detokenizer = StopStringAt(EOS)
+        run_all(make_sched(), [req], token_fn=lambda r: EOS)
+        assert (req.output_token_ids, req.status, req.stop_reason) == ([EOS], RequestStatus.FINISHED_STOPPED, "END")
+
+
 def test_max_tokens_and_max_model_len():
     req = make_req("r", range(5), max_tokens=3)
     run_all(make_sched(), [req])
@@ -300,19 +336,6 @@ def test_abort_running_and_waiting():
     assert sched.schedule().scheduled == []
 
 
-def test_finish_request_for_stop_string():
-    sched = make_sched()
-    req = make_req("r", range(5), max_tokens=10)
-    sched.add_request(req)
-    runner = FakeRunner(sched)
-    out = sched.schedule()
-    sched.update_from_output(out, runner.step(out))
-    sched.finish_request("r", RequestStatus.FINISHED_STOPPED, stop_reason="</s>")
-    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == "</s>"
-    assert sched.get_request("r") is None and sched.kv_cache_manager.num_used_blocks == 0
-    assert not sched.has_unfinished_requests()
-
-
 def test_same_step_prefix_hit_and_stats():
     sched = make_sched()
     shared = list(range(100, 112))
@@ -329,10 +352,9 @@ def test_same_step_prefix_hit_and_stats():
     assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (13 + 14, 12)
     assert (stats["num_running"], stats["num_waiting"], stats["kv_blocks_used"], stats["kv_blocks_total"]) == \
         (2, 0, 5, 64)
-    step_fields = {f.name for f in dataclasses.fields(StepStats)} - {"step", "start_time", "end_time",
-                                                                  "num_accepted_tokens", "num_emitted_tokens"}
-    # (those two are known only after the step: the engine adds them)
-    assert set(stats) == step_fields
+    # every StepStats counter (the engine adds the step's index and times)
+    assert set(stats) == {f.name for f in dataclasses.fields(StepStats)} - {"step", "start_time", "end_time"}
+    assert (stats["num_emitted_tokens"], stats["num_accepted_tokens"]) == (2, 0)
     finished, _ = run_all(sched, runner=runner)       # the fake runner verifies b's context reads a's KV
     assert len(finished) == 2
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import engine.kernels.build as kbuild
+from engine.sample.rejection import rejection_sample, verify_greedy
 from engine.spec_decode import gating, ngram
-from engine.spec_decode.rejection import rejection_sample, verify_greedy
 
 needs_kernels = pytest.mark.skipif(kbuild.compiler() is None, reason="no C compiler on PATH")
 

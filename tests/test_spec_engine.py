@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import SpecConfig
 from engine.errors import ConfigError
-from engine.spec_decode.speculator import SpecConfig
 from tests.model_utils import VOCAB, save_tiny, tiny_hf_model
 
 ALWAYS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -32,12 +32,14 @@ def _prompts(seed=0):
     return out
 
 
-def _run(path, prompts, params, spec, one_by_one=False, **kw):
+def _run(path, prompts, params, spec, one_by_one=False, steps=None, **kw):
+    """``steps``: a list that collects every step's stats."""
     llm = LLM(path, dtype="float32", block_size=4, speculative_config=spec, **kw)
+    on_step = None if steps is None else steps.append
     if one_by_one:
-        outs = [llm.generate([p], params)[0] for p in prompts]
+        outs = [llm.generate([p], params, on_step=on_step)[0] for p in prompts]
     else:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, on_step=on_step)
     return llm, outs
 
 
@@ -54,14 +56,15 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 def test_greedy_identical_with_speculation(model_dir, setting):
     prompts = _prompts()
     _, off = _run(model_dir, prompts, GREEDY, None, **setting)
-    llm, on = _run(model_dir, prompts, GREEDY, ALWAYS, **setting)
+    steps = []
+    _, on = _run(model_dir, prompts, GREEDY, ALWAYS, steps=steps, **setting)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert [o.text for o in on] == [o.text for o in off]
     proposed = sum(o.metrics.num_draft_tokens for o in on)
     accepted = sum(o.metrics.num_accepted_tokens for o in on)
     assert proposed > 0 and 0 < accepted <= proposed            # it really speculated, and some were right
-    assert sum(s.num_draft_tokens for s in llm.step_stats) == proposed
-    assert sum(s.num_accepted_tokens for s in llm.step_stats) == accepted
+    assert sum(s.num_draft_tokens for s in steps) == proposed
+    assert sum(s.num_accepted_tokens for s in steps) == accepted
     if "num_gpu_blocks_override" in setting:                 # drafts are dropped, never preempt anyone
         assert 0 < sum(o.metrics.num_preemptions for o in on) <= sum(o.metrics.num_preemptions for o in off)
 

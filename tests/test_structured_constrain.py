@@ -8,9 +8,9 @@ import torch
 
 import engine.kernels.library as library
 from engine.quant.int8 import Int8Linear, quantize_rows
-from engine.sampler import Sampler, SamplingMetadata, make_generator
+from engine.sample.constrain import constrain
+from engine.sample.sampler import Sampler, SamplingMetadata, make_generator
 from engine.sampling_params import SamplingParams
-from engine.structured.constrain import constrain
 
 V = 12
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.3, 0.8, -2.0, 1.2, 0.1])

@@ -228,7 +228,7 @@ def test_grammar_error_midway_fails_only_that_request(llm):
                                                           {"error": property(lambda self: "injected failure")})
     outs = {}
     while llm.has_unfinished_requests():
-        outs.update({o.request_id: o for o in llm.step()})
+        outs.update({o.request_id: o for o in llm.step()[0]})
     assert outs["bad"].finish_reason == "error" and "injected failure" in outs["bad"].error
     assert outs["good"].finish_reason == "stop"
     jsonschema.validate(json.loads(outs["good"].text), SCHEMAS[1])
@@ -236,12 +236,13 @@ def test_grammar_error_midway_fails_only_that_request(llm):
 
 def test_forced_tokens_enter_as_one_chunk(llama_dir):
     llm = LLM(llama_dir, dtype="float32", block_size=4, speculative_config=None)
-    out = llm.generate(PROMPTS[:1], _params(json=SCHEMAS[3]))[0]
+    steps = []
+    out = llm.generate(PROMPTS[:1], _params(json=SCHEMAS[3]), on_step=steps.append)[0]
     forced = out.metrics.num_forced_tokens
     assert forced >= len('{"who":{"name":"')                          # the tiny tokenizer: about a byte a token
     # One step per sampled token (the first comes with the prompt), not one per forced token.
-    assert len(llm.step_stats) == len(out.token_ids) - forced
-    assert any(s.num_prefill_tokens > 1 and s.num_decode_tokens == 0 for s in llm.step_stats[1:])
+    assert len(steps) == len(out.token_ids) - forced
+    assert any(s.num_prefill_tokens > 1 and s.num_decode_tokens == 0 for s in steps[1:])
 
 
 def test_ids_the_tokenizer_lacks_are_never_allowed(llm):

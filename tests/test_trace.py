@@ -202,9 +202,10 @@ def test_real_engine_run_is_consistent(tmp_path):
     for i, p in enumerate(prompts):
         llm.add_request(f"q{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), priority=i)
     while llm.has_unfinished_requests():
-        for o in llm.step():
+        outputs, stats = llm.step()
+        for o in outputs:
             trace.add_request(o, "tiny", o.request_id)
-        trace.add_steps(llm.step_stats)
+        trace.add_steps([stats])
     trace.write()
     run = read_run(tmp_path / "run")
     assert run.num_requests == len(prompts)

@@ -55,14 +55,14 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
     warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2, structured_outputs=structured)
     llm.generate(warmup_prompts(prompt_tokenizer(llm.get_tokenizer())), warm)
     warmup_s = time.monotonic() - t_warm
-    first_step = len(llm.step_stats)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T, structured_outputs=structured)
     timers = kernel_breakdown() if opts.breakdown else contextlib.nullcontext()
     with timers as bd:
         t0 = time.monotonic()
-        outs = llm.generate([list(p.token_ids) for p in prompts], params, priorities=range(len(prompts)))
+        steps = []
+        outs = llm.generate([list(p.token_ids) for p in prompts], params, priorities=range(len(prompts)),
+                            on_step=steps.append)
         wall = time.monotonic() - t0
-    steps = llm.step_stats[first_step:]
     res = SystemResult(
         system=name, label=name, wall_s=wall, num_requests=len(outs),
         prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),

@@ -116,7 +116,7 @@ class Attention(OpsModule):
         self.rotary = RotaryEmbedding(self.head_dim, c.layer_rope_theta(layer_idx), c.layer_rope_scaling(layer_idx))
         self.backend = None                    # set by the model runner (engine.attention.get_backend)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the model runner
-        # [Hkv, D] subtracted from every key before it is stored: an int8 cache's (engine.quant.key_shift)
+        # [Hkv, D] subtracted from every key before it is stored: an int8 cache's (engine.attention.key_shift)
         self.key_shift: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,

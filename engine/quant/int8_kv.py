@@ -5,7 +5,7 @@ scale per group of 32 (llama.cpp's q8_0 grouping), symmetric: ``scale = max|x| /
 ``q = round_half_even(x * (127 / max|x|))`` (an all-zero group: zeros, scale 0); the group stands for
 ``q * scale``. Groups, not one scale per row: gemma-3-270m's keys have channels far larger than the rest, and one
 scale per 256-value row tripled the model's KL against float32 (``batchgen bench --quality``; figures in
-docs/perf/code-notes-engine.md). Keys are stored minus their layer's mean key (engine.quant.key_shift). 288 bytes
+docs/perf/code-notes-engine.md). Keys are stored minus their layer's mean key (engine.attention.key_shift). 288 bytes
 per row of 256 where bf16 takes 512: decode attention reads 0.56x the bytes.
 
 Layout: one int8 tensor per layer for K and one for V, ``[num_blocks, block_bytes]``; a block holds its

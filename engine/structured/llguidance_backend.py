@@ -19,10 +19,10 @@ import llguidance as llg
 import numpy as np
 import torch
 
+from engine.cache_root import tokenizers_dir
 from engine.structured.backend import LRU
 from engine.structured.llguidance_grammar import grammar_problem, grammar_text
 from engine.structured.params import StructuredOutputError, StructuredOutputsParams, check_structured
-from engine.tokenizer import cache_root as tokenizer_cache_root
 
 _CACHE_FORMAT = "1"
 
@@ -123,7 +123,7 @@ def _eos(tokenizer, eos_token_ids) -> int:
 
 
 def _cache_file(cache_key: str, vocab_size: int) -> Path:
-    return tokenizer_cache_root() / cache_key / f"llguidance-{_CACHE_FORMAT}-{vocab_size}.npz"
+    return tokenizers_dir() / cache_key / f"llguidance-{_CACHE_FORMAT}-{vocab_size}.npz"
 
 
 def _prepare(tokenizer, vocab_size: int, eos: int, cache_key: str | None) -> llg.LLTokenizer:

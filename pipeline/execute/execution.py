@@ -56,7 +56,7 @@ class LocalExecution:
         self.llm, self.window, self.max_open_groups = llm, window, max_open_groups
         self.feeder: Feeder | None = None
         self._exhausted = False
-        self._steps_sent = 0
+        self._steps: list[StepStats] = []       # taken since the last steps()
 
     def start(self) -> None:
         pass
@@ -76,14 +76,15 @@ class LocalExecution:
         if not feeder.in_flight:
             self._exhausted = True
             return
-        for out in llm.step():
+        outs, stats = llm.step()
+        self._steps.append(stats)
+        for out in outs:
             p = int(out.request_id)
             feeder.on_finished(llm, p)
             yield p, out
 
     def steps(self) -> list[tuple[list[StepStats], int]]:
-        stats = self.llm.step_stats
-        new, self._steps_sent = stats[self._steps_sent:], len(stats)
+        new, self._steps = self._steps, []
         return [(new, 0)] if new else []
 
     def close(self) -> None:

@@ -56,19 +56,18 @@ class RunRecorder:
             warn(f"no trace for this run ({e})")
             self.trace = None
 
-    def flush(self, llm) -> None:
+    def flush(self) -> None:
         trace = self.trace
-        if trace is None or llm is None:
+        if trace is None:
             return
         try:
-            trace.add_steps(llm.step_stats)
             trace.write()
         except Exception as e:                  # NOTE: e.g. a full disk; the results matter, the trace less
             warn(f"cannot write the trace to {trace.run_dir} ({e}); the run goes on without it")
             self.trace = None
 
     def add_steps(self, steps: list, source: int) -> None:
-        """Steps of one of several engines (Ray replicas); ``source`` tells them apart."""
+        """Engine steps as the execution hands them over; ``source`` tells several engines (Ray replicas) apart."""
         if self.trace is not None:
             self.trace.add_steps(steps, source=source)
 

@@ -189,7 +189,7 @@ class Runner:
             for jr in runs:
                 assemble(jr, info, time.monotonic() - t0, engine_s, report.trace_dir, prediction=predicted,
                          distributed=distributed)
-            rec.flush(llm)
+            rec.flush()
             (states[0].dir / "current_run").unlink(missing_ok=True)
             report.wall_s = time.monotonic() - t0
             report.summary = summarize(report)
@@ -199,7 +199,7 @@ class Runner:
         except BaseException as e:
             failure = failure_of(e)
             if failure.flush_trace:
-                rec.flush(llm)
+                rec.flush()
             rec.finish_history(runs, failure.status, failure.message)
             if failure.raise_instead is None:
                 raise
@@ -346,7 +346,7 @@ class Runner:
                 if now - last_commit >= self.opts.commit_interval_s or \
                         any(len(jr.pending) >= self.opts.commit_rows for jr in runs):
                     self._commit_all(runs)
-                    self._rec.flush(llm)
+                    self._rec.flush()
                     last_commit = now
                 if self._stop_reason is None and self.opts.stop_after_rows is not None \
                         and progress.finished >= self.opts.stop_after_rows:
@@ -371,6 +371,8 @@ class Runner:
         finally:
             bar.close()
             batch.close()
+            for steps, source in exe.steps():     # the steps of outputs that stopped the loop are traced too
+                self._rec.add_steps(steps, source)
             # NOTE: on any exit path (stop, error, Ctrl-C twice) what finished is made durable.
             try:
                 self._commit_all(runs)

@@ -15,8 +15,9 @@ Times are seconds relative to the run start (the ``RunTrace``'s creation). A run
 appends a new session whose times continue after the previous sessions' wall time, so one axis covers all.
 
     trace = RunTrace(run_dir, llm.info.to_dict(), llm.info.load_time_s, model_config=llm.model_config)
-    for out in finished: trace.add_request(out, job="summaries", row_id=row_id)
-    trace.add_steps(llm.step_stats)     # the whole list each time is fine: steps already seen are skipped
+    outputs, stats = llm.step()
+    for out in outputs: trace.add_request(out, job="summaries", row_id=row_id)
+    trace.add_steps([stats])            # each step's stats as llm.step() returns them (seen ones are skipped)
     trace.write()                       # periodically, and once at the end
 """
 from __future__ import annotations
@@ -114,7 +115,7 @@ class RunTrace:
         self._num_requests += 1
 
     def add_steps(self, step_stats: Iterable[StepStats], source: int = 0) -> None:
-        """Record engine steps; steps already recorded (by start time) are skipped, so pass the whole list.
+        """Record engine steps; steps already recorded (by start time) are skipped.
         ``source``: which engine, when several (Ray replicas) feed one trace."""
         for s in step_stats:
             if s.start_time <= self._last_step_start.get(source, float("-inf")):

@@ -34,7 +34,6 @@ class Replica:
         self.faults = [f.strip() for f in fault.split(",") if f.strip()]
         self.step_delay = sum(float(f.partition(":")[2]) for f in self.faults if f.startswith("step-delay:"))
         self.calls = 0
-        self._steps_sent = 0
         self._unit_left: dict[int, int] = {}          # unit id -> requests not finished
         self._unit_pin: dict[int, int | None] = {}
         self._unit_of: dict[str, int] = {}            # request id -> unit id
@@ -58,9 +57,11 @@ class Replica:
                 llm.add_request(str(pos), ids, params, priority=pos)
                 self._unit_of[str(pos)] = uid
         t0 = time.monotonic()
-        outs = []
+        outs, steps = [], []
         while llm.has_unfinished_requests():
-            outs.extend(llm.step())
+            finished, stats = llm.step()
+            outs.extend(finished)
+            steps.append(stats)
             if self.step_delay:
                 time.sleep(self.step_delay)
             if time.monotonic() - t0 >= max_s:
@@ -73,8 +74,6 @@ class Replica:
                 pin = self._unit_pin.pop(uid)
                 if pin is not None:
                     llm.unpin_prefix(pin)
-        steps = llm.step_stats[self._steps_sent:]
-        self._steps_sent = len(llm.step_stats)
         return {"outputs": outs, "steps": steps, "now": time.monotonic()}
 
     def _maybe_fail(self, call: int | None = None, position: int | None = None) -> None:

@@ -5,11 +5,12 @@ when every draft is accepted the argmax at the bonus position follows. The resul
 decoding without speculation produces.
 
 Sampling (temperature > 0): the target's own draw at each position decides. Position i draws its token from
-p_i by the exponential race (``argmax(p_i / q_i)``, q_i ~ Exp(1), as the sampler draws), with q_i from the
-request's draw for that output position (engine.seeded_draws); the draft is accepted while it equals that token,
-the first mismatch emits the target's token and stops, and when all k are accepted the bonus token follows. A
-one-hot (n-gram) draft is accepted with probability p_i(d), the standard rule's rate, every emitted token is
-exactly the target's sample, and a seeded request emits the same tokens with speculation on or off.
+p_i by the exponential race (``argmax(p_i / q_i)``, q_i ~ Exp(1): engine.sample.sampler.exponential_race, as the
+sampler draws), with q_i from the request's draw for that output position (engine.sample.seeded_draws); the draft
+is accepted while it equals that token, the first mismatch emits the target's token and stops, and when all k are
+accepted the bonus token follows. A one-hot (n-gram) draft is accepted with probability p_i(d), the standard rule's
+rate, every emitted token is exactly the target's sample, and a seeded request emits the same tokens with
+speculation on or off.
 ``probs`` must already be the processed distributions (temperature, top-k/top-p/min-p, penalties).
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from engine.sample.sampler import exponential_race
 
 
 def verify_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
@@ -34,7 +37,7 @@ def verify_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
 def rejection_sample(draft: Sequence[int], probs: torch.Tensor,
                      generators: torch.Generator | Sequence[torch.Generator | None] | None = None) -> list[int]:
     """probs: [len(draft) + 1, V] target probabilities; ``generators``: one per position (a seeded request's
-    draws, engine.seeded_draws), or one generator (None: torch's) drawn in turn. Returns the tokens to emit
+    draws, engine.sample.seeded_draws), or one generator (None: torch's) drawn in turn. Returns the tokens to emit
     (1..k+1)."""
     k = len(draft)
     assert probs.shape[0] == k + 1, (k, tuple(probs.shape))
@@ -44,9 +47,8 @@ def rejection_sample(draft: Sequence[int], probs: torch.Tensor,
     probs = probs.float()
     out = []
     for i in range(k + 1):
-        q = torch.empty_like(probs[i]).exponential_(generator=generators[i])
-        # NOTE: exponential_ can return exactly 0; clamp so a zero-probability token never wins (as the sampler)
-        t = int((probs[i] / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax())
+        # NOTE: one position at a time: an unseeded request's stream is drawn only up to the first rejection
+        t = int(exponential_race(probs[i:i + 1], [(0, generators[i])], draw_default=False)[0])
         out.append(t)
         if i < k and t != draft[i]:
             return out

@@ -28,7 +28,7 @@ _PAD_ID = -1  # padding in the ragged token-id tensors; mapped to an extra, disc
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A torch.Generator on ``device`` seeded with ``seed`` (the engine's shared one, or a seeded request's draw at
-    one output position: engine.seeded_draws)."""
+    one output position: engine.sample.seeded_draws)."""
     generator = torch.Generator(device=torch.device(device))
     generator.manual_seed(int(seed))
     return generator
@@ -263,13 +263,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """One draw per row: argmax(probs / q), q ~ Exp(1). Seeded rows draw q from their own generator."""
-    if md.has_unseeded_random_rows:
-        q = torch.empty_like(probs).exponential_(generator=md.default_generator)
+def exponential_race(probs: torch.Tensor, seeded_rows: Iterable[tuple[int, torch.Generator | None]] = (),
+                     default_generator: torch.Generator | None = None, *, draw_default: bool = True) -> torch.Tensor:
+    """One draw per row of ``probs`` [B, V]: ``argmax(probs / q)`` with ``q ~ Exponential(1)``, which picks token
+    ``i`` with probability ``probs[i]``. The one place a sample is drawn (plain sampling, constrained choice and
+    speculation's verification), so the same q gives the same token in each.
+
+    Args:
+        seeded_rows: (row, generator) pairs: rows that draw their q from their own generator (None: torch's).
+        default_generator: the other rows' q, drawn in one call (None: torch's global RNG).
+        draw_default: False when no other row's draw is used (greedy rows only): their q is not drawn.
+    """
+    if draw_default:
+        q = torch.empty_like(probs).exponential_(generator=default_generator)
     else:
-        q = torch.ones_like(probs)                                                  # greedy rows: unused
-    for row, generator in md.seeded_rows:
+        q = torch.ones_like(probs)                                                  # unused rows
+    for row, generator in seeded_rows:
         q[row].exponential_(generator=generator)
     # NOTE: exponential_ can return exactly 0 in rare cases; clamp so a zero-probability token never wins.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
@@ -307,7 +316,12 @@ class Sampler:
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Temperature -> top-k / top-p -> min-p -> one draw per row (greedy rows are computed and discarded)."""
-        return exponential_race(Sampler.probs(logits, md), md)
+        return Sampler.draw(Sampler.probs(logits, md), md)
+
+    @staticmethod
+    def draw(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """One draw per row of ``probs``: seeded rows from their own generator, the rest from the default one."""
+        return exponential_race(probs, md.seeded_rows, md.default_generator, draw_default=md.has_unseeded_random_rows)
 
     @staticmethod
     def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.sampler import Sampler, SamplingMetadata, exponential_race, greedy
-from engine.spec_decode.rejection import rejection_sample
+from engine.sample.rejection import rejection_sample
+from engine.sample.sampler import Sampler, SamplingMetadata, greedy
 
 _NEG_INF = float("-inf")
 # Up to this many allowed tokens, a greedy row's masked choice reads only their rows of an int8 LM head (about 8 ms
@@ -38,7 +38,7 @@ def masked_choice(logits: torch.Tensor, allowed: torch.Tensor, md: SamplingMetad
         masked = torch.where(empty, torch.where(allowed, logits.float(), _NEG_INF), masked)
     if md.all_greedy:
         return greedy(masked)
-    sampled = exponential_race(_allowed_probs(processed, allowed, masked, md), md)
+    sampled = Sampler.draw(_allowed_probs(processed, allowed, masked, md), md)
     return sampled if md.greedy_rows is None else torch.where(md.greedy_rows, greedy(masked), sampled)
 
 
@@ -125,7 +125,7 @@ def verify(req, draft: list[int], logits: torch.Tensor, md: SamplingMetadata,
     masked distributions (every position's mask: speculation with sampling is rare here). ``md``: the k + 1
     rows' metadata, ``row_metadata(j)``: row j's alone. The matcher is left
     where it was; the emitted tokens are consumed afterwards like any sampled token. ``generator``: the draws
-(a seeded request's: one per position, engine.seeded_draws)."""
+(a seeded request's: one per position, engine.sample.seeded_draws)."""
     g = req.grammar
     g.sync(req.output_token_ids)
     out: list[int] = []

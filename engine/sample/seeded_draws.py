@@ -1,8 +1,8 @@
 """A seeded request's random draws as a function of (seed, output position), not of a stream.
 
-A request's own ``torch.Generator`` kept for its life made its n-th draw depend on how many draws came before:
-speculation's verification drew differently from plain steps, and whether a request speculated depends on the
-batch (the gate), so the same seed gave other tokens in another batch. Here the draw for output position ``p``
+A ``torch.Generator`` kept for a request's life would make its n-th draw depend on how many draws came before:
+speculation's verification draws differently from plain steps, and whether a request speculates depends on the
+batch (the gate), so the same seed would give other tokens in another batch. Here the draw for output position ``p``
 comes from a fresh generator seeded by ``mix(seed, p)`` (a counter-based scheme): plain sampling and
 verification make the same draw for the same position, whatever else the step held.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import make_generator
+from engine.sample.sampler import make_generator
 
 _MASK = (1 << 64) - 1
 
