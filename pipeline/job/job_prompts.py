@@ -13,7 +13,7 @@ from pipeline.job.structured_output import output_fields, written_schema
 
 @dataclass
 class JobPrompts:
-    """What turns a job's ``rows.Request`` into token ids and parameters: the renderer, the parameter sets (0: the
+    """What turns a job's ``rows.RowRequest`` into token ids and parameters: the renderer, the parameter sets (0: the
     job's own; more for rows whose OpenAI batch body overrides the generation) and the distinct prompt tails."""
     job: Job
     renderer: PromptRenderer

@@ -1,7 +1,7 @@
 """The typed rows that cross the pipeline's seams.
 
-    Request     one prompt to compute (a spill-file row, a map_reduce part or reduce request): which job, its key,
-                its head group, document ids, tail id and params id. ``execute.Batch`` turns it into token ids.
+    RowRequest  one prompt to compute (a spill-file row, a map_reduce part or reduce request): which job, its key,
+                its head group, document ids, tail id and params id. ``plan.batch.Batch`` turns it into token ids.
     ResultRow   one committed result: a part file's row (``state.RunState.commit``) and the output's result
                 columns (``RESULT_COLUMNS``, in this order). Made from a finished engine output or an error.
 """
@@ -16,7 +16,7 @@ from engine import RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class RowRequest:
     """One prompt to compute: ``heads[group] + doc_ids + tails[tail]`` under ``param_sets[params]`` of job ``job``."""
     job: int                      # index of its job among the model's (``Runner``'s ``runs``)
     key: str                      # the row key, or a map_reduce part's (``long_docs.chunk_key`` / ``reduce_key``)
@@ -84,4 +84,4 @@ def hit_rate(a: int, b: int) -> float | None:
     return round(a / b, 6) if b else None
 
 
-__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "Request", "ResultRow", "results_table", "hit_rate"]
+__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "RowRequest", "ResultRow", "results_table", "hit_rate"]

@@ -1,6 +1,6 @@
 """One planned batch of requests: a plan (``pipeline.plan.planner``) and what its positions mean. Position p is request
-``requests[plan.order[p]]`` (a ``rows.Request``), whose token ids ``prompt(p)`` builds; a sampled row's seed is its
-own (``row_seed``)."""
+``requests[plan.order[p]]`` (a ``rows.RowRequest``), whose token ids ``prompt(p)`` builds; a sampled row's seed is
+its own (``row_seed``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.job.job_prompts import JobPrompts
-from pipeline.job.rows import Request
+from pipeline.job.rows import RowRequest
 from pipeline.plan.planner import Plan
 
 
@@ -20,11 +20,11 @@ class Batch:
     """One planned batch: ``requests`` (by request index) in ``plan``'s order; ``job``: each request's job index."""
     plan: Plan
     heads: list                       # group id -> the shared head's token ids
-    requests: Sequence[Request]       # by request index; ``plan.order[p]`` is position p's
+    requests: Sequence[RowRequest]    # by request index; ``plan.order[p]`` is position p's
     job: np.ndarray                   # by request index: the request's job (without reading the request)
     prompts: list[JobPrompts]         # by job index: tails and parameter sets
 
-    def request(self, p: int) -> Request:
+    def request(self, p: int) -> RowRequest:
         return self.requests[int(self.plan.order[p])]
 
     def prompt(self, p: int) -> tuple[list[int], object]:

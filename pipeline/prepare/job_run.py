@@ -9,7 +9,7 @@ from engine import EngineInfo, RequestOutput
 from pipeline.job.job_file import Job
 from pipeline.job.job_prompts import JobPrompts
 from pipeline.job.prompts import PromptRenderer, fingerprint
-from pipeline.job.rows import Request, ResultRow
+from pipeline.job.rows import ResultRow, RowRequest
 from pipeline.job.state import RunState
 from pipeline.job.structured_output import JSON_KINDS, json_error
 from pipeline.prepare.long_docs import LongDocs
@@ -86,7 +86,7 @@ class JobRun:
         self.row_errors += 1
         self.pending.append(ResultRow.failed(key, message))
 
-    def reduce_requests(self, job_index: int) -> list[Request]:
+    def reduce_requests(self, job_index: int) -> list[RowRequest]:
         """The next reduce level's requests of this job's long rows; long rows that failed get their error row."""
         requests, errors = self.long_docs.next_requests(job_index, self.state)
         for row in errors:

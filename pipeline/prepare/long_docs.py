@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.job.rows import Request, ResultRow
+from pipeline.job.rows import ResultRow, RowRequest
 from pipeline.problems import RunError
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class LongDocs:
         base, sep, _ = key.rpartition("~")               # a row key ends in "#<hash>": its id may hold a "~"
         return "part" if sep and base in self.rows else None
 
-    def next_requests(self, job: int, state: RunState) -> tuple[list[Request], list[ResultRow]]:
+    def next_requests(self, job: int, state: RunState) -> tuple[list[RowRequest], list[ResultRow]]:
         """The next level's requests of every long row whose current level is done, and the error rows of long
         rows whose level had an error (those rows are finished)."""
         if not self.rows:
@@ -149,7 +149,7 @@ class LongDocs:
         keys = done_t.column("row_key")
         mine = pc.or_(pc.match_substring(keys, "~"), pc.is_in(keys, value_set=pa.array(list(self.rows))))
         done = {r["row_key"]: ResultRow.from_dict(r) for r in done_t.filter(mine).to_pylist()}
-        out: list[Request] = []
+        out: list[RowRequest] = []
         errors: list[ResultRow] = []
         r, template = self.prompts.renderer, self.template
         for lr in list(self.rows.values()):
@@ -161,7 +161,7 @@ class LongDocs:
                         raise RunError(f"internal error: {len(missing)} parts of row {lr.key} have no result; "
                                        "run again to resume")
                     part = self.prompts.unconstrained_index(lr.params)     # the schema: final reduce only
-                    out += [Request(job, k, lr.group, lr.requests[k], lr.tail, lr.params if k == lr.key else part)
+                    out += [RowRequest(job, k, lr.group, lr.requests[k], lr.tail, lr.params if k == lr.key else part)
                             for k in missing]
                     break
                 for g in got:

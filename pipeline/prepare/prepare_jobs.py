@@ -7,7 +7,7 @@ the spill file (head group, document ids, tail id, params id) that ``SpilledRequ
 number. Nothing here touches the engine beyond its tokenizer and ``EngineInfo``.
 
     keys.arrow    row_idx -> row_key, in input order (the assembly joins results onto it)
-    spill.arrow   row_key, group, doc_ids, tail, params  for the rows to compute (a ``rows.Request`` each)
+    spill.arrow   row_key, group, doc_ids, tail, params  for the rows to compute (a ``rows.RowRequest`` each)
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pyarrow as pa
 from engine import EngineInfo
 from pipeline.io.tables import iter_batches
 from pipeline.job.prompts import RowError, RowKeyer, needed_columns, row_key
-from pipeline.job.rows import Request
+from pipeline.job.rows import RowRequest
 from pipeline.plan.batch import Batch
 from pipeline.plan.planner import make_plan, unplanned
 from pipeline.prepare.job_run import JobRun
@@ -128,19 +128,19 @@ class _JobPreparer:
         self.spill_w = pa.ipc.new_file(str(spill_path), SPILL_SCHEMA)
 
     def _stream(self) -> int:
-        """Every input batch, rendered, tokenized and finished; returns the number of input rows.
+        """Every input record batch (Arrow's), rendered, tokenized and finished; returns the number of input rows.
 
-        Two stages, one batch apart: the next batch renders (Python) while this one's documents tokenize on a
-        worker thread (the Rust tokenizer and Arrow's kernels run without the GIL). Rendering a batch ahead of
-        the previous one's keys may tokenize a duplicate the second stage then skips: harmless."""
+        Two stages, one record batch apart: the next renders (Python) while this one's documents tokenize on a
+        worker thread (the Rust tokenizer and Arrow's kernels run without the GIL). Rendering a record batch ahead
+        of the previous one's keys may tokenize a duplicate the second stage then skips: harmless."""
         job = self.job
         cols = list(dict.fromkeys(([self.id_col] if self.id_col else []) + needed_columns(job.prompt)))
         row_idx = 0
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
             inflight = None
-            for batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
-                                      job.input.split, job.input.limit):
-                rows = batch.to_pylist()
+            for record_batch in iter_batches(job.input.path, job.input.format, cols, job.input.batch_size,
+                                             job.input.split, job.input.limit):
+                rows = record_batch.to_pylist()
                 rendered = self._render_rows(rows, row_idx)
                 todo = [k for k, (_, rr, key, _) in enumerate(rendered)
                         if not isinstance(rr, RowError) and key not in self.done_keys and key not in self.seen_keys]
@@ -277,23 +277,23 @@ class Spill:
         self._starts = np.cumsum([0] + sizes)
         self._cache: tuple[int, list] | None = None
 
-    def row(self, i: int) -> Request:
+    def row(self, i: int) -> RowRequest:
         """Spill row ``i``."""
         b = int(np.searchsorted(self._starts, i, side="right") - 1)
         if self._cache is None or self._cache[0] != b:
-            batch = self._reader.get_batch(b)
-            self._cache = (b, [batch.column(k) for k in range(5)])
+            record_batch = self._reader.get_batch(b)
+            self._cache = (b, [record_batch.column(k) for k in range(5)])
         cols = self._cache[1]
         off = i - int(self._starts[b])
-        return Request(self.job, cols[0][off].as_py(), cols[1][off].as_py(),
-                       cols[2][off].values.to_numpy().tolist(), cols[3][off].as_py(), cols[4][off].as_py())
+        return RowRequest(self.job, cols[0][off].as_py(), cols[1][off].as_py(),
+                          cols[2][off].values.to_numpy().tolist(), cols[3][off].as_py(), cols[4][off].as_py())
 
     def close(self) -> None:
         self._reader = None
 
 
 class SpilledRequests:
-    """The requests of a prepared batch, by request index (job, row in its spill file); spill files are opened
+    """The requests of a planned Batch, by request index (job, row in its spill file); spill files are opened
     when first read (after ``prepare`` has closed them) and closed by ``close``."""
 
     def __init__(self, runs: list[JobRun], job: np.ndarray, local: np.ndarray):
@@ -303,7 +303,7 @@ class SpilledRequests:
     def __len__(self) -> int:
         return len(self._job)
 
-    def __getitem__(self, i: int) -> Request:
+    def __getitem__(self, i: int) -> RowRequest:
         j = int(self._job[i])
         spill = self._spills.get(j)
         if spill is None:

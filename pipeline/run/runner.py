@@ -51,7 +51,7 @@ from pipeline.assemble.summary import summarize
 from pipeline.execute.execution import Execution, LocalExecution
 from pipeline.execute.ray.driver import RayExecution, RayOptions
 from pipeline.job.job_file import Job
-from pipeline.job.rows import Request, ResultRow
+from pipeline.job.rows import ResultRow, RowRequest
 from pipeline.job.state import RunState
 from pipeline.plan.batch import Batch
 from pipeline.plan.planner import Plan, make_plan
@@ -397,7 +397,7 @@ def reduce_batches(runs: list[JobRun], heads: list, block_size: int) -> Iterator
     """The reduce levels of every job's long rows (on_too_long: map_reduce), each one planned batch; the next level
     is made when the caller asks for it (after computing this one), until every long row has its final result."""
     while True:
-        stage: list[Request] = []
+        stage: list[RowRequest] = []
         for j, jr in enumerate(runs):
             if jr.long_docs:
                 stage += jr.reduce_requests(j)
