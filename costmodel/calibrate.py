@@ -106,7 +106,7 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or int8, got {dtype!r}")
     if dtype == "int8" and dev.type != "cpu":
         raise ValueError("int8 (engine.quant.int8) runs on the CPU only")
-    # int8: our integer-dot-product linear (csrc/qlinear.c) with float32 activations, as quantization: int8 runs
+    # int8: our integer-dot-product linear (csrc/qlinear/) with float32 activations, as quantization: int8 runs
     measure = _int8_flops if dtype == "int8" else partial(_matmul_flops, dtype=DTYPES[dtype])
     reps = 3 if quick else 7
     by_shape = {}
