@@ -2,7 +2,7 @@
 
     batchgen bench --quality --formats [--model M] [--positions 2000]
 
-Today's format (``csrc/qlinear.c``): weights int8 per row and group of 32 (the GGUF's own groups), activations
+Today's format (``csrc/qlinear/``): weights int8 per row and group of 32 (the GGUF's own groups), activations
 uint8 per token and group of 32, asymmetric (scale and minimum). Each group of 32 along K ends the VNNI tile's
 integer sums: per accumulator one convert, one multiply (weight scale x activation scale), one FMA and one more
 FMA for the minimum, against eight ``vpdpbusd``: about 4 of every 12 vector instructions. Coarser scales would let
@@ -46,7 +46,7 @@ FORMATS = (
 
 def simulate_activations(x: torch.Tensor, per: str) -> torch.Tensor:
     """x [T, K] float32 after the kernel's asymmetric uint8 quantization, dequantized (q * scale + minimum).
-    per: "group" (per token and group of 32: csrc/qlinear.c's quant_row) or "token" (one group per row)."""
+    per: "group" (per token and group of 32: csrc/qlinear/driver.h's quant_row) or "token" (one group per row)."""
     t, k = x.shape
     g = QK if per == "group" else k
     kp = -(-k // g) * g

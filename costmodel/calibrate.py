@@ -9,7 +9,7 @@ count (``cpu-2t``, ``cuda-nvidia-h200``), since both change the numbers.
     cal.matmul_flops, cal.memory_bandwidth        # FLOP/s, bytes/s
 
 The matmul peak is the best of the kernels measured at that dtype (``kernel_flops``, ``peak_kernel``): torch's
-matmul for the float dtypes; for int8 both our int8 linear (``q8_linear``: csrc/qlinear.c, float32 activations
+matmul for the float dtypes; for int8 both our int8 linear (``q8_linear``: csrc/qlinear/, float32 activations
 quantized on the fly, as ``quantization: int8`` runs) and torch's int8 GEMM (``torch._int_mm``: oneDNN on the
 CPU), so that ``matmul_flops`` is this machine's int8 peak, not only our kernel's.
 """

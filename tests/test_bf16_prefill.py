@@ -1,4 +1,4 @@
-"""bf16 prefill attention with float32 products (csrc/bf16_gemm.c, csrc/prefill.c, torch_backend._prefill_wide):
+"""bf16 prefill attention with float32 products (csrc/bf16_gemm/, csrc/prefill/, torch_backend._prefill_wide):
 bf16 inputs, float32 scores, softmax and output. Held to float32 attention over the same bf16-valued inputs, with
 chunks that start at odd offsets and windows that cut tiles mid-pair, for MQA and GQA; the fused kernel also to
 the same tiles composed from bf16_gemm and masked_softmax_, bit for bit, in every build."""

@@ -191,7 +191,7 @@ def _shared_prefix_case(dtype, bs=16, seed=5):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 40, 512])
 def test_shared_blocks_give_each_sequence_its_own_result(libs, build, dtype, window):
-    """Sequences that share prefix blocks are walked block by block together (csrc/paged_decode.c group_item):
+    """Sequences that share prefix blocks are walked block by block together (csrc/paged_decode/driver.h group_item):
     each one's output is bit-identical to computing it alone, at any thread count, and matches the torch path."""
     lib = _lib(libs, build)
     q, k, v, tables, lens = _shared_prefix_case(dtype)

@@ -1,4 +1,4 @@
-"""float32 prefill attention in one C call (csrc/prefill.c, ``kernel_attention.prefill_attention_f32``): every vector
+"""float32 prefill attention in one C call (csrc/prefill/, ``kernel_attention.prefill_attention_f32``): every vector
 build against float32 attention computed by torch, for MQA and GQA, windows that cut tiles, chunks after cached
 context and key counts that are not a multiple of the kernel's column tile; and the engine's routing to it."""
 import pytest

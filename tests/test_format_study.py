@@ -1,4 +1,4 @@
-"""bench.format_study: its simulated formats are the kernel's arithmetic (activation quants equal csrc/qlinear.c's,
+"""bench.format_study: its simulated formats are the kernel's arithmetic (activation quants equal csrc/qlinear/'s,
 today's format equals the int8 engine's logits), and the study measures every format."""
 import pytest
 import torch

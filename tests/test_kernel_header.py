@@ -76,9 +76,77 @@ def test_every_definition_matches_its_declaration(flags):
     """Each source includes kernels.h and compiles against it: a definition whose types differ from its
     declaration is a compile error, and a non-static function without a declaration is one too."""
     for src in kbuild.SOURCES:
-        assert '#include "kernels.h"' in src.read_text(), src.name
-        r = _syntax(kbuild.CSRC, src.name, flags)
-        assert r.returncode == 0, (src.name, r.stderr[-2000:])
+        name = str(src.relative_to(kbuild.CSRC))
+        assert re.search(r'#include "(\.\./)?kernels\.h"', src.read_text()), name
+        r = _syntax(kbuild.CSRC, name, flags)
+        assert r.returncode == 0, (name, r.stderr[-2000:])
+
+
+# Compile flags of the CPU kinds dispatch.h tells apart (an AVX-512 CPU has FMA too), and the file each family with
+# instruction-set-specific code compiles for it: every implementation file is compiled by one of them, on any
+# machine whose compiler accepts the flags (nothing is run).
+TARGETS = {
+    "portable": [],
+    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
+    "avx512-bf16-vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-mavx512bf16"],
+}
+CHOSEN = {   # target -> family -> implementation file (csrc/<family>/<name>.c)
+    "portable": {"bf16_gemm": "portable", "paged_decode": "portable", "prefill": "portable", "qlinear": "portable",
+                 "small_m": "portable"},
+    "avx2": {"bf16_gemm": "portable", "paged_decode": "avx2", "prefill": "avx2", "qlinear": "avx2", "small_m": "avx2"},
+    "avx512": {"bf16_gemm": "portable", "paged_decode": "avx512", "prefill": "avx512", "qlinear": "avx2",
+               "small_m": "avx512"},
+    "avx512-bf16-vnni": {"bf16_gemm": "avx512_bf16", "paged_decode": "avx512_bf16", "prefill": "avx512",
+                         "qlinear": "avx512_vnni", "small_m": "avx512_bf16"},
+}
+
+
+# global functions one family calls in another, declared in that family's header instead of kernels.h
+INTERNAL = {"bf16_gemm_serial"}     # bf16_gemm/bf16_gemm.h, for prefill/
+
+
+def _families() -> dict[str, list[Path]]:
+    """family -> its implementation files: the folders of csrc/ with .c files."""
+    return {d.name: sorted(d.glob("*.c")) for d in sorted(kbuild.CSRC.iterdir()) if d.is_dir() and any(d.glob("*.c"))}
+
+
+def _exported(src: Path, flags: list[str]) -> set[str] | None:
+    """The global functions src defines when compiled with flags (-O0, to assembly); None if the compiler rejects
+    the flags themselves."""
+    r = subprocess.run([CC, "-O0", "-std=c11", "-fopenmp", *flags, "-S", "-o", "-", str(src)], capture_output=True,
+                       text=True)
+    if r.returncode != 0 and "unrecognized" in r.stderr:
+        return None
+    assert r.returncode == 0, (str(src.relative_to(kbuild.CSRC)), flags, r.stderr[-2000:])
+    return set(re.findall(r"^\s*\.globl\s+(\w+)", r.stdout, flags=re.M))
+
+
+@needs_cc
+def test_dispatch_compiles_one_implementation_per_family():
+    """csrc/dispatch.h picks one file per family for each CPU kind; that file compiles (AVX-512 ones included, on
+    any machine) and defines the family's exported functions, the same set in every implementation, and the other
+    files compile to nothing. Every implementation file is picked for some kind."""
+    families = _families()
+    assert set(families) == set(CHOSEN["portable"])
+    declared = set(binding.header_signatures())
+    exports: dict[str, set[str]] = {}
+    compiled = set()
+    for target, flags in TARGETS.items():
+        for family, files in families.items():
+            defined = {}
+            for src in files:
+                names = _exported(src, flags)
+                if names is None:
+                    pytest.skip(f"{CC} does not accept {' '.join(flags)}")
+                if names:
+                    defined[src.stem] = names
+            assert list(defined) == [CHOSEN[target][family]], (target, family, list(defined))
+            names = defined[CHOSEN[target][family]]
+            assert names - INTERNAL <= declared, (target, family, names - declared)
+            assert exports.setdefault(family, names) == names, (target, family, names)
+            compiled.add(f"{family}/{CHOSEN[target][family]}.c")
+    assert compiled == {f"{family}/{src.name}" for family, files in families.items() for src in files}
 
 
 @needs_cc
@@ -95,12 +163,12 @@ def test_a_wrong_signature_is_caught(tmp_path):
     assert wrong != header
     assert binding.parse_header(wrong)["paged_decode_f32"].argtypes[4] is ctypes.c_int32   # what Python would pass
     (csrc / "kernels.h").write_text(wrong)
-    r = _syntax(csrc, "paged_decode.c", [])
+    r = _syntax(csrc, "paged_decode/portable.c", [])
     assert r.returncode != 0 and "conflicting types" in r.stderr
     dropped = re.sub(r"void bf16_gemm\(.*?\);", "", header, flags=re.S)
     assert dropped != header
     (csrc / "kernels.h").write_text(dropped)
-    r = _syntax(csrc, "bf16_gemm.c", [])
+    r = _syntax(csrc, "bf16_gemm/portable.c", [])
     assert r.returncode != 0 and "bf16_gemm" in r.stderr
 
 

@@ -6,7 +6,7 @@
   against the keys it can see (its window, up to its last query), as two batched matmuls with the GQA group
   folded into the rows (token-major, so MQA needs no copies) and a float32 softmax in between. Over a bf16 cache
   on AVX512-BF16 CPUs (``_prefill_wide``), and in float32 on AVX2 / AVX-512 builds, one C call does every head
-  and tile of a chunk (csrc/prefill.c).
+  and tile of a chunk (csrc/prefill/).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from engine.attention.metadata import AttentionMetadata
 # explicit band mask on the sliding layers and than SDPA's causal kernel on the global ones
 # (docs/perf/code-notes-kernels.md).
 PREFILL_TILE = 128
-# The float32 C kernel (csrc/prefill.c) takes every chunk where it builds, one token included: short chunks once
+# The float32 C kernel (csrc/prefill/) takes every chunk where it builds, one token included: short chunks once
 # went through the torch tiles below (for the kernel's key-transpose cost), whose sums are ordered otherwise, so a
 # prompt's tokens depended on where it was cut; with the kernel everywhere they do not, at no measurable cost end
 # to end (docs/perf/code-notes-kernels.md).
@@ -55,7 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
         if k_cache.dtype == torch.int8:                              # [N_blocks, block bytes]: int8_kv's layout
             return _forward_int8(self.native, q, k, v, kv_cache, meta, window, scale, self.prefill == "c")
         low = k_cache.dtype
-        # bf16 caches: prefill tiles multiply bf16 into float32 (csrc/bf16_gemm.c) where that kernel is fast, so
+        # bf16 caches: prefill tiles multiply bf16 into float32 (csrc/bf16_gemm/) where that kernel is fast, so
         # scores and outputs are not rounded to bf16; float32 activations then keep a float32 output too.
         wide = (self.native and self.prefill == "c" and low == torch.bfloat16 and q.device.type == "cpu"
                 and gemm.bf16_gemm_ok())
@@ -212,7 +212,7 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
 def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
                   out: torch.Tensor | None = None, pack=kernel_attention.pack_kv):
     """``_prefill`` for a bf16 cache with both products in float32 (``engine.kernels.attention.prefill_attention``:
-    bf16 dot products into float32, csrc/prefill.c): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16
+    bf16 dot products into float32, csrc/prefill/): q [n, Hq, D] in bf16 or float32 (scaled, then rounded to bf16
     once), keys and values as cached; scores, softmax and the output in float32 (returned in q's dtype, into ``out``
     when given). The visible keys and values are packed once, straight from the cache (``pack(k_cache, v_cache,
     table, lo, hi)``: by default ``engine.kernels.attention.pack_kv``, an int8 cache passes ``pack_kv_i8``; the

@@ -1,5 +1,5 @@
-"""Attention kernels: paged decode over float, bf16 and int8 caches (csrc/paged_decode.c), prefill over packed
-bf16 operands or float32 (csrc/prefill.c), and the packing of a paged cache into those operands."""
+"""Attention kernels: paged decode over float, bf16 and int8 caches (csrc/paged_decode/), prefill over packed
+bf16 operands or float32 (csrc/prefill/), and the packing of a paged cache into those operands."""
 from __future__ import annotations
 
 import torch
@@ -78,7 +78,7 @@ def int8_kv_ok(q: torch.Tensor) -> bool:
 def prefill_attention(qs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, q_start: int, k_start: int,
                       window: int | None, out_dtype: torch.dtype, lib: KernelLibrary | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """One sequence's prefill chunk over packed bf16 keys and values (csrc/prefill.c), every head in one call.
+    """One sequence's prefill chunk over packed bf16 keys and values (csrc/prefill/), every head in one call.
 
     qs [n, Hq, D] bf16 (already scaled); kp [Hkv, D/2, >= S] and vp [Hkv, S/2, D] int32 (``pack_pairs`` of
     each head's keys transposed and values; S even). Key j is at position k_start + j, query i at q_start + i.
@@ -149,7 +149,7 @@ def prefill_f32_cols() -> int:
 
 def prefill_attention_f32(qs: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, q_start: int, k_start: int,
                           window: int | None, lib: KernelLibrary | None = None) -> torch.Tensor:
-    """``prefill_attention`` in float32 (csrc/prefill.c): qs [n, Hq, D] (already scaled), keys/vals [S, Hkv, D]
+    """``prefill_attention`` in float32 (csrc/prefill/): qs [n, Hq, D] (already scaled), keys/vals [S, Hkv, D]
     float32 or bf16 at positions k_start.. (any strides). Keys are transposed and both padded with zeros to the
     kernel's column tile once per chunk, in the same copy that widens a bf16 cache. Returns [n, Hq, D] float32."""
     lib = lib or library.load()

@@ -25,7 +25,9 @@ log = logging.getLogger("batchgen.engine")
 
 CSRC = Path(__file__).parent / "csrc"
 HEADER = CSRC / "kernels.h"
-SOURCES = sorted(CSRC.glob("*.c"))
+# every .c under csrc/: the families' own files and, per family with instruction-set-specific code, one file per
+# instruction set in csrc/<family>/ (csrc/dispatch.h: each compiles to code only where the build chose it)
+SOURCES = sorted(CSRC.rglob("*.c"))
 FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp"],
     ["-O3", "-fopenmp"],
@@ -56,10 +58,16 @@ def default_flag_sets() -> tuple[list[str], ...]:
     return (forced, *FLAG_SETS[1:]) if forced else FLAG_SETS
 
 
+def source_key() -> bytes:
+    """Every source and header under csrc/, each with its path: what a build is compiled from."""
+    files = sorted(p for p in CSRC.rglob("*") if p.suffix in (".c", ".h"))
+    return b"".join(str(p.relative_to(CSRC)).encode() + b"\0" + p.read_bytes() for p in files)
+
+
 def build(cc: str, flag_sets=None) -> Path:
     """Compile the kernels with the first flag set that works (or reuse the cached build); the .so path."""
     flag_sets = flag_sets or default_flag_sets()
-    src = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))   # headers are part of the key
+    src = source_key()
     errors = []
     for flags in flag_sets:
         key = hashlib.sha256(src + repr((cc, flags, COMMON_FLAGS, cpu_signature())).encode()).hexdigest()[:16]

@@ -2,9 +2,9 @@
 for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfig.kernels``):
 
     elementwise  rms_norm, residual_norm, qk_norm_rope, glu: "c" | "torch"
-    lm_head      a float head's logits: "c" (csrc/small_m.c at every row count) | "torch" | "table" (the C kernel up
+    lm_head      a float head's logits: "c" (csrc/small_m/ at every row count) | "torch" | "table" (the C kernel up
                  to gemm.SMALL_M_MAX rows, torch beyond: the rule when nothing was measured)
-    attention    prefill over a bf16 or int8 KV cache: "c" (bf16 multiplied into float32, csrc/bf16_gemm.c, where the
+    attention    prefill over a bf16 or int8 KV cache: "c" (bf16 multiplied into float32, csrc/bf16_gemm/, where the
                  build has bf16 dot products) | "torch" (torch's matmuls in the activation dtype; float32 queries
                  read the cache as float32). Decode attention is the C kernel wherever it builds.
 

@@ -1,5 +1,5 @@
-"""Matmuls torch does slowly on some CPUs: bf16 x bf16 -> float32 with AVX512-BF16 dot products (csrc/bf16_gemm.c,
-bf16 prefill attention with float32 scores) and few-row x @ W^T streaming W once (csrc/small_m.c, the decode-time
+"""Matmuls torch does slowly on some CPUs: bf16 x bf16 -> float32 with AVX512-BF16 dot products (csrc/bf16_gemm/,
+bf16 prefill attention with float32 scores) and few-row x @ W^T streaming W once (csrc/small_m/, the decode-time
 LM head)."""
 from __future__ import annotations
 

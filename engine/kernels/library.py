@@ -53,12 +53,12 @@ def unavailable_reason() -> str | None:
 
 
 def isa(lib: KernelLibrary) -> str:
-    """The instruction set a build's fast paths use: avx512_bf16 | avx512 | avx2 | portable (see csrc/simd.h)."""
+    """The instruction set a build's fast paths use: avx512_bf16 | avx512 | avx2 | portable (see csrc/dispatch.h)."""
     return lib.batchgen_kernel_isa().decode()
 
 
 def q8_isa(lib: KernelLibrary) -> str:
-    """The integer dot-product path of a build's int8 linear: avx512_vnni | avx2 | portable (csrc/qlinear.c)."""
+    """The integer dot-product path of a build's int8 linear: avx512_vnni | avx2 | portable (csrc/qlinear/)."""
     return lib.batchgen_q8_isa().decode()
 
 

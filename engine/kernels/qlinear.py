@@ -1,4 +1,4 @@
-"""int8 linear layers with integer dot products (csrc/qlinear.c) and int8 embedding rows (csrc/q8_embed.c); the
+"""int8 linear layers with integer dot products (csrc/qlinear/) and int8 embedding rows (csrc/q8_embed.c); the
 weight format is ``engine.quant.int8``'s."""
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     return y
 
 
-_Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # qlinear.c's GLU_GELU_TANH, GLU_SILU
+_Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # csrc/qlinear/driver.h's GLU_GELU_TANH, GLU_SILU
 
 
 def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, act: str,

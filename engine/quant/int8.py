@@ -1,6 +1,6 @@
 """Int8 weights, executed with integer dot products (``quantization: int8``).
 
-Format (the kernel's, ``engine/kernels/csrc/qlinear.c``): each weight row is split into groups of 32 along K with one
+Format (the kernel's, ``engine/kernels/csrc/qlinear/``): each weight row is split into groups of 32 along K with one
 float32 scale per group (llama.cpp's Q8_0 grouping; ``scale = max|w| / 127``, values in [-127, 127]).
 Activations are quantized per token and group of 32 on the fly, asymmetric uint8 (scale and minimum).
 

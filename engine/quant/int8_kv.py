@@ -11,9 +11,9 @@ per row of 256 where bf16 takes 512: decode attention reads 0.56x the bytes.
 Layout: one int8 tensor per layer for K and one for V, ``[num_blocks, block_bytes]``; a block holds its
 ``block_size x Hkv`` rows of ``head_dim`` bytes (slot-major, then head), then their ``block_size x Hkv x
 head_dim/32`` float32 scales. With head_dim a multiple of 64 every row starts on a cache line. Writing:
-``csrc/kv_write.c`` (``kv_write_*_i8``); decode: ``csrc/paged_decode.c`` (``paged_decode_i8kv_*``: on AVX512-BF16 each
+``csrc/kv_write.c`` (``kv_write_*_i8``); decode: ``csrc/paged_decode/`` (``paged_decode_i8kv_*``: on AVX512-BF16 each
 group dequantized and rounded to bf16 into the bf16 dot products, elsewhere widened to float32); prefill:
-``csrc/prefill.c`` (``pack_kv_i8``: the same bf16 values into the bf16 kernel's operands) or the float32 gather
+``csrc/prefill/`` (``pack_kv_i8``: the same bf16 values into the bf16 kernel's operands) or the float32 gather
 below.
 """
 from __future__ import annotations

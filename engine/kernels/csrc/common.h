@@ -44,7 +44,7 @@ static inline float exp_clamped(float x) {
     return p * scale;
 }
 
-/* The gated-MLP activations (elementwise.c's GLU kernels and qlinear.c's fused gate_up + GLU use these, so both
+/* The gated-MLP activations (elementwise.c's GLU kernels and qlinear/'s fused gate_up + GLU use these, so both
  * give the same bits). gelu_tanh(g) = g * 0.5 * (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) * (g + 0.044715 g^3) */
 static inline float gelu_tanh(float g) {
     const float z2 = 1.5957691216057308f * (g + 0.044715f * g * g * g);

@@ -1,6 +1,7 @@
 /* Every function the Python side calls (engine/kernels/binding.py reads its ctypes signatures from this file).
  *
- * Each .c file includes this header, so the compiler checks every definition against its declaration here; the
+ * Each .c file includes this header, so the compiler checks every definition against its declaration here (a
+ * family in a folder defines its functions in the one implementation file dispatch.h picks for the build); the
  * binding parses the declarations below, so Python's argtypes/restype are these (tests/test_kernel_header.py).
  * Keep to the restricted syntax the parser reads: one declaration per statement, `RET NAME(TYPE ARG, ...);`, types
  * built from void/char/int/float/int32_t/int64_t/uint8_t/int8_t/uint16_t/uint32_t, `const` and `*`, no macros.
@@ -12,12 +13,12 @@
 #include <stdint.h>
 
 /* ---- build info ---- */
-const char *batchgen_kernel_isa(void);       /* avx512_bf16 | avx512 | avx2 | portable (simd.h) */
-const char *batchgen_q8_isa(void);           /* avx512_vnni | avx2 | portable (qlinear.c) */
+const char *batchgen_kernel_isa(void);       /* avx512_bf16 | avx512 | avx2 | portable (dispatch.h) */
+const char *batchgen_q8_isa(void);           /* avx512_vnni | avx2 | portable (dispatch.h) */
 int bf16_gemm_fast(void);                    /* 1: bf16_gemm uses AVX512-BF16 dot products */
 int prefill_f32_cols(void);                  /* prefill_f32's column tile: D a multiple of it */
 
-/* ---- paged decode attention (paged_decode.c): 0 on success, 1 for an unsupported shape ---- */
+/* ---- paged decode attention (paged_decode/): 0 on success, 1 for an unsupported shape ---- */
 int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
                       int64_t table_stride, const int32_t *seq_lens, int32_t num_seqs, int32_t num_heads,
                       int32_t num_kv_heads, int32_t head_dim, int32_t block_size, int32_t window, float scale,
@@ -45,7 +46,7 @@ void masked_softmax_bf16(uint16_t *scores, int64_t outer, int64_t t, int64_t g, 
 void masked_softmax_f32(float *scores, int64_t outer, int64_t t, int64_t g, int64_t S, int64_t q_start,
                         int64_t k_start, int64_t window, int32_t num_threads);
 
-/* ---- prefill attention (prefill.c) ---- */
+/* ---- prefill attention (prefill/) ---- */
 void prefill_bf16kv_f32(const uint16_t *q, const uint32_t *kp, int64_t ldk, const uint32_t *vp, int n, int Hq,
                         int Hkv, int D, int S, int64_t q_start, int64_t k_start, int64_t window, float *out, int nt);
 void prefill_bf16kv_bf16(const uint16_t *q, const uint32_t *kp, int64_t ldk, const uint32_t *vp, int n, int Hq,
@@ -93,7 +94,7 @@ int kv_write_bf16_i8(const void *k, const void *v, int64_t tokens, int64_t hkv, 
                      const int64_t *slots, int64_t num_slots, int64_t bs, int8_t *k_cache, int8_t *v_cache,
                      int32_t num_threads);
 
-/* ---- int8 linear (qlinear.c, q8_embed.c); activations quantized to uint8 per token and group of 32 ---- */
+/* ---- int8 linear (qlinear/, q8_embed.c); activations quantized to uint8 per token and group of 32 ---- */
 void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, uint8_t *q, float *sa, float *mn, int nt);
 void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, uint8_t *q, float *sa, float *mn, int nt);
 void q8_gemm_f32(const uint8_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w, const float *sw,
@@ -113,7 +114,7 @@ void q8_gemm_argmax(const uint8_t *q0, const float *sa, const float *mn, int M, 
 void q8_embed_f32(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt);
 void q8_embed_bf16(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt);
 
-/* ---- matmuls (bf16_gemm.c, small_m.c) ---- */
+/* ---- matmuls (bf16_gemm/, small_m/) ---- */
 void bf16_gemm(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc, int M, int N,
                int K2, int nt);
 void small_m_linear_bf16(const uint16_t *x, int32_t M, int32_t K, const uint16_t *w, int64_t N, uint16_t *y,

@@ -1,10 +1,9 @@
-/* The causal / sliding-window softmax of a prefill tile in one pass (bf16 and float32 scores); prefill.c calls
- * the float32 one per tile. Split from the decode attention kernels (paged_decode.c). */
+/* The causal / sliding-window softmax of a prefill tile in one pass (bf16 and float32 scores); prefill/ calls
+ * the float32 one per tile. */
 #include <stdlib.h>
 
 #include "common.h"
 #include "kernels.h"
-#include "simd.h"
 
 /* In place on scores [outer, t, g, S] (bf16 or float32; rows = outer * t * g, each of S keys): row r belongs to
  * query position q = q_start + (r / g) % t, column j to key position k = k_start + j. Keys with k > q, or with

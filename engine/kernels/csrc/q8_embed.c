@@ -1,11 +1,11 @@
-/* Embedding rows from qlinear.c's packed int8 weights (a tied LM head / embedding is stored once, in int8). */
+/* Embedding rows from qlinear/'s packed int8 weights (a tied LM head / embedding is stored once, in int8). */
 #include <stddef.h>
 #include <stdint.h>
 
 #include "common.h"
 #include "kernels.h"
 
-#define QK 32          /* group size along K: qlinear.c's packed layout */
+#define QK 32          /* group size along K: qlinear/driver.h's packed layout */
 
 /* Embedding lookup from the packed int8 weights: y[t, :K] = sw[row, g] * W[row, k] for row = ids[t]. Only the
  * rows read are dequantized (a tied LM head / embedding is stored once, in int8). */

@@ -1,4 +1,4 @@
-/* Attention kernels for the CPU.
+/* Decode attention for the CPU.
  *
  * paged_decode_{bf16,f32}: decode attention, one query token per sequence, keys/values read in place from
  * the paged KV cache (no gather copy), online softmax in float32 (the prefill tile's softmax is masked_softmax.c).
@@ -20,20 +20,25 @@
  * Each sequence walks its visible blocks in order: scores for the block's tokens, an online-softmax update,
  * then the weighted sum of the block's values; blocks shared by a whole group are walked once for all of its
  * members, so they come from memory once (group_item). A sequence's result never depends on its group. With a vector
- * build (simd.h: AVX-512 or AVX2 + FMA), head_dim a multiple of 32 and G in {1, 2, 4, 8}, both bf16 and float32
- * caches take the vector path (bf16 scores and P.V with AVX512-BF16 dot products where the CPU has them);
- * everything else takes the portable loops, which are also the reference.
+ * implementation (avx2.c, avx512.c: vec.h's pieces; avx512_bf16.c: bf16 scores and P.V with AVX512-BF16 dot
+ * products, vec.h's for float32 caches), head_dim a multiple of 32 and G in {1, 2, 4, 8}, both bf16 and float32
+ * caches take the vector path; everything else takes the portable loops below, which are also the reference
+ * (portable.c: nothing else).
  *
- * Built on first use by engine/kernels/build.py (cc -O3 -march=native -fopenmp); plain C, no torch
- * headers, builds in about a second.
+ * This header is what the implementations share. An implementation file defines, then includes this header:
+ *   FAST_PATH   1 where it has vector pieces (then its simd/ header comes first: VEC_WIDTH), else 0
+ *   PAIRED_PV   1 where its P.V over bf16 and int8 caches leaves acc in a permuted column order (finish_paired)
+ *   I8_IN_DOT   1 where int8 rows go straight into its dot products; 0: they are widened into a float32 tile
+ * and after it defines the functions declared below under "each implementation defines" (FAST_PATH and PAIRED_PV
+ * say which).
  */
+#ifndef BATCHGEN_PAGED_DECODE_DRIVER_H
+#define BATCHGEN_PAGED_DECODE_DRIVER_H
+
 #include <stdlib.h>
 
-#include "common.h"
-#include "kernels.h"
-#include "simd.h"
-
-const char *batchgen_kernel_isa(void) { return KERNEL_ISA; }
+#include "../common.h"
+#include "../kernels.h"
 
 /* The cache's element kind. KV_I8 (kv_cache_dtype: int8): a block is its bs x Hkv rows of D int8 (D a multiple of
  * 32), then their float32 scales, one per row and group of 32 (value = quant * scale; engine/quant/int8_kv.py),
@@ -43,8 +48,6 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
 #define MAX_MEMBERS 16   /* sequences per work item (see the entry points) */
-
-
 
 /* Software prefetch of n rows of `bytes` each (row stride in bytes), one per cache line, into L2 (prefetcht2): a
  * block's 16 KB of keys and values issued into L1 at once (prefetcht0) evicted the block being read (L2 as the
@@ -139,235 +142,8 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
     }
 }
 
-/* ---- vector pieces (AVX-512 or AVX2 + FMA; see simd.h) ------------------------------------------------ */
-#if VEC_WIDTH
-#define FAST_PATH 1
-
-/* A row of keys or values as float32 vectors, from a bf16 or a float32 cache (an int8 cache is widened into a
- * float32 tile first, or takes the AVX512-BF16 paths). `kind` is a compile-time constant at every call site
- * (always_inline), so each instantiation has no branch. */
-static inline __attribute__((always_inline)) vf load_kv(const void *base, int64_t i, const int kind) {
-    return kind == KV_BF16 ? vf_load_bf16((const uint16_t *)base + i) : vf_load((const float *)base + i);
-}
-
-#if defined(__AVX512BF16__)
-/* The sixteen horizontal sums of v[0..15] as one vector (lane i = sum of v[i]): a transpose-and-add tree of 45
- * instructions where sixteen _mm512_reduce_add_ps take ~130. */
-static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
-    __m512 z[4];
-    for (int k = 0; k < 4; k++) {
-        const __m512 a = v[4 * k], b = v[4 * k + 1], c = v[4 * k + 2], d = v[4 * k + 3];
-        const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));   /* a02 b02 a13 b13 */
-        const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-        const __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
-        z[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)),      /* per 128-bit lane L: */
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd)));     /* [a_L b_L c_L d_L] */
-    }
-    const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x44), _mm512_shuffle_f32x4(z[0], z[1], 0xEE));
-    const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], 0x44), _mm512_shuffle_f32x4(z[2], z[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
-}
-#endif
-
-#if defined(__AVX512BF16__)
-/* 32 consecutive elements of a bf16 row, or one group of 32 of an int8 row dequantized and rounded to bf16
- * (quant * *sc, its group's scale), for the AVX512-BF16 dot products: two vpmovsxbd, two vcvtdq2ps, two vmulps
- * and one vcvtne2ps2bf16 per 32. */
-static inline __attribute__((always_inline)) __m512i load_bh32(const void *base, int64_t i, const int kind,
-                                                               const float *sc) {
-    if (kind == KV_I8) {
-        const int8_t *p = (const int8_t *)base + i;
-        const __m512 f = _mm512_set1_ps(*sc);
-        const __m512 lo = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), f);
-        const __m512 hi = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))), f);
-        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);   /* elements 0-15 from lo, 16-31 from hi */
-    }
-    (void)sc;
-    return _mm512_loadu_si512((const void *)((const uint16_t *)base + i));
-}
-#endif
-
-/* s[g*ld + j] = q[g] . k_j for n tokens of one block (row stride `stride`, in elements). G is a compile-time
- * constant at every call site (always_inline + DISPATCH_G), so the accumulators live in registers. */
-static inline __attribute__((always_inline)) void fast_scores(
-        const int G, const int kind, const float *qf, const uint16_t *qb, const void *k, int64_t stride,
-        int32_t n, int32_t D, float *s, int32_t ld, const float *sc, int64_t sc_stride) {
-    (void)qb;
-    (void)sc;
-    (void)sc_stride;
-    int32_t j = 0;
-#if defined(__AVX512BF16__)
-    if (kind == KV_BF16 || kind == KV_I8) {             /* 32 bf16 pairs per instruction */
-        const int TJ = 16 / G;          /* tokens per pass: G * TJ = 16 accumulators, summed by one hsum16 */
-        for (; j + TJ <= n; j += TJ) {
-            __m512 acc[16];
-            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-            for (int32_t c = 0; c < D; c += 32) {
-                __m512bh qv[8];
-                for (int g = 0; g < G; g++) qv[g] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
-                for (int t = 0; t < TJ; t++) {
-                    const __m512bh kx = (__m512bh)load_bh32(k, (j + t) * stride + c, kind,
-                                                            sc + (j + t) * sc_stride + c / I8_GROUP);
-                    for (int g = 0; g < G; g++) acc[g * TJ + t] = _mm512_dpbf16_ps(acc[g * TJ + t], qv[g], kx);
-                }
-            }
-            /* lane g * TJ + t is s[g * ld + j + t]: one masked store per query row (ld >= TJ: never before s) */
-            const __m512 sums = hsum16(acc);
-            for (int g = 0; g < G; g++)
-                _mm512_mask_storeu_ps(s + g * (ld - TJ) + j, (__mmask16)(((1u << TJ) - 1) << (g * TJ)), sums);
-        }
-        for (; j + 1 < n; j += 2) {                     /* two tokens at a time: 2G independent chains */
-            __m512 a[8], b[8];
-            for (int g = 0; g < G; g++) a[g] = b[g] = _mm512_setzero_ps();
-            for (int32_t c = 0; c < D; c += 32) {
-                __m512bh x0 = (__m512bh)load_bh32(k, j * stride + c, kind, sc + j * sc_stride + c / I8_GROUP);
-                __m512bh x1 = (__m512bh)load_bh32(k, (j + 1) * stride + c, kind,
-                                                  sc + (j + 1) * sc_stride + c / I8_GROUP);
-                for (int g = 0; g < G; g++) {
-                    __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
-                    a[g] = _mm512_dpbf16_ps(a[g], qv, x0);
-                    b[g] = _mm512_dpbf16_ps(b[g], qv, x1);
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                s[g * ld + j] = _mm512_reduce_add_ps(a[g]);
-                s[g * ld + j + 1] = _mm512_reduce_add_ps(b[g]);
-            }
-        }
-        for (; kind == KV_I8 && j < n; j++) {           /* an int8 row has no float32 form: its odd last token here */
-            __m512 a[8];
-            for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
-            for (int32_t c = 0; c < D; c += 32) {
-                const __m512bh x = (__m512bh)load_bh32(k, j * stride + c, kind, sc + j * sc_stride + c / I8_GROUP);
-                for (int g = 0; g < G; g++)
-                    a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c)), x);
-            }
-            for (int g = 0; g < G; g++) s[g * ld + j] = _mm512_reduce_add_ps(a[g]);
-        }
-    }
-#endif
-    for (; j + 1 < n; j += 2) {                         /* two tokens at a time: 2G independent chains */
-        const int64_t r0 = j * stride, r1 = r0 + stride;
-        vf a[8], b[8];
-        for (int g = 0; g < G; g++) a[g] = b[g] = vf_zero();
-        for (int32_t c = 0; c < D; c += VEC_WIDTH) {
-            const vf x0 = load_kv(k, r0 + c, kind), x1 = load_kv(k, r1 + c, kind);
-            for (int g = 0; g < G; g++) {
-                const vf qv = vf_load(qf + g * D + c);
-                a[g] = vf_fma(qv, x0, a[g]);
-                b[g] = vf_fma(qv, x1, b[g]);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            s[g * ld + j] = vf_hsum(a[g]);
-            s[g * ld + j + 1] = vf_hsum(b[g]);
-        }
-    }
-    for (; j < n; j++) {
-        vf a[8];
-        for (int g = 0; g < G; g++) a[g] = vf_zero();
-        for (int32_t c = 0; c < D; c += VEC_WIDTH) {
-            const vf kv = load_kv(k, j * stride + c, kind);
-            for (int g = 0; g < G; g++) a[g] = vf_fma(vf_load(qf + g * D + c), kv, a[g]);
-        }
-        for (int g = 0; g < G; g++) s[g * ld + j] = vf_hsum(a[g]);
-    }
-}
-
-#if defined(__AVX512BF16__)
-/* acc[g] += sum_j p[g*ld + j] * v_j with AVX512-BF16 (bf16 caches): tokens in pairs, each instruction a dot
- * product of a (p_j, p_j+1) pair with the interleaved (v_j[d], v_j+1[d]) pairs of 16 columns. The interleave
- * works within 128-bit lanes, so acc holds each 32-column chunk permuted (see paired_index); the item
- * un-permutes once at the end. The probabilities enter as bf16, as in the torch path. */
-#define PAIRED_PV 1
-static inline int paired_index(int32_t d) {           /* column d of a chunk -> its slot in acc */
-    const int32_t c = d & ~31, r = d & 31, lane = r >> 3, i = r & 7;
-    return c + (i < 4 ? 4 * lane + i : 16 + 4 * lane + (i - 4));
-}
-
-static inline __attribute__((always_inline)) void paired_accumulate(
-        const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
-        int32_t n, int32_t D, const float *sc, int64_t sc_stride) {
-    uint32_t pairs[8][MAX_BLOCK / 2 + 1];
-    const int32_t np = (n + 1) / 2;
-    for (int g = 0; g < G; g++) {
-        /* sixteen probabilities at a time (vcvtneps2bf16 rounds to nearest even as f32_to_bf16 does; the
-         * probabilities are finite and never subnormal, exp_clamped's floor being e^-87), then the odd tail with
-         * a zero partner. Scalar conversions were ~15 % of a hot block's time (Zen 4). */
-        int32_t k = 0;
-        for (; 2 * k + 16 <= n; k += 8)
-            _mm256_storeu_si256((__m256i *)&pairs[g][k],
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * ld + 2 * k)));
-        for (; k < np; k++) {
-            const float p0 = p[g * ld + 2 * k], p1 = 2 * k + 1 < n ? p[g * ld + 2 * k + 1] : 0.0f;
-            pairs[g][k] = (uint32_t)f32_to_bf16(p0) | ((uint32_t)f32_to_bf16(p1) << 16);
-        }
-    }
-    for (int32_t c = 0; c < D; c += 32) {
-        __m512 lo[8], hi[8];
-        for (int g = 0; g < G; g++) {
-            lo[g] = _mm512_loadu_ps(acc + g * D + c);
-            hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
-        }
-        for (int32_t k = 0; k < np; k++) {
-            const int32_t j1 = 2 * k + 1 < n ? 2 * k + 1 : 2 * k;        /* odd tail: partner weight is 0 */
-            const __m512i x0 = load_bh32(v, 2 * k * stride + c, kind, sc + 2 * k * sc_stride + c / I8_GROUP);
-            const __m512i x1 = load_bh32(v, j1 * stride + c, kind, sc + j1 * sc_stride + c / I8_GROUP);
-            const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-            const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
-            for (int g = 0; g < G; g++) {
-                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g][k]);
-                lo[g] = _mm512_dpbf16_ps(lo[g], w, plo);
-                hi[g] = _mm512_dpbf16_ps(hi[g], w, phi);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            _mm512_storeu_ps(acc + g * D + c, lo[g]);
-            _mm512_storeu_ps(acc + g * D + c + 16, hi[g]);
-        }
-    }
-}
-#else
-#define PAIRED_PV 0
-static inline int paired_index(int32_t d) { return d; }
-#endif
-
-/* acc[g] += sum_j p[g*ld + j] * v_j: per column chunk of two vectors, the G accumulators stay in registers
- * across the block's tokens (2G independent chains). bf16 caches on AVX512-BF16 CPUs take paired_accumulate. */
-static inline __attribute__((always_inline)) void fast_accumulate(
-        const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
-        int32_t n, int32_t D, const float *sc, int64_t sc_stride) {
-    (void)sc;
-    (void)sc_stride;
-#if PAIRED_PV
-    if (kind == KV_BF16 || kind == KV_I8) {
-        paired_accumulate(G, kind, acc, p, ld, v, stride, n, D, sc, sc_stride);
-        return;
-    }
-#endif
-    for (int32_t c = 0; c < D; c += 2 * VEC_WIDTH) {
-        vf a0[8], a1[8];
-        for (int g = 0; g < G; g++) {
-            a0[g] = vf_load(acc + g * D + c);
-            a1[g] = vf_load(acc + g * D + c + VEC_WIDTH);
-        }
-        for (int32_t j = 0; j < n; j++) {
-            const vf v0 = load_kv(v, j * stride + c, kind), v1 = load_kv(v, j * stride + c + VEC_WIDTH, kind);
-            for (int g = 0; g < G; g++) {
-                const vf pj = vf_set1(p[g * ld + j]);
-                a0[g] = vf_fma(pj, v0, a0[g]);
-                a1[g] = vf_fma(pj, v1, a1[g]);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            vf_store(acc + g * D + c, a0[g]);
-            vf_store(acc + g * D + c + VEC_WIDTH, a1[g]);
-        }
-    }
-}
-
+/* G (the query heads per KV head) as a compile-time constant G_ in CALL: the fast pieces keep G accumulators in
+ * registers */
 #define DISPATCH_G(G, CALL)                                         \
     switch (G) {                                                    \
         case 1: { const int G_ = 1; CALL; } break;                  \
@@ -375,13 +151,13 @@ static inline __attribute__((always_inline)) void fast_accumulate(
         case 4: { const int G_ = 4; CALL; } break;                  \
         default: { const int G_ = 8; CALL; } break;                 \
     }
-/* Column chunks: two vectors for PV; the AVX512-BF16 score and PV paths work in 32-column chunks too. */
+
+#if FAST_PATH
+/* head_dim a multiple of this takes the fast pieces: column chunks of two vectors for P.V; the AVX512-BF16 score
+ * and P.V paths work in 32-column chunks too */
 #define FAST_D_MULTIPLE (2 * VEC_WIDTH > 32 ? 2 * VEC_WIDTH : 32)
 #else
-#define FAST_PATH 0
-#define PAIRED_PV 0
 #define FAST_D_MULTIPLE 1
-static inline int paired_index(int32_t d) { return d; }
 #endif
 
 /* ---- one sequence's G query rows of one KV head: state, one block, the result --------------------------- */
@@ -392,6 +168,25 @@ typedef struct {
     const int32_t *table;
     int32_t seq_len, lo;           /* visible keys [lo, seq_len) */
 } rows_t;
+
+/* ---- each implementation defines ------------------------------------------------------------------------ */
+
+#if FAST_PATH
+/* s[g*ld + j] = q[g] . k_j for n tokens of one block (row stride `stride`, in elements; qf the scaled query in
+ * float32, qb in bf16; an int8 cache's scales at sc, sc_stride floats per token). G and kind are compile-time
+ * constants at every call site (always_inline + DISPATCH_G), so the accumulators live in registers. */
+static void fast_scores(const int G, const int kind, const float *qf, const uint16_t *qb, const void *k,
+                        int64_t stride, int32_t n, int32_t D, float *s, int32_t ld, const float *sc,
+                        int64_t sc_stride);
+/* acc[g] += sum_j p[g*ld + j] * v_j for the block's n tokens (G and kind constant, as for fast_scores). */
+static void fast_accumulate(const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v,
+                            int64_t stride, int32_t n, int32_t D, const float *sc, int64_t sc_stride);
+#endif
+#if PAIRED_PV
+/* out (q0 on, G rows of D) = acc / l with acc in the paired column order that fast_accumulate leaves for bf16 and
+ * int8 caches */
+static void finish_paired(const rows_t *r, void *out, int64_t q0, int32_t G, int32_t D, const int is_bf16);
+#endif
 
 static inline __attribute__((always_inline)) void rows_init(rows_t *r, const void *q, int64_t q0, int32_t G,
                                                             int32_t D, float scale, const int is_bf16) {
@@ -430,12 +225,7 @@ static inline __attribute__((always_inline)) void rows_visit(
     const float *ksc = kind == KV_I8 ? (const float *)(kc + sc_off) : NULL;
     const float *vsc = kind == KV_I8 ? (const float *)(vc + sc_off) : NULL;
     const int64_t sc_stride = hkv * ng;
-#if defined(__AVX512BF16__)
-    const int i8_tile = 0;        /* int8 rows go straight into the bf16 dot products (load_bh32) */
-#else
-    const int i8_tile = 1;        /* int8 rows are widened into the float32 tile, then the float32 paths */
-#endif
-    if (fast && !(kind == KV_I8 && i8_tile)) {
+    if (fast && !(kind == KV_I8 && !I8_IN_DOT)) {      /* an int8 cache: its rows into the dot products */
 #if FAST_PATH
         DISPATCH_G(G, fast_scores(G_, kind, r->qf, r->qb, kb, tok_stride, n, D, s, bs, ksc, sc_stride));
         if (pf) {
@@ -445,7 +235,7 @@ static inline __attribute__((always_inline)) void rows_visit(
         softmax_update(s, bs, n, G, D, r->m, r->l, r->acc);
         DISPATCH_G(G, fast_accumulate(G_, kind, r->acc, s, bs, vb, tok_stride, n, D, vsc, sc_stride));
 #endif
-    } else if (fast) {
+    } else if (fast) {                                  /* an int8 cache widened into the float32 tile */
 #if FAST_PATH
         widen(kb, tok_stride, n, D, tile, kind, ksc, sc_stride);
         DISPATCH_G(G, fast_scores(G_, KV_F32, r->qf, r->qb, tile, D, n, D, s, bs, NULL, 0));
@@ -470,31 +260,17 @@ static inline __attribute__((always_inline)) void rows_visit(
 static inline __attribute__((always_inline)) void rows_finish(const rows_t *r, void *out, int64_t q0, int32_t G,
                                                               int32_t D, int permuted, const int is_bf16) {
 #if PAIRED_PV
-    if (permuted) {   /* paired_index's order undone two vectors at a time (vpermt2ps), not element by element */
-        const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-        for (int32_t g = 0; g < G; g++) {
-            const __m512 inv = _mm512_set1_ps(r->l[g] > 0.0f ? 1.0f / r->l[g] : 0.0f);
-            for (int32_t c = 0; c < D; c += 32) {
-                const __m512 lo = _mm512_loadu_ps(r->acc + g * D + c), hi = _mm512_loadu_ps(r->acc + g * D + c + 16);
-                const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i0, hi), inv);
-                const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i1, hi), inv);
-                const int64_t o = q0 + g * D + c;
-                if (is_bf16) {
-                    _mm512_storeu_si512((void *)((uint16_t *)out + o), (__m512i)_mm512_cvtne2ps_pbh(b, a));
-                } else {
-                    _mm512_storeu_ps((float *)out + o, a);
-                    _mm512_storeu_ps((float *)out + o + 16, b);
-                }
-            }
-        }
+    if (permuted) {
+        finish_paired(r, out, q0, G, D, is_bf16);
         return;
     }
+#else
+    (void)permuted;
 #endif
     for (int32_t g = 0; g < G; g++) {
         const float inv = r->l[g] > 0.0f ? 1.0f / r->l[g] : 0.0f;
         for (int32_t d = 0; d < D; d++) {
-            const float x = r->acc[g * D + (permuted ? paired_index(d) : d)] * inv;
+            const float x = r->acc[g * D + d] * inv;
             if (is_bf16) ((uint16_t *)out)[q0 + g * D + d] = f32_to_bf16(x);
             else ((float *)out)[q0 + g * D + d] = x;
         }
@@ -674,3 +450,5 @@ ENTRY(paged_decode_f32, float, float, group_item_f32)
 ENTRY(paged_decode_bf16kv_f32, float, uint16_t, group_item_bf16kv_f32)
 ENTRY(paged_decode_i8kv_f32, float, int8_t, group_item_i8kv_f32)
 ENTRY(paged_decode_i8kv_bf16, uint16_t, int8_t, group_item_i8kv_bf16)
+
+#endif

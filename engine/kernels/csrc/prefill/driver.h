@@ -1,19 +1,19 @@
 /* Prefill attention, one sequence's chunk in one call: for every KV head and tile of queries, scores = q k^T
  * (float32), the causal / sliding-window softmax, out = p v (float32), all on one thread per work item, the items
  * spread over OpenMP threads. Two operand kinds: a bf16 KV cache on AVX512-BF16 CPUs (prefill_bf16kv_*: bf16 dot
- * products, below), and float32 throughout (prefill_f32: FMA micro-kernel of 6 rows x 2 vectors, AVX2 or
- * AVX-512, simd.h; from 1.4x on the avx2 build to 2.3x on Zen 4 faster than the torch tiles it replaces).
+ * products, bf16_gemm/), and float32 throughout (prefill_f32: FMA micro-kernel of 6 rows x 2 vectors, vec.h at the
+ * AVX2 or AVX-512 width; from 1.4x on the avx2 build to 2.3x on Zen 4 faster than the torch tiles it replaces).
  *
- * Why: the same tiles driven from Python (engine/attention/torch_backend.py, _prefill_wide) made four parallel
- * regions per 128-query tile (two bf16_gemm calls, the softmax, torch's cast of the probabilities to bf16) and
- * allocated and wrote every intermediate through memory: on Zen 4 with two threads it ran at ~230 (sliding) and
- * ~290 (global) GFLOP/s of useful work against 445 for bf16_gemm alone. Here each item stays in its thread's
- * caches and the threads never wait on each other inside a tile.
+ * Why: the same tiles composed in Python (as tests/test_bf16_prefill.py composes them) make four parallel regions
+ * per 128-query tile (two bf16_gemm calls, the softmax, torch's cast of the probabilities to bf16) and allocate and
+ * write every intermediate through memory: on Zen 4 with two threads they ran at ~230 (sliding) and ~290 (global)
+ * GFLOP/s of useful work against 445 for bf16_gemm alone. Here each item stays in its thread's caches and the
+ * threads never wait on each other inside a tile.
  *
- * The arithmetic is the old tiles', bit for bit: the same bf16 x bf16 -> float32 micro-kernel (bf16_gemm.c)
- * over the same dot products, the same softmax (masked_softmax.c's masked_softmax_f32), probabilities rounded to bf16
- * once. A tile's key columns
- * start at an even offset (value pairs) and the extra keys are invisible: probability 0, which adds exact zeros.
+ * The arithmetic is the Python-composed tiles', bit for bit: the same bf16 x bf16 -> float32 micro-kernel (bf16_gemm/)
+ * over the same dot products, the same softmax (masked_softmax.c's masked_softmax_f32), probabilities rounded to
+ * bf16 once. A tile's key columns start at an even offset (value pairs) and the extra keys are invisible:
+ * probability 0, which adds exact zeros.
  *
  * Layouts (elements), bf16 kind:
  *   q    [n, Hq, D] bf16, already multiplied by the softmax scale (rows: token t, head h * G + g)
@@ -22,71 +22,31 @@
  *   out  [n, Hq, D] float32 or bf16
  * Key j is at position k_start + j; query i at q_start + i. Query q sees keys q - window < k <= q (window > 0),
  * or k <= q.
+ *
+ * This header is what the implementations share: everything but the float32 tile product. An implementation file
+ * defines F32_COLS, includes this header, then defines f32_gemm_serial (declared below).
  */
+#ifndef BATCHGEN_PREFILL_DRIVER_H
+#define BATCHGEN_PREFILL_DRIVER_H
+
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "bf16_gemm.h"
-#include "common.h"
-#include "kernels.h"
-#include "simd.h"
+#include "../bf16_gemm/bf16_gemm.h"
+#include "../common.h"
+#include "../kernels.h"
 
 #define TILE_ROWS 128   /* query rows (token x head-in-group) per work item: a 128 x S' float32 score tile */
 
 /* masked_softmax_f32 (kernels.h, masked_softmax.c): the same function the torch-driven tiles call; inside a work
  * item it runs on the calling thread. */
 
-/* ---- float32 operands: c[M, N] = a[M, K] @ b[K, N], row-major, on the calling thread ----------------------- */
+/* ---- each implementation defines -------------------------------------------------------------------------- */
 
-#if VEC_WIDTH
-#define F32_COLS (2 * VEC_WIDTH)   /* N must be a multiple (the callers pad): 6 x 2 vectors of accumulators */
-#define F32_ROWS 6
-static inline __attribute__((always_inline)) void f32_micro(const int R, const float *a, int64_t lda, const float *b,
-                                                            int64_t ldb, float *c, int64_t ldc, int K) {
-    vf acc[F32_ROWS][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = vf_zero();
-    for (int k = 0; k < K; k++) {
-        const vf b0 = vf_load(b + (int64_t)k * ldb), b1 = vf_load(b + (int64_t)k * ldb + VEC_WIDTH);
-        for (int r = 0; r < R; r++) {
-            const vf av = vf_set1(a[r * lda + k]);
-            acc[r][0] = vf_fma(av, b0, acc[r][0]);
-            acc[r][1] = vf_fma(av, b1, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        vf_store(c + r * ldc, acc[r][0]);
-        vf_store(c + r * ldc + VEC_WIDTH, acc[r][1]);
-    }
-}
-#else
-#define F32_COLS 32
-#endif
-
+/* c[M, N] = a[M, K] @ b[K, N], float32, row-major, on the calling thread; N a multiple of F32_COLS (the callers
+ * pad) */
 static void f32_gemm_serial(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int M,
-                            int N, int K) {
-#if VEC_WIDTH
-    for (int n = 0; n < N; n += F32_COLS)
-        for (int m = 0; m < M; m += F32_ROWS) {
-            const float *am = a + (int64_t)m * lda;
-            float *cm = c + (int64_t)m * ldc + n;
-            switch (M - m < F32_ROWS ? M - m : F32_ROWS) {   /* constant R: unrolled row loops */
-            case 6: f32_micro(6, am, lda, b + n, ldb, cm, ldc, K); break;
-            case 5: f32_micro(5, am, lda, b + n, ldb, cm, ldc, K); break;
-            case 4: f32_micro(4, am, lda, b + n, ldb, cm, ldc, K); break;
-            case 3: f32_micro(3, am, lda, b + n, ldb, cm, ldc, K); break;
-            case 2: f32_micro(2, am, lda, b + n, ldb, cm, ldc, K); break;
-            default: f32_micro(1, am, lda, b + n, ldb, cm, ldc, K); break;
-            }
-        }
-#else
-    for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++) {
-            float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc += a[(int64_t)m * lda + k] * b[(int64_t)k * ldb + n];
-            c[(int64_t)m * ldc + n] = acc;
-        }
-#endif
-}
+                            int N, int K);
 
 /* ---- the chunk ------------------------------------------------------------------------------------------ */
 
@@ -101,7 +61,8 @@ static inline __attribute__((always_inline)) void prefill(
         int S, int64_t q_start, int64_t k_start, int64_t window, void *out, int out_bf16, int nt) {
     const int G = Hq / Hkv, qsize = F32 ? 4 : 2, align = F32 ? F32_COLS : 2;
     /* query tokens per item: TILE_ROWS rows, fewer (down to 16) while there are under four items per thread, so
-     * a short chunk still keeps every thread busy (two items for 37 tokens ran 0.85x the old tiles' speed) */
+     * a short chunk still keeps every thread busy (two items for 37 tokens ran at 0.85x the Python-composed
+     * tiles' speed) */
     int tq = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
     const int nthreads = nt > 0 ? nt : 1;
     while (tq * G > 16 && tq > 1 && (int64_t)Hkv * ((n + tq - 1) / tq) < 4 * nthreads) tq = (tq + 1) / 2;
@@ -176,6 +137,7 @@ void prefill_f32(const float *q, const float *kt, int64_t ldk, const float *v, i
 }
 
 int prefill_f32_cols(void) { return F32_COLS; }
+
 
 /* ---- the chunk's keys and values straight from the paged bf16 cache into the bf16 kind's operands ---------- *
  * Positions [lo, hi) of one sequence (block table `table`, cache [blocks, bs, Hkv, D]); S = hi - lo rounded up to
@@ -272,3 +234,5 @@ void pack_kv_i8(const int8_t *k_cache, const int8_t *v_cache, const int32_t *tab
             }
     }
 }
+
+#endif

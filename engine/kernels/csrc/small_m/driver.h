@@ -2,14 +2,20 @@
  * running sequence. torch's matmul at such M runs far below both the memory and the compute limit on the
  * 262,144 x 640 head (docs/perf/code-notes-kernels.md). Here each weight row is read once,
  * from memory, and dotted with every x row (x stays in L1), so the head is memory-bound: about its bytes over
- * the bandwidth. bf16 (x, w, y bf16; float32 accumulation) or float32, per build:
- *   AVX512-BF16: vdpbf16ps on bf16 pairs; other vector builds: widen to float32 + FMA; portable: scalar. */
+ * the bandwidth. bf16 (x, w, y bf16; float32 accumulation) or float32, per implementation:
+ *   avx512_bf16.c: vdpbf16ps on bf16 pairs (float32: as avx512.c); avx2.c, avx512.c: widen to float32 + FMA
+ *   (vec.h); portable.c: scalar.
+ *
+ * This header is what the implementations share. An implementation file includes it, then defines dots_head
+ * (declared below). */
+#ifndef BATCHGEN_SMALL_M_DRIVER_H
+#define BATCHGEN_SMALL_M_DRIVER_H
+
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common.h"
-#include "kernels.h"
-#include "simd.h"
+#include "../common.h"
+#include "../kernels.h"
 
 #define RB 8          /* x rows per pass over a weight row: 8 independent accumulation chains */
 
@@ -17,40 +23,19 @@ static inline float load1(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* ---- each implementation defines ------------------------------------------------------------------------ */
+
+/* The dots of R x rows (starting at row m0) with weight row wr over their first c columns, c returned (0 where the
+ * implementation has no vector loop), into sums[0..R); dots adds the rest. R is a compile-time constant at every
+ * call (always_inline). */
+static int32_t dots_head(const int R, const void *x, int64_t m0, int32_t K, const void *wr, int is_bf16,
+                         float *sums);
+
 /* dots of R x rows (starting at row m0) with weight row wr, into out[0..R) */
 static inline __attribute__((always_inline)) void dots(const int R, const void *x, int64_t m0, int32_t K,
                                                        const void *wr, int is_bf16, float *out) {
-    int32_t c = 0;
     float tail[RB] = {0};
-#if defined(__AVX512BF16__)
-    if (is_bf16) {
-        __m512 acc[RB];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-        for (; c + 32 <= K; c += 32) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512((const uint16_t *)wr + c);
-            for (int r = 0; r < R; r++) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t *)x + (m0 + r) * K + c);
-                acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
-            }
-        }
-        for (int r = 0; r < R; r++) tail[r] = _mm512_reduce_add_ps(acc[r]);
-    }
-#endif
-#if VEC_WIDTH > 0
-    if (c == 0) {
-        vf acc[RB];
-        for (int r = 0; r < R; r++) acc[r] = vf_zero();
-        for (; c + VEC_WIDTH <= K; c += VEC_WIDTH) {
-            const vf wv = is_bf16 ? vf_load_bf16((const uint16_t *)wr + c) : vf_load((const float *)wr + c);
-            for (int r = 0; r < R; r++) {
-                const int64_t i = (m0 + r) * K + c;
-                const vf xv = is_bf16 ? vf_load_bf16((const uint16_t *)x + i) : vf_load((const float *)x + i);
-                acc[r] = vf_fma(xv, wv, acc[r]);
-            }
-        }
-        for (int r = 0; r < R; r++) tail[r] = vf_hsum(acc[r]);
-    }
-#endif
+    const int32_t c = dots_head(R, x, m0, K, wr, is_bf16, tail);
     for (int r = 0; r < R; r++) {
         float s = tail[r];
         for (int32_t k = c; k < K; k++) s += load1(x, (m0 + r) * K + k, is_bf16) * load1(wr, k, is_bf16);
@@ -91,3 +76,5 @@ void small_m_linear_bf16(const uint16_t *x, int32_t M, int32_t K, const uint16_t
 void small_m_linear_f32(const float *x, int32_t M, int32_t K, const float *w, int64_t N, float *y, int32_t nt) {
     small_m(x, M, K, w, N, y, 0, nt);
 }
+
+#endif

@@ -1,0 +1,187 @@
+/* Paged decode attention (driver.h) on AVX512-BF16: over bf16 and int8 caches the scores and P.V are bf16 pair dot
+ * products (vdpbf16ps; an int8 group dequantized and rounded to bf16 on the way in), over float32 caches vec.h's
+ * pieces at 16 lanes. */
+#include "../dispatch.h"
+#include "../kernels.h"
+
+#if PAGED_DECODE_ISA == ISA_AVX512_BF16
+#include "../simd/avx512.h"
+
+#define FAST_PATH 1
+#define PAIRED_PV 1
+#define I8_IN_DOT 1
+#include "driver.h"
+#include "vec.h"
+
+/* The sixteen horizontal sums of v[0..15] as one vector (lane i = sum of v[i]): a transpose-and-add tree of 45
+ * instructions where sixteen _mm512_reduce_add_ps take ~130. */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
+    __m512 z[4];
+    for (int k = 0; k < 4; k++) {
+        const __m512 a = v[4 * k], b = v[4 * k + 1], c = v[4 * k + 2], d = v[4 * k + 3];
+        const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));   /* a02 b02 a13 b13 */
+        const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+        const __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
+        z[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)),      /* per 128-bit lane L: */
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd)));     /* [a_L b_L c_L d_L] */
+    }
+    const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x44), _mm512_shuffle_f32x4(z[0], z[1], 0xEE));
+    const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], 0x44), _mm512_shuffle_f32x4(z[2], z[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+/* 32 consecutive elements of a bf16 row, or one group of 32 of an int8 row dequantized and rounded to bf16
+ * (quant * *sc, its group's scale), for the AVX512-BF16 dot products: two vpmovsxbd, two vcvtdq2ps, two vmulps
+ * and one vcvtne2ps2bf16 per 32. */
+static inline __attribute__((always_inline)) __m512i load_bh32(const void *base, int64_t i, const int kind,
+                                                               const float *sc) {
+    if (kind == KV_I8) {
+        const int8_t *p = (const int8_t *)base + i;
+        const __m512 f = _mm512_set1_ps(*sc);
+        const __m512 lo = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), f);
+        const __m512 hi = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))), f);
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);   /* elements 0-15 from lo, 16-31 from hi */
+    }
+    (void)sc;
+    return _mm512_loadu_si512((const void *)((const uint16_t *)base + i));
+}
+
+static inline __attribute__((always_inline)) void fast_scores(
+        const int G, const int kind, const float *qf, const uint16_t *qb, const void *k, int64_t stride,
+        int32_t n, int32_t D, float *s, int32_t ld, const float *sc, int64_t sc_stride) {
+    int32_t j = 0;
+    if (kind == KV_BF16 || kind == KV_I8) {             /* 32 bf16 pairs per instruction */
+        const int TJ = 16 / G;          /* tokens per pass: G * TJ = 16 accumulators, summed by one hsum16 */
+        for (; j + TJ <= n; j += TJ) {
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int32_t c = 0; c < D; c += 32) {
+                __m512bh qv[8];
+                for (int g = 0; g < G; g++) qv[g] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
+                for (int t = 0; t < TJ; t++) {
+                    const __m512bh kx = (__m512bh)load_bh32(k, (j + t) * stride + c, kind,
+                                                            sc + (j + t) * sc_stride + c / I8_GROUP);
+                    for (int g = 0; g < G; g++) acc[g * TJ + t] = _mm512_dpbf16_ps(acc[g * TJ + t], qv[g], kx);
+                }
+            }
+            /* lane g * TJ + t is s[g * ld + j + t]: one masked store per query row (ld >= TJ: never before s) */
+            const __m512 sums = hsum16(acc);
+            for (int g = 0; g < G; g++)
+                _mm512_mask_storeu_ps(s + g * (ld - TJ) + j, (__mmask16)(((1u << TJ) - 1) << (g * TJ)), sums);
+        }
+        for (; j + 1 < n; j += 2) {                     /* two tokens at a time: 2G independent chains */
+            __m512 a[8], b[8];
+            for (int g = 0; g < G; g++) a[g] = b[g] = _mm512_setzero_ps();
+            for (int32_t c = 0; c < D; c += 32) {
+                __m512bh x0 = (__m512bh)load_bh32(k, j * stride + c, kind, sc + j * sc_stride + c / I8_GROUP);
+                __m512bh x1 = (__m512bh)load_bh32(k, (j + 1) * stride + c, kind,
+                                                  sc + (j + 1) * sc_stride + c / I8_GROUP);
+                for (int g = 0; g < G; g++) {
+                    __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c));
+                    a[g] = _mm512_dpbf16_ps(a[g], qv, x0);
+                    b[g] = _mm512_dpbf16_ps(b[g], qv, x1);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                s[g * ld + j] = _mm512_reduce_add_ps(a[g]);
+                s[g * ld + j + 1] = _mm512_reduce_add_ps(b[g]);
+            }
+        }
+        for (; kind == KV_I8 && j < n; j++) {           /* an int8 row has no float32 form: its odd last token here */
+            __m512 a[8];
+            for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+            for (int32_t c = 0; c < D; c += 32) {
+                const __m512bh x = (__m512bh)load_bh32(k, j * stride + c, kind, sc + j * sc_stride + c / I8_GROUP);
+                for (int g = 0; g < G; g++)
+                    a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + c)), x);
+            }
+            for (int g = 0; g < G; g++) s[g * ld + j] = _mm512_reduce_add_ps(a[g]);
+        }
+    }
+    vec_scores(G, kind, qf, k, stride, j, n, D, s, ld);
+}
+
+/* acc[g] += sum_j p[g*ld + j] * v_j with AVX512-BF16 (bf16 and int8 caches): tokens in pairs, each instruction a
+ * dot product of a (p_j, p_j+1) pair with the interleaved (v_j[d], v_j+1[d]) pairs of 16 columns. The interleave
+ * works within 128-bit lanes, so acc holds each 32-column chunk permuted: column r of a chunk (lane = r / 8,
+ * i = r % 8) at 4 lane + i for i < 4, else at 16 + 4 lane + i - 4; finish_paired un-permutes once at the end. The
+ * probabilities enter as bf16, as in the torch path. */
+static inline __attribute__((always_inline)) void paired_accumulate(
+        const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
+        int32_t n, int32_t D, const float *sc, int64_t sc_stride) {
+    uint32_t pairs[8][MAX_BLOCK / 2 + 1];
+    const int32_t np = (n + 1) / 2;
+    for (int g = 0; g < G; g++) {
+        /* sixteen probabilities at a time (vcvtneps2bf16 rounds to nearest even as f32_to_bf16 does; the
+         * probabilities are finite and never subnormal, exp_clamped's floor being e^-87), then the odd tail with
+         * a zero partner. Scalar conversions were ~15 % of a hot block's time (Zen 4). */
+        int32_t k = 0;
+        for (; 2 * k + 16 <= n; k += 8)
+            _mm256_storeu_si256((__m256i *)&pairs[g][k],
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * ld + 2 * k)));
+        for (; k < np; k++) {
+            const float p0 = p[g * ld + 2 * k], p1 = 2 * k + 1 < n ? p[g * ld + 2 * k + 1] : 0.0f;
+            pairs[g][k] = (uint32_t)f32_to_bf16(p0) | ((uint32_t)f32_to_bf16(p1) << 16);
+        }
+    }
+    for (int32_t c = 0; c < D; c += 32) {
+        __m512 lo[8], hi[8];
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm512_loadu_ps(acc + g * D + c);
+            hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
+        }
+        for (int32_t k = 0; k < np; k++) {
+            const int32_t j1 = 2 * k + 1 < n ? 2 * k + 1 : 2 * k;        /* odd tail: partner weight is 0 */
+            const __m512i x0 = load_bh32(v, 2 * k * stride + c, kind, sc + 2 * k * sc_stride + c / I8_GROUP);
+            const __m512i x1 = load_bh32(v, j1 * stride + c, kind, sc + j1 * sc_stride + c / I8_GROUP);
+            const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            for (int g = 0; g < G; g++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g][k]);
+                lo[g] = _mm512_dpbf16_ps(lo[g], w, plo);
+                hi[g] = _mm512_dpbf16_ps(hi[g], w, phi);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(acc + g * D + c, lo[g]);
+            _mm512_storeu_ps(acc + g * D + c + 16, hi[g]);
+        }
+    }
+}
+
+/* bf16 and int8 caches: paired_accumulate; float32 caches: vec.h's loops */
+static inline __attribute__((always_inline)) void fast_accumulate(
+        const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v, int64_t stride,
+        int32_t n, int32_t D, const float *sc, int64_t sc_stride) {
+    if (kind == KV_BF16 || kind == KV_I8) {
+        paired_accumulate(G, kind, acc, p, ld, v, stride, n, D, sc, sc_stride);
+        return;
+    }
+    vec_accumulate(G, kind, acc, p, ld, v, stride, n, D);
+}
+
+/* paired_accumulate's column order undone two vectors at a time (vpermt2ps), not element by element */
+static inline __attribute__((always_inline)) void finish_paired(const rows_t *r, void *out, int64_t q0, int32_t G,
+                                                                int32_t D, const int is_bf16) {
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int32_t g = 0; g < G; g++) {
+        const __m512 inv = _mm512_set1_ps(r->l[g] > 0.0f ? 1.0f / r->l[g] : 0.0f);
+        for (int32_t c = 0; c < D; c += 32) {
+            const __m512 lo = _mm512_loadu_ps(r->acc + g * D + c), hi = _mm512_loadu_ps(r->acc + g * D + c + 16);
+            const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i0, hi), inv);
+            const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, i1, hi), inv);
+            const int64_t o = q0 + g * D + c;
+            if (is_bf16) {
+                _mm512_storeu_si512((void *)((uint16_t *)out + o), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            } else {
+                _mm512_storeu_ps((float *)out + o, a);
+                _mm512_storeu_ps((float *)out + o + 16, b);
+            }
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,350 @@
+/* Int8 linear layers: y = x @ W^T with W in int8 (per row, per group of 32 along K, one float32 scale:
+ * llama.cpp's Q8_0 grouping) and x quantized on the fly to uint8 per token and group of 32, asymmetric
+ * (a scale and the group minimum: x ~= sa * q + mn). Asymmetric activations matter: GeGLU outputs are
+ * skewed, and symmetric int8 doubled the model's KL divergence against float32 (measured on gemma-3-270m).
+ *
+ * Per output (m, n):  y = sum_g  sw[n,g] * sa[m,g] * dot_g(q[m], W[n])  +  mn[m,g] * cw[n,g]
+ * where dot_g is an exact int32 dot product over the group and cw[n,g] = sw[n,g] * sum_k W[n,k] (precomputed
+ * at packing). The integer dot products run on the best unit the build has, one implementation file each
+ * (dispatch.h picks one; batchgen_q8_isa() names it):
+ *
+ *   avx512_vnni.c  vpdpbusd: u8 x s8, four products summed into each int32 lane, 16 lanes
+ *   avx2.c         vpmaddubsw (u8 x s8, pairs summed into int16) with vpmaddwd by ones into int32, llama.cpp's
+ *                  AVX2 dot product. Its int16 pair sums would saturate for u8 255 x s8 127, so weights within
+ *                  +-64 (wmax, the callers' bound) are multiplied directly (pair sums <= 2 * 255 * 64), and wider
+ *                  ones by the centred quants: |q - 128| (<= 128) times sign(q - 128) * w (vpsignb), pair sums
+ *                  <= 2 * 128 * 127, with the minimum folded to mn + 128 * sa (block16: WIDE). Weights within
+ *                  +-16 (the default GGUF's Q5_0 tensors) add four steps' pair sums in int16 before one vpmaddwd
+ *                  (block16_short).
+ *   portable.c     plain C loops over the same packed layout: the reference the others are tested against
+ *
+ * Packed weight layout (Np = N rounded up to 32, Kp = K rounded up to 32, K4 = Kp / 4, G = Kp / 32):
+ *   w [(nb * K4 + k4) * 64 + lane * 4 + j] = W[nb * 16 + lane][k4 * 4 + j]       (int8, zero padding)
+ *   sw[(nb * G + g) * 16 + lane], cw[(nb * G + g) * 16 + lane]                      (float32)
+ * so one 64-byte load gives 16 output columns x 4 consecutive k, the operand shape of vpdpbusd.
+ * Activations: q[m * Kp + k] (uint8, every build), sa/mn[m * G + g].
+ *
+ * This header is what the implementations share: the activation quantization's scalar loop, the work split, the
+ * stores (GLU fused) and the exported functions. An implementation file defines MR (rows per micro-tile) and, where
+ * it has them, HAVE_QUANT_GROUP (a vector quant_group) and HAVE_WIDE (the wide-weight tile paths); includes this
+ * header; then defines the functions declared below under "each implementation defines".
+ */
+#ifndef BATCHGEN_QLINEAR_DRIVER_H
+#define BATCHGEN_QLINEAR_DRIVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "../common.h"
+#include "../kernels.h"
+
+typedef uint8_t qact_t;
+
+#define QK 32          /* group size along K */
+/* the avx2 implementation's dot-product paths by weight bound (its tile_input): within +-16, within +-64, any
+ * weights; the other implementations always take PATH_DIRECT */
+enum { PATH_DIRECT = 0, PATH_SIGN = 1, PATH_SHORT = 2 };
+#define MC (MR * 10)   /* rows per work item (they stay in L1/L2 while the weight blocks stream past) */
+
+/* ---- each implementation defines ------------------------------------------------------------------------ */
+
+#ifdef HAVE_QUANT_GROUP
+/* One whole group of 32 (at x + i) in vector registers: the same values as quant_row's scalar loop (min and max
+ * are exact, (x - lo) * inv is the same float arithmetic, and vcvtps2dq rounds to nearest even like lrintf under
+ * the default rounding mode); tests compare every build's quants with the portable build's. */
+static void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn);
+#endif
+/* R (<= MR) rows x 32 columns (two 16-column weight blocks), all of K, into acc; WIDE one of the PATH_* (a
+ * compile-time constant at every call: tile_rows) */
+static void tile(const int R, const int WIDE, const qact_t *q, int ldq, int Kp, const float *sa, const float *mn,
+                 const int8_t *w, const float *sw, const float *cw, float acc[MR][32]);
+/* The activations as the tiles read them (row stride *ldq) and the path for weights bounded by wmax (*wide). Where
+ * they are a copy of q's rows made for the path, *owned is set and the caller frees it. */
+static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt, int *wide, int *ldq,
+                                qact_t **owned);
+
+/* ---- activation quantization: one row, asymmetric, per group of 32 --------------------------------- */
+
+static inline float load_x(const void *x, int is_bf16, size_t i) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qact_t *q, float *sa, float *mn) {
+    for (int g = 0; g * QK < Kp; g++) {
+        const int k0 = g * QK, k1 = k0 + QK < K ? k0 + QK : K;
+#ifdef HAVE_QUANT_GROUP
+        if (k1 - k0 == QK) {
+            quant_group(x, is_bf16, off + k0, q + k0, sa + g, mn + g);
+            continue;
+        }
+#endif
+        float lo = 0.0f, hi = 0.0f;
+        if (k0 < K) {
+            lo = hi = load_x(x, is_bf16, off + k0);
+            for (int k = k0 + 1; k < k1; k++) {
+                const float v = load_x(x, is_bf16, off + k);
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+        }
+        const float s = (hi - lo) / 255.0f;
+        const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+        sa[g] = s;
+        mn[g] = lo;
+        for (int k = k0; k < k0 + QK; k++) {
+            int v = 0;
+            if (k < K) {
+                v = (int)lrintf((load_x(x, is_bf16, off + k) - lo) * inv);
+                v = v < 0 ? 0 : (v > 255 ? 255 : v);
+            }
+            q[k] = (qact_t)v;
+        }
+    }
+}
+
+static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn,
+                      int nt) {
+    const int G = Kp / QK;
+#pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
+    for (int m = 0; m < M; m++)
+        quant_row(x, is_bf16, (size_t)m * ldx, K, Kp, q + (size_t)m * Kp, sa + (size_t)m * G, mn + (size_t)m * G);
+}
+
+void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
+    quant_act(x, 0, M, K, ldx, Kp, q, sa, mn, nt);
+}
+void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn, int nt) {
+    quant_act(x, 1, M, K, ldx, Kp, q, sa, mn, nt);
+}
+
+/* ---- store one tile row of 32 float results (fewer at the right edge) --------------------------------- */
+
+static inline void store_row(const float *acc, void *out, int is_bf16, size_t off, int ncols) {
+    if (is_bf16) {
+        uint16_t *o = (uint16_t *)out + off;
+        for (int j = 0; j < ncols; j++) o[j] = f32_to_bf16(acc[j]);
+    } else {
+        float *o = (float *)out + off;
+        for (int j = 0; j < ncols; j++) o[j] = acc[j];
+    }
+}
+
+/* ---- the gated MLP's gate_up projection with its GLU fused in ------------------------------------------
+ * With the weight rows interleaved in blocks of 16 (gate rows 16b..16b+15, then up rows 16b..16b+15: a tile's two
+ * 16-column blocks; engine.quant.int8.glu_interleave), a tile's 32 results per row are 16 gates and their 16 ups,
+ * and out[m, 16 * pair + j] = act(gate_j) * up_j is written instead of the [M, 2I] gate_up product: the GLU's
+ * read-back of that product and its separate pass are gone. A bf16 output rounds gate and up to bf16 first, as
+ * the unfused path (q8_linear_bf16, then elementwise.c's GLU on its bf16 output) does: the same bits either way. */
+enum { GLU_NONE = 0, GLU_GELU_TANH = 1, GLU_SILU = 2 };
+
+static inline float as_stored(float x, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+static inline void store_glu(const float *acc, void *out, int is_bf16, size_t off, int act) {
+    float o[16];
+    if (act == GLU_SILU) {
+#pragma omp simd
+        for (int j = 0; j < 16; j++) o[j] = silu(as_stored(acc[j], is_bf16)) * as_stored(acc[16 + j], is_bf16);
+    } else {
+#pragma omp simd
+        for (int j = 0; j < 16; j++) o[j] = gelu_tanh(as_stored(acc[j], is_bf16)) * as_stored(acc[16 + j], is_bf16);
+    }
+    store_row(o, out, is_bf16, off, 16);
+}
+
+/* R (1..MR) rows of a tile: a constant R (and WIDE) per case, so the compiler unrolls each case's row loops. */
+#define TILE_CASES(WIDE)                                                                          \
+    switch (R) {                                                                                  \
+    ROWS_6_5(WIDE) ROWS_4(WIDE) ROWS_3(WIDE)                                                      \
+    case 2: tile(2, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;                             \
+    default: tile(1, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;                            \
+    }
+#if MR >= 6
+#define ROWS_6_5(WIDE) case 6: tile(6, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;          \
+                       case 5: tile(5, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#else
+#define ROWS_6_5(WIDE)
+#endif
+#if MR >= 4
+#define ROWS_4(WIDE) case 4: tile(4, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#else
+#define ROWS_4(WIDE)
+#endif
+#if MR >= 3
+#define ROWS_3(WIDE) case 3: tile(3, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#else
+#define ROWS_3(WIDE)
+#endif
+
+static inline __attribute__((always_inline)) void tile_rows(const int R, const int wide, const qact_t *q, int ldq,
+                                                            int Kp, const float *sa, const float *mn,
+                                                            const int8_t *w, const float *sw, const float *cw,
+                                                            float acc[MR][32]) {
+#ifdef HAVE_WIDE
+    if (wide == PATH_SIGN) {
+        TILE_CASES(PATH_SIGN)
+        return;
+    }
+    if (wide == PATH_SHORT) {
+        TILE_CASES(PATH_SHORT)
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    TILE_CASES(PATH_DIRECT)
+}
+
+/* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (row chunk, 32-column pair of
+ * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every MR-row
+ * tile of its chunk while it sits in L1/L2. */
+static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                 const float *sw, const float *cw, int Np, int N, int wmax, void *y, int ldy, int is_bf16, int glu,
+                 int nt) {
+    if (M <= 0) return;
+    const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
+    /* chunks of at most MC rows, of equal size (in whole tiles): with 48 rows and MC 30 a 30 + 18 split left one
+     * of two threads idle for part of each decode-step linear (docs/perf/code-notes-kernels.md) */
+    const int chunks = (M + MC - 1) / MC, even = (M + chunks - 1) / chunks;
+    const int mcr = (even + MR - 1) / MR * MR, nmc = (M + mcr - 1) / mcr;
+    int wide, ldq;
+    qact_t *owned;
+    const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int mc = 0; mc < nmc; mc++)
+        for (int np = 0; np < npair; np++) {
+            const int8_t *wp = w + (size_t)np * 2 * K4 * 64;
+            const float *swp = sw + (size_t)np * 2 * G * 16, *cwp = cw + (size_t)np * 2 * G * 16;
+            const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
+            const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
+            float acc[MR][32];
+            for (int m = mc * mcr; m < m_end; m += MR) {
+                const int R = m_end - m < MR ? m_end - m : MR;
+                const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
+                tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
+                if (glu)   /* N = 2I, I a multiple of 16 (the caller checks): every pair is whole */
+                    for (int r = 0; r < R; r++) store_glu(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 16, glu);
+                else
+                    for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
+            }
+        }
+    free(owned);
+}
+
+/* wmax: max|w| of the packed weights (a bound: larger is always correct; the avx2 build takes its faster path
+ * only for wmax <= 64) */
+void q8_gemm_f32(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                 const float *sw, const float *cw, int Np, int N, int wmax, float *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 0, GLU_NONE, nt);
+}
+void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                  const float *sw, const float *cw, int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 1, GLU_NONE, nt);
+}
+
+/* x [M, K] (row stride ldx, float32 or bf16) @ W^T in one call: the activations quantized into scratch of this
+ * call's own, then gemm. The same quants and products as q8_quant_act_* + q8_gemm_*, without the two extra
+ * calls and three scratch tensors per linear on the Python side (72 linears per decode step of gemma-3-270m). */
+static void linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const float *sw,
+                   const float *cw, int Np, int N, int wmax, void *y, int ldy, int glu, int nt) {
+    if (M <= 0) return;
+    const int Kp = (K + QK - 1) / QK * QK, G = Kp / QK;
+    qact_t *q = (qact_t *)malloc((size_t)M * Kp + sizeof(float) * 2 * (size_t)M * G);
+    float *sa = (float *)(q + (size_t)M * Kp), *mn = sa + (size_t)M * G;   /* Kp is a multiple of 32: aligned */
+    quant_act(x, is_bf16, M, K, ldx, Kp, q, sa, mn, nt);
+    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, is_bf16, glu, nt);
+    free(q);
+}
+
+void q8_linear_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw, int Np,
+                   int N, int wmax, float *y, int ldy, int nt) {
+    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, GLU_NONE, nt);
+}
+void q8_linear_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+                    int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
+    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, GLU_NONE, nt);
+}
+
+/* x @ W^T for a gate_up weight interleaved in 16-row blocks (see store_glu), then the GLU: y [M, N / 2] (row
+ * stride ldy). act: GLU_GELU_TANH or GLU_SILU; N a multiple of 32. */
+void q8_linear_glu_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+                       int Np, int N, int wmax, int act, float *y, int ldy, int nt) {
+    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
+}
+void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+                        int Np, int N, int wmax, int act, uint16_t *y, int ldy, int nt) {
+    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
+}
+
+/* Greedy decoding's LM head: per row, the largest y[m, n] = dequant(q) @ W^T and its index (the first on ties,
+ * like argmax), without writing y (a [rows, 262144] float32 block per decode step). Each thread scans a
+ * contiguous range of 32-column pairs in order with the same tiles as gemm (so the values compared are gemm's,
+ * bit for bit); the ranges are merged in order. A NaN never wins. */
+void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                    const float *sw, const float *cw, int Np, int N, int wmax, int64_t *idx, float *val, int nt) {
+    const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
+    nt = nt < 1 ? 1 : nt;
+    int wide, ldq;
+    qact_t *owned;
+    const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
+    /* per thread and row, the best value and its column for each of the 32 tile columns (j = column % 32): the
+     * comparisons are branch-free and vectorize; the 32 lanes are reduced once at the end */
+    float *bv = (float *)malloc(sizeof(float) * (size_t)nt * M * 32);
+    int32_t *bi = (int32_t *)malloc(sizeof(int32_t) * (size_t)nt * M * 32);
+    int used = 1;
+#pragma omp parallel num_threads(nt)
+    {
+        int tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+#pragma omp single
+        used = nth;
+        float *v = bv + (size_t)tid * M * 32;
+        int32_t *ix = bi + (size_t)tid * M * 32;
+        for (int i = 0; i < M * 32; i++) { v[i] = -INFINITY; ix[i] = 0; }
+        const int p0 = (int)((int64_t)npair * tid / nth), p1 = (int)((int64_t)npair * (tid + 1) / nth);
+        float acc[MR][32];
+        for (int np = p0; np < p1; np++) {
+            const int8_t *wp = w + (size_t)np * 2 * K4 * 64;
+            const float *swp = sw + (size_t)np * 2 * G * 16, *cwp = cw + (size_t)np * 2 * G * 16;
+            const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
+            for (int m = 0; m < M; m += MR) {
+                const int R = M - m < MR ? M - m : MR;
+                const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
+                tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
+                for (int r = 0; r < R; r++) {
+                    float *vr = v + (size_t)(m + r) * 32;
+                    int32_t *ir = ix + (size_t)(m + r) * 32;
+                    for (int j = 0; j < 32; j++) {      /* strict >: a lane keeps its first maximum; NaN never wins */
+                        const int better = j < ncols && acc[r][j] > vr[j];
+                        vr[j] = better ? acc[r][j] : vr[j];
+                        ir[j] = better ? np * 32 + j : ir[j];
+                    }
+                }
+            }
+        }
+    }
+    /* merge: the largest value over threads and lanes, the lowest column among equal ones (argmax's first) */
+    for (int m = 0; m < M; m++) {
+        float best = -INFINITY;
+        int64_t at = 0;
+        for (int t = 0; t < used; t++)
+            for (int j = 0; j < 32; j++) {
+                const float x = bv[((size_t)t * M + m) * 32 + j];
+                const int64_t c = bi[((size_t)t * M + m) * 32 + j];
+                if (x > best || (x == best && x > -INFINITY && c < at)) { best = x; at = c; }
+            }
+        idx[m] = at;
+        val[m] = best;
+    }
+    free(bv);
+    free(bi);
+    free(owned);
+}
+
+#endif

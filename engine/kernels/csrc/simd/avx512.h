@@ -1,0 +1,24 @@
+/* float32 vectors for the AVX-512 implementations (16 lanes; the AVX2 ones include simd/avx2.h, 8 lanes).
+ *
+ * vf_* wrap the few intrinsics the vector code uses: zero, load (float32 or widened bf16), fused multiply-add,
+ * broadcast, store and a horizontal sum. Code written with them (a family's vec.h) serves both widths. */
+#ifndef BATCHGEN_SIMD_AVX512_H
+#define BATCHGEN_SIMD_AVX512_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define VEC_WIDTH 16
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vf_load_bf16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   /* a * b + c */
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline float vf_hsum(vf v) { return _mm512_reduce_add_ps(v); }
+
+#endif
