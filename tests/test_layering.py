@@ -10,6 +10,7 @@ Each rule is checked on the real tree and, so the check itself can fail, on a sm
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,13 @@ def backward_imports(graph: dict[str, set[str]], order=ENGINE_ORDER, package: st
     return sorted(found)
 
 
+def unnamed_modules(root: Path, packages=LAYERS, doc: str = "docs/design/layout.md") -> list[str]:
+    """Modules of ``packages`` whose file name (``runner.py``) the layout document does not mention."""
+    text = (root / doc).read_text()
+    return [p.relative_to(root).as_posix() for pkg in packages for p in sorted((root / pkg).rglob("*.py"))
+            if p.name != "__init__.py" and not re.search(rf"(?<![\w]){re.escape(p.name)}", text)]
+
+
 def long_files(root: Path, limit: int = MAX_LINES) -> list[str]:
     paths = [p for d in (*LAYERS, "tests", "sample_data") for p in (root / d).rglob("*.py")]
     return sorted(f"{p.relative_to(root)}: {n} lines" for p in paths
@@ -215,6 +223,10 @@ def test_no_python_file_over_500_lines():
 
 def test_no_function_over_80_lines_and_the_exceptions_only_shrink():
     assert long_function_problems(ROOT) == []
+
+
+def test_every_module_is_named_in_the_layout_document():
+    assert unnamed_modules(ROOT) == []
 
 
 def test_readme_is_a_door():
@@ -296,6 +308,12 @@ def test_a_back_arrow_between_pipeline_stages_is_found_type_checking_too(tmp_pat
     assert backward_imports(import_graph(root, ("pipeline",)), stages, "pipeline") == []
     assert backward_imports(import_graph(root, ("pipeline",), type_checking=True), stages, "pipeline") == [
         "pipeline.io.tables imports pipeline.run.runner"]
+
+
+def test_an_unnamed_module_is_found(tmp_path):
+    root = _tree(tmp_path, {"engine/llm.py": "", "engine/sample/sampler.py": "", "engine/sample/__init__.py": "",
+                            "docs/design/layout.md": "llm.py the door; sample/ (sampler, the draw)"})
+    assert unnamed_modules(root, ("engine",)) == ["engine/sample/sampler.py"]
 
 
 def test_a_long_file_is_found(tmp_path):
