@@ -303,3 +303,14 @@ def test_size_sweep_rows_ratios_and_table(peers, tiny_llama_dir):
     assert table.startswith("Model tiny; CPU a CPU;")
     assert "| shared-prefix | 2, 2, 32, 8, 4 |" in table                     # quick: a smoke size
     assert "2.0 s (bfloat16)" in table and "vllm / ours" in table
+
+
+def test_a_dtype_probe_is_short(peers, tiny_llama_dir):
+    from bench.workloads import BenchPrompt
+
+    long = [BenchPrompt(i, 0, tuple(range(1, 2000))) for i in range(5)]
+    req = peer.peer_request("vllm", _opts(tiny_llama_dir, ("vllm",)), long, [[1]], 2, "float32", probe=True)
+    assert len(req["prompts"]) == peer.PROBE_PROMPTS and req["max_tokens"] == peer.PROBE_TOKENS
+    assert {len(p) for p in req["prompts"]} == {peer.PROBE_PROMPT_TOKENS} and req["dtype"] == "float32"
+    full = peer.peer_request("vllm", _opts(tiny_llama_dir, ("vllm",)), long, [[1]], 2, "float32")
+    assert len(full["prompts"]) == 5 and {len(p) for p in full["prompts"]} == {1999} and not full["probe"]

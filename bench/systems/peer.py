@@ -136,8 +136,9 @@ def peer_env(name: str, threads: int) -> dict[str, str]:
     return env
 
 
-PROBE_PROMPTS = 4         # a dtype probe: the workload's first prompts ...
-PROBE_TOKENS = 8          # ... with this many output tokens each
+PROBE_PROMPTS = 2         # a dtype probe: the workload's first prompts ...
+PROBE_PROMPT_TOKENS = 512     # ... cut to this many tokens ...
+PROBE_TOKENS = 8          # ... with this many output tokens each (both stages timed, in seconds not minutes)
 
 
 def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
@@ -145,10 +146,11 @@ def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
     """The JSON request a runner reads (module docstring). ``probe``: time only a short generate of the first
     prompts (``probe_s`` in the result) to compare dtypes."""
     w = opts.workload
+    ids = [list(p.token_ids) for p in prompts]
     if probe:
-        prompts = prompts[:PROBE_PROMPTS]
+        prompts, ids = prompts[:PROBE_PROMPTS], [i[:PROBE_PROMPT_TOKENS] for i in ids[:PROBE_PROMPTS]]
     return {"peer": name, "model": str(peer_model_dir(name, opts.model, opts.load_format)),
-            "prompts": [list(p.token_ids) for p in prompts], "groups": [p.group for p in prompts],
+            "prompts": ids, "groups": [p.group for p in prompts],
             "warmup": [list(ids) for ids in warmup], "max_tokens": PROBE_TOKENS if probe else w.output_tokens,
             "threads": threads, "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096,
             "cache_size_gb": 4, "max_num_batched_tokens": opts.max_num_batched_tokens, "dtype": dtype,
@@ -218,7 +220,8 @@ def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
         pass
     probes: dict = {}
     for dtype in dtypes:
-        say(opts, f"{name}: probing {dtype} ({PROBE_PROMPTS} prompts x {PROBE_TOKENS} tokens)")
+        say(opts, f"{name}: probing {dtype} ({PROBE_PROMPTS} prompts of <= {PROBE_PROMPT_TOKENS} tokens, "
+                  f"{PROBE_TOKENS} out)")
         data, why, _ = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype, probe=True), threads,
                                f"-probe-{dtype}")
         probes[dtype] = round(float(data["probe_s"]), 3) if data else why
