@@ -37,7 +37,6 @@ MAX_FUNCTION_LINES = 80
 # "path:function" over MAX_FUNCTION_LINES, being split into named steps elsewhere. This set may only shrink: an entry
 # that is no longer over the limit fails the test until it is removed; nothing may be added.
 LONG_FUNCTION_EXCEPTIONS = frozenset({
-    "engine/sample/sampler.py:build",
     "engine/scheduler.py:schedule",
 })
 
