@@ -266,7 +266,7 @@ def _giga(v) -> str:
 
 
 def limit_line(s: dict) -> str:
-    """One system's 'how close to the limit' line (issue 39): prefill against the matmul peak of the format that
+    """One system's 'how close to the limit' line: prefill against the matmul peak of the format that
     ran, decode at 1 row (and all decode-only steps) against the bandwidth bound; n/a where unknown."""
     lim = s.get("limits")
     fmt = (lim or {}).get("format") or s["extra"].get("format")

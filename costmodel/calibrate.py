@@ -46,7 +46,7 @@ class Calibration:
     small_m_flops: float           # FLOP/s at M=16 (decode-sized batches)
     matmul_by_shape: dict = field(default_factory=dict)   # "MxKxN" -> FLOP/s (the best kernel's)
     # kernel -> {"matmul_flops", "small_m_flops", "by_shape"}: each kernel measured (int8: q8_linear and
-    # torch._int_mm); empty in calibrations cached before kernels were recorded
+    # torch._int_mm); empty when a cached calibration does not record them
     kernel_flops: dict = field(default_factory=dict)
     peak_kernel: str = ""          # the kernel whose rate is matmul_flops ("": not recorded)
     num_threads: int = 0

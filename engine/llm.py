@@ -22,12 +22,12 @@ import engine.attention.key_shift as key_shift
 import engine.kernels.library as library
 import engine.omp_wait as omp_wait
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.cpu_tuning import keep_freed_memory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_policy import log_choice
 from engine.errors import ConfigError
 from engine.invariance import invariance
 from engine.loader import load_model
+from engine.malloc import keep_freed_memory
 from engine.model_runner import ModelRunner
 from engine.models import weight_bytes
 from engine.outputs import RequestMetrics, RequestOutput, StepStats

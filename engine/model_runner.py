@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +20,7 @@ from engine.request import Request
 from engine.sample.rejection import rejection_sample, verify_greedy
 from engine.sample.sampler import Sampler, SamplingMetadata, greedy, make_generator
 from engine.sample.seeded_draws import position_generator
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -75,105 +76,59 @@ class ModelRunner:
         speculated gets the list of its verified tokens (accepted drafts, then one more)."""
         if not out.scheduled:
             return {}
-        # One attention path per position, whatever the step: a prompt position is computed by the prefill kernel
-        # (chunk invariant: its rounding does not depend on where the prompt was cut), an output position by the
-        # decode kernel, one query per position (each sees the keys up to its own: every K/V of the step is written
-        # before attention). So a speculating request's last token and drafts, a plain decode and the outputs of a
-        # preempted request recomputed with its prompt all give their K/V the bits they had when first computed,
-        # and a prompt's one-token chunk (its last, after a prefix-cache hit or a token budget) stays a prefill.
-        # Tokens a grammar forced (structured outputs) are output positions too: one decode query each.
-        # Output positions go first: the backend batches one-query entries as one block of rows.
-        pieces = []                              # (sequence, first token, tokens, per position: decode entries)
-        for s in out.scheduled:
-            n, cut = len(s.token_ids), requests[s.request_id].num_prompt_tokens - s.start_pos
-            cut = min(max(cut, 0), n)
-            if cut < n:
-                pieces.append((s, cut, n - cut, True))
-            if cut:
-                pieces.append((s, 0, cut, False))
-        pieces.sort(key=lambda p: not p[3])
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        entry_tables: list[list[int]] = []       # per attention entry (a prompt chunk, or one output position)
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        row_entry: list[int] = []                # per sampled row: its attention entry
-        drafts: dict[str, list[int]] = {}        # speculating requests: their draft tokens
-        num_decode = 0
-        where: dict[str, list] = {}              # per sequence: (first token, tokens, first row, first entry, split)
-        for s, lo, n, per_position in pieces:
-            where.setdefault(s.request_id, []).append((lo, n, len(input_ids), len(seq_lens), per_position))
-            input_ids.extend(s.token_ids[lo:lo + n])
-            pos = range(s.start_pos + lo, s.start_pos + lo + n)
-            positions.extend(pos)
-            table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if per_position:
-                for p in pos:
-                    qsl.append(qsl[-1] + 1)
-                    seq_lens.append(p + 1)
-                    entry_tables.append(table)
-                num_decode = len(seq_lens)
-            else:
-                qsl.append(qsl[-1] + n)
-                seq_lens.append(pos.stop)
-                entry_tables.append(table)
-        for s in out.scheduled:
-            if not s.sample:
-                continue
-            nd = len(s.draft_token_ids)          # logits at the last known token and at every draft
-            for t in range(len(s.token_ids) - 1 - nd, len(s.token_ids)):
-                lo, n, row, entry, per_position = next(w for w in where[s.request_id] if w[0] <= t < w[0] + w[1])
-                sample_rows.append(row + t - lo)
-                row_entry.append(entry + (t - lo if per_position else 0))
-            sample_reqs.append(requests[s.request_id])
-            if nd:
-                drafts[s.request_id] = list(s.draft_token_ids)
-        max_blocks = max(len(t) for t in entry_tables)
-        tables = torch.zeros((len(entry_tables), max_blocks), dtype=torch.int32)
-        for i, t in enumerate(entry_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        inputs = StepInputs.prepare(out, requests, self.block_size)
+        sample = SampledRows.prepare(out, requests, inputs)
+        meta = self._attention_metadata(inputs, sample)
+        # what this step samples, in the order of the head's rows (tests pair rows with requests from it)
+        self.last_sampled = [(r.request_id, len(sample.drafts.get(r.request_id, ())) + 1) for r in sample.reqs]
         dev = self.device
+        hidden = self.model(torch.tensor(inputs.input_ids, device=dev), torch.tensor(inputs.positions, device=dev),
+                            meta)
+        self.forced = {}
+        if not sample.rows:
+            return {}
+        result = self._tokens(hidden, sample.reqs, sample.drafts)
+        if any(r.grammar is not None for r in sample.reqs):
+            self.forced = constrain.advance(sample.reqs, [result[r.request_id] for r in sample.reqs])
+        return result
+
+    def _attention_metadata(self, inputs: StepInputs, sample: SampledRows) -> AttentionMetadata:
+        """The step's attention metadata, with the sampled rows again as one-query sequences (``sample_meta``:
+        the last layer computes only these); both prepared by the backend."""
+        max_blocks = max(len(t) for t in inputs.entry_tables)
+        tables = torch.zeros((len(inputs.entry_tables), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(inputs.entry_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev, bs, seq_lens = self.device, self.block_size, inputs.seq_lens
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables.to(dev),
-            num_decode_seqs=num_decode, block_size=bs)
-        # The sampled rows again, as one-query sequences: the last layer computes only these.
-        rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
+            query_start_loc=inputs.query_start_loc, seq_lens=seq_lens, block_tables=tables.to(dev),
+            num_decode_seqs=inputs.num_decode, block_size=bs)
+        rows_t = torch.tensor(sample.rows, dtype=torch.long, device=dev)
         meta.sample_rows = rows_t
         meta.sample_meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sample_rows) + 1)),
-            seq_lens=[seq_lens[e] for e in row_entry], block_tables=meta.block_tables[row_entry],
-            num_decode_seqs=len(sample_rows), block_size=bs)
+            slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sample.rows) + 1)),
+            seq_lens=[seq_lens[e] for e in sample.row_entry], block_tables=meta.block_tables[sample.row_entry],
+            num_decode_seqs=len(sample.rows), block_size=bs)
         for m in (meta, meta.sample_meta):
             self.backend.prepare(m)
-        # what this step samples, in the order of the head's rows (tests pair rows with requests from it)
-        self.last_sampled = [(r.request_id, len(drafts.get(r.request_id, ())) + 1) for r in sample_reqs]
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
-        self.forced = {}
-        if not sample_rows:
-            return {}
-        if not drafts and all(_plain_greedy(r) for r in sample_reqs):   # argmax only: no logits, no sampler
+        return meta
+
+    def _tokens(self, hidden: torch.Tensor, reqs: list[Request], drafts: dict[str, list[int]]) -> dict:
+        """The sampled rows' hidden states -> {request id: token} (a speculating request: its verified tokens).
+        A batch of plain greedy rows takes the argmax without logits or sampler."""
+        if not drafts and all(_plain_greedy(r) for r in reqs):
             tokens = self.model.greedy_tokens(hidden).tolist()
-            if any(r.grammar is not None for r in sample_reqs):      # logits only for rows the grammar rejects
-                constrain.constrain(tokens, sample_reqs, lambda rows: self.model.compute_logits(hidden[rows]),
+            if any(r.grammar is not None for r in reqs):      # logits only for rows the grammar rejects
+                constrain.constrain(tokens, reqs, lambda rows: self.model.compute_logits(hidden[rows]),
                                     self._metadata, self.check_first,
                                     values_at=lambda i, ids: self.model.logits_at(hidden[i:i + 1], ids))
-            result = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
-        else:
-            logits = self.model.compute_logits(hidden)              # [N, vocab], sampled rows only
-            if drafts:
-                result = self._verify(logits, sample_reqs, drafts)
-            else:
-                tokens = self._sample(logits, sample_reqs)
-                result = {r.request_id: t for r, t in zip(sample_reqs, tokens)}
-        if any(r.grammar is not None for r in sample_reqs):
-            self.forced = constrain.advance(sample_reqs, [result[r.request_id] for r in sample_reqs])
-        return result
+            return {r.request_id: t for r, t in zip(reqs, tokens)}
+        logits = self.model.compute_logits(hidden)              # [N, vocab], sampled rows only
+        if drafts:
+            return self._verify(logits, reqs, drafts)
+        tokens = self._sample(logits, reqs)
+        return {r.request_id: t for r, t in zip(reqs, tokens)}
 
     def _metadata(self, reqs: list[Request]) -> SamplingMetadata:
         return SamplingMetadata.build(
@@ -233,6 +188,106 @@ class ModelRunner:
                                       prompt_token_ids=[r.prompt_token_ids] * len(js),
                                       generators=[None] * len(js), device=self.device,
                                       banned_token_ids=[_banned(r, j) for j in js])
+
+
+class StepInputs:
+    """One step's model inputs as plain lists (the model runner makes them tensors): token ids, positions and
+    KV slots per row, and per attention entry (a prompt chunk, or one output position) its query start, sequence
+    length and block table.
+
+    One attention path per position, whatever the step: a prompt position is computed by the prefill kernel
+    (chunk invariant: its rounding does not depend on where the prompt was cut), an output position by the
+    decode kernel, one query per position (each sees the keys up to its own: every K/V of the step is written
+    before attention). So a speculating request's last token and drafts, a plain decode and the outputs of a
+    preempted request recomputed with its prompt all give their K/V the bits they had when first computed, and
+    a prompt's one-token chunk (its last, after a prefix-cache hit or a token budget) stays a prefill. Tokens a
+    grammar forced (structured outputs) are output positions too: one decode query each. Output positions go
+    first: the backend batches one-query entries as one block of rows.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.query_start_loc = [0]
+        self.seq_lens: list[int] = []
+        self.entry_tables: list[list[int]] = []
+        self.num_decode = 0                      # the first num_decode entries are one-query (output) positions
+        # per sequence: (first token, tokens, first row, first entry, per position)
+        self.where: dict[str, list] = {}
+
+    @classmethod
+    def prepare(cls, out: SchedulerOutput, requests: dict[str, Request], block_size: int) -> StepInputs:
+        inputs = cls(block_size)
+        for s, lo, n, per_position in _pieces(out, requests):
+            inputs.add(s, lo, n, per_position)
+        return inputs
+
+    def add(self, s: ScheduledRequest, lo: int, n: int, per_position: bool) -> None:
+        """Tokens ``lo`` .. ``lo + n - 1`` of ``s``: one entry per position (output positions), or one entry."""
+        bs, qsl, seq_lens, entry_tables = self.block_size, self.query_start_loc, self.seq_lens, self.entry_tables
+        self.where.setdefault(s.request_id, []).append((lo, n, len(self.input_ids), len(seq_lens), per_position))
+        self.input_ids.extend(s.token_ids[lo:lo + n])
+        pos = range(s.start_pos + lo, s.start_pos + lo + n)
+        self.positions.extend(pos)
+        table = s.block_ids
+        self.slots.extend(table[p // bs] * bs + p % bs for p in pos)
+        if per_position:
+            for p in pos:
+                qsl.append(qsl[-1] + 1)
+                seq_lens.append(p + 1)
+                entry_tables.append(table)
+            self.num_decode = len(seq_lens)
+        else:
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(pos.stop)
+            entry_tables.append(table)
+
+    def locate(self, request_id: str, t: int) -> tuple[int, int]:
+        """The row and the attention entry of the sequence's ``t``-th scheduled token."""
+        lo, n, row, entry, per_position = next(w for w in self.where[request_id] if w[0] <= t < w[0] + w[1])
+        return row + t - lo, entry + (t - lo if per_position else 0)
+
+
+def _pieces(out: SchedulerOutput, requests: dict[str, Request]) -> list[tuple[ScheduledRequest, int, int, bool]]:
+    """Each sequence cut where its prompt ends: (sequence, first token, tokens, per position), output positions
+    (per position: decode entries) first."""
+    pieces = []
+    for s in out.scheduled:
+        n, cut = len(s.token_ids), requests[s.request_id].num_prompt_tokens - s.start_pos
+        cut = min(max(cut, 0), n)
+        if cut < n:
+            pieces.append((s, cut, n - cut, True))
+        if cut:
+            pieces.append((s, 0, cut, False))
+    pieces.sort(key=lambda p: not p[3])
+    return pieces
+
+
+@dataclass
+class SampledRows:
+    """The rows the LM head computes: per sequence that samples, its last known token and every draft."""
+    rows: list[int] = field(default_factory=list)          # rows of the step's input
+    row_entry: list[int] = field(default_factory=list)     # per sampled row: its attention entry
+    reqs: list[Request] = field(default_factory=list)      # the requests that sample, in row order
+    drafts: dict[str, list[int]] = field(default_factory=dict)   # speculating requests: their draft tokens
+
+    @classmethod
+    def prepare(cls, out: SchedulerOutput, requests: dict[str, Request], inputs: StepInputs) -> SampledRows:
+        sample = cls()
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            nd = len(s.draft_token_ids)          # logits at the last known token and at every draft
+            for t in range(len(s.token_ids) - 1 - nd, len(s.token_ids)):
+                row, entry = inputs.locate(s.request_id, t)
+                sample.rows.append(row)
+                sample.row_entry.append(entry)
+            sample.reqs.append(requests[s.request_id])
+            if nd:
+                sample.drafts[s.request_id] = list(s.draft_token_ids)
+        return sample
 
 
 def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -29,6 +30,15 @@ def _cdiv(a: int, b: int) -> int:
 def _rank(req: Request) -> tuple[int, float]:
     """Lower runs first; the largest rank is preempted first."""
     return req.priority, req.arrival_time
+
+
+@dataclass
+class _Step:
+    """One schedule() call as it goes: the token budget left, the grants so far and who was preempted."""
+    budget: int
+    now: float
+    granted: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -150,56 +160,69 @@ class Scheduler:
             the requests to compute, each with its token ids, start position and whole block table.
         Side effects: num_computed_tokens advanced by the granted count; preempted requests back in waiting.
         """
-        now = time.monotonic()
-        kv = self.kv_cache_manager
-        budget = self.max_num_batched_tokens
-        granted: dict[str, ScheduledRequest] = {}
-        preempted: list[Request] = []
+        step = _Step(budget=self.max_num_batched_tokens, now=time.monotonic())
+        self._schedule_running(step)
+        if not step.preempted:          # waiting requests never join after a preemption: the pool is full
+            self._schedule_waiting(step)
+        return self._make_output(step)
 
-        # 1) Running requests: one-token decodes first, then prefill chunks.
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests: one-token decodes first (with their drafts when speculating), then prefill chunks.
+        A request whose blocks do not fit preempts the lowest-ranked running one, itself included."""
+        kv = self.kv_cache_manager
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
         # Speculation: a decoding request may also compute draft tokens (never during a chunked prefill).
-        drafts = self.speculator.drafts(decodes, budget) if self.speculator is not None and decodes else {}
+        drafts = self.speculator.drafts(decodes, step.budget) if self.speculator is not None and decodes else {}
         for req in decodes + chunks:
-            if budget == 0:
+            if step.budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue                    # preempted earlier in this step
-            draft = drafts.get(req.request_id, [])[:max(budget - 1, 0)]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget) + len(draft)
+            draft = drafts.get(req.request_id, [])[:max(step.budget - 1, 0)]
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget) + len(draft)
             allocated = bool(draft) and kv.allocate_slots(req, num_new) is not None
             if draft and not allocated:
                 num_new -= len(draft)           # drafts never cost a preemption: drop them when the pool is full
                 draft = []
-            while not allocated and kv.allocate_slots(req, num_new) is None:
-                if len(self.running) == 1:
-                    # NOTE: nothing left to preempt; only pinned blocks can be in the way. Never spin.
-                    self._finish_stuck(req)
-                    break
-                victim = max(self.running, key=_rank)
-                undone = granted.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_tokens
-                    victim.num_computed_tokens = undone.start_pos   # its chunk will not run
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
+            if not allocated:
+                self._allocate_or_preempt(req, num_new, step)
             if req.status != RequestStatus.RUNNING:
                 if req.status == RequestStatus.PREEMPTED:
                     break                   # lowest priority itself: stop scheduling running ones
                 continue
-            granted[req.request_id] = self._grant(req, num_new, now, draft)
-            budget -= num_new
+            step.granted[req.request_id] = self._grant(req, num_new, step.now, draft)
+            step.budget -= num_new
 
-        # 2) Waiting requests join (not after a preemption: the pool is full).
-        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _allocate_or_preempt(self, req: Request, num_new: int, step: _Step) -> None:
+        """Allocate ``num_new`` slots for ``req``, preempting the lowest-ranked running request until they fit
+        (a victim granted earlier in this step gives its tokens back). Ends with ``req`` preempted itself, or
+        finished with an error when nothing is left to preempt."""
+        while self.kv_cache_manager.allocate_slots(req, num_new) is None:
+            if len(self.running) == 1:
+                # NOTE: nothing left to preempt; only pinned blocks can be in the way. Never spin.
+                self._finish_stuck(req)
+                return
+            victim = max(self.running, key=_rank)
+            undone = step.granted.pop(victim.request_id, None)
+            if undone is not None:
+                step.budget += undone.num_tokens
+                victim.num_computed_tokens = undone.start_pos   # its chunk will not run
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is req:
+                return
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting requests join in (priority, arrival) order while the budget, the seats and the pool last;
+        a prefix-cache hit starts a request past its cached tokens."""
+        kv = self.kv_cache_manager
+        while step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._peek_waiting()
             if req is None:
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_hit, budget)
+            num_new = min(req.num_tokens - num_hit, step.budget)
             if kv.allocate_slots(req, num_new, hit_blocks) is None:
                 if not self.running:
                     self._finish_stuck(req)     # its heap entry is skipped lazily
@@ -212,11 +235,14 @@ class Scheduler:
             if req.num_cached_tokens is None:       # first scheduling (a preempted request keeps its count)
                 req.num_cached_tokens = num_hit
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            granted[req.request_id] = self._grant(req, num_new, now)
-            budget -= num_new
+                req.first_scheduled_time = step.now
+            step.granted[req.request_id] = self._grant(req, num_new, step.now)
+            step.budget -= num_new
 
-        out = SchedulerOutput(scheduled=list(granted.values()), preempted=[r.request_id for r in preempted])
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        """The step's SchedulerOutput: what was granted, who was preempted, and the errors not yet reported."""
+        out = SchedulerOutput(scheduled=list(step.granted.values()),
+                              preempted=[r.request_id for r in step.preempted])
         for sr in out.scheduled:
             if sr.is_prefill:
                 out.num_prefill_tokens += sr.num_tokens

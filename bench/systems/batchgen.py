@@ -23,7 +23,7 @@ BATCHGEN_VARIANTS = {"batchgen": (True, "none", None, "auto"), "batchgen-nocache
                      "batchgen-default": (True, "auto", "auto", "auto"),
                      "batchgen-default-nocache": (False, "auto", "auto", "auto"),
                      "batchgen-nondet": (True, "none", None, "auto"),            # deterministic: false, the cost
-                     "batchgen-default-nondet": (True, "auto", "auto", "auto")}  # of batch invariance (issue 33)
+                     "batchgen-default-nondet": (True, "auto", "auto", "auto")}  # of batch invariance
 # The same settings with every request constrained to ``workloads.STRUCTURED_SCHEMA`` (same output tokens):
 # structured name -> the unconstrained twin it is compared with (``table.ratios``).
 STRUCTURED_TWINS = {"batchgen-structured": "batchgen", "batchgen-default-structured": "batchgen-default"}
@@ -164,7 +164,7 @@ def stage_sums(outs, steps, roof: Roofline) -> dict:
 
 
 def step_limits(sums: dict, roof: Roofline, fmt: RunFormat) -> dict:
-    """How close to the limit (issue 39): prefill FLOP/s over the format's matmul peak, decode-only (and 1-row
+    """How close to the limit: prefill FLOP/s over the format's matmul peak, decode-only (and 1-row
     decode-only) bytes/s over the read bandwidth; fractions None without a calibration or without such steps."""
     rate = lambda a, t: a / t if t > 0 else None  # noqa: E731
     cal = roof.cal

@@ -26,10 +26,10 @@ from engine.attention.metadata import AttentionMetadata
 # explicit band mask on the sliding layers and than SDPA's causal kernel on the global ones
 # (docs/perf/code-notes-kernels.md).
 PREFILL_TILE = 128
-# The float32 C kernel (csrc/prefill/) takes every chunk where it builds, one token included: short chunks once
-# went through the torch tiles below (for the kernel's key-transpose cost), whose sums are ordered otherwise, so a
-# prompt's tokens depended on where it was cut; with the kernel everywhere they do not, at no measurable cost end
-# to end (docs/perf/code-notes-kernels.md).
+# The float32 C kernel (csrc/prefill/) takes every chunk where it builds, one token included, so a prompt's tokens
+# get the same bits wherever it was cut: the torch tiles below order their sums otherwise, and sending short chunks
+# there to save the kernel's key transpose would make a token depend on its chunk. The kernel everywhere costs
+# nothing measurable end to end (docs/perf/code-notes-kernels.md).
 
 
 class TorchAttentionBackend(AttentionBackend):

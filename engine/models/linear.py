@@ -1,9 +1,9 @@
-"""Float linear layers whose rows do not depend on how many rows a step has (batch invariance, issue 33).
+"""Float linear layers whose rows do not depend on how many rows a step has (batch invariance).
 
 torch's CPU matmul picks its kernel by shape: with MKL here, one row goes through a matrix-vector kernel, and under
 12 rows the rows past a multiple of 4 through other kernels; from 12 rows up each row's result is the same bits at
-every row count and position (measured: docs/perf/zen5-epyc-determinism.md). So a step that decodes one sequence
-used to give it other bits than a step that decodes it among others. ``Linear`` pads a call to the next row count
+every row count and position (measured: docs/perf/zen5-epyc-determinism.md). Unpadded, a step that decodes one
+sequence would give it other bits than a step that decodes it among others. ``Linear`` pads a call to the next row count
 that is invariant, with zero rows; ``pad_targets`` finds those for a weight on this machine by probing (once per
 K, dtype and thread count): none from the smallest row count from which every probed count gives the same bits
 as the largest (the floor); under it, the next probed count that does too. Where no floor exists, every call runs

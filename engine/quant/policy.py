@@ -63,8 +63,8 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
             raise ConfigError("quantization: int8 needs the native CPU kernels, which are unavailable "
                               "(no C compiler, or BATCHGEN_CPU_KERNELS=0)")
         if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa):
-            # NOTE: the KV cache auto picks too: explicit int8 used to keep it in the activation dtype (float32),
-            # measured slower than with a bf16 cache (docs/perf/code-notes-engine.md)
+            # NOTE: explicit int8 picks the auto KV cache dtype too: bf16, since a cache in the activation dtype
+            # (float32) measured slower (docs/perf/code-notes-engine.md)
             return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products; KV cache auto: bf16, measured "
                                        "faster here and within the quality bar)", kv_cache_dtype="bfloat16")
         return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products)")

@@ -92,80 +92,88 @@ class SamplingMetadata:
         assert len(output_token_ids) == len(prompt_token_ids) == len(generators) == num_rows
         device = torch.device(device)
         greedy = [p.greedy for p in params]
-        all_greedy = all(greedy)
         random_rows = [i for i in range(num_rows) if not greedy[i]]
-
-        def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        greedy_rows = None
-        temperature = top_k = top_p = min_p = None
-        max_top_k = 0
-        if not all_greedy:
-            if any(greedy):
-                greedy_rows = row_tensor(greedy, torch.bool)
-            # NOTE: greedy rows get neutral values so the random path can run on the whole batch.
-            temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-            if any(t != 1.0 for t in temps):
-                temperature = row_tensor(temps, torch.float32)
-            # NOTE: greedy rows get k = 1 (their argmax), so "every row has k > 0" can hold in mixed batches.
-            ks = [1 if g else max(p.top_k, 0) for p, g in zip(params, greedy)]
-            if any(ks[i] > 0 for i in random_rows):
-                top_k = row_tensor(ks, torch.int64)
-                max_top_k = max(ks) if all(k > 0 for k in ks) else 0
-            ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-            if any(p < 1.0 for p in ps):
-                top_p = row_tensor(ps, torch.float32)
-            mps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-            if any(mps):
-                min_p = row_tensor(mps, torch.float32)
-
-        rep = [p.repetition_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
-        use_rep = [r != 1.0 for r in rep]
-        use_any = [use_rep[i] or pres[i] != 0.0 or freq[i] != 0.0 for i in range(num_rows)]
-        repetition_penalty = presence_penalty = frequency_penalty = None
-        prompt_ids = output_ids = None
-        if any(use_rep):
-            repetition_penalty = row_tensor(rep, torch.float32)
-            prompt_ids = _pad_rows([prompt_token_ids[i] if use_rep[i] else () for i in range(num_rows)], device)
-        if any(pres):
-            presence_penalty = row_tensor(pres, torch.float32)
-        if any(freq):
-            frequency_penalty = row_tensor(freq, torch.float32)
-        if any(use_any):
-            output_ids = _pad_rows([output_token_ids[i] if use_any[i] else () for i in range(num_rows)], device)
-
-        banned_rows = banned_ids = None
-        if banned_token_ids is not None:
-            assert len(banned_token_ids) == num_rows
-            pairs = [(i, int(t)) for i, ids in enumerate(banned_token_ids) for t in (ids or ())]
-            if pairs:
-                banned_rows = row_tensor([i for i, _ in pairs], torch.int64)
-                banned_ids = row_tensor([t for _, t in pairs], torch.int64)
-
         seeded_rows = [(i, generators[i]) for i in random_rows if generators[i] is not None]
         return cls(
             num_rows=num_rows,
-            all_greedy=all_greedy,
-            greedy_rows=greedy_rows,
-            temperature=temperature,
-            top_k=top_k,
-            max_top_k=max_top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=output_ids,
-            banned_rows=banned_rows,
-            banned_token_ids=banned_ids,
+            all_greedy=all(greedy),
+            **_random_fields(params, greedy, random_rows, device),
+            **_penalty_fields(params, prompt_token_ids, output_token_ids, device),
+            **_banned_fields(banned_token_ids, num_rows, device),
             seeded_rows=seeded_rows,
             has_unseeded_random_rows=len(seeded_rows) < len(random_rows),
             default_generator=default_generator,
         )
+
+
+def _row_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _random_fields(params: Sequence[SamplingParams], greedy: list[bool], random_rows: list[int],
+                   device: torch.device) -> dict:
+    """greedy_rows, temperature, top_k, max_top_k, top_p, min_p (all None / 0 when every row is greedy)."""
+    fields = dict(greedy_rows=None, temperature=None, top_k=None, max_top_k=0, top_p=None, min_p=None)
+    if all(greedy):
+        return fields
+    if any(greedy):
+        fields["greedy_rows"] = _row_tensor(greedy, torch.bool, device)
+    # NOTE: greedy rows get neutral values so the random path can run on the whole batch.
+    temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+    if any(t != 1.0 for t in temps):
+        fields["temperature"] = _row_tensor(temps, torch.float32, device)
+    # NOTE: greedy rows get k = 1 (their argmax), so "every row has k > 0" can hold in mixed batches.
+    ks = [1 if g else max(p.top_k, 0) for p, g in zip(params, greedy)]
+    if any(ks[i] > 0 for i in random_rows):
+        fields["top_k"] = _row_tensor(ks, torch.int64, device)
+        fields["max_top_k"] = max(ks) if all(k > 0 for k in ks) else 0
+    ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+    if any(p < 1.0 for p in ps):
+        fields["top_p"] = _row_tensor(ps, torch.float32, device)
+    mps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+    if any(mps):
+        fields["min_p"] = _row_tensor(mps, torch.float32, device)
+    return fields
+
+
+def _penalty_fields(params: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+                    output_token_ids: Sequence[Sequence[int]], device: torch.device) -> dict:
+    """The three penalties and the padded token ids they read: prompts only for rows with a repetition penalty,
+    outputs for rows with any penalty."""
+    num_rows = len(params)
+    rep = [p.repetition_penalty for p in params]
+    pres = [p.presence_penalty for p in params]
+    freq = [p.frequency_penalty for p in params]
+    use_rep = [r != 1.0 for r in rep]
+    use_any = [use_rep[i] or pres[i] != 0.0 or freq[i] != 0.0 for i in range(num_rows)]
+    fields = dict(repetition_penalty=None, presence_penalty=None, frequency_penalty=None, prompt_token_ids=None,
+                  output_token_ids=None)
+    if any(use_rep):
+        fields["repetition_penalty"] = _row_tensor(rep, torch.float32, device)
+        fields["prompt_token_ids"] = _pad_rows([prompt_token_ids[i] if use_rep[i] else () for i in range(num_rows)],
+                                               device)
+    if any(pres):
+        fields["presence_penalty"] = _row_tensor(pres, torch.float32, device)
+    if any(freq):
+        fields["frequency_penalty"] = _row_tensor(freq, torch.float32, device)
+    if any(use_any):
+        fields["output_token_ids"] = _pad_rows([output_token_ids[i] if use_any[i] else () for i in range(num_rows)],
+                                               device)
+    return fields
+
+
+def _banned_fields(banned_token_ids: Sequence[Iterable[int] | None] | None, num_rows: int,
+                   device: torch.device) -> dict:
+    """banned_rows, banned_token_ids: the flat (row, token) pairs, or None when nothing is banned."""
+    fields = dict(banned_rows=None, banned_token_ids=None)
+    if banned_token_ids is None:
+        return fields
+    assert len(banned_token_ids) == num_rows
+    pairs = [(i, int(t)) for i, ids in enumerate(banned_token_ids) for t in (ids or ())]
+    if pairs:
+        fields["banned_rows"] = _row_tensor([i for i, _ in pairs], torch.int64, device)
+        fields["banned_token_ids"] = _row_tensor([t for _, t in pairs], torch.int64, device)
+    return fields
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""CPU process tuning applied once when an engine starts on the CPU.
+"""glibc malloc settings, applied once when an engine starts on the CPU.
 
 glibc's malloc serves allocations above 128 KiB with fresh mmap()s and returns them on free, so every
 activation, KV gather and logits buffer of every step page-faults its memory in again. Raising the mmap and
