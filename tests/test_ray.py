@@ -116,7 +116,9 @@ def test_ray_kill_of_a_replica_mid_run_loses_no_row(ray_local, tmp_path, tiny_ll
     killed = []
 
     def kill():
-        actor = ray.get_actor(replica_name(0, 0))
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        runs = [int(n.split("-")[2]) for n in names if n.startswith(f"batchgen-{os.getpid()}-")]
+        actor = ray.get_actor(replica_name(0, 0, max(runs)))         # this run's: the latest execution
         ray.kill(actor)
         killed.append(True)
     t = _kill_when_committed(tmp_path, "r", 2, kill)

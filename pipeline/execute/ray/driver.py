@@ -19,6 +19,7 @@ exactly-once protocol.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import socket
 import time
@@ -113,6 +114,7 @@ class RayExecution:
     def __init__(self, opts: RayOptions, config: EngineConfig, info: EngineInfo,
                  echo: Callable[[str], None] = print):
         self.opts, self.config, self.info, self.echo = opts, config, info, echo
+        self.run = next(_RUNS)        # names this execution's replicas apart from an earlier one's, still releasing
         self.ray = import_ray()
         self.started_ray = False
         self.replicas = self.num_cpus = self.threads = 0
@@ -169,11 +171,12 @@ class RayExecution:
 
     def _start_actor(self, index: int, incarnation: int) -> _Slot:
         cls = self.ray.remote(Replica)
-        # NOTE: named (this driver's pid, replica, incarnation) so an operator or a test can find one to kill.
+        # NOTE: named (this driver's pid and execution, replica, incarnation) so an operator or a test can find one
+        # to kill; a killed actor's name is released asynchronously, so a name is never used twice.
         # NOTE: the runtime_env goes on the actors, so it applies on a Ray instance someone else started too.
         extra = {"runtime_env": self.opts.runtime_env} if self.opts.runtime_env else {}
         actor = cls.options(num_cpus=self.num_cpus, num_gpus=self.opts.num_gpus or 0, max_restarts=0,
-                            max_task_retries=0, name=replica_name(index, incarnation), **extra)
+                            max_task_retries=0, name=replica_name(index, incarnation, self.run), **extra)
         actor = actor.remote(index, incarnation, self.config, self.threads,
                              os.environ.get("BATCHGEN_RAY_FAULT", ""))
         slot = _Slot(index, incarnation, actor, ReplicaStats(index, incarnation))
@@ -324,8 +327,12 @@ class RayExecution:
                 "per_replica": [h.to_dict() for h in self.history]}
 
 
-def replica_name(index: int, incarnation: int) -> str:
-    return f"batchgen-{os.getpid()}-replica-{index}.{incarnation}"
+_RUNS = itertools.count()
+
+
+def replica_name(index: int, incarnation: int, run: int) -> str:
+    """``batchgen-<driver pid>-<execution>-replica-<index>.<incarnation>``."""
+    return f"batchgen-{os.getpid()}-{run}-replica-{index}.{incarnation}"
 
 
 def error_output(position: int, message: str) -> RequestOutput:
