@@ -56,11 +56,13 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--size-sweep", is_flag=True, help="Instead of SHAPE: every shape of bench.sweep sized for --model "
               "(shared-prefix with the prefix cache on and off, long-prompt, long-output, decode at 1, 8 and 48 "
               "rows), batchgen's defaults, int8 and vLLM at its best in each; a markdown table of same-run ratios.")
+@click.option("--sweep-only", default=None, help="With --size-sweep: a comma list of its shapes' labels to run "
+              "(e.g. 'shared-prefix,shared-prefix cache off'; default: all).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
               hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, breakdown, seed,
-              contend, structured, quality, formats, positions, size_sweep, json_path):
+              contend, structured, quality, formats, positions, size_sweep, sweep_only, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
     # NOTE: lazy: the bench modules import torch; the CLI starts (and lists systems and shapes) without it
@@ -113,7 +115,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
         raise click.UsageError(str(e)) from None
     progress = (lambda partial: save_json(partial, json_path)) if json_path else None
     if size_sweep:
-        return _size_sweep(opts, progress)
+        return _size_sweep(opts, progress, _csv(sweep_only))
     try:
         result = run_bench(opts, progress)
     except PeerMissing as e:            # a peer named in --systems that is not set up: before anything ran
@@ -123,11 +125,11 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
         click.echo(f"saved {save_json(result, json_path)}")
 
 
-def _size_sweep(opts, progress) -> None:
+def _size_sweep(opts, progress, only: list[str] | None) -> None:
     """``--size-sweep``: bench.sweep on the model, peers that are set up (the others are named as missing)."""
     import math
 
-    from bench.sweep import format_sweep, run_sweep
+    from bench.sweep import SWEEP, format_sweep, run_sweep
     from bench.systems.peer import PeerMissing, check_peer
     from engine.kernels.cpu_features import cpu_description
     from engine.loader import load_model_config, resolve_model
@@ -142,7 +144,10 @@ def _size_sweep(opts, progress) -> None:
             click.echo(f"not in the sweep: {e}", err=True)
     params = sum(math.prod(s) for s in hf_shapes(load_model_config(resolve_model(opts.model,
                                                                                  opts.load_format))).values())
-    rows = run_sweep(opts, params, peers=tuple(peers),
+    shapes = tuple(s for s in SWEEP if not only or s.label in only)
+    if only and len(shapes) != len(only):
+        raise click.BadParameter(f"choose from {', '.join(s.label for s in SWEEP)}", param_hint="--sweep-only")
+    rows = run_sweep(opts, params, shapes, peers=tuple(peers),
                      on_result=(lambda rows: progress({"sweep": rows})) if progress else None)
     click.echo(format_sweep(opts.model, cpu_description(), rows))
 

@@ -32,17 +32,17 @@ _CACHE_OFF = ("batchgen-default-nocache", "vllm-nocache")
 SWEEP = (
     SweepShape("shared-prefix", "shared-prefix",
                dict(n=8, groups=2, prefix_tokens=1500, doc_tokens=400, output_tokens=64), _CACHE_ON),
-    SweepShape("shared-prefix, cache off", "shared-prefix",
+    SweepShape("shared-prefix cache off", "shared-prefix",
                dict(n=8, groups=2, prefix_tokens=1500, doc_tokens=400, output_tokens=64), _CACHE_OFF),
     SweepShape("long-prompt", "long-prompt",
                dict(n=4, groups=4, prefix_tokens=0, doc_tokens=2000, output_tokens=16), _CACHE_ON),
     SweepShape("long-output", "long-output",
                dict(n=4, groups=4, prefix_tokens=0, doc_tokens=300, output_tokens=256), _CACHE_ON, scale_n=False),
-    SweepShape("decode, 1 row", "short-prompt",
+    SweepShape("decode 1 row", "short-prompt",
                dict(n=1, groups=1, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False),
-    SweepShape("decode, 8 rows", "short-prompt",
+    SweepShape("decode 8 rows", "short-prompt",
                dict(n=8, groups=8, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False),
-    SweepShape("decode, 48 rows", "short-prompt",
+    SweepShape("decode 48 rows", "short-prompt",
                dict(n=48, groups=48, prefix_tokens=0, doc_tokens=64, output_tokens=64), _CACHE_ON, scale_n=False),
 )
 
