@@ -1,4 +1,4 @@
-"""A row's tokens do not depend on what else is in the batch (issue 33), in the style of vLLM's determinism suite:
+"""A row's tokens do not depend on what else is in the batch, in the style of vLLM's determinism suite:
 a needle prompt alone, then at random positions among 16-64 others, with token budgets 512 and 4096, speculation
 on, a prefix-cache hit, and preemption forced by a tiny KV pool. At every output position the head's input row
 (and its logits, where both runs computed them) must be the same bits, and the tokens identical, greedy and

@@ -1,5 +1,5 @@
 """Ray == local for a sampled job (temperature 1.5, no seed: each row draws from its row seed, pipeline.plan.batch):
-two replicas compute other batches than the local run, and every row comes out the same (issue 33)."""
+two replicas compute other batches than the local run, and every row comes out the same."""
 from __future__ import annotations
 
 import pyarrow as pa

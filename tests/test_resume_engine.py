@@ -1,7 +1,7 @@
 """A run on the real engine (tiny random Llama, the default dtype, seeded sampling: every row the job's seed),
 killed with SIGKILL after some engine steps and resumed, gives the rows an uninterrupted run gives: the resumed
 rows are computed in other batches than before, so this holds only because a row's tokens do not depend on its
-batch (issue 33)."""
+batch."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""How close to the limit (issue 39): byte counts per format (weights and KV apart), the format -> peak / bytes
+"""How close to the limit: byte counts per format (weights and KV apart), the format -> peak / bytes
 mapping, the int8 peak as the best of two kernels, and the bench's fractions and table line. Hand-made numbers,
 no timing."""
 from __future__ import annotations
