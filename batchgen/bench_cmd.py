@@ -127,13 +127,11 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
 
 def _size_sweep(opts, progress, only: list[str] | None) -> None:
     """``--size-sweep``: bench.sweep on the model, peers that are set up (the others are named as missing)."""
-    import math
-
     from bench.sweep import SWEEP, format_sweep, run_sweep
     from bench.systems.peer import PeerMissing, check_peer
+    from costmodel.flops import num_params
     from engine.kernels.cpu_features import cpu_description
     from engine.loader import load_model_config, resolve_model
-    from engine.loader.dummy import hf_shapes
 
     peers = []
     for name in ("vllm", "vllm-nocache"):
@@ -142,8 +140,7 @@ def _size_sweep(opts, progress, only: list[str] | None) -> None:
             peers.append(name)
         except PeerMissing as e:
             click.echo(f"not in the sweep: {e}", err=True)
-    params = sum(math.prod(s) for s in hf_shapes(load_model_config(resolve_model(opts.model,
-                                                                                 opts.load_format))).values())
+    params = num_params(load_model_config(resolve_model(opts.model, opts.load_format)))
     shapes = tuple(s for s in SWEEP if not only or s.label in only)
     if only and len(shapes) != len(only):
         raise click.BadParameter(f"choose from {', '.join(s.label for s in SWEEP)}", param_hint="--sweep-only")

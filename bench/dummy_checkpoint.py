@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -27,9 +28,7 @@ def _shards(shapes: dict[str, tuple[int, ...]], itemsize: int, limit: int) -> li
     out: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        n = itemsize
-        for d in shape:
-            n *= d
+        n = itemsize * math.prod(shape)
         if out[-1] and size + n > limit:
             out.append([])
             size = 0

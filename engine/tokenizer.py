@@ -69,12 +69,10 @@ class TokenIdsOnly:
 
     @classmethod
     def for_dir(cls, path: Path) -> "TokenIdsOnly":
-        import json
+        from engine.models.config import ModelConfig
 
-        cfg = json.loads((path / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        eos = cfg.get("eos_token_id")
-        return cls(path, int(cfg["vocab_size"]), cfg.get("bos_token_id"), eos[0] if isinstance(eos, list) else eos)
+        cfg = ModelConfig.from_hf_dir(path)
+        return cls(path, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ModelLoadError(f"{self.path}: the model has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "

@@ -83,16 +83,14 @@ def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identit
 def _quantize(model, source: ModelSource, config: ModelConfig):
     """int8 in place: a GGUF file's Q8_0 / Q5_0 / Q4_0 tensors exactly as stored, the rest (Q4_K, Q6_K, float)
     quantized from their float values."""
-    from engine.models.layers import STACKED_PARAMS
+    from engine.models.layers import STACKED_PARAMS, stacked_rows
     from engine.quant.int8 import quantize_model
 
     direct = {}
     if source.kind == "gguf":
         from engine.loader.gguf_loader import gguf_int8_weights
         direct = gguf_int8_weights(source.path, config)
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": config.intermediate_size,
-            "up_proj": config.intermediate_size}
+    rows = stacked_rows(config)
     # The fusion the model does at load (layers.STACKED_PARAMS), shard by shard in index order.
     block = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
     shards: dict[str, list[tuple[str, int]]] = {}

@@ -26,12 +26,9 @@ def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     Read off the model built on the meta device (no memory), with each fused q/k/v and gate/up parameter split
     into the shards ``engine.models.layers.STACKED_PARAMS`` declares."""
     from engine.models import _on_meta
-    from engine.models.layers import STACKED_PARAMS
+    from engine.models.layers import STACKED_PARAMS, stacked_rows
 
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": config.intermediate_size,
-            "up_proj": config.intermediate_size}
+    rows = stacked_rows(config)
     shards: dict[str, list[str]] = {}
     for fused, hf, idx in sorted(STACKED_PARAMS, key=lambda t: t[2]):
         shards.setdefault(fused, []).append(hf)

@@ -237,6 +237,13 @@ STACKED_PARAMS = (
 )
 
 
+def stacked_rows(config) -> dict[str, int]:
+    """Output rows of each HF shard that ``STACKED_PARAMS`` fuses (q_proj -> heads x head_dim, ...)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size}
+
+
 def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Copy HF-named tensors into ``model``, fusing q/k/v and gate/up as ``STACKED_PARAMS`` declares.
 
