@@ -156,6 +156,7 @@ def kernel_breakdown() -> Iterator[Breakdown]:
 
     import engine.kernels.elementwise as elementwise
     import engine.kernels.qlinear as qlinear
+    import engine.models.linear as linear
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.model_runner import ModelRunner
     from engine.models.layers import CausalLM
@@ -173,6 +174,7 @@ def kernel_breakdown() -> Iterator[Breakdown]:
         for name in ("q8_linear", "q8_linear_glu"):
             patch(qlinear, name, clock.timed(getattr(qlinear, name), "linears", _linear_ops))
         patch(F, "linear", clock.timed(F.linear, "linears", _linear_ops))
+        patch(linear, "small_m_linear", clock.timed(linear.small_m_linear, "linears", _linear_ops))
         for name in ("greedy_tokens", "compute_logits"):
             patch(CausalLM, name, clock.timed(getattr(CausalLM, name), "LM head", _head_ops))
         patch(TorchAttentionBackend, "forward", clock.timed(TorchAttentionBackend.forward, "attention"))

@@ -103,13 +103,14 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
             query_start_loc=inputs.query_start_loc, seq_lens=seq_lens, block_tables=tables.to(dev),
-            num_decode_seqs=inputs.num_decode, block_size=bs)
+            num_decode_seqs=inputs.num_decode, block_size=bs, output_rows=inputs.num_decode)
         rows_t = torch.tensor(sample.rows, dtype=torch.long, device=dev)
         meta.sample_rows = rows_t
         meta.sample_meta = AttentionMetadata(
             slot_mapping=meta.slot_mapping[rows_t], query_start_loc=list(range(len(sample.rows) + 1)),
             seq_lens=[seq_lens[e] for e in sample.row_entry], block_tables=meta.block_tables[sample.row_entry],
-            num_decode_seqs=len(sample.rows), block_size=bs)
+            num_decode_seqs=len(sample.rows), block_size=bs,
+            output_rows=_output_rows([r < inputs.num_decode for r in sample.rows]))
         for m in (meta, meta.sample_meta):
             self.backend.prepare(m)
         return meta
@@ -288,6 +289,14 @@ class SampledRows:
             if nd:
                 sample.drafts[s.request_id] = list(s.draft_token_ids)
         return sample
+
+
+def _output_rows(is_output: list[bool]) -> int | torch.Tensor:
+    """``AttentionMetadata.output_rows`` for rows flagged output position or not: a count when they lead."""
+    n = sum(is_output)
+    if all(is_output[:n]):
+        return n
+    return torch.tensor(is_output, dtype=torch.bool)
 
 
 def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> None:

@@ -34,6 +34,9 @@ class AttentionMetadata:
     # as one-query sequences over the cache. None: every row (tests comparing full logits).
     sample_rows: torch.Tensor | None = None
     sample_meta: "AttentionMetadata | None" = None
+    # The rows of output positions (engine.model_runner; the float linears' C rows, engine.models.linear): the first
+    # output_rows rows of a step, or (sample_meta) a bool mask over the sampled rows.
+    output_rows: "int | torch.Tensor" = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -4,14 +4,17 @@ for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfi
     elementwise  rms_norm, residual_norm, qk_norm_rope, glu: "c" | "torch"
     lm_head      a float head's logits: "c" (csrc/small_m/ at every row count) | "torch" | "table" (the C kernel up
                  to gemm.SMALL_M_MAX rows, torch beyond: the rule when nothing was measured)
+    linears      float linears' rows of output positions (decode): "c" (csrc/small_m/, row-invariant at every
+                 row count) | "torch" (torch's matmul, padded to an invariant row count). Prompt rows: torch.
     attention    prefill over a bf16 or int8 KV cache: "c" (bf16 multiplied into float32, csrc/bf16_gemm/, where the
                  build has bf16 dot products) | "torch" (torch's matmuls in the activation dtype; float32 queries
                  read the cache as float32). Decode attention is the C kernel wherever it builds.
 
 Kept free of torch so that a config can be checked without loading it.
 """
-KERNEL_FAMILIES = {"elementwise": ("c", "torch"), "lm_head": ("c", "torch", "table"), "attention": ("c", "torch")}
-TABLE_KERNELS = {"elementwise": "c", "lm_head": "table", "attention": "c"}
+KERNEL_FAMILIES = {"elementwise": ("c", "torch"), "lm_head": ("c", "torch", "table"), "attention": ("c", "torch"),
+                   "linears": ("c", "torch")}
+TABLE_KERNELS = {"elementwise": "c", "lm_head": "table", "attention": "c", "linears": "c"}
 
 
 def check_kernels(kernels: dict) -> None:

@@ -15,7 +15,7 @@ from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear
+from engine.models.linear import Linear, StepRows
 from engine.models.ops import TorchOps
 
 
@@ -138,6 +138,9 @@ class Attention(OpsModule):
             if rows.numel() == 0:
                 return x.new_empty(0, x.shape[1])
             q, k, v, meta = q[rows], k[rows], v[rows], meta.sample_meta
+            step_rows = getattr(self.qkv_proj, "step_rows", None)     # float Linears only
+            if step_rows is not None:            # o_proj and the MLP see the sampled rows only
+                step_rows.use(meta.output_rows)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, window=self.window, scale=self.scale)  # [R, Hq, D]
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
@@ -180,6 +183,7 @@ class CausalLM(OpsModule):
     """Decoder + LM head shared by every architecture; subclasses set ``model_cls`` (the decoder stack)."""
 
     model_cls: type[nn.Module]
+    step_rows: StepRows | None = None          # the float linears' output rows (engine.models.select_ops)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -190,6 +194,8 @@ class CausalLM(OpsModule):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[T] token ids and positions -> final hidden states: [T, hidden], or [len(meta.sample_rows), hidden]."""
+        if self.step_rows is not None:
+            self.step_rows.use(meta.output_rows)
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

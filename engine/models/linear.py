@@ -7,12 +7,20 @@ sequence would give it other bits than a step that decodes it among others. ``Li
 that is invariant, with zero rows; ``pad_targets`` finds those for a weight on this machine by probing (once per
 K, dtype and thread count): none from the smallest row count from which every probed count gives the same bits
 as the largest (the floor); under it, the next probed count that does too. Where no floor exists, every call runs
-in fixed tiles of ``TILE`` rows (the last padded). The int8 path (engine.quant.int8) computes each row alone."""
+in fixed tiles of ``TILE`` rows (the last padded). The int8 path (engine.quant.int8) computes each row alone.
+
+Output positions (a generated token's row, engine.model_runner) can instead go through the C few-row kernel
+(``engine.kernels.gemm.small_m_linear``: row-invariant at every row count, and on CPUs where torch's few-row
+matmul streams weights slowly several times faster): the ``linears`` kernel family, "c" or "torch"
+(engine.kernels.families). With "c" a step's output rows take the kernel and its prompt rows torch's padded
+matmul; which rows are which the layers set per forward on the model's ``StepRows``."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels.gemm import small_m_linear, small_m_ok
 
 PROBE_ROWS = (*range(1, 33), 48, 64)
 TILE = 64
@@ -20,16 +28,55 @@ PROBE_COLS = 512
 _FLOORS: dict[tuple, int | None] = {}
 
 
+class StepRows:
+    """Which rows of the model's current input are output positions: the first ``spec`` rows (an int: a step's
+    rows, output positions first), or the rows where ``spec`` (a bool tensor: the last layer's sampled rows). One
+    per model, shared by its ``Linear`` modules and set by its layers from the step's metadata."""
+
+    def __init__(self):
+        self.spec: int | torch.Tensor = 0
+
+    def use(self, spec: int | torch.Tensor) -> None:
+        self.spec = spec
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` over 2-D [rows, in] inputs, row-invariant once ``pad_to`` / ``tile`` are set (by
     ``engine.models.select_ops.bind_ops`` when the engine is deterministic); the defaults are plain nn.Linear.
-    ``pad_to[m]``: the row count a call with m rows is padded to (m < len(pad_to); larger calls run as they are)."""
+    ``pad_to[m]``: the row count a call with m rows is padded to (m < len(pad_to); larger calls run as they are).
+    ``step_rows`` (the ``linears`` family "c"): output rows through the C few-row kernel."""
 
     pad_to: tuple[int, ...] = ()
     tile: int = 0
+    step_rows: StepRows | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(x, self.weight, self.bias, self.pad_to, self.tile)
+        if self.step_rows is None or x.dim() != 2:
+            return invariant_linear(x, self.weight, self.bias, self.pad_to, self.tile)
+        return split_linear(x, self.weight, self.bias, self.step_rows.spec, self.pad_to, self.tile)
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_rows: int | torch.Tensor,
+                 pad_to: tuple[int, ...] = (), tile: int = 0) -> torch.Tensor:
+    """``invariant_linear`` with the output rows (``StepRows.spec``) through the C few-row kernel instead."""
+    def kernel(rows: torch.Tensor) -> torch.Tensor:
+        y = small_m_linear(rows, weight)
+        return y.add_(bias) if bias is not None else y
+
+    m = x.shape[0]
+    if isinstance(out_rows, int):
+        n = min(out_rows, m)
+        if n == 0:
+            return invariant_linear(x, weight, bias, pad_to, tile)
+        if n == m:
+            return kernel(x)
+        return torch.cat([kernel(x[:n]), invariant_linear(x[n:], weight, bias, pad_to, tile)])
+    y = x.new_empty(m, weight.shape[0])
+    y[out_rows] = kernel(x[out_rows])
+    rest = ~out_rows
+    if bool(rest.any()):
+        y[rest] = invariant_linear(x[rest], weight, bias, pad_to, tile)
+    return y
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -92,4 +139,20 @@ def make_row_invariant(model: nn.Module, enabled: bool = True) -> None:
             mod.pad_to, mod.tile = (targets, 0) if targets is not None else ((), TILE)
 
 
-__all__ = ["Linear", "invariant_linear", "pad_targets", "make_row_invariant", "TILE"]
+def use_c_linears(model: nn.Module, enabled: bool) -> StepRows | None:
+    """Give every float CPU ``Linear`` of ``model`` that the C few-row kernel serves one shared ``StepRows``
+    (``enabled`` False: none, every row through torch); returns it, or None when no Linear took it."""
+    rows = StepRows() if enabled else None
+    taken = False
+    for mod in model.modules():
+        if type(mod) is not Linear:
+            continue
+        w = mod.weight.detach()
+        ok = rows is not None and small_m_ok(w[:1], w, any_rows=True)
+        mod.step_rows = rows if ok else None
+        taken |= ok
+    return rows if taken else None
+
+
+__all__ = ["Linear", "StepRows", "invariant_linear", "split_linear", "use_c_linears", "pad_targets",
+           "make_row_invariant", "TILE"]

@@ -7,7 +7,7 @@ from torch import nn
 import engine.kernels.library as library
 from engine.errors import ModelLoadError
 from engine.models.layers import GatedMLP, OpsModule
-from engine.models.linear import make_row_invariant
+from engine.models.linear import make_row_invariant, use_c_linears
 from engine.models.ops import CpuKernelOps, TorchOps
 from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
 
@@ -39,6 +39,8 @@ def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
             device = device.device if device is not None else next(model.buffers()).device
         ops = choose_ops(model, device, kernels, deterministic)
     make_row_invariant(model, deterministic)
+    linears = getattr(ops, "kernels", {}).get("linears") == "c"       # CpuKernelOps only
+    model.step_rows = use_c_linears(model, linears)
     for mod in model.modules():
         if isinstance(mod, OpsModule):
             mod.ops = ops

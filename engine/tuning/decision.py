@@ -38,7 +38,7 @@ from engine.tuning.candidates import Format, KernelFacts, family_options, format
 
 log = logging.getLogger("batchgen.engine")
 
-FORMAT = 2        # 2: the attention family joined the measured kernel families
+FORMAT = 3        # 2: the attention family joined the measured kernel families; 3: the linears family
 REQUESTED = PINNABLE          # the fields the tuner decides where they are auto (engine.config)
 
 
@@ -190,14 +190,15 @@ def decide(fields: dict, formats: list[Format], families: dict[Format, dict], sh
 def _family(family: str, impls: tuple[str, ...], fmt: Format, step_s: dict, shapes: list[probe.Shape],
             m: probe.Measurement, num_layers: int) -> dict:
     """A family's implementations scored as ``fmt``'s steps with that implementation's calls swapped in for the
-    table's (which the steps ran): elementwise once per layer, the head once per step; attention's times are
-    whole prefill steps (the difference to the C one, which the format's steps ran, swapped in once)."""
+    table's (which the steps ran): elementwise and linears once per layer, the head once per step; attention's
+    times are whole prefill steps (the difference to the C one, which the format's steps ran, swapped in once)."""
     def t(impl: str, s: probe.Shape) -> float | None:
         if impl == "table":         # the small-M kernel up to SMALL_M_MAX rows, torch beyond
             rows = s.rows if s.kind == "decode" else 1
             impl = "c" if rows <= SMALL_M_MAX[getattr(torch, fmt.dtype)] else "torch"
         return m.best(f"{family}:{impl}@{fmt.dtype}", s.name)
-    base, calls = {"elementwise": ("c", num_layers), "attention": ("c", 1)}.get(family, ("table", 1))
+    base, calls = {"elementwise": ("c", num_layers), "attention": ("c", 1),
+                   "linears": ("c", num_layers)}.get(family, ("table", 1))
     common = [s for s in shapes if s.name in step_s and all(t(i, s) is not None for i in (*impls, base))]
     if not common:
         return {"chosen": base, "why": "not timed within the budget: the table's"}

@@ -233,9 +233,13 @@ def _fill(pool: torch.Tensor) -> None:
 
 def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Task]:
     """One layer's calls of ``family`` (elementwise: rms_norm, residual_norm, qk_norm_rope, glu; lm_head: the float
-    head's logits at the sampled rows) at each shape, per implementation, on the same tensors."""
+    head's logits at the sampled rows; linears: the float linears at the decode rows) at each shape, per
+    implementation, on the same tensors."""
     from engine.models.layers import RMSNorm
     from engine.models.ops import CpuKernelOps
+
+    if family == "linears":
+        return linears_tasks(impls, model, shapes)
 
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     layer = model.model.layers[0]
@@ -271,6 +275,26 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
     return tasks
 
 
+def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Task]:
+    """The ``linears`` family: one layer's float linears (QKV, output, gate-up, down) at each decode shape's rows,
+    all of them output positions ("c": the C few-row kernel; "torch": torch's padded matmul). Prefill rows are
+    torch's under both, so prefill shapes are not timed."""
+    from engine.models.linear import Linear, split_linear
+
+    layer = model.model.layers[0]
+    linears = [m for m in layer.modules() if type(m) is Linear]
+    g = torch.Generator().manual_seed(0)
+    tasks = []
+    for s in (s for s in shapes if s.kind == "decode"):
+        xs = [torch.randn(s.rows, m.in_features, generator=g).to(m.weight.dtype) for m in linears]
+        for impl in impls:
+            def fn(xs=xs, out=s.rows if impl == "c" else 0):
+                for m, x in zip(linears, xs):
+                    split_linear(x, m.weight, m.bias, out, m.pad_to, m.tile)
+            tasks.append(Task(f"linears:{impl}@{dtype_name(linears[0].weight.dtype)}", s.name, fn))
+    return tasks if linears else []
+
+
 def attention_tasks(fmt: Format, impls: tuple[str, ...], model, mcfg, shapes: list[Shape],
                     block_size: int) -> list[Task]:
     """The ``attention`` family: ``fmt``'s whole prefill step with each prefill implementation (decode attention is
@@ -287,4 +311,4 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = ["BUDGET_S", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "measure", "score",
-           "format_tasks", "family_tasks", "attention_tasks"]
+           "format_tasks", "family_tasks", "linears_tasks", "attention_tasks"]

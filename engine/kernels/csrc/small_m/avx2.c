@@ -1,4 +1,4 @@
-/* The few-row linear (driver.h) on AVX2 + FMA: vec.h's dots at 8 lanes. */
+/* The few-row linear (driver.h) on AVX2 + FMA: vec.h's tiles at 8 lanes. */
 #include "../dispatch.h"
 #include "../kernels.h"
 
@@ -8,9 +8,10 @@
 #include "driver.h"
 #include "vec.h"
 
-static inline __attribute__((always_inline)) int32_t dots_head(const int R, const void *x, int64_t m0, int32_t K,
-                                                               const void *wr, int is_bf16, float *sums) {
-    return dots_vec(R, x, m0, K, wr, is_bf16, sums);
+static inline __attribute__((always_inline)) int32_t tile_head(const int R, const int C, const void *x, int64_t m0,
+                                                               const void *w, int64_t n0, int32_t K, int32_t k0,
+                                                               int32_t len, int is_bf16, float sums[TM][TN]) {
+    return tile_vec(R, C, x, m0, w, n0, K, k0, len, is_bf16, sums);
 }
 
 #endif

@@ -5,16 +5,10 @@
 #if SMALL_M_ISA == ISA_PORTABLE
 #include "driver.h"
 
-/* no vector loop: dots sums every column */
-static int32_t dots_head(const int R, const void *x, int64_t m0, int32_t K, const void *wr, int is_bf16,
-                         float *sums) {
-    (void)R;
-    (void)x;
-    (void)m0;
-    (void)K;
-    (void)wr;
-    (void)is_bf16;
-    (void)sums;
+/* no vector loop: tile sums every column */
+static int32_t tile_head(const int R, const int C, const void *x, int64_t m0, const void *w, int64_t n0, int32_t K,
+                         int32_t k0, int32_t len, int is_bf16, float sums[TM][TN]) {
+    (void)R, (void)C, (void)x, (void)m0, (void)w, (void)n0, (void)K, (void)k0, (void)len, (void)is_bf16, (void)sums;
     return 0;
 }
 

@@ -1,0 +1,87 @@
+"""The ``linears`` kernel family: float linears' rows of output positions through the C few-row kernel
+(csrc/small_m/), prompt rows through torch. The kernel's rows must be the same bits at every row count, on every
+build (so a decode row does not depend on its step's other rows), and the engine must send exactly the output
+positions' rows to it."""
+import pytest
+import torch
+
+import engine.kernels.gemm as gemm
+import engine.kernels.library as library
+import engine.models.linear as linear
+from engine import LLM, SamplingParams
+from engine.models.linear import Linear, invariant_linear, split_linear
+from tests.model_utils import save_tiny, tiny_hf_model
+from tests.test_cpu_kernels import BUILDS, _lib, libs  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.skipif(library.load() is None, reason="the C kernels")
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [100, 2500])            # 2,500: three column blocks (driver.h's KB)
+def test_small_m_rows_are_the_same_bits_at_every_row_count(libs, build, dtype, k):
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(48, k, generator=g).to(dtype), torch.randn(37, k, generator=g).to(dtype)
+    full = gemm.small_m_linear(x, w, lib=lib)
+    for m in (*range(1, 14), 31, 47):
+        for start in (0, 48 - m):
+            assert torch.equal(gemm.small_m_linear(x[start:start + m], w, lib=lib), full[start:start + m]), (m, start)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemm.small_m_linear(x, w, lib=lib), full)        # and at any thread count
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_split_linear_sends_output_rows_to_the_kernel_and_the_rest_to_torch():
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(9, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    kernel = gemm.small_m_linear(x, w) + b
+    plain = invariant_linear(x, w, b)
+    for n in (0, 1, 4, 9):
+        y = split_linear(x, w, b, n)
+        assert torch.equal(y[:n], kernel[:n]) and torch.equal(y[n:], invariant_linear(x[n:], w, b))
+    mask = torch.tensor([False, True, True, False, True, False, False, False, True])
+    y = split_linear(x, w, b, mask)
+    assert torch.equal(y[mask], kernel[mask]) and torch.equal(y[~mask], invariant_linear(x[~mask], w, b))
+    assert torch.equal(split_linear(x, w, b, torch.zeros(9, dtype=torch.bool)), plain)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-c-linears")
+    save_tiny(tiny_hf_model("llama"), path)
+    return str(path)
+
+
+def _kernel_rows(monkeypatch) -> list[int]:
+    """Rows the Linears send to the C kernel, one entry per call."""
+    seen, real = [], linear.small_m_linear
+
+    def spy(x, w, lib=None):
+        seen.append(x.shape[0])
+        return real(x, w, lib)
+    monkeypatch.setattr(linear, "small_m_linear", spy)
+    return seen
+
+
+@pytest.mark.parametrize("impl", ["c", "torch"])
+def test_the_engine_sends_exactly_the_decode_rows_to_the_c_linears(llama_dir, monkeypatch, impl):
+    monkeypatch.setenv("BATCHGEN_TUNE", "off")
+    llm = LLM(llama_dir, dtype="float32", quantization="none", kv_cache_dtype="float32", speculative_config="off",
+              kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256, kernels={"linears": impl})
+    assert (llm.model.step_rows is not None) == (impl == "c")
+    linears = sum(type(m) is Linear for m in llm.model.modules())
+    seen = _kernel_rows(monkeypatch)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    assert seen == []                                  # a prompt's rows, its last one included, are torch's
+    out = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 4 for o in out)
+    if impl == "torch":
+        assert seen == []
+        return
+    # three decode steps of both sequences: every float Linear once per step with their two rows
+    assert len(seen) == 3 * linears and set(seen) == {2}
