@@ -8,8 +8,8 @@ where both exist, C or torch (``engine.kernels.families``). ``auto`` fields vary
     quantization     none; int8 too where the weights come quantized (GGUF) and the int8 kernels load
     dtype            float32; bfloat16 too where the CPU has bf16 matmul units (AMX-BF16 or AVX512-BF16)
     kv_cache_dtype   the activation dtype, and bfloat16
-    kernel families  c and torch, where the kernel library loads (lm_head, linears: float weights only; attention: a bf16 or
-                     int8 KV cache, where the build has bf16 dot products)
+    kernel families  c and torch, where the kernel library loads (lm_head, linears: float weights only; attention:
+                     a bf16 or int8 KV cache, where the build has bf16 dot products)
 
 Quality is a property of the format, measured once by ``batchgen bench --quality`` against float32 and recorded
 here (``QUALITY``), not re-measured on each machine: the bar and its figures are docs/design/quantization.md's.
