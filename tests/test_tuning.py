@@ -338,3 +338,19 @@ def test_a_far_slower_format_is_dropped_within_the_first_round():
     m = probe.measure(_tasks(clock, {F32: 2.0, BF16: 1.0}, SHAPES), clock, budget_s=1e9, max_rounds=2,
                       early_prune=probe._slow(fmts, SHAPES, probe.EARLY_PRUNE_RATIO))     # 2x: not far enough
     assert not m.pruned and all(len(m.times[(F32, s.name)]) == 2 for s in SHAPES)
+
+
+def test_the_prefill_shape_shrinks_with_the_model():
+    """Every shape must be timed within the budget at 0.5-8B too: the prefill chunk holds at most PREFILL_OPS of
+    linear work (gemma-3-270m's layers keep the full 1,024 tokens; Qwen2.5-1.5B's get under 100)."""
+    from pathlib import Path
+
+    from engine.models.config import ModelConfig
+    qwen = ModelConfig.from_hf_dir(Path(__file__).parent.parent / "bench/models/qwen2.5-1.5b-instruct")
+    # 28 layers x (QKV 1536 x 2048, output 1536 x 1536, gate-up-down 3 x 1536 x 8960)
+    assert probe.layer_params(qwen) == 28 * (1536 * 2048 + 1536 * 1536 + 3 * 1536 * 8960)
+    small = probe.probe_shapes(4096, 128, 32768, layer_params=100_000_000)
+    qwen_15b = probe.probe_shapes(4096, 128, 32768, layer_params=probe.layer_params(qwen))
+    huge = probe.probe_shapes(4096, 128, 32768, layer_params=7_000_000_000)
+    assert small[0].rows == probe.PREFILL_MAX and 80 <= qwen_15b[0].rows < 100 and huge[0].rows == probe.PREFILL_MIN
+    assert [s.rows for s in qwen_15b[1:]] == [s.rows for s in small[1:]]      # decode shapes are unchanged

@@ -1,7 +1,8 @@
 """Timing the candidates (``engine.tuning.candidates``) on the model's real shapes, within a budget.
 
-Shapes: one prefill chunk at the token budget (at most ``PREFILL_MAX`` tokens, so that every candidate is timed
-more than once within the budget on two cores: the linears are compute-bound long before that many rows) and
+Shapes: one prefill chunk at the token budget (at most ``PREFILL_MAX`` tokens, fewer for larger models, so that every
+candidate is timed more than once within the budget on two cores: the linears are compute-bound long before that
+many rows) and
 decode steps at 1, 8, 48 and ``max_num_seqs`` rows, each row over ``DECODE_CONTEXT`` tokens of a KV pool larger
 than the last-level cache.
 
@@ -34,6 +35,8 @@ MAX_ROUNDS = 5
 PRUNE_RATIO = 1.5
 EARLY_PRUNE_RATIO = 2.5      # within the first round, on the shapes timed so far (the prefill first)
 PREFILL_MAX = 1024
+PREFILL_MIN = 64
+PREFILL_OPS = 2.5e11         # the prefill shape's linear operations at most: about two seconds on two cores
 DECODE_ROWS = (1, 8, 48)
 DECODE_CONTEXT = 512
 POOL_TOKENS = 8192           # the decode rows' KV pool: beyond the last-level cache, as a running batch's is
@@ -47,11 +50,25 @@ class Shape:
     weight: float            # in the score: the prefill counts as much as all decode row counts together
 
 
-def probe_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[Shape]:
-    p = max(1, min(max_num_batched_tokens, max_model_len, PREFILL_MAX))
+def probe_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 layer_params: int = 0) -> list[Shape]:
+    """The shapes for a model whose decoder layers hold ``layer_params`` weights (0: unknown): the prefill chunk
+    shrinks with the model (``PREFILL_OPS``, at least ``PREFILL_MIN`` tokens) so that every shape is timed within
+    the budget at 0.5-8B too."""
+    cap = PREFILL_MAX
+    if layer_params > 0:
+        cap = max(PREFILL_MIN, min(PREFILL_MAX, int(PREFILL_OPS / (2 * layer_params))))
+    p = max(1, min(max_num_batched_tokens, max_model_len, cap))
     rows = sorted({r for r in (*DECODE_ROWS, max_num_seqs) if r <= max_num_seqs})
     return [Shape(f"prefill {p}", "prefill", p, 0.5)] + [Shape(f"decode {r}", "decode", r, 0.5 / len(rows))
                                                         for r in rows]
+
+
+def layer_params(mcfg) -> int:
+    """The decoder layers' linear weights: what one token's prefill multiplies by (twice, in operations)."""
+    q, kv = mcfg.num_attention_heads * mcfg.head_dim, mcfg.num_key_value_heads * mcfg.head_dim
+    h = mcfg.hidden_size
+    return mcfg.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * mcfg.intermediate_size)
 
 
 @dataclass
@@ -164,7 +181,7 @@ def run_probe(cfg, source, mcfg, identity: str, formats: list[Format], families:
     backend = get_backend(cfg.attention_backend, "cpu")
     block_size = backend.block_size_for(cfg.block_size)
     max_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    shapes = probe_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len)
+    shapes = probe_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_len, layer_params(mcfg))
     models = {}
     for f in formats:
         if (f.quantization, f.dtype) not in models:
@@ -310,5 +327,5 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["BUDGET_S", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "measure", "score",
+__all__ = ["BUDGET_S", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params", "measure", "score",
            "format_tasks", "family_tasks", "linears_tasks", "attention_tasks"]
