@@ -35,6 +35,16 @@ def test_small_m_rows_are_the_same_bits_at_every_row_count(libs, build, dtype, k
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("k", [7, 100, 2500])
+def test_float32_rows_over_bf16_weights_are_the_float32_weights_bits(libs, build, k):
+    """small_m_linear_f32_bf16w reads each bf16 weight as float32: the same bits as over the float32 copy."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(k + 1)
+    x, w = torch.randn(11, k, generator=g), torch.randn(29, k, generator=g).to(torch.bfloat16)
+    assert torch.equal(gemm.small_m_linear(x, w, lib=lib), gemm.small_m_linear(x, w.float(), lib=lib))
+
+
 def test_split_linear_sends_output_rows_to_the_kernel_and_the_rest_to_torch():
     g = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(9, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
@@ -85,3 +95,35 @@ def test_the_engine_sends_exactly_the_decode_rows_to_the_c_linears(llama_dir, mo
         return
     # three decode steps of both sequences: every float Linear once per step with their two rows
     assert len(seen) == 3 * linears and set(seen) == {2}
+
+
+def test_packed_weights_give_the_same_bits_as_float32(tmp_path, llama_dir, monkeypatch):
+    """A bf16 checkpoint's weights widened to float32 are held as bf16 under the C linears (half the bytes decode
+    streams); every output row and token is the same as with the float32 copy. A weight with a value bf16 cannot
+    hold stays float32."""
+    monkeypatch.setenv("BATCHGEN_TUNE", "off")
+    opts = dict(dtype="float32", quantization="none", kv_cache_dtype="float32", speculative_config="off",
+                kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256)
+    linears = lambda llm: [m for m in llm.model.modules() if type(m) is Linear]  # noqa: E731
+    assert not any(m.packed for m in linears(LLM(llama_dir, **opts)))         # random float32 values: kept
+    hf = tiny_hf_model("llama")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())            # what a bf16 checkpoint holds
+    bf16_dir = str(save_tiny(hf, tmp_path / "bf16-values").path)
+    packed = LLM(bf16_dir, **opts)
+    mods = linears(packed)
+    assert mods and all(m.packed and m.weight.dtype == torch.bfloat16 for m in mods)
+    monkeypatch.setattr(linear, "bf16_exact", lambda w: None)
+    plain = LLM(bf16_dir, **opts)
+    assert not any(m.packed for m in linears(plain))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(20, 60))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for a, b in zip(packed.generate(prompts, params), plain.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+    g = torch.Generator().manual_seed(1)
+    for m, p in zip(mods, linears(plain)):
+        x = torch.randn(5, m.in_features, generator=g)
+        for spec in (0, 2, 5):
+            assert torch.equal(split_linear(x, m.weight, m.bias, spec, m.pad_to, m.tile),
+                               split_linear(x, p.weight, p.bias, spec, p.pad_to, p.tile))

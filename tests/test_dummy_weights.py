@@ -76,3 +76,17 @@ def test_scaled_like_an_initialisation():
 def test_unknown_architecture_is_refused_by_name():
     with pytest.raises(ModelLoadError, match="unsupported architecture 'FalconForCausalLM'"):
         _tiny("FalconForCausalLM")
+
+
+def test_values_are_the_checkpoint_dtypes():
+    """A config that says bfloat16 gets bf16 values (as a downloaded checkpoint has), whatever dtype they load in."""
+    import json
+    from pathlib import Path
+
+    from engine.models.config import ModelConfig
+    cfg = json.loads((Path(__file__).parent.parent / "bench/models/qwen2.5-0.5b-instruct/config.json").read_text())
+    cfg.update(num_hidden_layers=1, vocab_size=64)
+    w = dummy_weights(ModelConfig.from_hf(cfg))["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w)
+    w32 = dummy_weights(ModelConfig.from_hf({**cfg, "torch_dtype": "float32"}))["model.layers.0.mlp.down_proj.weight"]
+    assert not torch.equal(w32.to(torch.bfloat16).float(), w32)

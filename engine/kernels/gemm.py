@@ -47,19 +47,21 @@ SMALL_M_MAX = {torch.bfloat16: 12, torch.float32: 16}
 
 
 def small_m_ok(x: torch.Tensor, w: torch.Tensor, any_rows: bool = False) -> bool:
-    """True when ``small_m_linear`` serves x [M, K] @ w[N, K]^T (CPU, bf16 or float32, few rows; ``any_rows``: at
-    every row count, as one choice for all of them)."""
-    return (x.device.type == "cpu" and x.dtype in SUFFIX and w.dtype == x.dtype and x.dim() == 2
+    """True when ``small_m_linear`` serves x [M, K] @ w[N, K]^T (CPU, bf16 or float32, w in x's dtype or bf16; few
+    rows; ``any_rows``: at every row count, as one choice for all of them)."""
+    return (x.device.type == "cpu" and x.dtype in SUFFIX and w.dtype in (x.dtype, torch.bfloat16) and x.dim() == 2
             and 1 <= x.shape[0] and (any_rows or x.shape[0] <= SMALL_M_MAX[x.dtype]) and w.is_contiguous()
             and library.load() is not None)
 
 
 def small_m_linear(x: torch.Tensor, w: torch.Tensor, lib: KernelLibrary | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, streaming w once (memory-bound at small M)."""
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, streaming w once (memory-bound at small M). float32 x over bf16
+    w: w read as float32 (the bits of its float32 copy)."""
     lib = lib or library.load()
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, w.shape[0], dtype=x.dtype)
-    getattr(lib, f"small_m_linear_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr(),
-                                                      torch.get_num_threads())
+    name = "small_m_linear_f32_bf16w" if (x.dtype, w.dtype) == (torch.float32, torch.bfloat16) else \
+        f"small_m_linear_{SUFFIX[x.dtype]}"
+    getattr(lib, name)(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr(), torch.get_num_threads())
     return y

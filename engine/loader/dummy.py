@@ -7,7 +7,9 @@ generator, seeded by ``(seed, name)``: it depends on nothing else (not the other
 made in, not the dtype asked for beyond the final cast). Values are scaled like a real initialisation so
 activations stay finite and attention is not degenerate: matrices ~ N(0, std) (``initializer_range``, 0.02 in
 every supported architecture), biases N(0, std), RMSNorm weights at their neutral value (1, or 0 where the norm
-multiplies by ``1 + w``) plus N(0, std) jitter.
+multiplies by ``1 + w``) plus N(0, std) jitter. They are values of the checkpoint's own dtype (``torch_dtype`` in
+config.json: bf16 for every model in bench/models), as a downloaded checkpoint's are, whatever dtype they are
+loaded in.
 """
 from __future__ import annotations
 
@@ -50,12 +52,13 @@ def tensor_seed(seed: int, name: str) -> int:
 
 def dummy_tensor(config: ModelConfig, name: str, shape: tuple[int, ...], seed: int = 0,
                  std: float = DEFAULT_STD) -> torch.Tensor:
-    """One tensor, in float32 (see the module docstring for its distribution)."""
+    """One tensor, in float32, of values of the checkpoint's dtype (see the module docstring)."""
     g = torch.Generator().manual_seed(tensor_seed(seed, name))
     t = torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
     if name.endswith("norm.weight"):
         t.add_(1.0 - config.norm_offset)
-    return t
+    stored = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.torch_dtype or "")
+    return t.to(stored).float() if stored is not None else t
 
 
 def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,

@@ -118,7 +118,8 @@ def resolve_model(spec: str | Path, load_format: str = "auto") -> ModelSource:
 def model_identity(source: ModelSource) -> str:
     """A cheap sha256 fingerprint (hex) of the model's files; stable across runs and machines."""
     h = hashlib.sha256()
-    h.update(source.kind.encode())
+    # dummy: its values are the checkpoint dtype's (engine.loader.dummy), unlike before; caches of the old ones miss
+    h.update(b"dummy:stored-dtype" if source.kind == "dummy" else source.kind.encode())
     path = Path(source.path)
     try:
         if source.kind == "gguf":

@@ -49,33 +49,43 @@ class Linear(nn.Linear):
     pad_to: tuple[int, ...] = ()
     tile: int = 0
     step_rows: StepRows | None = None
+    packed = False            # float32 weights held as their exact bf16 values (use_c_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step_rows is None or x.dim() != 2:
-            return invariant_linear(x, self.weight, self.bias, self.pad_to, self.tile)
+            return invariant_linear(x, self.compute_weight(), self.bias, self.pad_to, self.tile)
         return split_linear(x, self.weight, self.bias, self.step_rows.spec, self.pad_to, self.tile)
+
+    def compute_weight(self) -> torch.Tensor:
+        """The weight in the activations' dtype (float32 for a packed one: ``use_c_linears``)."""
+        return self.weight.float() if self.packed else self.weight
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_rows: int | torch.Tensor,
                  pad_to: tuple[int, ...] = (), tile: int = 0) -> torch.Tensor:
-    """``invariant_linear`` with the output rows (``StepRows.spec``) through the C few-row kernel instead."""
+    """``invariant_linear`` with the output rows (``StepRows.spec``) through the C few-row kernel instead. A bf16
+    ``weight`` under float32 ``x`` (packed): torch's rows over its float32 copy, made for the call."""
     def kernel(rows: torch.Tensor) -> torch.Tensor:
         y = small_m_linear(rows, weight)
         return y.add_(bias) if bias is not None else y
+
+    def torch_rows(rows: torch.Tensor) -> torch.Tensor:
+        w = weight if weight.dtype == rows.dtype else weight.to(rows.dtype)
+        return invariant_linear(rows, w, bias, pad_to, tile)
 
     m = x.shape[0]
     if isinstance(out_rows, int):
         n = min(out_rows, m)
         if n == 0:
-            return invariant_linear(x, weight, bias, pad_to, tile)
+            return torch_rows(x)
         if n == m:
             return kernel(x)
-        return torch.cat([kernel(x[:n]), invariant_linear(x[n:], weight, bias, pad_to, tile)])
+        return torch.cat([kernel(x[:n]), torch_rows(x[n:])])
     y = x.new_empty(m, weight.shape[0])
     y[out_rows] = kernel(x[out_rows])
     rest = ~out_rows
     if bool(rest.any()):
-        y[rest] = invariant_linear(x[rest], weight, bias, pad_to, tile)
+        y[rest] = torch_rows(x[rest])
     return y
 
 
@@ -135,24 +145,41 @@ def make_row_invariant(model: nn.Module, enabled: bool = True) -> None:
             continue
         targets, mod.pad_to, mod.tile = None, (), 0
         if enabled and mod.weight.dtype.is_floating_point and mod.weight.device.type == "cpu":
-            targets = pad_targets(mod.weight.detach())
+            targets = pad_targets(mod.compute_weight().detach())
             mod.pad_to, mod.tile = (targets, 0) if targets is not None else ((), TILE)
 
 
 def use_c_linears(model: nn.Module, enabled: bool) -> StepRows | None:
     """Give every float CPU ``Linear`` of ``model`` that the C few-row kernel serves one shared ``StepRows``
-    (``enabled`` False: none, every row through torch); returns it, or None when no Linear took it."""
+    (``enabled`` False: none, every row through torch); returns it, or None when no Linear took it.
+
+    A float32 weight whose every value is a bf16 value (a bf16 checkpoint's, widened) is then held as bf16: the
+    kernel reads it as float32 and torch's rows get its float32 copy, so every result is the same bits while
+    decode, which streams the weights, reads half the bytes (``packed``). ``enabled`` False unpacks again."""
     rows = StepRows() if enabled else None
     taken = False
     for mod in model.modules():
         if type(mod) is not Linear:
             continue
+        if mod.packed:                                   # back to float32 before anything else looks at it
+            mod.weight = nn.Parameter(mod.weight.detach().float(), requires_grad=False)
+            mod.packed = False
         w = mod.weight.detach()
         ok = rows is not None and small_m_ok(w[:1], w, any_rows=True)
         mod.step_rows = rows if ok else None
         taken |= ok
+        if ok and (packed := bf16_exact(w)) is not None:
+            mod.weight, mod.packed = nn.Parameter(packed, requires_grad=False), True
     return rows if taken else None
 
 
-__all__ = ["Linear", "StepRows", "invariant_linear", "split_linear", "use_c_linears", "pad_targets",
+def bf16_exact(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` as bf16 when it is float32 and every value survives the round trip; else None."""
+    if w.dtype != torch.float32:
+        return None
+    packed = w.to(torch.bfloat16)
+    return packed if torch.equal(packed.float(), w) else None
+
+
+__all__ = ["Linear", "StepRows", "invariant_linear", "split_linear", "use_c_linears", "bf16_exact", "pad_targets",
            "make_row_invariant", "TILE"]

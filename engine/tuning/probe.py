@@ -300,16 +300,21 @@ def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Ta
 
     layer = model.model.layers[0]
     linears = [m for m in layer.modules() if type(m) is Linear]
+    if not linears:
+        return []
+    # "c": the weights as the engine holds them (packed: bf16); "torch": as torch would hold them (float32)
+    weights = {"c": [m.weight.detach() for m in linears], "torch": [m.compute_weight().detach() for m in linears]}
+    dtype = weights["torch"][0].dtype
     g = torch.Generator().manual_seed(0)
     tasks = []
     for s in (s for s in shapes if s.kind == "decode"):
-        xs = [torch.randn(s.rows, m.in_features, generator=g).to(m.weight.dtype) for m in linears]
+        xs = [torch.randn(s.rows, m.in_features, generator=g).to(dtype) for m in linears]
         for impl in impls:
-            def fn(xs=xs, out=s.rows if impl == "c" else 0):
-                for m, x in zip(linears, xs):
-                    split_linear(x, m.weight, m.bias, out, m.pad_to, m.tile)
-            tasks.append(Task(f"linears:{impl}@{dtype_name(linears[0].weight.dtype)}", s.name, fn))
-    return tasks if linears else []
+            def fn(xs=xs, ws=weights[impl], out=s.rows if impl == "c" else 0):
+                for m, x, w in zip(linears, xs, ws):
+                    split_linear(x, w, m.bias, out, m.pad_to, m.tile)
+            tasks.append(Task(f"linears:{impl}@{dtype_name(dtype)}", s.name, fn))
+    return tasks
 
 
 def attention_tasks(fmt: Format, impls: tuple[str, ...], model, mcfg, shapes: list[Shape],

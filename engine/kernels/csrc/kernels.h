@@ -120,6 +120,9 @@ void bf16_gemm(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, 
 void small_m_linear_bf16(const uint16_t *x, int32_t M, int32_t K, const uint16_t *w, int64_t N, uint16_t *y,
                          int32_t nt);
 void small_m_linear_f32(const float *x, int32_t M, int32_t K, const float *w, int64_t N, float *y, int32_t nt);
+/* float32 x and y, bf16 weights (each widened to float32: the bits of small_m_linear_f32 over their float32 copy) */
+void small_m_linear_f32_bf16w(const float *x, int32_t M, int32_t K, const uint16_t *w, int64_t N, float *y,
+                              int32_t nt);
 
 /* ---- n-gram speculation (ngram.c) ---- */
 void ngram_propose_batch(const int32_t *ctx, const int64_t *offsets, int32_t num_reqs, int32_t n_min, int32_t n_max,

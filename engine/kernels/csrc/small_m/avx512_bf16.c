@@ -11,8 +11,8 @@
 
 static inline __attribute__((always_inline)) int32_t tile_head(const int R, const int C, const void *x, int64_t m0,
                                                                const void *w, int64_t n0, int32_t K, int32_t k0,
-                                                               int32_t len, int is_bf16, float sums[TM][TN]) {
-    if (!is_bf16 || len < 32) return tile_vec(R, C, x, m0, w, n0, K, k0, len, is_bf16, sums);
+                                                               int32_t len, int xb, int wb, float sums[TM][TN]) {
+    if (!(xb && wb) || len < 32) return tile_vec(R, C, x, m0, w, n0, K, k0, len, xb, wb, sums);
     int32_t c = 0;
     __m512 acc[TM][TN];
     for (int r = 0; r < R; r++)

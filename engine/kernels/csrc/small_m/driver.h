@@ -3,7 +3,9 @@
  * the compute limit (docs/perf/code-notes-kernels.md, docs/perf/avx2.md) and pads rows for invariance. Here each
  * weight row is read from memory once per call and dotted with every x row in register tiles of TM x TN dots
  * (a block of KB columns of every x row stays in L2), so few rows are memory-bound and many rows near the FMA
- * peak; a row's bits do not depend on the row count. bf16 (x, w, y bf16; float32 accumulation) or float32, per implementation:
+ * peak; a row's bits do not depend on the row count. bf16 (x, w, y bf16; float32 accumulation), float32, or
+ * float32 x and y over bf16 weights (read as float32: the same bits as their float32 copy, half the bytes), per
+ * implementation:
  *   avx512_bf16.c: vdpbf16ps on bf16 pairs (float32: as avx512.c); avx2.c, avx512.c: widen to float32 + FMA
  *   (vec.h); portable.c: scalar.
  *
@@ -34,27 +36,27 @@ static inline float load1(const void *p, int64_t i, int is_bf16) {
  * same c for every tile of a block (0 where the implementation has no vector loop), into sums[r][j]; tile adds
  * the rest. R and C are compile-time constants at every call (always_inline). */
 static int32_t tile_head(const int R, const int C, const void *x, int64_t m0, const void *w, int64_t n0, int32_t K,
-                         int32_t k0, int32_t len, int is_bf16, float sums[TM][TN]);
+                         int32_t k0, int32_t len, int xb, int wb, float sums[TM][TN]);
 
 /* One tile's dots over the block [k0, k0 + len): the vector part, then the remaining columns in order. */
 static inline __attribute__((always_inline)) void tile(const int R, const int C, const void *x, int64_t m0,
                                                        const void *w, int64_t n0, int32_t K, int32_t k0,
-                                                       int32_t len, int is_bf16, float sums[TM][TN]) {
-    const int32_t c = tile_head(R, C, x, m0, w, n0, K, k0, len, is_bf16, sums);
+                                                       int32_t len, int xb, int wb, float sums[TM][TN]) {
+    const int32_t c = tile_head(R, C, x, m0, w, n0, K, k0, len, xb, wb, sums);
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) {
             float s = c ? sums[r][j] : 0.0f;
             for (int32_t k = k0 + c; k < k0 + len; k++)
-                s += load1(x, (m0 + r) * K + k, is_bf16) * load1(w, (n0 + j) * K + k, is_bf16);
+                s += load1(x, (m0 + r) * K + k, xb) * load1(w, (n0 + j) * K + k, wb);
             sums[r][j] = s;
         }
 }
 
-#define TILE_CASE(R, C) case (R) * 8 + (C): tile(R, C, x, m0, w, nb, K, k0, len, is_bf16, s); break;
+#define TILE_CASE(R, C) case (R) * 8 + (C): tile(R, C, x, m0, w, nb, K, k0, len, xb, wb, s); break;
 
 /* The blocks [k0, k0 + len) of weight rows n0 .. n0 + nn - 1 with every x row, added into acc [M, nn]. */
 static void block(const void *x, int32_t M, int32_t K, const void *w, int64_t n0, int64_t nn, int32_t k0,
-                  int32_t len, int is_bf16, float *acc) {
+                  int32_t len, int xb, int wb, float *acc) {
     for (int64_t j0 = 0; j0 < nn; j0 += TN) {
         const int C = nn - j0 < TN ? (int)(nn - j0) : TN;
         for (int64_t m0 = 0; m0 < M; m0 += TM) {
@@ -78,7 +80,7 @@ static void block(const void *x, int32_t M, int32_t K, const void *w, int64_t n0
 
 /* y[m, n] = the sum over K's blocks of KB columns, in order, of each block's dot: it depends on K alone, never on
  * M, N, the tiles or the threads, so a row gets the same bits at every row count (decode's batch invariance). */
-static void small_m(const void *x, int32_t M, int32_t K, const void *w, int64_t N, void *y, int is_bf16, int32_t nt) {
+static void small_m(const void *x, int32_t M, int32_t K, const void *w, int64_t N, void *y, int xb, int wb, int32_t nt) {
     int64_t nc = (N + 4 * (int64_t)nt - 1) / (4 * (int64_t)nt);      /* about four chunks a thread */
     nc = (nc + TN - 1) / TN * TN;
     nc = nc < TN ? TN : (nc > NC_MAX ? NC_MAX : nc);
@@ -90,11 +92,11 @@ static void small_m(const void *x, int32_t M, int32_t K, const void *w, int64_t 
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int64_t n0 = ch * nc, nn = N - n0 < nc ? N - n0 : nc;
             for (int32_t k0 = 0; k0 < K; k0 += KB)
-                block(x, M, K, w, n0, nn, k0, K - k0 < KB ? K - k0 : KB, is_bf16, acc);
+                block(x, M, K, w, n0, nn, k0, K - k0 < KB ? K - k0 : KB, xb, wb, acc);
             for (int64_t m = 0; m < M; m++)
                 for (int64_t j = 0; j < nn; j++) {
                     const float v = K ? acc[m * nn + j] : 0.0f;
-                    if (is_bf16) ((uint16_t *)y)[m * N + n0 + j] = f32_to_bf16(v);
+                    if (xb) ((uint16_t *)y)[m * N + n0 + j] = f32_to_bf16(v);
                     else ((float *)y)[m * N + n0 + j] = v;
                 }
         }
@@ -104,10 +106,14 @@ static void small_m(const void *x, int32_t M, int32_t K, const void *w, int64_t 
 
 void small_m_linear_bf16(const uint16_t *x, int32_t M, int32_t K, const uint16_t *w, int64_t N, uint16_t *y,
                          int32_t nt) {
-    small_m(x, M, K, w, N, y, 1, nt);
+    small_m(x, M, K, w, N, y, 1, 1, nt);
 }
 void small_m_linear_f32(const float *x, int32_t M, int32_t K, const float *w, int64_t N, float *y, int32_t nt) {
-    small_m(x, M, K, w, N, y, 0, nt);
+    small_m(x, M, K, w, N, y, 0, 0, nt);
+}
+void small_m_linear_f32_bf16w(const float *x, int32_t M, int32_t K, const uint16_t *w, int64_t N, float *y,
+                              int32_t nt) {
+    small_m(x, M, K, w, N, y, 0, 1, nt);
 }
 
 #endif

@@ -7,7 +7,7 @@
  * accumulator per dot, summed across its lanes at the end */
 static inline __attribute__((always_inline)) int32_t tile_vec(const int R, const int C, const void *x, int64_t m0,
                                                               const void *w, int64_t n0, int32_t K, int32_t k0,
-                                                              int32_t len, int is_bf16, float sums[TM][TN]) {
+                                                              int32_t len, int xb, int wb, float sums[TM][TN]) {
     int32_t c = 0;
     vf acc[TM][TN];
     for (int r = 0; r < R; r++)
@@ -16,11 +16,11 @@ static inline __attribute__((always_inline)) int32_t tile_vec(const int R, const
         vf wv[TN];
         for (int j = 0; j < C; j++) {
             const int64_t i = (n0 + j) * K + k0 + c;
-            wv[j] = is_bf16 ? vf_load_bf16((const uint16_t *)w + i) : vf_load((const float *)w + i);
+            wv[j] = wb ? vf_load_bf16((const uint16_t *)w + i) : vf_load((const float *)w + i);
         }
         for (int r = 0; r < R; r++) {
             const int64_t i = (m0 + r) * K + k0 + c;
-            const vf xv = is_bf16 ? vf_load_bf16((const uint16_t *)x + i) : vf_load((const float *)x + i);
+            const vf xv = xb ? vf_load_bf16((const uint16_t *)x + i) : vf_load((const float *)x + i);
             for (int j = 0; j < C; j++) acc[r][j] = vf_fma(xv, wv[j], acc[r][j]);
         }
     }
