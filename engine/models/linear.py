@@ -70,7 +70,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return y.add_(bias) if bias is not None else y
 
     def torch_rows(rows: torch.Tensor) -> torch.Tensor:
-        w = weight if weight.dtype == rows.dtype else weight.to(rows.dtype)
+        w = weight if weight.dtype == rows.dtype else widened(weight, rows.dtype)
         return invariant_linear(rows, w, bias, pad_to, tile)
 
     m = x.shape[0]
@@ -171,6 +171,19 @@ def use_c_linears(model: nn.Module, enabled: bool) -> StepRows | None:
         if ok and (packed := bf16_exact(w)) is not None:
             mod.weight, mod.packed = nn.Parameter(packed, requires_grad=False), True
     return rows if taken else None
+
+
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` in ``dtype``, in a buffer reused by the next call (a packed weight's float32 copy for one matmul: a
+    fresh tensor each time costs page faults, about seven times the copy on two cores)."""
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < w.numel():
+        with torch.inference_mode(False):        # a normal tensor: written in and out of inference mode
+            buf = _SCRATCH[dtype] = torch.empty(w.numel(), dtype=dtype)
+    return buf[:w.numel()].view(w.shape).copy_(w)
 
 
 def bf16_exact(w: torch.Tensor) -> torch.Tensor | None:
