@@ -46,6 +46,7 @@ class RunFormat:
     quantization: str                  # none | int8
     dtype: str                         # activations (and float weights)
     kv_cache_dtype: str
+    bf16_held: bool = False            # float32 weights held as their bf16 values (2 bytes each)
 
     @classmethod
     def of(cls, info) -> "RunFormat":
@@ -53,7 +54,8 @@ class RunFormat:
         d = info if isinstance(info, Mapping) else info.to_dict()
         dtype = d.get("dtype") or "bfloat16"
         kv = (d.get("config") or {}).get("kv_cache_dtype")
-        return cls(d.get("quantization") or "none", dtype, kv if kv and kv != "auto" else dtype)
+        return cls(d.get("quantization") or "none", dtype, kv if kv and kv != "auto" else dtype,
+                   bool(d.get("bf16_held_weights")))
 
     @property
     def int8(self) -> bool:
@@ -66,7 +68,9 @@ class RunFormat:
 
     @property
     def weight_bytes_per_param(self) -> float:
-        return INT8_WEIGHT_BYTES if self.int8 else DTYPE_BYTES.get(self.dtype, 2)
+        if self.int8:
+            return INT8_WEIGHT_BYTES
+        return 2 if self.bf16_held else DTYPE_BYTES.get(self.dtype, 2)
 
     @property
     def kv_bytes(self) -> float:
@@ -74,8 +78,10 @@ class RunFormat:
 
     @property
     def label(self) -> str:
-        """weights/activations/kv-KV, e.g. ``int8/float32/kv-bfloat16``, ``float32/float32/kv-float32``."""
-        return f"{'int8' if self.int8 else self.dtype}/{self.dtype}/kv-{self.kv_cache_dtype}"
+        """weights/activations/kv-KV, e.g. ``int8/float32/kv-bfloat16``, ``float32/float32/kv-float32``,
+        ``bf16-held/float32/kv-float32``."""
+        weights = "int8" if self.int8 else "bf16-held" if self.bf16_held else self.dtype
+        return f"{weights}/{self.dtype}/kv-{self.kv_cache_dtype}"
 
 
 def _peak(cal, key: str) -> float | None:

@@ -34,6 +34,9 @@ class EngineInfo:
     load_time_s: float = 0.0
     load_breakdown: dict = field(default_factory=dict)   # phase -> seconds, plus "weights_from"
     weight_bytes: int = 0              # resident bytes of the loaded weights (int8 packs included)
+    # float32 weights held as their bf16 values (engine.models.linear.use_c_linears, select_ops.pack_head): the
+    # same results, half the bytes a decode step streams
+    bf16_held_weights: bool = False
     omp_wait: str = ""                 # how OpenMP threads wait at barriers (engine.omp_wait)
     # engine.invariance: what a row's tokens depend on besides the row (model, formats, kernel build, threads, ...)
     # and its "fingerprint"; empty where not computed (planning, fakes)
@@ -58,7 +61,7 @@ class EngineInfo:
             "dtype_reason": fmt.dtype.reason if fmt else "", "cpu_kernels": self.cpu_kernels,
             "load_time_s": self.load_time_s, "load_breakdown": self.load_breakdown, "config": c.to_dict(),
             "quantization": c.quantization, "quantization_reason": fmt.quantization.reason if fmt else "",
-            "weight_bytes": self.weight_bytes, "omp_wait": self.omp_wait, "tuning": fmt.record() if fmt else {},
+            "weight_bytes": self.weight_bytes, "bf16_held_weights": self.bf16_held_weights, "omp_wait": self.omp_wait, "tuning": fmt.record() if fmt else {},
             "invariance": self.invariance})
 
 

@@ -127,3 +127,33 @@ def test_packed_weights_give_the_same_bits_as_float32(tmp_path, llama_dir, monke
         for spec in (0, 2, 5):
             assert torch.equal(split_linear(x, m.weight, m.bias, spec, m.pad_to, m.tile),
                                split_linear(x, p.weight, p.bias, spec, p.pad_to, p.tile))
+
+
+def test_a_packed_head_gives_the_same_tokens_and_logits(tmp_path, monkeypatch):
+    """The float head (a tied embedding here) held as bf16 under the C head kernel: the same logits bits and
+    tokens as its float32 copy, lookups still float32 rows; the engine says its weights are bf16-held."""
+    import engine.models.select_ops as select_ops
+    from engine.models.layers import Embedding
+    monkeypatch.setenv("BATCHGEN_TUNE", "off")
+    hf = tiny_hf_model("gemma3")                         # tied embeddings
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    path = str(save_tiny(hf, tmp_path / "gemma-bf16-values").path)
+    opts = dict(dtype="float32", quantization="none", kv_cache_dtype="float32", speculative_config="off",
+                kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256, kernels={"lm_head": "c"})
+    packed = LLM(path, **opts)
+    emb = packed.model.model.embed_tokens
+    assert type(emb) is Embedding and emb.packed and emb.weight.dtype == torch.bfloat16
+    assert packed.info.bf16_held_weights and packed.info.to_dict()["bf16_held_weights"]
+    assert emb(torch.tensor([3, 4])).dtype == torch.float32
+    monkeypatch.setattr(select_ops, "bf16_exact", lambda w: None)
+    monkeypatch.setattr(linear, "bf16_exact", lambda w: None)
+    plain = LLM(path, **opts)
+    assert not plain.model.model.embed_tokens.packed and not plain.info.bf16_held_weights
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for a, b in zip(packed.generate(prompts, params), plain.generate(prompts, params)):
+        assert a.token_ids == b.token_ids
+    h = torch.randn(3, hf.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(packed.model.compute_logits(h), plain.model.compute_logits(h))

@@ -40,6 +40,10 @@ def test_format_maps_to_its_peak_and_bytes():
         ("bfloat16", 2, 2, "bfloat16/bfloat16/kv-bfloat16")
     f32 = RunFormat.of({"quantization": "none", "dtype": "float32", "config": {"kv_cache_dtype": "auto"}})
     assert (f32.calibration_dtype, f32.weight_bytes_per_param, f32.kv_bytes) == ("float32", 4, 4)
+    held = RunFormat.of({"quantization": "none", "dtype": "float32", "config": {"kv_cache_dtype": "float32"},
+                         "bf16_held_weights": True})         # float32 math over weights held as bf16: 2 bytes each
+    assert (held.calibration_dtype, held.weight_bytes_per_param, held.kv_bytes, held.label) == \
+        ("float32", 2, 4, "bf16-held/float32/kv-float32")
     q8kv = RunFormat.of({"quantization": "int8", "dtype": "float32", "config": {"kv_cache_dtype": "int8"}})
     assert q8kv.kv_bytes == INT8_KV_BYTES == 1.125
 

@@ -28,10 +28,17 @@ class OpsModule(nn.Module):
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` without its random init: weights always come from a checkpoint, and ``normal_`` on the
-    meta device imports torch's Python meta kernels (~1 s of a cold start)."""
+    meta device imports torch's Python meta kernels (~1 s of a cold start). ``packed``: float32 values held as bf16
+    (a tied head's, engine.models.select_ops.pack_head); rows come out float32."""
+
+    packed = False
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(input_ids)
+        return x.float() if self.packed else x
 
 
 class RMSNorm(OpsModule):

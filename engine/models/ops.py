@@ -18,7 +18,7 @@ import engine.kernels.elementwise as elementwise
 import engine.kernels.gemm as gemm
 from engine.kernels.families import TABLE_KERNELS, check_kernels
 from engine.kernels.library import SUFFIX
-from engine.models.linear import TILE, invariant_linear, pad_targets
+from engine.models.linear import TILE, invariant_linear, pad_targets, widened
 
 if TYPE_CHECKING:
     from engine.models.layers import GatedMLP, RMSNorm
@@ -75,6 +75,8 @@ class TorchOps:
         return self.float_logits(hidden, head.weight)
 
     def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype != hidden.dtype:              # a packed head (select_ops.pack_head) on torch's path
+            weight = widened(weight, hidden.dtype)
         if self.deterministic and hidden.device.type == "cpu" and hidden.dim() == 2:
             # rows padded to a row count torch computes invariantly (engine.models.linear's probe)
             targets = pad_targets(weight.detach())

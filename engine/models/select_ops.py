@@ -7,7 +7,7 @@ from torch import nn
 import engine.kernels.library as library
 from engine.errors import ModelLoadError
 from engine.models.layers import GatedMLP, OpsModule
-from engine.models.linear import make_row_invariant, use_c_linears
+from engine.models.linear import bf16_exact, make_row_invariant, use_c_linears
 from engine.models.ops import CpuKernelOps, TorchOps
 from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
 
@@ -39,9 +39,24 @@ def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
             device = device.device if device is not None else next(model.buffers()).device
         ops = choose_ops(model, device, kernels, deterministic)
     make_row_invariant(model, deterministic)
-    linears = getattr(ops, "kernels", {}).get("linears") == "c"       # CpuKernelOps only
-    model.step_rows = use_c_linears(model, linears)
+    kernels = getattr(ops, "kernels", {})                              # CpuKernelOps only
+    model.step_rows = use_c_linears(model, kernels.get("linears") == "c")
+    head = kernels.get("lm_head")
+    pack_head(model, head == "c" or (head == "table" and deterministic))
     for mod in model.modules():
         if isinstance(mod, OpsModule):
             mod.ops = ops
     return model
+
+
+def pack_head(model: nn.Module, enabled: bool) -> None:
+    """A float32 head whose values are bf16's held as bf16 when the C head kernel reads it (``enabled``), as
+    ``engine.models.linear.use_c_linears`` holds the linears: decode streams half its bytes for the same bits (a
+    tied embedding's rows come out float32). ``enabled`` False: back to float32."""
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return
+    if getattr(head, "packed", False):
+        head.weight, head.packed = nn.Parameter(head.weight.detach().float(), requires_grad=False), False
+    if enabled and head.weight.device.type == "cpu" and (packed := bf16_exact(head.weight.detach())) is not None:
+        head.weight, head.packed = nn.Parameter(packed, requires_grad=False), True

@@ -258,7 +258,7 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
     if family == "linears":
         return linears_tasks(impls, model, shapes)
 
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = model.model.norm.weight.dtype             # the activations' (a packed head's weight is bf16)
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     hidden = model.config.hidden_size
@@ -276,9 +276,11 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
             gate_up = torch.randn(rows, 2 * mlp.down_proj.in_features, generator=g).to(dtype)
         for impl in impls:
             ops = CpuKernelOps(kernels={family: impl})
-            if family == "lm_head":
-                def fn(ops=ops, x=x):
-                    return ops.float_logits(x, head.weight)
+            if family == "lm_head":         # "c" reads the head as the engine holds it; torch as torch would
+                w = head.weight.detach() if impl == "c" else head.weight.detach().to(dtype)
+
+                def fn(ops=ops, x=x, w=w):
+                    return ops.float_logits(x, w)
             else:
                 def fn(ops=ops, x=x, h=h, qkv=qkv, cos=cos, sin=sin, gate_up=gate_up, rows=rows):
                     ops.rms_norm(x, n1)
