@@ -61,7 +61,8 @@ class EngineInfo:
             "dtype_reason": fmt.dtype.reason if fmt else "", "cpu_kernels": self.cpu_kernels,
             "load_time_s": self.load_time_s, "load_breakdown": self.load_breakdown, "config": c.to_dict(),
             "quantization": c.quantization, "quantization_reason": fmt.quantization.reason if fmt else "",
-            "weight_bytes": self.weight_bytes, "bf16_held_weights": self.bf16_held_weights, "omp_wait": self.omp_wait, "tuning": fmt.record() if fmt else {},
+            "weight_bytes": self.weight_bytes, "bf16_held_weights": self.bf16_held_weights,
+            "omp_wait": self.omp_wait, "tuning": fmt.record() if fmt else {},
             "invariance": self.invariance})
 
 
