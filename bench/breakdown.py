@@ -89,6 +89,12 @@ def format_breakdown(label: str, d: dict) -> list[str]:
     return lines
 
 
+def _panel_ops(args, kwargs) -> float:
+    """panel_linear(x, panels, n): 2·M·K·n."""
+    x, n = args[0], args[2]
+    return 2.0 * x.numel() * n
+
+
 def _linear_ops(args, kwargs) -> float:
     """F.linear(x, w) / q8_linear(x, w, sw, cw, n, ...): 2·M·K·N."""
     x = args[0]
@@ -175,6 +181,7 @@ def kernel_breakdown() -> Iterator[Breakdown]:
             patch(qlinear, name, clock.timed(getattr(qlinear, name), "linears", _linear_ops))
         patch(F, "linear", clock.timed(F.linear, "linears", _linear_ops))
         patch(linear, "small_m_linear", clock.timed(linear.small_m_linear, "linears", _linear_ops))
+        patch(linear, "panel_linear", clock.timed(linear.panel_linear, "linears", _panel_ops))
         for name in ("greedy_tokens", "compute_logits"):
             patch(CausalLM, name, clock.timed(getattr(CausalLM, name), "LM head", _head_ops))
         patch(TorchAttentionBackend, "forward", clock.timed(TorchAttentionBackend.forward, "attention"))

@@ -88,7 +88,8 @@ class SimulatedLinear(nn.Module):
 
     def __init__(self, study: "Study", lin: nn.Linear, group_w: torch.Tensor):
         super().__init__()
-        self.study, self.float_w, self.group_w = study, lin.weight.detach().float(), group_w
+        w = lin.compute_weight() if getattr(lin, "packed", False) else lin.weight     # panels: [out, in] again
+        self.study, self.float_w, self.group_w = study, w.detach().float(), group_w
         self.bias = lin.bias
         self.xmax: torch.Tensor | None = None     # max |x| per input channel on the calibration text (SmoothQuant)
         self._derived: dict = {}

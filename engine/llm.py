@@ -89,7 +89,8 @@ class LLM:
         self.load_time_s = time.monotonic() - t0
         self.info = setup.info(cpu_kernels=library.describe() if self.device.type == "cpu" else "",
                                load_time_s=round(self.load_time_s, 3), weight_bytes=weight_bytes(self.model),
-                               bf16_held_weights=any(getattr(m, "packed", False) for m in self.model.modules()),
+                               bf16_held_weights=any(getattr(m, "packed", False) and m.weight.dtype == torch.bfloat16
+                                                     for m in self.model.modules()),
                                load_breakdown={**marks.spans, "weights_from": self.weights_from},
                                omp_wait=omp_wait.describe() if self.device.type == "cpu" else "",
                                invariance=invariance(self._identity, cfg.quantization, cfg.dtype, cfg.kv_cache_dtype,

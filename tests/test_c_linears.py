@@ -36,6 +36,35 @@ def test_small_m_rows_are_the_same_bits_at_every_row_count(libs, build, dtype, k
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("as_bf16", [False, True])
+@pytest.mark.parametrize("k", [1, 7, 896])
+def test_panel_rows_are_one_fma_chain_the_same_bits_in_every_build(libs, build, as_bf16, k):
+    """The panel kernel: every output is one float32 fused multiply-add chain over k in order (checked against a
+    float64-exact replay of that chain), so every row count, row position, thread count and build (portable's
+    fmaf, AVX2's vectors) gives the same bits; N past the last full panel (37 = 2 x 16 + 5) is right too."""
+    lib = _lib(libs, build)
+    g = torch.Generator().manual_seed(k + 7)
+    x, w = torch.randn(20, k, generator=g), torch.randn(37, k, generator=g).to(torch.bfloat16).float()
+    panels = gemm.panel_pack(w, as_bf16, lib=lib)
+    assert panels.shape == (3, k, 16) and panels.dtype == (torch.bfloat16 if as_bf16 else torch.float32)
+    assert torch.equal(gemm.panel_unpack(panels, 37, torch.empty(37 * k), lib=lib), w)
+    full = gemm.panel_linear(x, panels, 37, lib=lib)
+    chain = torch.zeros(20, 37, dtype=torch.float32)
+    for j in range(k):                       # fma: the exact product plus the sum, rounded once (float64 holds both)
+        chain = (x[:, j:j + 1].double() * w[:, j].double() + chain.double()).float()
+    assert torch.equal(full, chain)
+    for m in (1, 2, 5, 6, 7, 8, 13):
+        for start in (0, 20 - m):
+            assert torch.equal(gemm.panel_linear(x[start:start + m], panels, 37, lib=lib), full[start:start + m])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemm.panel_linear(x, panels, 37, lib=lib), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("k", [7, 100, 2500])
 def test_float32_rows_over_bf16_weights_are_the_float32_weights_bits(libs, build, k):
     """small_m_linear_f32_bf16w reads each bf16 weight as float32: the same bits as over the float32 copy."""
@@ -68,12 +97,17 @@ def llama_dir(tmp_path_factory):
 
 def _kernel_rows(monkeypatch) -> list[int]:
     """Rows the Linears send to the C kernel, one entry per call."""
-    seen, real = [], linear.small_m_linear
+    seen, real_small, real_panel = [], linear.small_m_linear, linear.panel_linear
 
-    def spy(x, w, lib=None):
+    def spy_small(x, w, lib=None):
         seen.append(x.shape[0])
-        return real(x, w, lib)
-    monkeypatch.setattr(linear, "small_m_linear", spy)
+        return real_small(x, w, lib)
+
+    def spy_panel(x, panels, n, lib=None):
+        seen.append(x.shape[0])
+        return real_panel(x, panels, n, lib)
+    monkeypatch.setattr(linear, "small_m_linear", spy_small)
+    monkeypatch.setattr(linear, "panel_linear", spy_panel)
     return seen
 
 
@@ -98,14 +132,15 @@ def test_the_engine_sends_exactly_the_decode_rows_to_the_c_linears(llama_dir, mo
 
 
 def test_packed_weights_give_the_same_bits_as_float32(tmp_path, llama_dir, monkeypatch):
-    """A bf16 checkpoint's weights widened to float32 are held as bf16 under the C linears (half the bytes decode
-    streams); every output row and token is the same as with the float32 copy. A weight with a value bf16 cannot
-    hold stays float32."""
+    """A bf16 checkpoint's weights widened to float32 are held as bf16 panels under the C linears (half the bytes
+    decode streams); every output row and token is the same as with float32 panels. A weight with a value bf16
+    cannot hold stays float32 (in float32 panels)."""
     monkeypatch.setenv("BATCHGEN_TUNE", "off")
     opts = dict(dtype="float32", quantization="none", kv_cache_dtype="float32", speculative_config="off",
                 kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256)
     linears = lambda llm: [m for m in llm.model.modules() if type(m) is Linear]  # noqa: E731
-    assert not any(m.packed for m in linears(LLM(llama_dir, **opts)))         # random float32 values: kept
+    kept = linears(LLM(llama_dir, **opts))                                    # random float32 values: kept
+    assert kept and all(m.packed and m.weight.dtype == torch.float32 and m.weight.dim() == 3 for m in kept)
     hf = tiny_hf_model("llama")
     with torch.no_grad():
         for p in hf.parameters():
@@ -116,7 +151,7 @@ def test_packed_weights_give_the_same_bits_as_float32(tmp_path, llama_dir, monke
     assert mods and all(m.packed and m.weight.dtype == torch.bfloat16 for m in mods)
     monkeypatch.setattr(linear, "bf16_exact", lambda w: None)
     plain = LLM(bf16_dir, **opts)
-    assert not any(m.packed for m in linears(plain))
+    assert not any(m.weight.dtype == torch.bfloat16 for m in linears(plain))
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(20, 60))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for a, b in zip(packed.generate(prompts, params), plain.generate(prompts, params)):
@@ -125,8 +160,8 @@ def test_packed_weights_give_the_same_bits_as_float32(tmp_path, llama_dir, monke
     for m, p in zip(mods, linears(plain)):
         x = torch.randn(5, m.in_features, generator=g)
         for spec in (0, 2, 5):
-            assert torch.equal(split_linear(x, m.weight, m.bias, spec, m.pad_to, m.tile),
-                               split_linear(x, p.weight, p.bias, spec, p.pad_to, p.tile))
+            assert torch.equal(split_linear(x, m.weight, m.bias, spec, m.pad_to, m.tile, m.out_features),
+                               split_linear(x, p.weight, p.bias, spec, p.pad_to, p.tile, p.out_features))
 
 
 def test_a_packed_head_gives_the_same_tokens_and_logits(tmp_path, monkeypatch):

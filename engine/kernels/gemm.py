@@ -65,3 +65,42 @@ def small_m_linear(x: torch.Tensor, w: torch.Tensor, lib: KernelLibrary | None =
         f"small_m_linear_{SUFFIX[x.dtype]}"
     getattr(lib, name)(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr(), torch.get_num_threads())
     return y
+
+
+# Float32 linears over panel-packed weights (csrc/panel/): the ``linears`` family's decode rows when activations
+# are float32. A packed weight is [ceil(N/16), K, 16], float32 or bf16 (a bf16-exact weight: the same bits).
+PANEL_NR = 16
+
+
+def panel_pack(w: torch.Tensor, as_bf16: bool, lib: KernelLibrary | None = None) -> torch.Tensor:
+    """w [N, K] (float32 or bf16) -> its panels [ceil(N/16), K, 16] in bf16 (``as_bf16``; only for weights whose
+    values are bf16's) or float32."""
+    lib = lib or library.load()
+    w = w.contiguous()
+    n, k = w.shape
+    out = torch.empty((n + PANEL_NR - 1) // PANEL_NR, k, PANEL_NR,
+                      dtype=torch.bfloat16 if as_bf16 else torch.float32)
+    lib.panel_pack(w.data_ptr(), int(w.dtype == torch.bfloat16), n, k, out.data_ptr(), int(as_bf16))
+    return out
+
+
+def panel_unpack(panels: torch.Tensor, n: int, out: torch.Tensor, lib: KernelLibrary | None = None) -> torch.Tensor:
+    """The panels' weight as float32 [n, K] into ``out`` (contiguous, n * K float32 at least)."""
+    lib = lib or library.load()
+    k = panels.shape[1]
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() >= n * k
+    lib.panel_unpack_f32(panels.data_ptr(), int(panels.dtype == torch.bfloat16), n, k, out.data_ptr())
+    return out[:n * k].view(n, k)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, lib: KernelLibrary | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ the panels' weight [n, K]^T -> float32 [M, n]: each output one fused multiply-add chain
+    over K in order (row-invariant at every M and thread count)."""
+    lib = lib or library.load()
+    x = x.contiguous()
+    m, k = x.shape
+    assert x.dtype == torch.float32 and panels.shape[1] == k and panels.is_contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.panel_linear_f32(x.data_ptr(), m, k, panels.data_ptr(), int(panels.dtype == torch.bfloat16), n, y.data_ptr(),
+                         torch.get_num_threads())
+    return y

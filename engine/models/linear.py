@@ -9,18 +9,21 @@ K, dtype and thread count): none from the smallest row count from which every pr
 as the largest (the floor); under it, the next probed count that does too. Where no floor exists, every call runs
 in fixed tiles of ``TILE`` rows (the last padded). The int8 path (engine.quant.int8) computes each row alone.
 
-Output positions (a generated token's row, engine.model_runner) can instead go through the C few-row kernel
-(``engine.kernels.gemm.small_m_linear``: row-invariant at every row count, and on CPUs where torch's few-row
-matmul streams weights slowly several times faster): the ``linears`` kernel family, "c" or "torch"
-(engine.kernels.families). With "c" a step's output rows take the kernel and its prompt rows torch's padded
-matmul; which rows are which the layers set per forward on the model's ``StepRows``."""
+Output positions (a generated token's row, engine.model_runner) can instead go through a C few-row kernel
+(row-invariant at every row count, and on CPUs where torch's few-row matmul streams weights slowly several times
+faster): the ``linears`` kernel family, "c" or "torch" (engine.kernels.families). With "c" a step's output rows take
+the kernel and its prompt rows torch's padded matmul; which rows are which the layers set per forward on the
+model's ``StepRows``. Under "c" a float32 weight is held in the panel kernel's layout (``engine.kernels.gemm
+.panel_linear``: 16 output rows k-major, bf16 when every value is a bf16 value), and torch's rows get it unpacked
+into a reused float32 buffer; a bf16 weight (bf16 activations) stays [N, K] for the dot-product kernel
+(``small_m_linear``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.gemm import small_m_linear, small_m_ok
+from engine.kernels.gemm import panel_linear, panel_pack, panel_unpack, small_m_linear, small_m_ok
 
 PROBE_ROWS = (*range(1, 33), 48, 64)
 TILE = 64
@@ -49,28 +52,41 @@ class Linear(nn.Linear):
     pad_to: tuple[int, ...] = ()
     tile: int = 0
     step_rows: StepRows | None = None
-    packed = False            # float32 weights held as their exact bf16 values (use_c_linears)
+    packed = False            # the weight held as panels (use_c_linears): float32, or bf16 when its values are bf16's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step_rows is None or x.dim() != 2:
             return invariant_linear(x, self.compute_weight(), self.bias, self.pad_to, self.tile)
-        return split_linear(x, self.weight, self.bias, self.step_rows.spec, self.pad_to, self.tile)
+        return split_linear(x, self.weight, self.bias, self.step_rows.spec, self.pad_to, self.tile,
+                            self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """A packed weight is saved as [out, in] float32 (what a fresh model loads; the weights cache stores it)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed:
+            destination[prefix + "weight"] = self.compute_weight()
 
     def compute_weight(self) -> torch.Tensor:
-        """The weight in the activations' dtype (float32 for a packed one: ``use_c_linears``)."""
-        return self.weight.float() if self.packed else self.weight
+        """The weight [out, in] in the activations' dtype (a packed one unpacked into a fresh float32 tensor)."""
+        if not self.packed:
+            return self.weight
+        return panel_unpack(self.weight.detach(), self.out_features,
+                            torch.empty(self.out_features * self.in_features))
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_rows: int | torch.Tensor,
-                 pad_to: tuple[int, ...] = (), tile: int = 0) -> torch.Tensor:
-    """``invariant_linear`` with the output rows (``StepRows.spec``) through the C few-row kernel instead. A bf16
-    ``weight`` under float32 ``x`` (packed): torch's rows over its float32 copy, made for the call."""
+                 pad_to: tuple[int, ...] = (), tile: int = 0, out_features: int | None = None) -> torch.Tensor:
+    """``invariant_linear`` with the output rows (``StepRows.spec``) through a C few-row kernel instead: the panel
+    kernel for a packed ``weight`` (panels: ``out_features`` says N), else the dot-product one. Torch's rows get a
+    packed weight unpacked (or a bf16 one under float32 ``x`` widened) into a reused buffer."""
+    n_out = out_features if out_features is not None else weight.shape[0]
+
     def kernel(rows: torch.Tensor) -> torch.Tensor:
-        y = small_m_linear(rows, weight)
+        y = panel_linear(rows, weight, n_out) if weight.dim() == 3 else small_m_linear(rows, weight)
         return y.add_(bias) if bias is not None else y
 
     def torch_rows(rows: torch.Tensor) -> torch.Tensor:
-        w = weight if weight.dtype == rows.dtype else widened(weight, rows.dtype)
+        w = weight if weight.dim() == 2 and weight.dtype == rows.dtype else widened(weight, rows.dtype, n_out)
         return invariant_linear(rows, w, bias, pad_to, tile)
 
     m = x.shape[0]
@@ -81,7 +97,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if n == m:
             return kernel(x)
         return torch.cat([kernel(x[:n]), torch_rows(x[n:])])
-    y = x.new_empty(m, weight.shape[0])
+    y = x.new_empty(m, n_out)
     y[out_rows] = kernel(x[out_rows])
     rest = ~out_rows
     if bool(rest.any()):
@@ -153,37 +169,52 @@ def use_c_linears(model: nn.Module, enabled: bool) -> StepRows | None:
     """Give every float CPU ``Linear`` of ``model`` that the C few-row kernel serves one shared ``StepRows``
     (``enabled`` False: none, every row through torch); returns it, or None when no Linear took it.
 
-    A float32 weight whose every value is a bf16 value (a bf16 checkpoint's, widened) is then held as bf16: the
-    kernel reads it as float32 and torch's rows get its float32 copy, so every result is the same bits while
-    decode, which streams the weights, reads half the bytes (``packed``). ``enabled`` False unpacks again."""
+    A float32 weight is then held as the panel kernel's panels (``packed``), in bf16 when every value is a bf16
+    value (a bf16 checkpoint's, widened): the kernel reads it as float32 and torch's rows get its float32 copy, so
+    every result is the same bits while decode, which streams the weights, reads half the bytes. ``enabled`` False
+    unpacks again."""
     rows = StepRows() if enabled else None
     taken = False
     for mod in model.modules():
         if type(mod) is not Linear:
             continue
-        if mod.packed:                                   # back to float32 before anything else looks at it
-            mod.weight = nn.Parameter(mod.weight.detach().float(), requires_grad=False)
+        if mod.packed:                                   # back to [out, in] before anything else looks at it
+            mod.weight = nn.Parameter(mod.compute_weight(), requires_grad=False)
             mod.packed = False
         w = mod.weight.detach()
         ok = rows is not None and small_m_ok(w[:1], w, any_rows=True)
         mod.step_rows = rows if ok else None
         taken |= ok
-        if ok and (packed := bf16_exact(w)) is not None:
-            mod.weight, mod.packed = nn.Parameter(packed, requires_grad=False), True
+        if ok and w.dtype == torch.float32:
+            mod.weight, mod.packed = nn.Parameter(kernel_weight(w), requires_grad=False), True
     return rows if taken else None
+
+
+def kernel_weight(w: torch.Tensor) -> torch.Tensor:
+    """How the ``linears`` family's "c" holds a weight [out, in]: a float32 one as panels (bf16 ones when every value
+    survives the round trip: ``bf16_exact``), a bf16 one as it is."""
+    if w.dtype != torch.float32:
+        return w
+    return panel_pack(w, as_bf16=bf16_exact(w) is not None)
 
 
 _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
 
 
-def widened(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def widened(w: torch.Tensor, dtype: torch.dtype, out_features: int | None = None) -> torch.Tensor:
     """``w`` in ``dtype``, in a buffer reused by the next call (a packed weight's float32 copy for one matmul: a
-    fresh tensor each time costs page faults, about seven times the copy on two cores)."""
+    fresh tensor each time costs page faults, about seven times the copy on two cores). Panels (3-D: ``use_c_linears``)
+    come out unpacked, [out_features, in]."""
+    panels = w.dim() == 3
+    shape = (out_features, w.shape[1]) if panels else w.shape
+    numel = shape[0] * shape[1] if panels else w.numel()
     buf = _SCRATCH.get(dtype)
-    if buf is None or buf.numel() < w.numel():
+    if buf is None or buf.numel() < numel:
         with torch.inference_mode(False):        # a normal tensor: written in and out of inference mode
-            buf = _SCRATCH[dtype] = torch.empty(w.numel(), dtype=dtype)
-    return buf[:w.numel()].view(w.shape).copy_(w)
+            buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    if panels:
+        return panel_unpack(w, out_features, buf)
+    return buf[:numel].view(shape).copy_(w)
 
 
 def bf16_exact(w: torch.Tensor) -> torch.Tensor | None:
@@ -194,5 +225,5 @@ def bf16_exact(w: torch.Tensor) -> torch.Tensor | None:
     return packed if torch.equal(packed.float(), w) else None
 
 
-__all__ = ["Linear", "StepRows", "invariant_linear", "split_linear", "use_c_linears", "bf16_exact", "pad_targets",
-           "make_row_invariant", "TILE"]
+__all__ = ["Linear", "StepRows", "invariant_linear", "split_linear", "use_c_linears", "kernel_weight", "bf16_exact",
+           "pad_targets", "make_row_invariant", "TILE"]

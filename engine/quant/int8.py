@@ -221,7 +221,7 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
         return torch.cat(qs), torch.cat(ss)
 
     for name, parent, attr, lin in _linears(model):
-        q, s = rows_q(f"{name}.weight", lin.weight)
+        q, s = rows_q(f"{name}.weight", lin.compute_weight() if getattr(lin, "packed", False) else lin.weight)
         cls = Int8GluLinear if _is_gate_up(name, lin) else Int8Linear
         if cls is Int8GluLinear:
             q, s = glu_interleave(q, s)

@@ -298,14 +298,16 @@ def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Ta
     """The ``linears`` family: one layer's float linears (QKV, output, gate-up, down) at each decode shape's rows,
     all of them output positions ("c": the C few-row kernel; "torch": torch's padded matmul). Prefill rows are
     torch's under both, so prefill shapes are not timed."""
-    from engine.models.linear import Linear, split_linear
+    from engine.models.linear import Linear, kernel_weight, split_linear
 
     layer = model.model.layers[0]
     linears = [m for m in layer.modules() if type(m) is Linear]
     if not linears:
         return []
-    # "c": the weights as the engine holds them (packed: bf16); "torch": as torch would hold them (float32)
-    weights = {"c": [m.weight.detach() for m in linears], "torch": [m.compute_weight().detach() for m in linears]}
+    # "c": the weights as the engine holds them under "c" (panels); "torch": as torch would hold them ([out, in])
+    plain = [m.compute_weight().detach() for m in linears]
+    weights = {"c": [m.weight.detach() if m.packed else kernel_weight(w) for m, w in zip(linears, plain)],
+               "torch": plain}
     dtype = weights["torch"][0].dtype
     g = torch.Generator().manual_seed(0)
     tasks = []
@@ -314,7 +316,7 @@ def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Ta
         for impl in impls:
             def fn(xs=xs, ws=weights[impl], out=s.rows if impl == "c" else 0):
                 for m, x, w in zip(linears, xs, ws):
-                    split_linear(x, w, m.bias, out, m.pad_to, m.tile)
+                    split_linear(x, w, m.bias, out, m.pad_to, m.tile, m.out_features)
             tasks.append(Task(f"linears:{impl}@{dtype_name(dtype)}", s.name, fn))
     return tasks
 

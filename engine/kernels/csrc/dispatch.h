@@ -11,6 +11,7 @@
  *   paged_decode   avx512_bf16 (AVX512-BF16), avx512 (AVX-512F), avx2 (AVX2 + FMA), else portable
  *   small_m        avx512_bf16 (AVX512-BF16), avx512 (AVX-512F), avx2 (AVX2 + FMA), else portable
  *   prefill        avx512 (AVX-512F), avx2 (AVX2 + FMA), else portable
+ *   panel          avx2 (AVX2 + FMA: an AVX-512 build too), else portable
  *   bf16_gemm      avx512_bf16 (AVX512-BF16), else portable
  *   qlinear        avx512_vnni (AVX512-VNNI + AVX512-BW), avx2 (AVX2: an AVX-512 build without VNNI too),
  *                  else portable
@@ -46,6 +47,12 @@
 #define PAGED_DECODE_ISA BF16_DOT_ISA
 #define SMALL_M_ISA BF16_DOT_ISA
 #define PREFILL_ISA VEC_ISA
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define PANEL_ISA ISA_AVX2
+#else
+#define PANEL_ISA ISA_PORTABLE
+#endif
 
 #if defined(__AVX512BF16__)
 #define BF16_GEMM_ISA ISA_AVX512_BF16

@@ -114,7 +114,7 @@ void q8_gemm_argmax(const uint8_t *q0, const float *sa, const float *mn, int M, 
 void q8_embed_f32(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt);
 void q8_embed_bf16(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt);
 
-/* ---- matmuls (bf16_gemm/, small_m/) ---- */
+/* ---- matmuls (bf16_gemm/, small_m/, panel/) ---- */
 void bf16_gemm(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc, int M, int N,
                int K2, int nt);
 void small_m_linear_bf16(const uint16_t *x, int32_t M, int32_t K, const uint16_t *w, int64_t N, uint16_t *y,
@@ -123,6 +123,12 @@ void small_m_linear_f32(const float *x, int32_t M, int32_t K, const float *w, in
 /* float32 x and y, bf16 weights (each widened to float32: the bits of small_m_linear_f32 over their float32 copy) */
 void small_m_linear_f32_bf16w(const float *x, int32_t M, int32_t K, const uint16_t *w, int64_t N, float *y,
                               int32_t nt);
+
+/* float32 x and y over weights packed in panels of 16 rows (panel/driver.h), float32 (pb 0) or bf16 (pb 1) */
+void panel_linear_f32(const float *x, int32_t M, int32_t K, const void *panels, int32_t pb, int64_t N, float *y,
+                      int32_t nt);
+void panel_pack(const void *w, int32_t wb, int64_t N, int32_t K, void *panels, int32_t pb);
+void panel_unpack_f32(const void *panels, int32_t pb, int64_t N, int32_t K, float *w);
 
 /* ---- n-gram speculation (ngram.c) ---- */
 void ngram_propose_batch(const int32_t *ctx, const int64_t *offsets, int32_t num_reqs, int32_t n_min, int32_t n_max,
