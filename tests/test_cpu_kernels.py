@@ -40,9 +40,9 @@ def _case(dtype, lens, hq, hkv, d, bs, seed=0):
     return q, k, v, meta
 
 
-SHAPES = [  # (hq, hkv, head_dim, block_size): fast path (G in 1/2/4/8, D % 32 == 0) and portable fallbacks
+SHAPES = [  # (hq, hkv, head_dim, block_size): fast path (G 1 to 8, D % 32 == 0) and portable fallbacks
     (4, 1, 256, 16), (8, 2, 64, 16), (8, 8, 32, 4), (16, 2, 128, 32), (6, 2, 64, 16), (4, 1, 48, 8), (4, 4, 64, 1),
-    (4, 2, 64, 16)]
+    (4, 2, 64, 16), (14, 2, 64, 16), (12, 2, 128, 16), (5, 1, 64, 16)]     # G 7, 6 (Qwen2.5 0.5B, 1.5B), 5
 LENS = [1, 2, 15, 16, 17, 100, 531]
 
 

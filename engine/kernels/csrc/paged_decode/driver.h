@@ -21,8 +21,8 @@
  * then the weighted sum of the block's values; blocks shared by a whole group are walked once for all of its
  * members, so they come from memory once (group_item). A sequence's result never depends on its group. With a vector
  * implementation (avx2.c, avx512.c: vec.h's pieces; avx512_bf16.c: bf16 scores and P.V with AVX512-BF16 dot
- * products, vec.h's for float32 caches), head_dim a multiple of 32 and G in {1, 2, 4, 8}, both bf16 and float32
- * caches take the vector path; everything else takes the portable loops below, which are also the reference
+ * products, vec.h's for float32 caches), head_dim a multiple of 32 and G from 1 to 8 (Qwen2.5's 7 and 6 too),
+ * both bf16 and float32 caches take the vector path; everything else takes the portable loops below, which are also the reference
  * (portable.c: nothing else).
  *
  * This header is what the implementations share. An implementation file defines, then includes this header:
@@ -148,7 +148,11 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
     switch (G) {                                                    \
         case 1: { const int G_ = 1; CALL; } break;                  \
         case 2: { const int G_ = 2; CALL; } break;                  \
+        case 3: { const int G_ = 3; CALL; } break;                  \
         case 4: { const int G_ = 4; CALL; } break;                  \
+        case 5: { const int G_ = 5; CALL; } break;                  \
+        case 6: { const int G_ = 6; CALL; } break;                  \
+        case 7: { const int G_ = 7; CALL; } break;                  \
         default: { const int G_ = 8; CALL; } break;                 \
     }
 
@@ -299,7 +303,7 @@ static inline __attribute__((always_inline)) void group_item(
     float *fbuf = (float *)malloc(sizeof(float) * count * (2 * per + 2 * G));
     uint16_t *hbuf = (uint16_t *)malloc(sizeof(uint16_t) * count * per);
     rows_t rows[MAX_MEMBERS];
-    const int fast = FAST_PATH && D % FAST_D_MULTIPLE == 0 && (G == 1 || G == 2 || G == 4 || G == 8);
+    const int fast = FAST_PATH && D % FAST_D_MULTIPLE == 0 && G >= 1 && G <= 8;
     const int64_t tok_stride = (int64_t)num_kv_heads * D;
     const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
     int32_t j0 = 0, j1 = INT32_MAX;
