@@ -30,6 +30,7 @@ from torch import nn
 
 from bench.quality import sample_sequences, sequence_logits
 from engine import LLM
+from engine.models.select_ops import pack_head
 from engine.quant.int8 import QK, quantize_rows, unpack
 
 # (name, linear weights, linear activations, LM-head weights, LM-head activations, SmoothQuant alpha)
@@ -141,6 +142,7 @@ class Study:
         model_ = self.sim.model
         if not model_.config.tie_word_embeddings:
             raise ValueError("the format study simulates a tied LM head (the default model's)")
+        pack_head(model_, False)                  # the tied head as [vocab, hidden] float32 again
         emb = model_.model.embed_tokens
         head = emb.weight.detach().float().clone()
         head_group = int8_weights(q8.model.model.embed_tokens)

@@ -179,13 +179,17 @@ def test_a_packed_head_gives_the_same_tokens_and_logits(tmp_path, monkeypatch):
                 kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=256, kernels={"lm_head": "c"})
     packed = LLM(path, **opts)
     emb = packed.model.model.embed_tokens
-    assert type(emb) is Embedding and emb.packed and emb.weight.dtype == torch.bfloat16
+    assert type(emb) is Embedding and emb.packed and emb.weight.dtype == torch.bfloat16 and emb.weight.dim() == 3
     assert packed.info.bf16_held_weights and packed.info.to_dict()["bf16_held_weights"]
-    assert emb(torch.tensor([3, 4])).dtype == torch.float32
+    ids = torch.arange(emb.num_embeddings)                    # every row
+    assert torch.equal(emb(ids), emb.compute_weight()) and emb(ids).dtype == torch.float32
+    assert torch.equal(emb(ids[[7, 3, 3]]), emb.compute_weight()[[7, 3, 3]])
+    assert packed.model.state_dict()["model.embed_tokens.weight"].shape == (emb.num_embeddings, emb.embedding_dim)
     monkeypatch.setattr(select_ops, "bf16_exact", lambda w: None)
     monkeypatch.setattr(linear, "bf16_exact", lambda w: None)
-    plain = LLM(path, **opts)
-    assert not plain.model.model.embed_tokens.packed and not plain.info.bf16_held_weights
+    plain = LLM(path, **opts)                                 # float32 panels
+    assert plain.model.model.embed_tokens.weight.dtype == torch.float32 and not plain.info.bf16_held_weights
+    assert torch.equal(plain.model.model.embed_tokens(ids), emb(ids))
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for a, b in zip(packed.generate(prompts, params), plain.generate(prompts, params)):

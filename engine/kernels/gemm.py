@@ -70,6 +70,8 @@ def small_m_linear(x: torch.Tensor, w: torch.Tensor, lib: KernelLibrary | None =
 # Float32 linears over panel-packed weights (csrc/panel/): the ``linears`` family's decode rows when activations
 # are float32. A packed weight is [ceil(N/16), K, 16], float32 or bf16 (a bf16-exact weight: the same bits).
 PANEL_NR = 16
+# the row of each slot of a bf16 panel's 16 values (csrc/panel/driver.h PANEL_SLOT; it is its own inverse)
+PANEL_SLOT = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 
 
 def panel_pack(w: torch.Tensor, as_bf16: bool, lib: KernelLibrary | None = None) -> torch.Tensor:
@@ -104,3 +106,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, lib: KernelLibra
     lib.panel_linear_f32(x.data_ptr(), m, k, panels.data_ptr(), int(panels.dtype == torch.bfloat16), n, y.data_ptr(),
                          torch.get_num_threads())
     return y
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the panels' weight, [*ids.shape, K] in the panels' dtype (an embedding lookup)."""
+    row = ids % PANEL_NR
+    if panels.dtype == torch.bfloat16:
+        row = torch.tensor(PANEL_SLOT, device=ids.device)[row]
+    return panels[ids // PANEL_NR, :, row]

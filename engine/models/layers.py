@@ -14,6 +14,7 @@ from torch import nn
 from engine.attention.cache import write_kv
 from engine.attention.metadata import AttentionMetadata
 from engine.errors import ModelLoadError
+from engine.kernels import gemm
 from engine.models.config import ModelConfig
 from engine.models.linear import Linear, StepRows
 from engine.models.ops import TorchOps
@@ -28,8 +29,9 @@ class OpsModule(nn.Module):
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` without its random init: weights always come from a checkpoint, and ``normal_`` on the
-    meta device imports torch's Python meta kernels (~1 s of a cold start). ``packed``: float32 values held as bf16
-    (a tied head's, engine.models.select_ops.pack_head); rows come out float32."""
+    meta device imports torch's Python meta kernels (~1 s of a cold start). ``packed``: a tied head's float32 weight
+    held as the panel kernel's panels (engine.models.select_ops.pack_head; bf16 ones when its values are bf16's);
+    rows come out float32."""
 
     packed = False
 
@@ -37,8 +39,22 @@ class Embedding(nn.Embedding):
         pass
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = super().forward(input_ids)
-        return x.float() if self.packed else x
+        if self.packed:
+            return gemm.panel_rows(self.weight, input_ids).float()
+        return super().forward(input_ids)
+
+    def compute_weight(self) -> torch.Tensor:
+        """The weight [vocab, hidden] (a packed one unpacked into a fresh float32 tensor)."""
+        if not self.packed:
+            return self.weight
+        return gemm.panel_unpack(self.weight.detach(), self.num_embeddings,
+                                 torch.empty(self.num_embeddings * self.embedding_dim))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """A packed weight is saved as [vocab, hidden] float32 (what a fresh model loads)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed:
+            destination[prefix + "weight"] = self.compute_weight()
 
 
 class RMSNorm(OpsModule):

@@ -72,11 +72,13 @@ class TorchOps:
     def lm_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         if self.int8_head:                            # engine.quant.int8: integer dot products
             return head.linear(hidden)
-        return self.float_logits(hidden, head.weight)
+        return self.float_logits(hidden, head.weight, _vocab(head))
 
-    def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if weight.dtype != hidden.dtype:              # a packed head (select_ops.pack_head) on torch's path
-            weight = widened(weight, hidden.dtype)
+    def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+        """``hidden`` @ the head's weight^T: [vocab, hidden], or its panels (3-D: select_ops.pack_head) with
+        ``vocab`` rows."""
+        if weight.dim() == 3 or weight.dtype != hidden.dtype:   # a packed head (pack_head) on torch's path
+            weight = widened(weight, hidden.dtype, vocab)
         if self.deterministic and hidden.device.type == "cpu" and hidden.dim() == 2:
             # rows padded to a row count torch computes invariantly (engine.models.linear's probe)
             targets = pad_targets(weight.detach())
@@ -87,6 +89,11 @@ class TorchOps:
         if self.int8_argmax:                          # the maximum found inside the kernel: no [N, vocab] logits
             return head.argmax(hidden)
         return self.lm_logits(hidden, head).max(dim=-1).indices     # max(dim) is faster than argmax on CPU
+
+
+def _vocab(head: nn.Module) -> int:
+    """The head's output rows: an embedding's entries or a linear's outputs (its weight may be panels)."""
+    return head.num_embeddings if isinstance(head, nn.Embedding) else head.out_features
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,12 +148,14 @@ class CpuKernelOps(TorchOps):
             return elementwise.glu(gate_up, mlp.fused_act)
         return super().glu(gate_up, mlp)
 
-    def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def float_logits(self, hidden: torch.Tensor, weight: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
         head = self.kernels["lm_head"]
         if self.deterministic and head == "table":
             # one kernel for every row count: the C kernel for float32 heads (about torch's time up to 64 rows, faster
             # below 16), torch for bf16 ones (the C kernel 2-4x slower from 16 rows; docs/perf/zen5-epyc-determinism.md)
             head = "c" if hidden.dtype == torch.float32 else "torch"
+        if head != "torch" and weight.dim() == 3 and hidden.dtype == torch.float32 and hidden.dim() == 2:
+            return gemm.panel_linear(hidden, weight, vocab)          # panels: pack_head under "c" / the table
         if head != "torch" and gemm.small_m_ok(hidden, weight, any_rows=head == "c"):   # streams the head once
             return gemm.small_m_linear(hidden, weight)
-        return super().float_logits(hidden, weight)
+        return super().float_logits(hidden, weight, vocab)

@@ -6,8 +6,8 @@ from torch import nn
 
 import engine.kernels.library as library
 from engine.errors import ModelLoadError
-from engine.models.layers import GatedMLP, OpsModule
-from engine.models.linear import bf16_exact, make_row_invariant, use_c_linears
+from engine.models.layers import Embedding, GatedMLP, OpsModule
+from engine.models.linear import bf16_exact, kernel_weight, make_row_invariant, use_c_linears
 from engine.models.ops import CpuKernelOps, TorchOps
 from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
 
@@ -50,13 +50,20 @@ def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
 
 
 def pack_head(model: nn.Module, enabled: bool) -> None:
-    """A float32 head whose values are bf16's held as bf16 when the C head kernel reads it (``enabled``), as
-    ``engine.models.linear.use_c_linears`` holds the linears: decode streams half its bytes for the same bits (a
-    tied embedding's rows come out float32). ``enabled`` False: back to float32."""
+    """The float32 head as the C head kernel reads it (``enabled``), as ``engine.models.linear.use_c_linears``
+    holds the linears: a tied embedding as the panel kernel's panels (bf16 ones when every value is a bf16 value:
+    decode streams half its bytes for the same bits; lookups come out float32), an untied head whose values are
+    bf16's as bf16 [vocab, hidden] for the dot-product kernel. ``enabled`` False: back to float32 [vocab, hidden]."""
     head = model.model.embed_tokens if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
         return
     if getattr(head, "packed", False):
-        head.weight, head.packed = nn.Parameter(head.weight.detach().float(), requires_grad=False), False
-    if enabled and head.weight.device.type == "cpu" and (packed := bf16_exact(head.weight.detach())) is not None:
+        full = head.compute_weight() if isinstance(head, Embedding) else head.weight.detach().float()
+        head.weight, head.packed = nn.Parameter(full, requires_grad=False), False
+    if not enabled or head.weight.device.type != "cpu":
+        return
+    w = head.weight.detach()
+    if isinstance(head, Embedding) and w.dtype == torch.float32:
+        head.weight, head.packed = nn.Parameter(kernel_weight(w), requires_grad=False), True
+    elif not isinstance(head, Embedding) and (packed := bf16_exact(w)) is not None:
         head.weight, head.packed = nn.Parameter(packed, requires_grad=False), True

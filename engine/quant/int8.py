@@ -227,7 +227,7 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
             q, s = glu_interleave(q, s)
         setattr(parent, attr, cls.from_quantized(q, s, lin.in_features, lin.bias))
     emb = model.model.embed_tokens
-    q, s = rows_q("model.embed_tokens.weight", emb.weight)
+    q, s = rows_q("model.embed_tokens.weight", emb.compute_weight() if getattr(emb, "packed", False) else emb.weight)
     qemb = Int8Embedding(emb.num_embeddings, emb.embedding_dim, emb.weight.dtype, device="meta")
     qemb.set_packed(*pack(q, s))
     model.model.embed_tokens = qemb

@@ -265,6 +265,9 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
     norms = [m for m in layer.modules() if isinstance(m, RMSNorm) and m.weight.shape[0] == hidden]
     n1, n2 = norms[0], norms[min(1, len(norms) - 1)]
     head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    vocab = head.num_embeddings if model.config.tie_word_embeddings else head.out_features
+    if family == "lm_head":
+        head_weights = _head_weights(model, head, dtype)
     g = torch.Generator().manual_seed(0)
     tasks = []
     for s in shapes:
@@ -277,10 +280,10 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
         for impl in impls:
             ops = CpuKernelOps(kernels={family: impl})
             if family == "lm_head":         # "c" reads the head as the engine holds it; torch as torch would
-                w = head.weight.detach() if impl == "c" else head.weight.detach().to(dtype)
+                w = head_weights[impl]
 
                 def fn(ops=ops, x=x, w=w):
-                    return ops.float_logits(x, w)
+                    return ops.float_logits(x, w, vocab)
             else:
                 def fn(ops=ops, x=x, h=h, qkv=qkv, cos=cos, sin=sin, gate_up=gate_up, rows=rows):
                     ops.rms_norm(x, n1)
@@ -292,6 +295,19 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
                         ops.glu(gate_up, mlp)
             tasks.append(Task(f"{family}:{impl}@{dtype_name(dtype)}", s.name, fn))
     return tasks
+
+
+def _head_weights(model, head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The head's weight per ``lm_head`` implementation: "c" as the engine holds it under "c" (select_ops.pack_head:
+    a tied float32 head as panels), "torch" as torch would ([vocab, hidden] in ``dtype``)."""
+    from engine.models.select_ops import pack_head
+    packed = getattr(head, "packed", False)
+    pack_head(model, True)
+    c = head.weight.detach()
+    pack_head(model, False)
+    plain = head.weight.detach().to(dtype)
+    pack_head(model, packed)
+    return {"c": c, "torch": plain}
 
 
 def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Task]:
