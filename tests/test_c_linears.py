@@ -37,24 +37,24 @@ def test_small_m_rows_are_the_same_bits_at_every_row_count(libs, build, dtype, k
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("as_bf16", [False, True])
-@pytest.mark.parametrize("k", [1, 7, 896])
+@pytest.mark.parametrize("k", [0, 1, 7, 896])
 def test_panel_rows_are_one_fma_chain_the_same_bits_in_every_build(libs, build, as_bf16, k):
     """The panel kernel: every output is one float32 fused multiply-add chain over k in order (checked against a
     float64-exact replay of that chain), so every row count, row position, thread count and build (portable's
     fmaf, AVX2's vectors) gives the same bits; N past the last full panel (37 = 2 x 16 + 5) is right too."""
     lib = _lib(libs, build)
     g = torch.Generator().manual_seed(k + 7)
-    x, w = torch.randn(20, k, generator=g), torch.randn(37, k, generator=g).to(torch.bfloat16).float()
+    x, w = torch.randn(200, k, generator=g), torch.randn(37, k, generator=g).to(torch.bfloat16).float()
     panels = gemm.panel_pack(w, as_bf16, lib=lib)
     assert panels.shape == (3, k, 16) and panels.dtype == (torch.bfloat16 if as_bf16 else torch.float32)
     assert torch.equal(gemm.panel_unpack(panels, 37, torch.empty(37 * k), lib=lib), w)
     full = gemm.panel_linear(x, panels, 37, lib=lib)
-    chain = torch.zeros(20, 37, dtype=torch.float32)
+    chain = torch.zeros(200, 37, dtype=torch.float32)
     for j in range(k):                       # fma: the exact product plus the sum, rounded once (float64 holds both)
         chain = (x[:, j:j + 1].double() * w[:, j].double() + chain.double()).float()
     assert torch.equal(full, chain)
-    for m in (1, 2, 5, 6, 7, 8, 13):
-        for start in (0, 20 - m):
+    for m in (1, 2, 5, 6, 7, 8, 13, 97):           # 200 rows: three of driver.h's row blocks; 896: two column blocks
+        for start in (0, 200 - m):
             assert torch.equal(gemm.panel_linear(x[start:start + m], panels, 37, lib=lib), full[start:start + m])
     threads = torch.get_num_threads()
     try:

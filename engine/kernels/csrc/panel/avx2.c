@@ -33,12 +33,34 @@ static inline __attribute__((always_inline)) void out(float *y, __m256 lo, __m25
     memcpy(y, t, (size_t)ncols * sizeof(float));
 }
 
+/* y's 16 values (ncols of them; the rest zero) as two vectors: a chain continued from the previous block */
+static inline __attribute__((always_inline)) void into(const float *y, __m256 *lo, __m256 *hi, int ncols) {
+    if (ncols == PANEL_NR) {
+        *lo = _mm256_loadu_ps(y);
+        *hi = _mm256_loadu_ps(y + 8);
+        return;
+    }
+    float t[PANEL_NR] = {0};
+    memcpy(t, y, (size_t)ncols * sizeof(float));
+    *lo = _mm256_loadu_ps(t);
+    *hi = _mm256_loadu_ps(t + 8);
+}
+
 /* named accumulators (an array of them is kept in memory by GCC) */
-static inline __attribute__((always_inline)) void panel_tile(const int R, const float *x, int32_t K, const void *p,
-                                                             int pb, float *y, int64_t N, int64_t n0, int ncols) {
+static inline __attribute__((always_inline)) void panel_tile(const int R, const float *x, int32_t K, int32_t k0,
+                                                             int32_t kc, const void *p, int pb, float *y, int64_t N,
+                                                             int64_t n0, int ncols, int first) {
     const __m256 z = _mm256_setzero_ps();
     __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
-    for (int32_t k = 0; k < K; k++) {
+    if (!first) {
+        if (R > 0) into(y + 0 * N + n0, &a00, &a01, ncols);
+        if (R > 1) into(y + 1 * N + n0, &a10, &a11, ncols);
+        if (R > 2) into(y + 2 * N + n0, &a20, &a21, ncols);
+        if (R > 3) into(y + 3 * N + n0, &a30, &a31, ncols);
+        if (R > 4) into(y + 4 * N + n0, &a40, &a41, ncols);
+        if (R > 5) into(y + 5 * N + n0, &a50, &a51, ncols);
+    }
+    for (int32_t k = k0; k < k0 + kc; k++) {
         __m256 w0, w1;
         panel_load(p, pb, k, &w0, &w1);
         if (R > 0) { const __m256 b = _mm256_broadcast_ss(x + 0 * (int64_t)K + k); a00 = _mm256_fmadd_ps(b, w0, a00); a01 = _mm256_fmadd_ps(b, w1, a01); }

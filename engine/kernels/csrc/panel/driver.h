@@ -32,32 +32,47 @@ static inline int panel_row(int s, int pb) { return pb ? PANEL_SLOT[s] : s; }
 
 /* ---- each implementation defines ------------------------------------------------------------------------ */
 
-/* rows m0 .. m0 + R - 1 of y, columns n0 .. n0 + ncols - 1, from the panel at p (R a compile-time constant at every
- * call: always_inline) */
-static void panel_tile(const int R, const float *x, int32_t K, const void *p, int pb, float *y, int64_t N,
-                       int64_t n0, int ncols);
+/* rows m0 .. m0 + R - 1 of y, columns n0 .. n0 + ncols - 1, from the panel at p, over columns [k0, k0 + kc) of x and
+ * the panel: each output's chain starts from zero (first) or from y's value, where the previous block left it (R
+ * a compile-time constant at every call: always_inline) */
+static void panel_tile(const int R, const float *x, int32_t K, int32_t k0, int32_t kc, const void *p, int pb,
+                       float *y, int64_t N, int64_t n0, int ncols, int first);
 
 /* ---- shared ---------------------------------------------------------------------------------------------- */
 
-#define PANEL_CASE(R) case R: panel_tile(R, xm, K, pp, pb, ym, N, n0, ncols); break;
+#define PANEL_KC 512   /* columns per block: a panel's block (16 KB float32, 8 KB bf16) stays in L1 across tiles */
+#define PANEL_MC 96    /* rows per block: their KC columns (192 KB) stay in L2 across the panels */
 
+#define PANEL_CASE(R) case R: panel_tile(R, xm, K, k0, kc, pp, pb, ym, N, n0, ncols, k0 == 0); break;
+
+/* Blocked like a GEMM: for each block of KC columns, each block of MC rows, each panel (the threads' split), the
+ * row tiles (rows split as evenly as the tiles allow). A chain continues through y across column blocks, so the
+ * blocking changes no bit. */
 void panel_linear_f32(const float *x, int32_t M, int32_t K, const void *panels, int32_t pb, int64_t N, float *y,
                       int32_t nt) {
     const int64_t P = panel_count(N);
-    const int tiles = (M + PANEL_MR - 1) / PANEL_MR;      /* rows split as evenly as the tiles allow */
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        const void *pp = pb ? (const void *)((const uint16_t *)panels + p * K * PANEL_NR)
-                            : (const void *)((const float *)panels + p * K * PANEL_NR);
-        const int64_t n0 = p * PANEL_NR;
-        const int ncols = N - n0 < PANEL_NR ? (int)(N - n0) : PANEL_NR;
-        for (int t = 0, m0 = 0; t < tiles; t++) {
-            const int R = (M - m0) / (tiles - t);
-            const float *xm = x + (int64_t)m0 * K;
-            float *ym = y + (int64_t)m0 * N;
-            switch (R) { PANEL_CASE(6) PANEL_CASE(5) PANEL_CASE(4) PANEL_CASE(3) PANEL_CASE(2) PANEL_CASE(1) }
-            m0 += R;
+#pragma omp parallel num_threads(nt)
+    for (int32_t k0 = 0; k0 < K || k0 == 0; k0 += PANEL_KC) {
+        const int32_t kc = K - k0 < PANEL_KC ? K - k0 : PANEL_KC;
+        for (int32_t mb = 0; mb < M; mb += PANEL_MC) {
+            const int32_t mc = M - mb < PANEL_MC ? M - mb : PANEL_MC;
+            const int tiles = (mc + PANEL_MR - 1) / PANEL_MR;
+#pragma omp for schedule(static) nowait   /* a panel is the same thread's in every block */
+            for (int64_t p = 0; p < P; p++) {
+                const void *pp = pb ? (const void *)((const uint16_t *)panels + p * K * PANEL_NR)
+                                    : (const void *)((const float *)panels + p * K * PANEL_NR);
+                const int64_t n0 = p * PANEL_NR;
+                const int ncols = N - n0 < PANEL_NR ? (int)(N - n0) : PANEL_NR;
+                for (int t = 0, m0 = mb; t < tiles; t++) {
+                    const int R = (mb + mc - m0) / (tiles - t);
+                    const float *xm = x + (int64_t)m0 * K;
+                    float *ym = y + (int64_t)m0 * N;
+                    switch (R) { PANEL_CASE(6) PANEL_CASE(5) PANEL_CASE(4) PANEL_CASE(3) PANEL_CASE(2) PANEL_CASE(1) }
+                    m0 += R;
+                }
+            }
         }
+        if (K == 0) break;
     }
 }
 
