@@ -109,8 +109,9 @@ class Decision:
             EngineConfig.check_choice(d["choice"])
         except ConfigError as e:
             raise ValueError(str(e)) from None
-        if "kernels" not in d["choice"]:
-            raise ValueError("choice.kernels is missing")
+        if not isinstance(d["choice"].get("kernels"), dict):
+            raise ValueError(f"choice.kernels must be a mapping of kernel family to implementation, got "
+                             f"{d['choice'].get('kernels')!r:.80}")
         return cls(**d)
 
     @property

@@ -116,11 +116,12 @@ def _connect(state_dir: str | Path | None, create: bool = True) -> Iterator[sqli
                            "directory") from None
     with closing(conn):
         conn.row_factory = sqlite3.Row
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")     # a damaged text is text, not an error
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             _migrate(conn, path)
             yield conn
-        except sqlite3.DatabaseError as e:      # also a damaged page found only by a later query
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:     # also damage found only by a later query
             if "locked" in str(e) or "busy" in str(e):
                 raise HistoryError(f"run history {path} is busy ({e}); try again") from None
             raise HistoryError(f"run history {path} is unusable ({e}); move it aside to start a new one") from None
@@ -253,7 +254,8 @@ _TYPES = {"id": (_INT, False), "job": (_TEXT, False), "started_at": (_NUM, False
 
 def _to_run(row: sqlite3.Row) -> HistoryRun:
     """One row as a HistoryRun; ValueError naming the field whose value is not of its column's type."""
-    d = {k: v for k, v in dict(row).items() if k in _FIELDS}
+    stored = dict(row)
+    d = {k: stored.get(k) for k in _FIELDS}         # a column gone from a damaged schema: null, and checked so
     for name, (types, nullable) in _TYPES.items():
         v = d.get(name)
         if not (v is None and nullable) and not isinstance(v, types):
