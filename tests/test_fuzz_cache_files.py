@@ -1,7 +1,7 @@
 """Fuzz (issue 40): every file of ours read back — a tuning decision, a job's engine_format.json, a weights-cache
-file, the run history, a job's lock — damaged at random (truncated, bytes flipped, a field's value replaced by random
-JSON, a field deleted) reads as a clean result or as the rebuild path with a warning naming the file; never an
-exception other than the documented one (the history's HistoryError)."""
+file, the run history, a job's lock and current_run — damaged at random (truncated, bytes flipped, a field's value
+replaced by random JSON, a field deleted) reads as a clean result or as the rebuild path with a warning naming the
+file; never an exception other than the documented one (the history's HistoryError)."""
 from __future__ import annotations
 
 import contextlib
@@ -249,3 +249,14 @@ def test_a_lock_file_nobody_holds_is_taken_whatever_it_holds(content):
         state.lock()
         state.unlock()
         assert not (state.dir / "lock").exists()
+
+
+@FUZZ
+@given(content=st.binary(max_size=40) | st.text(max_size=40).map(str.encode))
+def test_a_damaged_current_run_is_a_run_id_or_none(content):
+    with tempfile.TemporaryDirectory() as d:
+        state = RunState(Path(d) / "out.parquet", "j")
+        state.dir.mkdir()
+        (state.dir / "current_run").write_bytes(content)
+        run_id = state.current_run()
+        assert run_id is None or ("/" not in run_id and run_id == content.decode().strip())

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -51,6 +53,10 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+RUN_ID = re.compile(r"\d{8}-\d{6}(-\d+)?")        # pipeline.run.recorder: time.strftime("%Y%m%d-%H%M%S")[-n]
+log = logging.getLogger("batchgen.pipeline")
 
 
 def _lock_holder(path: Path) -> dict:
@@ -119,6 +125,22 @@ class RunState:
             os.close(self._fd)
             self._fd = None
 
+    # ---- the unfinished run ---------------------------------------------------------------------------
+    def current_run(self) -> str | None:
+        """The id of the unfinished run ``current_run`` names (a resume appends to its trace); None when there is
+        none, or when the file does not hold a run id (warned, naming the file): a new run id is taken."""
+        path = self.dir / "current_run"
+        try:
+            run_id = path.read_bytes().decode().strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            run_id = f"unreadable ({e})"
+        if RUN_ID.fullmatch(run_id):
+            return run_id
+        log.warning("%s does not hold a run id (%r); this run starts a new trace", path, run_id[:60])
+        return None
+
     # ---- committed results --------------------------------------------------------------------------
     def part_files(self) -> list[Path]:
         return sorted(p for p in self.parts.glob("part-*.parquet")) if self.parts.is_dir() else []
@@ -131,9 +153,11 @@ class RunState:
         for p in self.part_files():
             try:
                 tables.append(pq.read_table(p, schema=RESULT_SCHEMA))
-            except (pa.ArrowException, OSError):
+            except (pa.ArrowException, OSError) as e:
                 # NOTE: parts are renamed into place only when whole; an unreadable one was damaged later
                 # (disk fault). Its rows are simply computed again.
+                log.warning("committed part %s is unreadable (%s); moved aside as .corrupt, its rows are computed "
+                            "again", p, str(e)[:200])
                 p.rename(p.with_suffix(".corrupt"))
         if not tables:
             return RESULT_SCHEMA.empty_table()
