@@ -115,10 +115,23 @@ def _calibrate_one(device: str, choice, quick: bool, cache_dir, show: bool) -> N
 
 
 def _retune(model: str) -> None:
+    """Measure again, holding the machine (pipeline.run.admission) so no run computes beside the probe: its times
+    would be skewed, and the run slowed."""
     from engine import EngineConfig, tune_format
+    from pipeline.run.admission import MachineLock
 
-    click.echo(f"measuring how to run {model} on this machine (about 15 s) ...", err=True)
-    rec = tune_format(EngineConfig.from_options(model), retune=True).record()
+    machine = MachineLock([f"calibrate --retune {model}"])
+
+    def waiting(holder, ahead: int) -> None:
+        click.echo(f"waiting for the machine: batchgen run {holder.describe() if holder else 'another run'} is "
+                   f"computing{f', {ahead} more queued ahead' if ahead else ''}", err=True)
+
+    machine.acquire(on_wait=waiting)
+    try:
+        click.echo(f"measuring how to run {model} on this machine (about 15 s) ...", err=True)
+        rec = tune_format(EngineConfig.from_options(model), retune=True).record()
+    finally:
+        machine.release()
     if rec.get("mode") != "tuned":
         click.echo(f"not tuned: {rec.get('reason')}")
         return

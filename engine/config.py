@@ -164,6 +164,30 @@ class EngineConfig:
         kernels = {**(choice.get("kernels") or {}), **(self.kernels or {})}
         return dataclasses.replace(self, **fixed, kernels=kernels or None)
 
+    @staticmethod
+    def check_choice(choice) -> None:
+        """A ConfigError naming the field (``choice.dtype``, ``choice.kernels``, ...) where ``choice``, a format as
+        ``pinned`` takes it and as a file of ours recorded it (a tuning decision, a job's engine format), is not one
+        an engine can take: each of quantization / dtype / kv_cache_dtype a concrete value this config accepts,
+        kernels absent or a mapping of kernel family to implementation."""
+        if not isinstance(choice, Mapping):
+            raise ConfigError(f"choice must be a mapping, got {type(choice).__name__}")
+        for f in PINNABLE:
+            value = choice.get(f)
+            if not isinstance(value, str) or value == "auto":
+                raise ConfigError(f"choice.{f} must be a concrete value, got {value!r}")
+            try:
+                EngineConfig(**{f: value})
+            except ConfigError as e:
+                raise ConfigError(f"choice.{e}") from None
+        kernels = choice.get("kernels")
+        if kernels is not None and not isinstance(kernels, Mapping):
+            raise ConfigError(f"choice.kernels must be a mapping of kernel family to implementation, got {kernels!r}")
+        try:
+            freeze_kernels(kernels)
+        except ConfigError as e:
+            raise ConfigError(f"choice.kernels: {e}") from None
+
     def to_dict(self) -> dict:
         """JSON-ready, by field name (a manifest's ``model.config``): ``speculative_config`` as "off", "auto" or its
         mapping, ``kernels`` as a mapping; ``from_options`` takes it back."""

@@ -2,6 +2,7 @@
 lock, fail-fast) or interrupted — with its counts and error; the plug-in commands are registered once each."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 
@@ -52,8 +53,12 @@ def test_lock_held_is_a_failed_run_and_engine_never_loads(tmp_path, make_docs_da
     job = write_job(tmp_path, "busy", make_docs_dataset(n=3))
     sd = job_dir_for(tmp_path / "out/busy.parquet")
     sd.mkdir(parents=True)
-    (sd / "lock").write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "started": "x"}))
-    res = CliRunner().invoke(main, ["submit", "-q", str(job)])
+    fd = os.open(sd / "lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)                          # held, as by another run
+    try:
+        res = CliRunner().invoke(main, ["submit", "-q", str(job)])
+    finally:
+        os.close(fd)
     assert res.exit_code == 2 and "already running" in res.output
     assert fake_llm_factory.made == []                      # refused before the model load
     [r] = history.recent_runs("busy")

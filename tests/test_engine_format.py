@@ -146,3 +146,31 @@ def test_replicas_get_the_drivers_format_measured_once_when_none_is_cached(monke
     assert not measured and choice == INT8                       # the tables decide: nothing to measure
     cfg, choice = engine_format.for_replicas(EngineConfig("m"), planning("pending"))
     assert measured == [EngineConfig("m")] and choice == BF16 and cfg.dtype == "bfloat16"
+
+
+RECORD_DAMAGE = {"empty choice": ({"choice": {}}, "choice.quantization"),
+                 "kernels a string": ({"choice": {**INT8, "kernels": "c"}}, "choice.kernels"),
+                 "unknown dtype": ({"choice": {**INT8, "dtype": "float8"}}, "choice.dtype"),
+                 "unknown quantization": ({"choice": {**INT8, "quantization": "int4"}}, "choice.quantization"),
+                 "choice a list": ({"choice": [1]}, "choice must be a mapping"),
+                 "no model": ({"model": 3}, "model must be a string"),
+                 "not an object": ([], "not a JSON object"),
+                 "truncated": ("{\"model\": \"m", "unusable")}
+
+
+@pytest.mark.parametrize("damage", RECORD_DAMAGE)
+def test_a_damaged_record_is_dropped_with_a_warning_naming_the_file_and_field(tmp_path, machine, caplog, damage):
+    job = write_job(tmp_path, "nightly", _data(tmp_path, 4))
+    run([job], machine.factory)
+    path = job_dir_for(tmp_path / "out/nightly.parquet") / engine_format.FILE
+    edit, named = RECORD_DAMAGE[damage]
+    if isinstance(edit, dict):
+        edit = {**json.loads(path.read_text()), **edit}
+    path.write_text(edit if isinstance(edit, str) else json.dumps(edit))
+    machine.decision = BF16
+    _data(tmp_path, 6)
+    with caplog.at_level("WARNING", logger="batchgen.pipeline"):
+        run([job], machine.factory)                               # no traceback, and the job runs
+    assert f"engine format recorded in {path} is unusable" in caplog.text and named in caplog.text
+    assert machine.configs[-1].quantization == "auto"             # nothing pinned: the machine's choice
+    assert json.loads(path.read_text())["choice"] == BF16         # this run's format recorded in its place

@@ -98,3 +98,39 @@ def test_concurrent_processes(tmp_path):
     assert len(runs) == 60 and all(r.status == "ok" for r in runs)
     with sqlite3.connect(tmp_path / "history.sqlite") as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("edit", ["pid = 'abc'", "started_at = 'yesterday'", "job = x'ff'", "rows_done = 1.5",
+                                  "status = 'done'"])
+def test_a_row_of_the_wrong_type_is_skipped_with_a_warning_naming_the_file_row_and_field(state, edit, caplog):
+    """SQLite keeps whatever a damaged or hand-edited file holds: a row is validated field by field when read."""
+    ids = [history.start_run("j", {"model": "m"}) for _ in range(3)]
+    with sqlite3.connect(state / "history.sqlite") as conn:
+        conn.execute("PRAGMA ignore_check_constraints = ON")
+        conn.execute(f"UPDATE runs SET {edit} WHERE id = ?", (ids[1],))
+    with caplog.at_level("WARNING", logger="batchgen.pipeline"):
+        runs = history.recent_runs()
+    assert [r.id for r in runs] == [ids[2], ids[0]]
+    field = edit.split()[0]
+    assert f"run history {state / 'history.sqlite'}: run {ids[1]} is unusable ({field} must be" in caplog.text
+    with pytest.raises(HistoryError, match=f"run {ids[1]} is unusable"):
+        history.get_run(ids[1])
+
+
+def test_a_config_that_is_not_an_object_is_kept_as_a_summary(state):
+    run_id = history.start_run("j")
+    with sqlite3.connect(state / "history.sqlite") as conn:
+        conn.execute("UPDATE runs SET config = '[1, 2]' WHERE id = ?", (run_id,))
+    assert history.get_run(run_id).config == {"summary": [1, 2]}
+
+
+def test_a_truncated_database_is_a_history_error_naming_the_file(state):
+    for i in range(40):
+        history.start_run("j", {"padding": "x" * 400, "i": i})
+    path = state / "history.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(HistoryError, match=f"run history {path} is unusable"):
+        history.recent_runs()

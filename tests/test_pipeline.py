@@ -145,6 +145,7 @@ def test_bad_rows_become_error_rows(tmp_path, make_docs_dataset, fake_llm_factor
 
 
 def test_lock_refuses_second_run(tmp_path, make_docs_dataset, fake_llm_factory):
+    import fcntl
     import os
 
     from pipeline.problems import RunError
@@ -152,9 +153,12 @@ def test_lock_refuses_second_run(tmp_path, make_docs_dataset, fake_llm_factory):
     job = write_job(tmp_path, "l", data)
     sd = job_dir_for(tmp_path / "out/l.parquet")
     sd.mkdir(parents=True)
-    (sd / "lock").write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "started": "x"}))
-    with pytest.raises(RunError, match="already running"):
+    fd = os.open(sd / "lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)                 # held (as another run holds it), its pid written for humans
+    os.write(fd, json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "started": "x"}).encode())
+    with pytest.raises(RunError, match=f"already running \\(pid {os.getppid()}"):
         run([job], fake_llm_factory)
+    os.close(fd)                                   # its process ended: the kernel dropped the lock
     (sd / "lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename, "started": "x"}))
     run([job], fake_llm_factory)                   # stale lock of a dead process is taken over
     assert not (sd / "lock").exists()

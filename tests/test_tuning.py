@@ -211,17 +211,34 @@ def test_a_changed_cpu_signature_measures_again(tiny_llama_dir, tuning, monkeypa
     assert len(tuning.calls) == 3 and len(list((tuning.dir / "tuning").glob("*.json"))) == 3
 
 
-@pytest.mark.parametrize("damage", ["{not json", json.dumps({"key": {}}), "mismatch"])
-def test_a_corrupt_or_mismatched_decision_is_rebuilt(tiny_llama_dir, tuning, damage):
+VALUE_DAMAGE = {"mismatch": ("key", "cpu", "another CPU", "another machine's"),   # (where, what, warning names)
+                "bad dtype": ("choice", "dtype", "float8", "choice.dtype"),
+                "bad kernels": ("choice", "kernels", "c", "choice.kernels"),
+                "bad family": ("choice", "kernels", {"gpu": "c"}, "choice.kernels: unknown kernel family 'gpu'"),
+                "no quantization": ("choice", "quantization", None, "choice.quantization"),
+                "bad load": ("load_average", None, "high", "load_average must be")}
+
+
+@pytest.mark.parametrize("damage", ["{not json", json.dumps({"key": {}}), *VALUE_DAMAGE])
+def test_a_corrupt_or_mismatched_decision_is_rebuilt(tiny_llama_dir, tuning, damage, caplog):
     tuning.times = {BF16: 1.0}
     s = _setup(tiny_llama_dir)
     path = next((tuning.dir / "tuning").glob("*.json"))
-    if damage == "mismatch":                            # a whole decision, but another machine's key
+    named = "unusable"
+    if damage in VALUE_DAMAGE:                          # a whole decision, but one field's value is wrong
         d = json.loads(path.read_text())
-        d["key"]["cpu"] = "another CPU"
+        top, name, value, named = VALUE_DAMAGE[damage]
+        if name is None:
+            d[top] = value
+        elif value is None:
+            del d[top][name]
+        else:
+            d[top][name] = value
         damage = json.dumps(d)
     path.write_text(damage)
-    planning = _setup(tiny_llama_dir, tune=False).format.record()       # planning: the tables decide, measuring
+    with caplog.at_level("WARNING", logger="batchgen.engine"):
+        planning = _setup(tiny_llama_dir, tune=False).format.record()   # planning: the tables decide, measuring
+    assert f"tuning decision {path} is unusable" in caplog.text and named in caplog.text
     assert planning["mode"] == "table" and planning["pending"]       # left to an engine's load
     assert not path.exists()                                                      # ... and the bad file is gone
     s = _setup(tiny_llama_dir)

@@ -2,6 +2,7 @@
 and rebuilt; concurrent loaders both succeed."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -58,7 +59,33 @@ def test_dtypes_have_separate_entries(tiny_gguf):
     assert len(list(weights_cache.cache_dir().glob("*.safetensors"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["flip-a-byte", "truncate", "empty", "garbage"])
+def _edit_header(data: bytearray, edit) -> bytearray:
+    """``data`` (a safetensors file) with ``edit`` applied to its JSON header, the header's length kept."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8:8 + n]))
+    edit(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    return data[:8] + new + b" " * (n - len(new)) + data[8 + n:]
+
+
+def _retype(header: dict) -> None:          # a float32 tensor said to be int32: the same bytes, crc and shape
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32" and len(v["shape"]) == 2)
+    header[name]["dtype"] = "I32"
+
+
+def _reshape(header: dict) -> None:         # a matrix's shape transposed: the same bytes and crc
+    name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2
+                and v["shape"][0] != v["shape"][1])
+    header[name]["shape"] = header[name]["shape"][::-1]
+
+
+HEADER_EDITS = {"retyped": _retype, "reshaped": _reshape,
+                "old format": lambda h: h["__metadata__"].update(batchgen_format="1"),
+                "no crc": lambda h: h["__metadata__"].pop(next(k for k in h["__metadata__"] if k.startswith("crc")))}
+
+
+@pytest.mark.parametrize("damage", ["flip-a-byte", "truncate", "empty", "garbage", *HEADER_EDITS])
 def test_damaged_cache_is_detected_and_rebuilt(tiny_gguf, damage, caplog):
     model, _ = _load(tiny_gguf)
     want = _logits(model)
@@ -70,13 +97,15 @@ def test_damaged_cache_is_detected_and_rebuilt(tiny_gguf, damage, caplog):
         data = data[:len(data) // 2]
     elif damage == "empty":
         data = bytearray()
+    elif damage in HEADER_EDITS:
+        data = _edit_header(data, HEADER_EDITS[damage])
     else:
         data = bytearray(b"not a safetensors file" * 10)
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="batchgen.engine"):
         again, how = _load(tiny_gguf)
     assert how == "converted"
-    assert any("damaged" in r.getMessage() for r in caplog.records)
+    assert any(f"weights cache {path} is damaged" in r.getMessage() for r in caplog.records)
     assert torch.equal(_logits(again), want)
     assert _load(tiny_gguf)[1] == "cached"                     # the rebuilt file is whole
 

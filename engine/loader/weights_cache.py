@@ -6,10 +6,10 @@ result so later loads map the file instead (``safe_open`` is mmap-backed: a page
 * Key: the model's identity (``model_identity``: header + size + a sample of the data), the dtype, the
   torch version and a hash of the code that produces the tensors (engine/loader, engine/models): a new
   engine version never trusts an old layout.
-* Integrity: a crc32 of every tensor's bytes is stored in the file's metadata and checked on load (~4 GB/s a
-  thread, two threads, and it pages the weights in, which the first step would do anyway). A truncated or corrupted
-  file is
-  reported, deleted and rebuilt.
+* Integrity: a crc32 of every tensor's bytes, and a digest of the header's names, dtypes and shapes (``layout``),
+  are stored in the file's metadata and checked on load (~4 GB/s a thread, two threads, and it pages the weights
+  in, which the first step would do anyway). A truncated, corrupted or edited file is reported (naming the file
+  and what does not match), deleted and rebuilt.
 * Concurrency: writers write a private temporary file in the cache directory and ``os.replace`` it into
   place, so two processes loading at once both succeed and a reader never sees a half-written file.
 * Size: at most ``MAX_ENTRIES`` files are kept (least recently used deleted first); each is the model's size
@@ -35,7 +35,7 @@ from engine.cache_root import cache_root
 
 log = logging.getLogger("batchgen.engine")
 
-FORMAT = "1"
+FORMAT = "2"       # 2: the header's layout digest (names, dtypes, shapes)
 MAX_ENTRIES = 4
 _CODE_DIRS = ("loader", "models")
 
@@ -82,6 +82,13 @@ def _crcs(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: ",".join(v) for name, v in out.items()}
 
 
+def _layout(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of every tensor's name, dtype and shape, as written: a header edited since (a tensor's dtype or shape
+    changed, its bytes and checksum intact) no longer matches, so it is never read as other values."""
+    spec = ";".join(f"{name}:{t.dtype}:{tuple(t.shape)}" for name, t in sorted(tensors.items()))
+    return hashlib.sha256(spec.encode()).hexdigest()[:32]
+
+
 def load(path: Path) -> dict[str, torch.Tensor] | None:
     """The cached tensors (memory-mapped), or None when absent; a damaged file is deleted and None returned."""
     if not path.is_file():
@@ -93,13 +100,15 @@ def load(path: Path) -> dict[str, torch.Tensor] | None:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys() if not name.startswith(_PAD)}
         if meta.get("batchgen_format") != FORMAT:
-            raise ValueError("not a batchgen weights cache file")
+            raise ValueError(f"batchgen_format is {meta.get('batchgen_format')!r:.40}, not {FORMAT!r}")
+        if meta.get("layout") != _layout(tensors):
+            raise ValueError("its header's tensor names, dtypes or shapes are not those written (layout)")
         for name, crc in _crcs(tensors).items():
             if crc != meta.get(f"crc32:{name}"):
                 raise ValueError(f"checksum mismatch in tensor {name!r}")
         if any(t.data_ptr() % _ALIGN for t in tensors.values()):
             raise ValueError("tensors are not 64-byte aligned")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, KeyError, OverflowError) as e:
         log.warning("weights cache %s is damaged (%s); rebuilding it", path, e)
         path.unlink(missing_ok=True)
         return None
@@ -146,7 +155,8 @@ def _write_aligned(path: str, tensors: dict[str, torch.Tensor], metadata: dict[s
 def store(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
     """Write ``tensors`` atomically; False (logged) when the cache directory cannot be written."""
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    meta = {"batchgen_format": FORMAT, **{f"crc32:{k}": v for k, v in _crcs(tensors).items()}}
+    meta = {"batchgen_format": FORMAT, "layout": _layout(tensors),
+            **{f"crc32:{k}": v for k, v in _crcs(tensors).items()}}
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,9 @@ import torch
 import engine.kernels.library as library
 import engine.tuning.probe as probe
 from engine.cache_root import cache_root
-from engine.config import PINNABLE
+from engine.config import PINNABLE, EngineConfig
 from engine.dtype_policy import DtypeChoice
+from engine.errors import ConfigError
 from engine.kernels.cpu_features import cpu_model_name, cpu_signature
 from engine.kernels.gemm import SMALL_M_MAX
 from engine.quant.policy import QuantChoice
@@ -40,6 +41,9 @@ log = logging.getLogger("batchgen.engine")
 
 FORMAT = 3        # 2: the attention family joined the measured kernel families; 3: the linears family
 REQUESTED = PINNABLE          # the fields the tuner decides where they are auto (engine.config)
+_FIELD_TYPES = {"key": (dict,), "choice": (dict,), "reason": (str,), "candidates": (list,), "kernels": (dict,),
+                "shapes": (list,), "rounds": (int,), "stopped": (str,), "pruned": (list,), "elapsed_s": (int, float),
+                "budget_s": (int, float), "measured_at": (int, float), "load_average": (int, float)}
 
 
 def enabled() -> bool:
@@ -98,10 +102,17 @@ class Decision:
         names = {f.name for f in dataclasses.fields(cls)} - {"source", "path"}
         if set(d) != names:
             raise ValueError(f"fields {sorted(set(d) ^ names)} differ")
-        dec = cls(**d)
-        if set(REQUESTED) - set(dec.choice) or "kernels" not in dec.choice:
-            raise ValueError("no choice")
-        return dec
+        for name, types in _FIELD_TYPES.items():
+            if not isinstance(d[name], types) or isinstance(d[name], bool):
+                raise ValueError(f"{name} must be {' or '.join(t.__name__ for t in types)}, got {d[name]!r:.80}")
+        try:
+            EngineConfig.check_choice(d["choice"])
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        if not isinstance(d["choice"].get("kernels"), dict):
+            raise ValueError(f"choice.kernels must be a mapping of kernel family to implementation, got "
+                             f"{d['choice'].get('kernels')!r:.80}")
+        return cls(**d)
 
     @property
     def format(self) -> Format:

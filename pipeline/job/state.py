@@ -5,7 +5,7 @@
     out/summaries.parquet                     the output (assembled atomically at the end)
     out/summaries.parquet.manifest.json       the run manifest
     out/.summaries.parquet.batchgen/          the job dir
-        lock                                  pid + host of the running process
+        lock                                  flock-held by the running process; its pid + host inside
         parts/part-<time>-<seq>.parquet       committed results, one row per finished row (by row_key)
         keys.arrow / spill.arrow              this run's row keys (input order) / prompts to compute
         runs/<run id>/                        the run's trace (pipeline.run.trace) -> `batchgen report <dir>`
@@ -17,8 +17,11 @@ the result), so a changed prompt, model or parameter makes a new key and the row
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -52,17 +55,40 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+RUN_ID = re.compile(r"\d{8}-\d{6}(-\d+)?")        # pipeline.run.recorder: time.strftime("%Y%m%d-%H%M%S")[-n]
+log = logging.getLogger("batchgen.pipeline")
+
+
+def _lock_holder(path: Path) -> dict:
+    """Who holds the lock at ``path``, as its file says ({} while it is being written, or unreadable)."""
+    try:
+        d = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
 class RunState:
     def __init__(self, output_path: str | Path, job_name: str):
         self.dir = job_dir_for(output_path)
         self.parts = self.dir / "parts"
         self.job_name = job_name
         self._seq = 0
-        self._locked = False
+        self._fd: int | None = None
 
     # ---- lock ---------------------------------------------------------------------------------------
     def lock(self) -> None:
-        """Take the job's lock; a lock left by a dead process (same host) is taken over."""
+        """Take the job's lock: ``flock`` on ``<job dir>/lock``, held for the run's life; the kernel drops it when
+        the process dies, so a killed run never leaves it held, and a lock file being written (empty yet) is
+        still someone's lock. The file's content (pid, host, start) is for humans and the refusal's message."""
         try:
             self.parts.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -70,31 +96,50 @@ class RunState:
                            f"{e.strerror or e}") from None
         path = self.dir / "lock"
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(3):
+        for _ in range(5):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    other = json.loads(path.read_text() or "{}")
-                except (OSError, ValueError):
-                    other = {}
-                pid = other.get("pid")
-                if (other.get("host") == me["host"] and isinstance(pid, int) and not pid_alive(pid)) or not other:
-                    path.unlink(missing_ok=True)        # stale: its process is gone
-                    continue
-                raise RunError(f"job {self.job_name!r} is already running (pid {pid} on {other.get('host')}, "
-                               f"started {other.get('started')}); lock file {path}. Wait for it to finish, or "
-                               "remove the lock file if that process is gone.") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self._locked = True
+                fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            except OSError as e:
+                raise RunError(f"job {self.job_name!r}: cannot open the lock {path}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                other = _lock_holder(path)
+                raise RunError(f"job {self.job_name!r} is already running (pid {other.get('pid', '?')} on "
+                               f"{other.get('host', '?')}, started {other.get('started', '?')}); lock file {path}. "
+                               "Wait for it to finish.") from None
+            if not _same_file(fd, path):     # its holder removed it between our open and flock: not the lock now
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(me).encode())
+            self._fd = fd
             return
         raise RunError(f"job {self.job_name!r}: cannot take the lock {path}")
 
     def unlock(self) -> None:
-        if self._locked:
+        """Remove the lock file, then release it (a process that opened it meanwhile sees another file, retries)."""
+        if self._fd is not None:
             (self.dir / "lock").unlink(missing_ok=True)
-            self._locked = False
+            os.close(self._fd)
+            self._fd = None
+
+    # ---- the unfinished run ---------------------------------------------------------------------------
+    def current_run(self) -> str | None:
+        """The id of the unfinished run ``current_run`` names (a resume appends to its trace); None when there is
+        none, or when the file does not hold a run id (warned, naming the file): a new run id is taken."""
+        path = self.dir / "current_run"
+        try:
+            run_id = path.read_bytes().decode().strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            run_id = f"unreadable ({e})"
+        if RUN_ID.fullmatch(run_id):
+            return run_id
+        log.warning("%s does not hold a run id (%r); this run starts a new trace", path, run_id[:60])
+        return None
 
     # ---- committed results --------------------------------------------------------------------------
     def part_files(self) -> list[Path]:
@@ -108,9 +153,11 @@ class RunState:
         for p in self.part_files():
             try:
                 tables.append(pq.read_table(p, schema=RESULT_SCHEMA))
-            except (pa.ArrowException, OSError):
+            except (pa.ArrowException, OSError) as e:
                 # NOTE: parts are renamed into place only when whole; an unreadable one was damaged later
                 # (disk fault). Its rows are simply computed again.
+                log.warning("committed part %s is unreadable (%s); moved aside as .corrupt, its rows are computed "
+                            "again", p, str(e)[:200])
                 p.rename(p.with_suffix(".corrupt"))
         if not tables:
             return RESULT_SCHEMA.empty_table()

@@ -4,7 +4,8 @@ one, and every Ray replica in the driver's: a row's tokens depend on the format,
 decision (engine.tuning) may change between runs (``batchgen calibrate --retune``, a new kernel build).
 
 Only what the job's ``engine:`` section left ``auto`` is pinned (``EngineConfig.pinned``); a setting given by name
-wins. A recorded format this machine cannot run any more (a ConfigError at load) is dropped with a warning.
+wins. A recorded format this machine cannot run any more (a ConfigError at load), or a record that does not
+validate (``_read``: a damaged file, a field of the wrong type or value), is dropped with a warning naming the file.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import EngineConfig, EngineInfo
+from engine import ConfigError, EngineConfig, EngineInfo
 from pipeline.io.tables import write_bytes_atomic
 from pipeline.job.state import RunState
 
@@ -36,12 +37,25 @@ class Recorded:
                 f"{f', kernels {kernels}' if kernels else ''}")
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path, quiet: bool = False) -> dict | None:
+    """The record at ``path``, validated as a whole and field by field; None when absent, or when it does not
+    validate: then it is dropped with a warning naming the file and the field (unless ``quiet``), and this run's
+    format is recorded in its place."""
+    if not path.is_file():
+        return None
     try:
         d = json.loads(path.read_text())
-        return d if isinstance(d, dict) and isinstance(d.get("choice"), dict) else None
-    except (OSError, ValueError):
+        if not isinstance(d, dict):
+            raise ValueError(f"not a JSON object but {type(d).__name__}")
+        if not isinstance(d.get("model"), str):
+            raise ValueError(f"model must be a string, got {d.get('model')!r:.80}")
+        EngineConfig.check_choice(d.get("choice"))
+    except (OSError, ValueError, RecursionError, ConfigError) as e:
+        if not quiet:
+            log.warning("the engine format recorded in %s is unusable (%s); dropped: this run's format is recorded "
+                        "in its place", path, e)
         return None
+    return d
 
 
 def recorded(states: list[RunState], model: str) -> Recorded | None:
@@ -67,7 +81,7 @@ def store(states: list[RunState], choice: dict, model: str) -> None:
     is left as it is)."""
     body = json.dumps({"model": model, "choice": choice, "recorded_at": time.time()}, indent=1)
     for st in states:
-        old = _read(st.dir / FILE)
+        old = _read(st.dir / FILE, quiet=True)
         if old is not None and old.get("model") == model and old["choice"] == choice:
             continue
         try:

@@ -10,6 +10,7 @@ State directory, first that is set: the ``state_dir`` argument, ``$BATCHGEN_STAT
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sqlite3
@@ -56,6 +57,7 @@ _MIGRATIONS = [
     """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
+log = logging.getLogger("batchgen.pipeline")
 
 
 class HistoryError(BatchgenError):
@@ -114,12 +116,15 @@ def _connect(state_dir: str | Path | None, create: bool = True) -> Iterator[sqli
                            "directory") from None
     with closing(conn):
         conn.row_factory = sqlite3.Row
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")     # a damaged text is text, not an error
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             _migrate(conn, path)
-        except sqlite3.DatabaseError as e:
+            yield conn
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:     # also damage found only by a later query
+            if "locked" in str(e) or "busy" in str(e):
+                raise HistoryError(f"run history {path} is busy ({e}); try again") from None
             raise HistoryError(f"run history {path} is unusable ({e}); move it aside to start a new one") from None
-        yield conn
 
 
 def _migrate(conn: sqlite3.Connection, path: Path) -> None:
@@ -214,7 +219,7 @@ def recent_runs(job: str | None = None, limit: int = 20, *, state_dir: str | Pat
     with _connect(state_dir) as conn:
         rows = conn.execute(f"SELECT * FROM runs {where} ORDER BY started_at DESC, id DESC LIMIT ?",
                             (*params, limit)).fetchall()
-    return [_to_run(r) for r in rows]
+    return _rows(rows, db_path(state_dir))
 
 
 def get_run(run_id: int, *, state_dir: str | Path | None = None) -> HistoryRun:
@@ -222,16 +227,48 @@ def get_run(run_id: int, *, state_dir: str | Path | None = None) -> HistoryRun:
         row = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
     if row is None:
         raise HistoryError(f"no run with id {run_id} in {db_path(state_dir)}")
-    return _to_run(row)
+    try:
+        return _to_run(row)
+    except ValueError as e:
+        raise HistoryError(f"run history {db_path(state_dir)}: run {run_id} is unusable ({e})") from None
+
+
+def _rows(rows: list[sqlite3.Row], path: Path) -> list[HistoryRun]:
+    """The rows that validate; each other one is skipped with a warning naming the file, the row and the field."""
+    out = []
+    for r in rows:
+        try:
+            out.append(_to_run(r))
+        except ValueError as e:
+            log.warning("run history %s: run %s is unusable (%s); skipped", path, dict(r).get("id"), e)
+    return out
+
+
+_INT, _NUM, _TEXT = (int,), (int, float), (str,)
+_TYPES = {"id": (_INT, False), "job": (_TEXT, False), "started_at": (_NUM, False), "finished_at": (_NUM, True),
+          "status": (_TEXT, False), "pid": (_INT, True), "host": (_TEXT, True), "rows_done": (_INT, True),
+          "rows_skipped": (_INT, True), "rows_failed": (_INT, True), "tokens_per_s": (_NUM, True),
+          "cache_hit_rate": (_NUM, True), "trace_path": (_TEXT, True), "report_path": (_TEXT, True),
+          "error": (_TEXT, True), "phase": (_TEXT, True), "queued_s": (_NUM, True), "engine_s": (_NUM, True)}
 
 
 def _to_run(row: sqlite3.Row) -> HistoryRun:
-    d = dict(row)
+    """One row as a HistoryRun; ValueError naming the field whose value is not of its column's type."""
+    stored = dict(row)
+    d = {k: stored.get(k) for k in _FIELDS}         # a column gone from a damaged schema: null, and checked so
+    for name, (types, nullable) in _TYPES.items():
+        v = d.get(name)
+        if not (v is None and nullable) and not isinstance(v, types):
+            raise ValueError(f"{name} must be {'/'.join(t.__name__ for t in types)}"
+                             f"{' or null' if nullable else ''}, got {v!r:.60}")
+    if d["status"] not in ("running", *FINAL_STATUSES):
+        raise ValueError(f"status must be running, {', '.join(FINAL_STATUSES)}; got {d['status']!r:.60}")
     try:
         d["config"] = json.loads(d["config"]) if d["config"] else {}
-    except json.JSONDecodeError:
+    except (TypeError, ValueError, RecursionError):
         d["config"] = {"summary": d["config"]}
-    d = {k: v for k, v in d.items() if k in _FIELDS}
+    if not isinstance(d["config"], dict):
+        d["config"] = {"summary": d["config"]}
     if d["status"] == "running" and d["host"] == socket.gethostname() and d["pid"] and not _alive(d["pid"]):
         d["status"] = "died"
         d["error"] = d["error"] or f"process {d['pid']} ended without recording the run's end (killed?)"

@@ -40,7 +40,7 @@ class RunRecorder:
         """A trace in ``<job dir>/runs/<run id>``; an unfinished earlier run's id is reused (resume)."""
         runs_dir = state.dir / "runs"
         marker = state.dir / "current_run"
-        run_id = marker.read_text().strip() if marker.exists() else ""
+        run_id = state.current_run() or ""
         if not run_id or not (runs_dir / run_id).is_dir():
             run_id = time.strftime("%Y%m%d-%H%M%S")
             n = 1

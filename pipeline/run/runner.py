@@ -45,7 +45,7 @@ import numpy as np
 
 import pipeline.run.engine_format as engine_format
 from costmodel.predict import Prediction, plan_pricer
-from engine import BatchgenError, Engine, EngineConfig, EngineInfo
+from engine import BatchgenError, ConfigError, Engine, EngineConfig, EngineInfo
 from pipeline.assemble.output import assemble
 from pipeline.assemble.summary import summarize
 from pipeline.execute.execution import Execution, LocalExecution
@@ -257,12 +257,12 @@ class Runner:
         """(engine, its config, the record it was pinned by): ``earlier`` is the format these jobs' rows were computed
         in so far, pinned where the jobs left it auto; one this machine cannot run any more is dropped, warned."""
         if earlier is not None:
-            pinned = config.pinned(earlier.choice)
             try:
+                pinned = config.pinned(earlier.choice)
                 llm = self._start_engine(pinned, jobs, dry_run)
                 self.echo(f"engine format: {earlier.describe()}, as the jobs' earlier run computed ({earlier.path})")
                 return llm, pinned, earlier
-            except RunError as e:
+            except (RunError, ConfigError) as e:
                 warn(f"the engine format an earlier run recorded ({earlier.describe()}; {earlier.path}) cannot run "
                      f"here ({e}); using this machine's choice: rows computed now may differ from earlier ones")
         return self._start_engine(config, jobs, dry_run), config, None
