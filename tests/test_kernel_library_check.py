@@ -145,6 +145,7 @@ def test_each_check_names_what_failed(built):
     path, good = built
     record = {"size": len(good), "sha256": kbuild.read_record(path)["sha256"]}
     assert check.problem(good, record, DECLARED) is None
+    assert kbuild.record_path(path).stat().st_mode & 0o444 == 0o444     # every user of a shared cache reads it
     assert "build record" in check.problem(good, None, DECLARED)
     assert "differ from the build's" in check.problem(good[:-1] + bytes([good[-1] ^ 1]), record, DECLARED)
     assert "the build recorded" in check.problem(good + b"\0", record, DECLARED)

@@ -94,6 +94,7 @@ def write_record(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)        # readable like the library (mkstemp's 0600 would fail other users of a cache)
         os.replace(tmp, record_path(path))
     finally:
         if os.path.exists(tmp):
