@@ -130,6 +130,31 @@ def test_without_a_working_compiler_a_damaged_library_falls_back_to_torch_with_a
     assert not target.exists()                          # deleted, never loaded
 
 
+def test_a_library_another_process_rebuilt_meanwhile_is_kept(built, tmp_path, monkeypatch):
+    """Two processes find the same damaged file; the other one rebuilds it while this one checks: this one must not
+    delete the fresh library (nor compile again), only check and load it."""
+    path, good = built
+    target = _cache_holding(tmp_path, path.name, good[:4096], good)
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(target.parent.parent))
+    monkeypatch.setenv("BATCHGEN_KERNEL_FLAGS", " ".join(FLAGS))
+    real_check, calls = check.check_file, []
+
+    def check_while_another_rebuilds(p, declared=None):
+        calls.append(p)
+        why = real_check(p, declared)
+        if len(calls) == 1:            # the other process renames its fresh build into place just after our read
+            fresh = target.with_suffix(".fresh")
+            fresh.write_bytes(good)
+            os.replace(fresh, target)
+        return why
+
+    monkeypatch.setattr(check, "check_file", check_while_another_rebuilds)
+    monkeypatch.setattr(kbuild.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    lib = check.load_checked(CC)
+    assert lib.batchgen_build_id().decode() == kbuild.build_id_of(target) and len(calls) == 2
+    assert target.read_bytes() == good
+
+
 def test_a_compiler_dying_mid_build_leaves_no_file(tmp_path, monkeypatch):
     """The compiler writes half a library and is killed: no file under the cache name, no temp file left."""
     cc = tmp_path / "dying-cc"

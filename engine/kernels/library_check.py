@@ -77,16 +77,26 @@ def _open(path: Path) -> tuple[KernelLibrary | None, str | None]:
     return loaded, None
 
 
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def load_checked(cc: str) -> KernelLibrary:
     """The kernel library built by ``cc`` (or taken from the cache), checked; a library that fails a check is
     deleted and built again once. OSError saying what failed when no checked library can be had (the compiler
     commands that failed, or the rebuilt file's own problem)."""
     path = build.build(cc)
+    seen = _identity(path)
     lib, why = _open(path)
     if lib is not None:
         return lib
     log.warning("CPU kernels: %s failed its check (%s); deleting it and building it again", path, why)
-    build.discard(path)
+    if _identity(path) == seen:     # NOTE: else another process rebuilt it meanwhile: keep theirs, check it below
+        build.discard(path)
     path = build.build(cc)
     lib, why = _open(path)
     if lib is None:
