@@ -11,7 +11,8 @@ Only what torch cannot do well on the CPU lives here:
 
 The modules: ``csrc/kernels.h`` declares every C function Python calls; ``binding`` reads the ctypes signatures
 from it; ``build`` owns the compiler, the flag sets and the build cache; ``library`` loads (builds) the one library
-of this process; ``cpu_features`` is the one place that reads /proc/cpuinfo. Per-ISA code paths are chosen at
+of this process, which ``library_check`` checks first (``elf`` reads the file) and rebuilds once when damaged;
+``cpu_features`` is the one place that reads /proc/cpuinfo. Per-ISA code paths are chosen at
 compile time (``csrc/dispatch.h``: one file per instruction set in each family's folder): ``-march=native`` gives
 the AVX-512 path on AVX-512 CPUs (AVX512-BF16 dot products where present), the AVX2 + FMA path on AVX2-only CPUs,
 and the portable C loops anywhere else; the portable loops are the reference the tests hold the others to. Without

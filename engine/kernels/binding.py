@@ -8,6 +8,7 @@ call to an undeclared symbol fails with AttributeError rather than running with 
 """
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import re
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ class KernelLibrary:
     def __init__(self, cdll: ctypes.CDLL, signatures: dict[str, Signature]):
         self.path = cdll._name
         self.signatures = signatures
+        self._cdll = cdll
         for sig in signatures.values():
             fn = getattr(cdll, sig.name)          # AttributeError: declared but not in the library
             fn.restype, fn.argtypes = sig.restype, list(sig.argtypes)
@@ -91,6 +93,11 @@ class KernelLibrary:
 
     def __repr__(self) -> str:
         return f"KernelLibrary({self.path!r})"
+
+    def close(self) -> None:
+        """Unload the library (dlclose), so the same path can be opened again after a rebuild; call nothing of it
+        afterwards."""
+        _ctypes.dlclose(self._cdll._handle)
 
 
 def open_library(path: Path, signatures: dict[str, Signature] | None = None) -> KernelLibrary:

@@ -9,8 +9,6 @@ import functools
 import platform
 from pathlib import Path
 
-import torch
-
 
 def _flags_line() -> str | None:
     try:
@@ -64,6 +62,9 @@ def cpu_features() -> frozenset[str]:
     """The CPU features that decide the dtype: a subset of {amx_bf16, avx512_bf16, avx512f, avx2, fma}, from
     /proc/cpuinfo and torch's own probes (``torch.cpu._is_amx_tile_supported`` and friends, the ones its kernels
     dispatch on)."""
+    # NOTE: imported here, not at the top: the kernel build and its checks run without torch
+    import torch
+
     flags = cpuinfo_flags()
     found = {f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags}
     probes = {"amx_bf16": "_is_amx_tile_supported", "avx512_bf16": "_is_avx512_bf16_supported",

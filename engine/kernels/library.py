@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 import engine.kernels.build as build
-from engine.kernels.binding import KernelLibrary, open_library
+from engine.kernels.binding import KernelLibrary
+from engine.kernels.library_check import load_checked
 
 log = logging.getLogger("batchgen.engine")
 
@@ -25,7 +27,8 @@ def enabled() -> bool:
 
 
 def load() -> KernelLibrary | None:
-    """The kernel library, built if needed; None (once logged) when disabled or no compiler can build it."""
+    """The kernel library, built if needed and checked (``library_check``: a damaged one is built again once); None
+    (once logged, with how to fix it) when disabled or no compiler can build a library that passes."""
     global _lib, _tried, _error, _path
     if _tried:
         return _lib
@@ -36,14 +39,17 @@ def load() -> KernelLibrary | None:
     cc = build.compiler()
     if cc is None:
         _error = "no C compiler (cc, gcc or clang) on PATH"
+        fix = "install one, or set CC to one"
     else:
         try:
-            path = build.build(cc)
-            _lib, _path = open_library(path), path.name
+            _lib = load_checked(cc)
+            _path = Path(_lib.path).name
         except OSError as e:
             _error = f"build failed: {e}"
+        fix = f"make `{cc}` build the kernels (or set CC to a C compiler that does) and run again"
     if _lib is None:
-        log.warning("CPU attention kernel unavailable (%s); decode attention uses the slower torch path", _error)
+        log.warning("CPU kernels unavailable (%s); the slower torch path runs instead. To fix: %s (the library is "
+                    "built into %s)", _error, fix, build.cache_dir())
     return _lib
 
 

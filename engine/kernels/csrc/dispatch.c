@@ -22,6 +22,13 @@
 #define KERNEL_Q8_ISA "portable"
 #endif
 
+/* the cache key of this build (build.py passes it); the loader checks it names the file it loaded */
+#ifndef BATCHGEN_BUILD_ID
+#define BATCHGEN_BUILD_ID "unset"
+#endif
+
+const char *batchgen_build_id(void) { return BATCHGEN_BUILD_ID; }
+
 const char *batchgen_kernel_isa(void) { return KERNEL_ISA; }
 
 const char *batchgen_q8_isa(void) { return KERNEL_Q8_ISA; }

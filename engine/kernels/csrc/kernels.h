@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 /* ---- build info ---- */
+const char *batchgen_build_id(void);         /* the build's cache key (build.py: -DBATCHGEN_BUILD_ID) */
 const char *batchgen_kernel_isa(void);       /* avx512_bf16 | avx512 | avx2 | portable (dispatch.h) */
 const char *batchgen_q8_isa(void);           /* avx512_vnni | avx2 | portable (dispatch.h) */
 int bf16_gemm_fast(void);                    /* 1: bf16_gemm uses AVX512-BF16 dot products */
