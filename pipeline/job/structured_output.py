@@ -241,7 +241,7 @@ def typed_columns(summaries: list, json_errors: list, fields: list[pa.Field]) ->
         if text is not None and err is None:
             try:
                 values = typed_values(json.loads(text), fields)
-            except (ValueError, RecursionError):     # checked when committed; never fail the assembly
+            except (ValueError, TypeError, AttributeError, RecursionError):   # checked when committed; never fail
                 values = {}
         for f in fields:
             cols[f.name].append(values.get(f.name))
