@@ -98,7 +98,8 @@ def test_response_format_round_trip_with_openai_types(tmp_path, chat_factory):
     assert json.loads(content["o1"]) == {"answer": "yes"} and content["t1"].startswith("summary-")
     errors = {k: v["error"]["message"] for k, v in lines.items() if v["error"]}
     assert set(errors) == {"bad", "kind"}
-    assert "body.response_format.json_schema.schema" in errors["bad"] and "keyword 'type'" in errors["bad"]
+    assert "body.response_format.json_schema.schema" in errors["bad"]
+    assert "required: 'product' is not of type 'array' (keyword 'required')" in errors["bad"]   # the schema's path
     assert "body.response_format.type must be" in errors["kind"]
     cut = lines["cut"]["response"]["body"]["choices"][0]
     assert cut["finish_reason"] == "length" and cut["message"]["content"] == '{"product":"scr'

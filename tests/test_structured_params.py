@@ -41,8 +41,13 @@ def test_sampling_params_accepts_a_mapping():
 
 
 @pytest.mark.parametrize("kwargs, match, keyword", [
-    ({"json": {"type": "object", "properties": {"n": {"type": "integr"}}}}, "not a valid JSON Schema", "anyOf"),
-    ({"json": {"type": "object", "maxProperties": -1}}, "not a valid JSON Schema", "minimum"),
+    # issue 40: the schema path and keyword at fault, not the meta-schema's anyOf
+    ({"json": {"type": "object", "properties": {"n": {"type": "integr"}}}},
+     "properties.n.type: 'integr' is not valid under any", "type"),
+    ({"json": {"properties": {"a": {"anyOf": [{"type": "string"}, {"type": 7}]}}}},
+     r"properties.a.anyOf\[1\].type: 7 is not valid", "type"),
+    ({"json": {"properties": {"type": {"minimum": "x"}}}}, "properties.type.minimum: 'x' is not of type", "minimum"),
+    ({"json": {"type": "object", "maxProperties": -1}}, "maxProperties: -1 is less", "maxProperties"),
     ({"regex": "a(b"}, "does not compile", None),
     ({"choice": []}, "at least one", None),
     ({"grammar": "  "}, "empty", None),

@@ -85,7 +85,7 @@ def test_job_syntax_inline_file_regex_choice_grammar(tmp_path, make_docs_dataset
 
 
 @pytest.mark.parametrize("structured, key, words", [
-    ("    json: {type: objekt}", "generation.structured_outputs.json", ["not a valid JSON Schema", "keyword"]),
+    ("    json: {type: objekt}", "generation.structured_outputs.json", ["not a valid JSON Schema", "type: 'objekt'"]),
     ("    json: missing.json", "generation.structured_outputs.json", ["cannot read the schema file"]),
     ("    regex: '[0-9'", "generation.structured_outputs.regex", ["does not compile"]),
     ("    choice: []", "generation.structured_outputs.choice", ["at least one"]),

@@ -87,6 +87,25 @@ def _canonical(value: Any, keep_order: bool = False) -> Any:
     return value
 
 
+def schema_path(path) -> str:
+    """Where in a schema: ``properties.a.anyOf[1].type`` (keys dotted, list indices in brackets)."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _schema_keyword(path: list) -> str | None:
+    """The schema keyword at the end of ``path`` (not a property's or definition's name)."""
+    for i in range(len(path) - 1, -1, -1):
+        if isinstance(path[i], str) and not (i and path[i - 1] in _NAMED):
+            return path[i]
+    return None
+
+
 def check_structured(params: StructuredOutputsParams) -> None:
     """Refuse what cannot constrain generation, before any model is loaded (``StructuredOutputError``).
 
@@ -100,8 +119,10 @@ def check_structured(params: StructuredOutputsParams) -> None:
         try:
             jsonschema.validators.validator_for(params.schema).check_schema(params.schema)
         except jsonschema.SchemaError as e:
-            raise StructuredOutputError(f"structured_outputs.json is not a valid JSON Schema: {e.message}",
-                                        keyword=str(e.validator)) from None
+            where = schema_path(e.absolute_path)
+            raise StructuredOutputError(
+                f"structured_outputs.json is not a valid JSON Schema: {where + ': ' if where else ''}{e.message}",
+                keyword=_schema_keyword(list(e.absolute_path)) or str(e.validator)) from None
     elif params.kind == "regex":
         try:
             re.compile(params.regex)

@@ -84,49 +84,59 @@ def _resolve(schema, root: dict, seen: tuple = ()) -> dict | None:
     return schema if isinstance(schema, dict) else None
 
 
+_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+_PLAIN = {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(), "boolean": pa.bool_()}
+JSON_TEXT = {"json": "true"}         # field metadata: the column holds each value's JSON text (strings quoted)
+
+
 def _types(schema: dict) -> tuple[set, bool]:
-    """The JSON types a (sub)schema allows and whether null is one of them."""
+    """The JSON types a (sub)schema admits ({"any"} when it does not say) and whether null is one of them. Only
+    ``type`` (or, without it, the values of ``enum`` / ``const``) says: a schema without ``type`` admits any value
+    its other keywords allow (``properties`` alone does not make an object)."""
     t = schema.get("type")
     if isinstance(t, str):
         kinds = {t}
-    elif isinstance(t, list):
+    elif isinstance(t, list) and t and all(isinstance(k, str) for k in t):
         kinds = set(t)
-    elif "enum" in schema or "const" in schema:
-        values = schema.get("enum", [schema.get("const")])
-        kinds = {{bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
-                 .get(type(v), "other") for v in values}
-    elif "properties" in schema:
-        kinds = {"object"}
+    elif isinstance(schema.get("enum"), list) or "const" in schema:
+        values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]]
+        kinds = {_NAMES.get(type(v), "other") for v in values}
     else:
         kinds = {"any"}
     return kinds - {"null"}, "null" in kinds
 
 
-def _arrow(schema, root: dict, depth: int = 0) -> tuple[pa.DataType, bool]:
-    """(Arrow type, may be null) of a (sub)schema; anything without one plain type is its JSON text (string)."""
+def _arrow(schema, root: dict, depth: int = 0) -> tuple[pa.DataType, bool, bool]:
+    """(Arrow type, may be null, holds JSON text) of a (sub)schema: one plain type (numbers: integer and number
+    together) gets its column type; anything else (no ``type``, a union, an object without ``properties``, an
+    array without one ``items`` schema, a recursive ``$ref``) its JSON text in a string column."""
     schema = _resolve(schema, root)
     if schema is None or depth > 16:
-        return pa.string(), True
+        return pa.string(), True, True
     kinds, nullable = _types(schema)
     if kinds == {"integer", "number"}:
         kinds = {"number"}
-    if len(kinds) != 1:
-        return pa.string(), True
-    kind = kinds.pop()
-    if kind in ("string", "integer", "number", "boolean"):
-        return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
-                "boolean": pa.bool_()}[kind], nullable
-    if kind == "array" and isinstance(schema.get("items"), dict):
-        item, item_null = _arrow(schema["items"], root, depth + 1)
-        return pa.list_(pa.field("item", item, nullable=item_null)), nullable
-    if kind == "object" and schema.get("properties"):
-        required = set(schema.get("required") or ())
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    if kind in _PLAIN:
+        return _PLAIN[kind], nullable, False
+    items = schema.get("items")
+    if kind == "array" and isinstance(items, dict) and "prefixItems" not in schema:
+        item, item_null, item_json = _arrow(items, root, depth + 1)
+        return pa.list_(_field("item", item, item_null, item_json)), nullable, False
+    props = schema.get("properties")
+    if kind == "object" and isinstance(props, dict) and props:
+        required = schema.get("required") if isinstance(schema.get("required"), list) else ()
         fields = []
-        for name, sub in schema["properties"].items():
-            t, n = _arrow(sub, root, depth + 1)
-            fields.append(pa.field(name, t, nullable=n or name not in required))
-        return pa.struct(fields), nullable
-    return pa.string(), True
+        for name, sub in props.items():
+            t, n, js = _arrow(sub, root, depth + 1)
+            fields.append(_field(name, t, n or name not in required, js))
+        return pa.struct(fields), nullable, False
+    return pa.string(), True, True
+
+
+def _field(name: str, t: pa.DataType, nullable: bool, json_text: bool, metadata: dict | None = None) -> pa.Field:
+    meta = {**(metadata or {}), **(JSON_TEXT if json_text else {})}
+    return pa.field(name, t, nullable=nullable, metadata=meta or None)
 
 
 def written_schema(generation: dict) -> dict | None:
@@ -143,19 +153,23 @@ def written_schema(generation: dict) -> dict | None:
 
 
 def output_fields(schema: dict | None) -> list[pa.Field]:
-    """The typed columns of an object schema's top-level properties ([] for anything else). Top-level columns
-    are all nullable (a row whose JSON is invalid has them null); field metadata says which the schema requires;
+    """The typed columns of an object schema's top-level properties ([] for anything else: a schema that admits
+    no object, or lists no ``properties``). Top-level columns are all nullable (a row whose JSON is invalid, or is
+    not an object, has them null); field metadata says which the schema requires and which hold JSON text;
     nested fields are nullable only where the schema lets them be absent or null."""
     if not isinstance(schema, dict):
         return []
     root = _resolve(schema, schema) or {}
     props = root.get("properties")
-    if not isinstance(props, dict) or not props or _types(root)[0] != {"object"}:
+    kinds = _types(root)[0]
+    if not isinstance(props, dict) or not props or not kinds & {"object", "any"}:
         return []
-    required = set(root.get("required") or ())
-    return [pa.field(name, _arrow(sub, schema)[0], nullable=True,
-                     metadata={"required": "true" if name in required else "false"})
-            for name, sub in props.items()]
+    required = root.get("required") if isinstance(root.get("required"), list) else ()
+    fields = []
+    for name, sub in props.items():
+        t, _, json_text = _arrow(sub, schema)
+        fields.append(_field(name, t, True, json_text, {"required": "true" if name in required else "false"}))
+    return fields
 
 
 def collisions(schema: dict | None, passthrough: tuple[str, ...] = ()) -> list[str]:
@@ -164,14 +178,22 @@ def collisions(schema: dict | None, passthrough: tuple[str, ...] = ()) -> list[s
     return [f.name for f in output_fields(schema) if f.name in taken]
 
 
-def _convert(value, t: pa.DataType):
-    """``value`` (parsed JSON that the schema accepted) as column type ``t``'s Python value; ``Unfit`` if it
-    cannot be."""
+def _json_text(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _convert(value, f: pa.Field):
+    """``value`` (parsed JSON that the schema accepted) as field ``f``'s Python value; ``Unfit`` if it cannot be
+    (an integer beyond int64, a number beyond double)."""
+    t = f.type
     if value is None:
         return None
+    if f.metadata and f.metadata.get(b"json") == b"true":
+        return _json_text(value)
     if pa.types.is_string(t):
-        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    if pa.types.is_boolean(t):
+        if isinstance(value, str):
+            return value
+    elif pa.types.is_boolean(t):
         if isinstance(value, bool):
             return value
     elif pa.types.is_int64(t):
@@ -183,23 +205,28 @@ def _convert(value, t: pa.DataType):
             return value
     elif pa.types.is_float64(t):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise Unfit(f"{value} does not fit a double column") from None
     elif pa.types.is_list(t):
         if isinstance(value, list):
-            return [_convert(v, t.value_type) for v in value]
+            return [_convert(v, t.value_field) for v in value]
     elif pa.types.is_struct(t):
         if isinstance(value, dict):
-            return {t.field(i).name: _convert(value.get(t.field(i).name), t.field(i).type)
-                    for i in range(t.num_fields)}
-    raise Unfit(f"{json.dumps(value)[:60]} does not fit a {t} column")
+            return {t.field(i).name: _convert(value.get(t.field(i).name), t.field(i)) for i in range(t.num_fields)}
+    raise Unfit(f"{_json_text(value)[:60]} does not fit a {t} column")
 
 
-def typed_values(obj: dict, fields: list[pa.Field]) -> dict:
-    """A valid result's top-level properties as column values (``Unfit`` naming the property)."""
+def typed_values(obj, fields: list[pa.Field]) -> dict:
+    """A valid result's top-level properties as column values (``Unfit`` naming the property); all None when the
+    result is not an object (a schema may admit other values too)."""
+    if not isinstance(obj, dict):
+        return {f.name: None for f in fields}
     out = {}
     for f in fields:
         try:
-            out[f.name] = _convert(obj.get(f.name), f.type)
+            out[f.name] = _convert(obj.get(f.name), f)
         except Unfit as e:
             raise Unfit(f"property {f.name!r}: {e}") from None
     return out
@@ -214,7 +241,7 @@ def typed_columns(summaries: list, json_errors: list, fields: list[pa.Field]) ->
         if text is not None and err is None:
             try:
                 values = typed_values(json.loads(text), fields)
-            except (ValueError, AttributeError):     # checked when committed; never fail the assembly
+            except (ValueError, TypeError, AttributeError, RecursionError):   # checked when committed; never fail
                 values = {}
         for f in fields:
             cols[f.name].append(values.get(f.name))
@@ -236,6 +263,8 @@ def json_error(text: str | None, finish_reason: str | None, params: StructuredOu
         return None
     try:
         obj = json.loads(text)
+    except RecursionError:
+        return "not valid JSON (nested too deeply)"
     except ValueError as e:
         if finish_reason == "length":
             return (f"cut off at max_tokens{f' ({max_tokens})' if max_tokens else ''} before the JSON was "
