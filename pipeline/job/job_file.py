@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,14 @@ import yaml
 from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams, StructuredOutputError, check_structured
 from pipeline.io.paths import is_uri, local_output_path
 from pipeline.job.structured_output import collisions, describe_error, error_key, resolve_job_spec, written_schema
+from pipeline.job.templates import Template, TemplateError, parse_template, template_fields
 from pipeline.problems import JobError, Problem
 
 DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
 DEFAULT_REDUCE_TEMPLATE = "Summaries of the consecutive parts of one long document:\n\n{summaries}"
 DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSummarize the document."
 BUILTIN_PLACEHOLDERS = ("system", "reference", "document")
+REDUCE_FIELDS = ("summaries",)
 
 
 class _Enum(tuple):
@@ -120,7 +122,16 @@ class PromptSpec:
 
     @property
     def placeholders(self) -> list[str]:
-        return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
+        return template_fields(self.template)
+
+    @functools.cached_property
+    def parsed(self) -> Template:
+        """The template's pieces (``pipeline.job.templates``); ``load_job`` refused any that do not parse."""
+        return parse_template(self.template)
+
+    @functools.cached_property
+    def parsed_reduce(self) -> Template:
+        return parse_template(self.reduce_template, REDUCE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -346,17 +357,15 @@ def _prompt_spec(pr: dict, file: str, lines: dict, problems: list[Problem]) -> P
     prompt = PromptSpec(**{k: v for k, v in pr.items()})
     if "template" not in pr and pr.get("chat_template"):
         prompt = dataclasses.replace(prompt, template=DEFAULT_CHAT_TEMPLATE)
-    if "document" not in prompt.placeholders:
-        problems.append(Problem(file, "prompt.template", "must contain the {document} placeholder",
-                                lines.get("prompt.template")))
-    if "{summaries}" not in prompt.reduce_template:
-        problems.append(Problem(file, "prompt.reduce_template", "must contain the {summaries} placeholder",
-                                lines.get("prompt.reduce_template")))
-    try:
-        list(string.Formatter().parse(prompt.template))
-    except ValueError as e:
-        problems.append(Problem(file, "prompt.template", f"not a valid template ({e}); write literal braces "
-                                "as {{ and }}", lines.get("prompt.template")))
+    for key, text, allowed, needed in (("prompt.template", prompt.template, None, "document"),
+                                       ("prompt.reduce_template", prompt.reduce_template, REDUCE_FIELDS, "summaries")):
+        try:
+            fields = parse_template(text, allowed).fields
+        except TemplateError as e:
+            problems.append(Problem(file, key, str(e), lines.get(key)))
+            continue
+        if needed not in fields:
+            problems.append(Problem(file, key, f"must contain the {{{needed}}} placeholder", lines.get(key)))
     return prompt
 
 
