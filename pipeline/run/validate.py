@@ -19,6 +19,7 @@ from pipeline.job.job_file import BUILTIN_PLACEHOLDERS, Job, cross_job_problems,
 from pipeline.job.prompts import template_columns
 from pipeline.job.rows import RESULT_COLUMNS
 from pipeline.problems import JobError, Problem
+from pipeline.run.overlap import overlap_problems
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -116,8 +117,6 @@ def _output_problems(job: Job) -> list[Problem]:
     if out.exists() and not is_file and out.is_file():
         return [job.problem("output.path", f"{out} is an existing file; a path without .parquet is written as "
                                            "a directory of shards")]
-    if Path(job.input.path).exists() and out.resolve() == Path(job.input.path).resolve():
-        return [job.problem("output.path", "the output path is the input path; it would overwrite the input")]
     anc = out.parent
     while not anc.exists():
         anc = anc.parent
@@ -171,6 +170,7 @@ def validate_files(paths: list[str]) -> tuple[list[Job], list[Problem]]:
         jobs.append(job)
         problems.extend(check_job(job))
     problems.extend(cross_job_problems(jobs))
+    problems.extend(overlap_problems(jobs))
     return jobs, problems
 
 
