@@ -20,7 +20,14 @@ import yaml
 
 from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams, StructuredOutputError, check_structured
 from pipeline.io.paths import is_uri, local_output_path
-from pipeline.job.structured_output import collisions, describe_error, error_key, resolve_job_spec, written_schema
+from pipeline.job.structured_output import (
+    collisions,
+    describe_error,
+    error_key,
+    file_error,
+    resolve_job_spec,
+    written_schema,
+)
 from pipeline.job.templates import Template, TemplateError, parse_template, template_fields
 from pipeline.problems import JobError, Problem
 
@@ -93,6 +100,7 @@ _TOP = {
     "output": (_OUTPUT, True),
     "engine": (_ENGINE, False),
     "schedule": (str, False),
+    "allow_outside_files": (bool, False),   # schema / grammar files outside the job file's folder may be read
 }
 
 
@@ -290,10 +298,10 @@ def load_job(path: str | Path) -> Job:
     prompt = _prompt_spec(pr, file, lines, problems)
     _check_counts(inp, out, file, lines, problems)
     gen, eng = d.get("generation") or {}, d.get("engine") or {}
-    gen = _resolve_structured(gen, file, lines, problems)
-    built = _build_sections(d.get("model", DEFAULT_MODEL), gen, eng, file, lines, problems)
+    gen, files = _resolve_structured(gen, file, lines, problems, d.get("allow_outside_files", False))
+    built = _build_sections(d.get("model", DEFAULT_MODEL), gen, eng, file, lines, problems, files)
     if "generation" in built:
-        problems += _structured_problems(built["generation"], gen, file, lines, inp, out)
+        problems += _structured_problems(built["generation"], gen, file, lines, inp, out, files)
     if problems:
         raise JobError(problems)
     return Job(
@@ -379,20 +387,24 @@ def _check_counts(inp: dict, out: dict, file: str, lines: dict, problems: list[P
             problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
 
 
-def _resolve_structured(gen: dict, file: str, lines: dict, problems: list[Problem]) -> dict:
-    """``generation.structured_outputs`` resolved (schema files read); dropped, with a problem, when it cannot be."""
+def _resolve_structured(gen: dict, file: str, lines: dict, problems: list[Problem],
+                        allow_outside: bool) -> tuple[dict, dict]:
+    """``generation.structured_outputs`` resolved (schema files read) and the files read (kind -> path); dropped,
+    with a problem, when it cannot be."""
     if gen.get("structured_outputs"):
         try:
-            gen = {**gen, "structured_outputs": resolve_job_spec(gen["structured_outputs"], file)}
+            spec, files = resolve_job_spec(gen["structured_outputs"], file, allow_outside)
+            return {**gen, "structured_outputs": spec}, files
         except ValueError as e:
             sub, message = e.args
             key = f"generation.structured_outputs.{sub}"
             problems.append(Problem(file, key, message, _nearest_line(lines, key)))
             gen = {k: v for k, v in gen.items() if k != "structured_outputs"}
-    return gen
+    return gen, {}
 
 
-def _build_sections(model: str, gen: dict, eng: dict, file: str, lines: dict, problems: list[Problem]) -> dict:
+def _build_sections(model: str, gen: dict, eng: dict, file: str, lines: dict, problems: list[Problem],
+                    files: dict) -> dict:
     """The generation and engine sections built (``SamplingParams``, ``EngineConfig``): section -> the built one,
     for those that build; a problem naming the key for those that do not."""
     built = {}
@@ -403,14 +415,15 @@ def _build_sections(model: str, gen: dict, eng: dict, file: str, lines: dict, pr
         except (BatchgenError, TypeError, ValueError) as e:
             key = next((f"{section}.{k}" for k in options if k in str(e)), section)
             if isinstance(e, StructuredOutputError):
-                key = ".".join(filter(None, ("generation.structured_outputs", error_key(e, None))))
-                e = describe_error(e)
+                sub = next(iter(files), None) or error_key(e, None)       # one kind; a file's is never quoted
+                key = ".".join(filter(None, ("generation.structured_outputs", sub)))
+                e = file_error(sub, files[sub], e) if sub in files else describe_error(e)
             problems.append(Problem(file, key, str(e), _nearest_line(lines, key)))
     return built
 
 
-def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: dict, inp: dict,
-                         out: dict) -> list[Problem]:
+def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: dict, inp: dict, out: dict,
+                         files: dict) -> list[Problem]:
     """A schema the engine cannot honour, or an object schema whose property is named like an output column:
     refused before any compute (validate, plan, submit), naming the key and the schema keyword."""
     so = params.structured_outputs
@@ -420,7 +433,8 @@ def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: di
     try:
         check_structured(so)
     except StructuredOutputError as e:
-        return [Problem(file, key, describe_error(e), _nearest_line(lines, key))]
+        message = file_error(so.kind, files[so.kind], e) if so.kind in files else describe_error(e)
+        return [Problem(file, key, message, _nearest_line(lines, key))]
     passthrough = tuple(c for c in [inp.get("id_column")] + list(out.get("include_columns") or ()) if c)
     return [Problem(file, key, f"property {name!r} is also the name of an output column; rename it in the "
                                "schema (each top-level property becomes a column named after it)",
