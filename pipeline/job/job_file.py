@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +20,22 @@ import yaml
 
 from engine import DEFAULT_MODEL, BatchgenError, EngineConfig, SamplingParams, StructuredOutputError, check_structured
 from pipeline.io.paths import is_uri, local_output_path
-from pipeline.job.structured_output import collisions, describe_error, error_key, resolve_job_spec, written_schema
+from pipeline.job.structured_output import (
+    collisions,
+    describe_error,
+    error_key,
+    file_error,
+    resolve_job_spec,
+    written_schema,
+)
+from pipeline.job.templates import Template, TemplateError, parse_template, template_fields
 from pipeline.problems import JobError, Problem
 
 DEFAULT_TEMPLATE = "{system}\n\nReference:\n{reference}\n\nDocument:\n{document}\n\nSummary:"
 DEFAULT_REDUCE_TEMPLATE = "Summaries of the consecutive parts of one long document:\n\n{summaries}"
 DEFAULT_CHAT_TEMPLATE = "Reference:\n{reference}\n\nDocument:\n{document}\n\nSummarize the document."
 BUILTIN_PLACEHOLDERS = ("system", "reference", "document")
+REDUCE_FIELDS = ("summaries",)
 
 
 class _Enum(tuple):
@@ -91,6 +100,7 @@ _TOP = {
     "output": (_OUTPUT, True),
     "engine": (_ENGINE, False),
     "schedule": (str, False),
+    "allow_outside_files": (bool, False),   # schema / grammar files outside the job file's folder may be read
 }
 
 
@@ -120,7 +130,16 @@ class PromptSpec:
 
     @property
     def placeholders(self) -> list[str]:
-        return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
+        return template_fields(self.template)
+
+    @functools.cached_property
+    def parsed(self) -> Template:
+        """The template's pieces (``pipeline.job.templates``); ``load_job`` refused any that do not parse."""
+        return parse_template(self.template)
+
+    @functools.cached_property
+    def parsed_reduce(self) -> Template:
+        return parse_template(self.reduce_template, REDUCE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -279,10 +298,10 @@ def load_job(path: str | Path) -> Job:
     prompt = _prompt_spec(pr, file, lines, problems)
     _check_counts(inp, out, file, lines, problems)
     gen, eng = d.get("generation") or {}, d.get("engine") or {}
-    gen = _resolve_structured(gen, file, lines, problems)
-    built = _build_sections(d.get("model", DEFAULT_MODEL), gen, eng, file, lines, problems)
+    gen, files = _resolve_structured(gen, file, lines, problems, d.get("allow_outside_files", False))
+    built = _build_sections(d.get("model", DEFAULT_MODEL), gen, eng, file, lines, problems, files)
     if "generation" in built:
-        problems += _structured_problems(built["generation"], gen, file, lines, inp, out)
+        problems += _structured_problems(built["generation"], gen, file, lines, inp, out, files)
     if problems:
         raise JobError(problems)
     return Job(
@@ -346,17 +365,15 @@ def _prompt_spec(pr: dict, file: str, lines: dict, problems: list[Problem]) -> P
     prompt = PromptSpec(**{k: v for k, v in pr.items()})
     if "template" not in pr and pr.get("chat_template"):
         prompt = dataclasses.replace(prompt, template=DEFAULT_CHAT_TEMPLATE)
-    if "document" not in prompt.placeholders:
-        problems.append(Problem(file, "prompt.template", "must contain the {document} placeholder",
-                                lines.get("prompt.template")))
-    if "{summaries}" not in prompt.reduce_template:
-        problems.append(Problem(file, "prompt.reduce_template", "must contain the {summaries} placeholder",
-                                lines.get("prompt.reduce_template")))
-    try:
-        list(string.Formatter().parse(prompt.template))
-    except ValueError as e:
-        problems.append(Problem(file, "prompt.template", f"not a valid template ({e}); write literal braces "
-                                "as {{ and }}", lines.get("prompt.template")))
+    for key, text, allowed, needed in (("prompt.template", prompt.template, None, "document"),
+                                       ("prompt.reduce_template", prompt.reduce_template, REDUCE_FIELDS, "summaries")):
+        try:
+            fields = parse_template(text, allowed).fields
+        except TemplateError as e:
+            problems.append(Problem(file, key, str(e), lines.get(key)))
+            continue
+        if needed not in fields:
+            problems.append(Problem(file, key, f"must contain the {{{needed}}} placeholder", lines.get(key)))
     return prompt
 
 
@@ -370,20 +387,24 @@ def _check_counts(inp: dict, out: dict, file: str, lines: dict, problems: list[P
             problems.append(Problem(file, f"output.{key}", "must be >= 1", lines.get(f"output.{key}")))
 
 
-def _resolve_structured(gen: dict, file: str, lines: dict, problems: list[Problem]) -> dict:
-    """``generation.structured_outputs`` resolved (schema files read); dropped, with a problem, when it cannot be."""
+def _resolve_structured(gen: dict, file: str, lines: dict, problems: list[Problem],
+                        allow_outside: bool) -> tuple[dict, dict]:
+    """``generation.structured_outputs`` resolved (schema files read) and the files read (kind -> path); dropped,
+    with a problem, when it cannot be."""
     if gen.get("structured_outputs"):
         try:
-            gen = {**gen, "structured_outputs": resolve_job_spec(gen["structured_outputs"], file)}
+            spec, files = resolve_job_spec(gen["structured_outputs"], file, allow_outside)
+            return {**gen, "structured_outputs": spec}, files
         except ValueError as e:
             sub, message = e.args
             key = f"generation.structured_outputs.{sub}"
             problems.append(Problem(file, key, message, _nearest_line(lines, key)))
             gen = {k: v for k, v in gen.items() if k != "structured_outputs"}
-    return gen
+    return gen, {}
 
 
-def _build_sections(model: str, gen: dict, eng: dict, file: str, lines: dict, problems: list[Problem]) -> dict:
+def _build_sections(model: str, gen: dict, eng: dict, file: str, lines: dict, problems: list[Problem],
+                    files: dict) -> dict:
     """The generation and engine sections built (``SamplingParams``, ``EngineConfig``): section -> the built one,
     for those that build; a problem naming the key for those that do not."""
     built = {}
@@ -394,14 +415,15 @@ def _build_sections(model: str, gen: dict, eng: dict, file: str, lines: dict, pr
         except (BatchgenError, TypeError, ValueError) as e:
             key = next((f"{section}.{k}" for k in options if k in str(e)), section)
             if isinstance(e, StructuredOutputError):
-                key = ".".join(filter(None, ("generation.structured_outputs", error_key(e, None))))
-                e = describe_error(e)
+                sub = next(iter(files), None) or error_key(e, None)       # one kind; a file's is never quoted
+                key = ".".join(filter(None, ("generation.structured_outputs", sub)))
+                e = file_error(sub, files[sub], e) if sub in files else describe_error(e)
             problems.append(Problem(file, key, str(e), _nearest_line(lines, key)))
     return built
 
 
-def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: dict, inp: dict,
-                         out: dict) -> list[Problem]:
+def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: dict, inp: dict, out: dict,
+                         files: dict) -> list[Problem]:
     """A schema the engine cannot honour, or an object schema whose property is named like an output column:
     refused before any compute (validate, plan, submit), naming the key and the schema keyword."""
     so = params.structured_outputs
@@ -411,7 +433,8 @@ def _structured_problems(params: SamplingParams, gen: dict, file: str, lines: di
     try:
         check_structured(so)
     except StructuredOutputError as e:
-        return [Problem(file, key, describe_error(e), _nearest_line(lines, key))]
+        message = file_error(so.kind, files[so.kind], e) if so.kind in files else describe_error(e)
+        return [Problem(file, key, message, _nearest_line(lines, key))]
     passthrough = tuple(c for c in [inp.get("id_column")] + list(out.get("include_columns") or ()) if c)
     return [Problem(file, key, f"property {name!r} is also the name of an output column; rename it in the "
                                "schema (each top-level property becomes a column named after it)",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import string
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -81,7 +80,7 @@ class PromptRenderer:
     def __init__(self, spec: PromptSpec, tokenizer=None):
         self.spec = spec
         self.tokenizer = tokenizer
-        self._pieces = list(string.Formatter().parse(spec.template))
+        self._pieces = spec.parsed.pieces          # parsed once; load_job refused a template that does not parse
         self._encode_cached = lru_cache(maxsize=4096)(self._encode_part)
 
     # ---- text -------------------------------------------------------------------------------------------
@@ -101,15 +100,14 @@ class PromptRenderer:
         if spec.chat_template:
             return self._render_chat(values, document)
         head, tail, seen_doc = [], [], False
-        for literal, field, fmt, conv in self._pieces:
+        for literal, field in self._pieces:
             (tail if seen_doc else head).append(literal)
             if field is None:
                 continue
-            if field == "document" and not seen_doc:
+            if field.name == "document" and not seen_doc:
                 seen_doc = True
                 continue
-            value = document if field == "document" else values[field]
-            (tail if seen_doc else head).append(format(value, fmt) if fmt else value)
+            (tail if seen_doc else head).append(document if field.name == "document" else values[field.name])
         return RenderedRow("".join(head), document, "".join(tail))
 
     def _chat_split(self, messages: list[dict], what: str) -> tuple[str, str]:
@@ -126,7 +124,7 @@ class PromptRenderer:
         return head, tail
 
     def _render_chat(self, values: dict, document: str) -> RenderedRow:
-        user = self.spec.template.format_map({**values, "document": _SENTINEL})
+        user = self.spec.parsed.fill({**values, "document": _SENTINEL})
         messages = ([{"role": "system", "content": values["system"]}] if values["system"] else [])
         messages.append({"role": "user", "content": user})
         head, tail = self._chat_split(messages, "prompt.chat_template: true")

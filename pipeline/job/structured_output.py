@@ -12,6 +12,8 @@ incremental run gives the same typed schema.
 from __future__ import annotations
 
 import json
+import os
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,31 +32,72 @@ class Unfit(ValueError):
 
 
 # ---- job syntax ----------------------------------------------------------------------------------------------
-def resolve_job_spec(spec: dict, job_file: str) -> dict:
-    """``generation.structured_outputs`` as written -> ``StructuredOutputsParams`` keywords: a ``json`` path is
-    read (relative to the job file), a ``grammar`` that names a file is read. Raises ``ValueError(key, message)``."""
-    out = dict(spec)
+def resolve_job_spec(spec: dict, job_file: str, allow_outside: bool = False) -> tuple[dict, dict]:
+    """``generation.structured_outputs`` as written -> (``StructuredOutputsParams`` keywords, the files read:
+    kind -> path as written). A ``json`` path is read (relative to the job file), a ``grammar`` that names a file is
+    read; a file outside the job file's folder (after symlinks) only with ``allow_outside``. Raises
+    ``ValueError(key, message)``; messages name paths and positions, never a file's contents."""
+    out, files = dict(spec), {}
     base = Path(job_file).parent
     schema = out.get("json")
     if isinstance(schema, str) and not schema.lstrip().startswith("{"):
-        path = base / schema
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError("json", f"cannot read the schema file {path} ({e})") from None
+        text = _read_job_file(base, schema, "json", "schema", allow_outside)
         try:
             out["json"] = json.loads(text)
-        except ValueError as e:
-            raise ValueError("json", f"{path} is not valid JSON ({e})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError("json", f"the schema file {schema} is not valid JSON ({e.msg} at line {e.lineno}, "
+                                     f"column {e.colno})") from None
+        files["json"] = schema
     grammar = out.get("grammar")
     if isinstance(grammar, str) and "\n" not in grammar.strip():
         path = base / grammar.strip()
         if path.is_file() or path.suffix in _GRAMMAR_FILES:
-            try:
-                out["grammar"] = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise ValueError("grammar", f"cannot read the grammar file {path} ({e})") from None
-    return out
+            out["grammar"] = _read_job_file(base, grammar.strip(), "grammar", "grammar", allow_outside)
+            files["grammar"] = grammar.strip()
+    return out, files
+
+
+_MAX_FILE_BYTES = 16 << 20
+
+
+def _read_job_file(base: Path, written: str, key: str, what: str, allow_outside: bool) -> str:
+    """The text of a file a job names (relative to its folder ``base``); ``ValueError(key, message)`` when it leaves
+    that folder (unless ``allow_outside``), is not a regular file, is too large or is not UTF-8 text."""
+    real, root = Path(os.path.realpath(base / written)), Path(os.path.realpath(base))
+    if not allow_outside and real != root and root not in real.parents:
+        raise ValueError(key, f"the {what} file {written} resolves to {real}, outside the job file's folder {root}; "
+                              "move it beside the job file, or set allow_outside_files: true in the job file")
+    try:
+        if not real.is_file():
+            raise ValueError(key, f"cannot read the {what} file {written} ({real}): "
+                                  + ("not a regular file" if real.exists() else "no such file"))
+        if real.stat().st_size > _MAX_FILE_BYTES:
+            raise ValueError(key, f"the {what} file {written} is larger than {_MAX_FILE_BYTES >> 20} MiB")
+        return real.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ValueError(key, f"cannot read the {what} file {written} ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(key, f"the {what} file {written} is not UTF-8 text ({e.reason} at byte {e.start})") \
+            from None
+
+
+_POSITION = re.compile(r"\b(line|column|col|char|character|position|offset|byte) (\d+)", re.IGNORECASE)
+_SCHEMA_KEYWORDS = frozenset(
+    "$ref $defs definitions type enum const properties required additionalProperties patternProperties items "
+    "prefixItems minItems maxItems uniqueItems contains minLength maxLength pattern format minimum maximum "
+    "exclusiveMinimum exclusiveMaximum multipleOf anyOf oneOf allOf not if then else dependentRequired "
+    "dependentSchemas propertyNames minProperties maxProperties unevaluatedProperties unevaluatedItems".split())
+
+
+def file_error(kind: str, written: str, e: Exception) -> str:
+    """A structured-outputs error about a file the job named, without the file's contents (engines quote
+    grammars and schemas): what is wrong, where in the file when the engine says, the schema keyword to blame."""
+    what = "schema file" if kind == "json" else "grammar file"
+    where = ", ".join(f"{m.group(1).lower()} {m.group(2)}" for m in _POSITION.finditer(str(e)))
+    keyword = getattr(e, "keyword", None)
+    detail = "; ".join(filter(None, (where, f"keyword {keyword!r}" if keyword in _SCHEMA_KEYWORDS else "")))
+    return (f"the {what} {written} is not a valid {'JSON Schema' if kind == 'json' else 'grammar'} for "
+            f"structured outputs" + (f" ({detail})" if detail else "") + "; its contents are not shown")
 
 
 def error_key(e: StructuredOutputError, params: StructuredOutputsParams | None) -> str:
@@ -286,6 +329,7 @@ def json_error(text: str | None, finish_reason: str | None, params: StructuredOu
     return None
 
 
-__all__ = ["JSON_KINDS", "resolve_job_spec", "error_key", "describe_error", "written_schema", "output_fields",
+__all__ = ["JSON_KINDS", "resolve_job_spec", "file_error", "error_key", "describe_error", "written_schema",
+           "output_fields",
            "collisions",
            "typed_values", "typed_columns", "json_error"]

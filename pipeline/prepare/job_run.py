@@ -105,7 +105,7 @@ def new_job_run(job: Job, state: RunState, tokenizer, info: EngineInfo) -> JobRu
     params = job.sampling_params
     fp = fingerprint(info.identity, dataclasses.asdict(params), job.prompt.on_too_long, job.prompt.chat_template)
     prompts = JobPrompts(job, PromptRenderer(job.prompt, tokenizer), fp, params, info.config.max_model_len)
-    return JobRun(job=job, state=state, prompts=prompts, long_docs=LongDocs(prompts, job.prompt.reduce_template))
+    return JobRun(job=job, state=state, prompts=prompts, long_docs=LongDocs(prompts, job.prompt.parsed_reduce))
 
 
 __all__ = ["JobRun", "new_job_run"]

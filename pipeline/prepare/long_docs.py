@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pipeline.job.job_prompts import JobPrompts
     from pipeline.job.prompts import PromptRenderer
     from pipeline.job.state import RunState
+    from pipeline.job.templates import Template
 
 _PARAGRAPH = re.compile(r"(?<=\n\n)")
 _SENTENCE = re.compile(r"(?<=[.!?;:])\s+(?=\S)")
@@ -108,7 +109,7 @@ class LongDocs:
     """One job's long rows while it runs: their parts (``add``), their results (``finish``) and the requests of
     their next reduce level (``next_requests``)."""
 
-    def __init__(self, prompts: JobPrompts, reduce_template: str):
+    def __init__(self, prompts: JobPrompts, reduce_template: Template):
         self.prompts = prompts
         self.template = reduce_template
         self.rows: dict[str, LongRow] = {}          # row key -> its LongRow, until its final result
@@ -179,7 +180,7 @@ class LongDocs:
                 summaries = [g.summary or "" for g in got]
                 room = (self.prompts.max_model_len - self.prompts.param_sets[lr.params].max_tokens - lr.head_len
                         - lr.tail_len)
-                whole = r.document_ids([template.format(summaries=parts_text(summaries))])[0]
+                whole = r.document_ids([template.fill({"summaries": parts_text(summaries)})])[0]
                 lr.level += 1
                 if len(whole) <= room or len(summaries) == 1:
                     lr.keys, lr.requests = [lr.key], {lr.key: whole[:room]}
@@ -188,17 +189,17 @@ class LongDocs:
                 lr.keys, lr.requests, first = [], {}, 1
                 for i, grp in enumerate(groups):
                     k = reduce_key(lr.key, lr.level, i, len(groups))
-                    ids = r.document_ids([template.format(summaries=parts_text(grp, first))])[0]
+                    ids = r.document_ids([template.fill({"summaries": parts_text(grp, first)})])[0]
                     lr.keys.append(k)
                     lr.requests[k] = ids[:room]
                     first += len(grp)
         return out, errors
 
 
-def _group_summaries(r: PromptRenderer, template: str, summaries: list[str], room: int) -> list[list[str]]:
+def _group_summaries(r: PromptRenderer, template: Template, summaries: list[str], room: int) -> list[list[str]]:
     """Consecutive summaries in groups whose reduce prompt fits ``room`` tokens (at least two per group, so each
     level shrinks; a group that still does not fit is cut to ``room`` by the caller)."""
-    overhead = len(r.document_ids([template.format(summaries="")])[0])
+    overhead = len(r.document_ids([template.fill({"summaries": ""})])[0])
     sizes = [len(ids) + 4 for ids in r.document_ids([f"Part 00: {s}\n\n" for s in summaries])]
     groups: list[list[str]] = [[]]
     used = overhead

@@ -15,10 +15,11 @@ import pyarrow as pa
 
 from engine import BatchgenError, ConfigError, EngineConfig
 from pipeline.io.tables import InputError, count_rows, input_schema
-from pipeline.job.job_file import Job, cross_job_problems, load_job
+from pipeline.job.job_file import BUILTIN_PLACEHOLDERS, Job, cross_job_problems, load_job
 from pipeline.job.prompts import template_columns
 from pipeline.job.rows import RESULT_COLUMNS
 from pipeline.problems import JobError, Problem
+from pipeline.run.overlap import overlap_problems
 
 
 def _is_text(t: pa.DataType) -> bool:
@@ -54,12 +55,7 @@ def check_job(job: Job) -> list[Problem]:
                                                  f"{schema.field(col).type}"))
         if job.input.id_column and job.input.id_column not in schema.names:
             problems.append(_column_problem(job, "input.id_column", job.input.id_column, schema))
-        for col in template_columns(p):
-            if col not in schema.names:
-                hint = difflib.get_close_matches(col, schema.names + ["system", "reference", "document"], n=1)
-                problems.append(job.problem("prompt.template", f"placeholder {{{col}}} is neither system, "
-                                            "reference, document nor an input column"
-                                            + (f" (did you mean {{{hint[0]}}}?)" if hint else "")))
+        problems.extend(_template_problems(job, schema))
         for col in job.passthrough_columns:
             key = "input.id_column" if col == job.input.id_column else "output.include_columns"
             if col not in schema.names:
@@ -87,6 +83,23 @@ def check_job(job: Job) -> list[Problem]:
     return problems
 
 
+def _template_problems(job: Job, schema: pa.Schema) -> list[Problem]:
+    """A template field that is neither a built-in placeholder nor an input column: its position, a did-you-mean,
+    else the names the template may use."""
+    known = list(BUILTIN_PLACEHOLDERS) + schema.names
+    problems, unknown = [], set(template_columns(job.prompt)) - set(schema.names)
+    for _, f in job.prompt.parsed.pieces:
+        if f is None or f.name not in unknown:
+            continue
+        unknown.discard(f.name)                 # once per name, at its first use
+        hint = difflib.get_close_matches(f.name, known, n=1)
+        names = ", ".join(f"{{{n}}}" for n in known[:30]) + (", ..." if len(known) > 30 else "")
+        problems.append(job.problem("prompt.template", f"placeholder {f.raw} at character {f.at} is neither "
+                                    "system, reference, document nor an input column"
+                                    + (f" (did you mean {{{hint[0]}}}?)" if hint else f"; known names: {names}")))
+    return problems
+
+
 def _output_problems(job: Job) -> list[Problem]:
     if job.output.is_uri:
         from pipeline.io.tables import output_filesystem
@@ -104,8 +117,6 @@ def _output_problems(job: Job) -> list[Problem]:
     if out.exists() and not is_file and out.is_file():
         return [job.problem("output.path", f"{out} is an existing file; a path without .parquet is written as "
                                            "a directory of shards")]
-    if Path(job.input.path).exists() and out.resolve() == Path(job.input.path).resolve():
-        return [job.problem("output.path", "the output path is the input path; it would overwrite the input")]
     anc = out.parent
     while not anc.exists():
         anc = anc.parent
@@ -159,6 +170,7 @@ def validate_files(paths: list[str]) -> tuple[list[Job], list[Problem]]:
         jobs.append(job)
         problems.extend(check_job(job))
     problems.extend(cross_job_problems(jobs))
+    problems.extend(overlap_problems(jobs))
     return jobs, problems
 
 
