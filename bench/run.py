@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.dtype_policy import DTYPES
 from engine.errors import ConfigError
 from engine.loader import load_model_config, resolve_model
+from engine.malloc import release_freed_memory
 from engine.tokenizer import load_tokenizer
 
 
@@ -166,6 +167,7 @@ class _BenchRun:
         finally:
             llm = None
             gc.collect()
+            release_freed_memory()       # the engine keeps its peak heap (engine/malloc.py); a peer runs next
         if not res.skipped:
             say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
         return res

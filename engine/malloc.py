@@ -37,3 +37,14 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.info("mallopt tuning not applied")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's freed memory back to the OS (``malloc_trim``): for a process that drops an engine and then
+    starts something that needs the memory (``batchgen bench`` before a peer). False where glibc is not the
+    allocator."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
