@@ -34,6 +34,7 @@ from pipeline.run import history
 from pipeline.schedule import cron
 from tests.test_fuzz_cache_files import damaged
 from tests.test_fuzz_job_files import VALUES, job_files, world  # noqa: F401  (world: a fixture)
+from tests.test_openai_batch import chat_model  # noqa: F401  (a fixture)
 
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                       HealthCheck.too_slow])
@@ -144,7 +145,7 @@ def _pristine_run() -> Path:
     return _RUN_DIRS["run"]
 
 
-@FUZZ
+@settings(FUZZ, max_examples=15)           # each report renders a page with plots: ~0.5 s
 @given(data=st.data())
 def test_report_on_random_paths_and_damaged_run_directories(data, tmp_path):
     pristine = _pristine_run()
@@ -273,3 +274,71 @@ def test_a_resumed_trace_drops_damaged_sessions_of_its_run_json(tmp_path, caplog
         trace.write()
     assert "sessions 2 of 3 are not sessions; ignored" in caplog.text
     assert len(read_run(run).meta["sessions"]) == 2
+
+
+@pytest.fixture
+def chat_llm_factory(chat_model, monkeypatch):
+    """The fake engine (tests/conftest.py) over the chat model's tokenizer (it has a chat template), as the runner's
+    engine."""
+    from transformers import AutoTokenizer
+
+    import pipeline.run.runner
+    from tests.conftest import FakeLLM, changed_options
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    monkeypatch.setattr(pipeline.run.runner, "default_llm_factory",
+                        lambda config: FakeLLM(tok, **changed_options(config)))
+
+
+def _batch_line(draw) -> str:
+    """One line of an OpenAI Batch file: a good chat request with a random body value, or random JSON / text."""
+    from tests.test_openai_batch import req, sys_user
+    kind = draw(st.sampled_from(["good", "good", "body", "messages", "json", "text"]))
+    if kind == "json":
+        return json.dumps(draw(VALUES))
+    if kind == "text":
+        return draw(st.sampled_from(["", "{not json", "[", "null", '{"custom_id": 1}', "\x00"]))
+    cid = draw(st.one_of(st.sampled_from(["r1", "r2", "r1"]), VALUES))
+    messages = sys_user(draw(st.text(max_size=20)) or "hello")
+    if kind == "messages":
+        messages = draw(st.one_of(VALUES, st.lists(st.fixed_dictionaries({"role": VALUES, "content": VALUES}),
+                                                   max_size=2)))
+    body = {}
+    if kind == "body":
+        body[draw(st.sampled_from(["max_tokens", "temperature", "stop", "response_format", "n", "seed", "top_p",
+                                   "max_completion_tokens", "model", "tools"]))] = draw(VALUES)
+    return req(cid, messages, url=draw(st.sampled_from(["/v1/chat/completions", "/v1/chat/completions", "/x"])),
+               **body)
+
+
+@FUZZ
+@given(data=st.data())
+def test_random_openai_batch_files_through_validate_plan_and_submit(data, chat_model, chat_llm_factory, tmp_path):
+    work = Path(tempfile.mkdtemp(dir=tmp_path))
+    lines = [_batch_line(data.draw) for _ in range(data.draw(st.integers(0, 5)))]
+    (work / "requests.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out_format = data.draw(st.sampled_from(["openai_batch", "parquet"]))
+    out = work / ("out/results.jsonl" if out_format == "openai_batch" else "out/results.parquet")
+    job = work / "job.yaml"
+    job.write_text(f"name: ob\nmodel: {chat_model}\ninput:\n  path: {work / 'requests.jsonl'}\n  format: openai_batch\n"
+                   f"generation:\n  max_tokens: 4\noutput:\n  path: {out}\n  format: {out_format}\n")
+    for command in ("validate", "plan", "submit"):
+        check([command, job])
+
+
+@pytest.mark.parametrize("value", [[], {"a": 1}, [[1]], "x"])
+def test_an_openai_batch_body_with_a_list_for_a_number_is_a_bad_row_naming_the_field(value, chat_model, tmp_path,
+                                                                                      chat_llm_factory):
+    import pyarrow.parquet as pq
+
+    from tests.test_openai_batch import req, sys_user
+    (tmp_path / "requests.jsonl").write_text(req("bad", sys_user("hi"), max_tokens=value) + "\n"
+                                             + req("good", sys_user("hello")) + "\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: ob\nmodel: {chat_model}\ninput:\n  path: {tmp_path / 'requests.jsonl'}\n"
+                   f"  format: openai_batch\ngeneration:\n  max_tokens: 4\noutput:\n"
+                   f"  path: {tmp_path / 'out.parquet'}\n")
+    res = CliRunner().invoke(main, ["submit", "--quiet", str(job)])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    rows = {r["custom_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    assert rows["bad"]["error"].startswith("body: ") and "max_tokens" in rows["bad"]["error"]
+    assert rows["good"]["error"] is None
