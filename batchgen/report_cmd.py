@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import click
+from pyarrow.lib import ArrowException
 
 from pipeline.report import analyze, render_report, shape_warnings
 from pipeline.run.trace import read_run
@@ -21,9 +22,16 @@ def report_cmd(run_dirs, output, prompt_threshold, output_threshold):
         raise click.UsageError("give one run directory, or two to compare")
     try:
         path = render_report(list(run_dirs), output, prompt_threshold, output_threshold)
+        sms = [analyze(read_run(d), prompt_threshold, output_threshold) for d in run_dirs]
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
-    sms = [analyze(read_run(d), prompt_threshold, output_threshold) for d in run_dirs]
+    except OSError as e:
+        raise click.ClickException(f"cannot write the report: {e}") from None
+    except (ArrowException, LookupError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        # NOTE: run.json's fields are checked as read (pipeline.run.trace_meta); this is the rest of a damaged
+        # trace (its Parquet files, values inside a field): one message naming the run, never a traceback
+        raise click.ClickException(f"{' or '.join(run_dirs)}: the run trace is damaged or not from this batchgen "
+                                   f"({type(e).__name__}: {e})") from None
     for d, sm in zip(run_dirs, sms):
         t = sm["totals"]
         click.echo(f"{d}: {t['documents']} documents, {t['prompt_tokens']} prompt tokens "
@@ -67,7 +75,7 @@ def calibrate_cmd(device, dtype, all_formats, quick, cache_dir, show, retune, mo
         raise click.UsageError("--all-formats measures int8, bfloat16 and float32; give it without --dtype")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device_type = torch.device(device).type
+    device_type = _device_type(device)
     if not all_formats:
         _calibrate_one(device, choose_dtype(dtype, device_type), quick, cache_dir, show)
         return
@@ -80,6 +88,21 @@ def calibrate_cmd(device, dtype, all_formats, quick, cache_dir, show, retune, mo
         _calibrate_one(device, choose_dtype(fmt, device_type), quick, cache_dir, show)
 
 
+def _device_type(device: str) -> str:
+    """'cpu' or 'cuda' for a --device value; a usage error (exit 2) for anything else or a GPU that is not here."""
+    import torch
+
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, ValueError):
+        device_type = None
+    if device_type not in ("cpu", "cuda"):
+        raise click.BadParameter(f"{device!r} is not a device; give cpu, cuda, cuda:N or auto", param_hint="--device")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"{device!r}: no CUDA device on this machine", param_hint="--device")
+    return device_type
+
+
 def _calibrate_one(device: str, choice, quick: bool, cache_dir, show: bool) -> None:
     """Measure (or, ``show``, load) and print one dtype's calibration."""
     from costmodel.calibrate import cache_path, calibrate, load_calibration
@@ -90,7 +113,9 @@ def _calibrate_one(device: str, choice, quick: bool, cache_dir, show: bool) -> N
     if show:
         cal = load_calibration(device, dtype, cache_dir)
         if cal is None:
-            raise click.ClickException(f"no calibration cached at {cache_path(device, dtype, cache_dir)}; "
+            path = cache_path(device, dtype, cache_dir)
+            what = "the calibration cached at" if path.exists() else "no calibration cached at"
+            raise click.ClickException(f"{what} {path}{' is unreadable' if path.exists() else ''}; "
                                        "run `batchgen calibrate`")
     else:
         click.echo(f"calibrating {device} at {dtype}{' (quick)' if quick else ''} ...", err=True)

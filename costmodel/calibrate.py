@@ -59,13 +59,42 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
+        """From ``to_dict``'s dict; ValueError naming the field when a value has the wrong type (a damaged cache)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a calibration is a JSON object, not {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kept = {k: v for k, v in d.items() if k in names}
+        for name, check in FIELD_CHECKS.items():
+            if name in kept and not check(kept[name]):
+                raise ValueError(f"calibration field {name}: {kept[name]!r} is not valid")
+        return cls(**kept)
 
     @property
     def ridge_point(self) -> float:
         """FLOP/byte where the roofline turns from bandwidth-bound to compute-bound."""
         return self.matmul_flops / self.memory_bandwidth
+
+
+def _rate(v, positive: bool = False) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+            and (v > 0 if positive else v >= 0))
+
+
+def _kernel_rates(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(r, dict) and _rate(r.get("matmul_flops"))
+                                       and _rate(r.get("small_m_flops", 0) or 0) for k, r in v.items())
+
+
+FIELD_CHECKS = {
+    **{name: (lambda v: isinstance(v, str)) for name in ("device", "device_name", "dtype", "peak_kernel",
+                                                         "torch_version")},
+    "matmul_flops": partial(_rate, positive=True), "memory_bandwidth": partial(_rate, positive=True),
+    "copy_bandwidth": _rate, "small_m_flops": _rate, "measured_at": _rate,
+    "matmul_by_shape": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _rate(r) for k, r in v.items()),
+    "kernel_flops": _kernel_rates,
+    "num_threads": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "quick": lambda v: isinstance(v, bool),
+}
 
 
 def default_cache_dir() -> Path:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,24 +81,47 @@ def test_dead_running_run_is_reported_as_died(state):
     assert run.status == "died" and "killed" in run.error
 
 
-def _writer(state_dir: str, job: str, n: int) -> None:
+def _writer(state_dir: str, job: str, n: int, start=None) -> None:
+    if start is not None:
+        start.wait(30)                      # every process sets up the new database at the same moment
     for i in range(n):
         run_id = history.start_run(job, {"i": i}, state_dir=state_dir)
         history.finish_run(run_id, "ok", rows_done=i, state_dir=state_dir)
 
 
 def test_concurrent_processes(tmp_path):
+    """Several processes create the database together (the first-time setup race), then write side by side."""
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), f"job{k}", 15)) for k in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
-    runs = history.recent_runs(limit=100, state_dir=tmp_path)
-    assert len(runs) == 60 and all(r.status == "ok" for r in runs)
-    with sqlite3.connect(tmp_path / "history.sqlite") as conn:
-        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    for round_ in range(4):
+        state_dir = tmp_path / f"round{round_}"
+        start = ctx.Barrier(8)
+        procs = [ctx.Process(target=_writer, args=(str(state_dir), f"job{k}", 4, start)) for k in range(8)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * 8, f"round {round_}"
+        runs = history.recent_runs(limit=100, state_dir=state_dir)
+        assert len(runs) == 32 and all(r.status == "ok" for r in runs)
+        with sqlite3.connect(state_dir / "history.sqlite") as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_first_setup_waits_for_another_writer_of_the_new_file(state):
+    """SQLite refuses ``PRAGMA journal_mode = WAL`` at once (no busy wait) while another connection holds the new,
+    still rollback-journal file: the setup retries until it is done instead of failing 'database is locked'."""
+    state.mkdir(parents=True)
+    reader = sqlite3.connect(state / "history.sqlite", isolation_level=None, check_same_thread=False)
+    reader.execute("BEGIN IMMEDIATE")                # as another process's first write: rollback mode, reserved
+    reader.execute("CREATE TABLE other (x)")
+    timer = threading.Timer(0.3, lambda: reader.execute("COMMIT"))
+    timer.start()
+    try:
+        run_id = history.start_run("j")
+    finally:
+        timer.join()
+        reader.close()
+    assert [r.id for r in history.recent_runs()] == [run_id]
 
 
 @pytest.mark.parametrize("edit", ["pid = 'abc'", "started_at = 'yesterday'", "job = x'ff'", "rows_done = 1.5",

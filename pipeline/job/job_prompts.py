@@ -46,15 +46,25 @@ class JobPrompts:
 
     def params_index(self, overrides: tuple) -> int:
         """The params id of a row whose request overrides the job's generation (OpenAI batch bodies)."""
-        i = self._param_index.get(overrides)
+        try:
+            i = self._param_index.get(overrides)
+        except TypeError:          # a list or object where a number or string belongs (max_tokens: [])
+            bad = next(k for k, v in overrides if not _hashable(v))
+            raise RowError(f"body: {bad}: {dict(overrides)[bad]!r} is not a valid value") from None
         if i is None:
-            try:
-                p = SamplingParams(**{**self.job.generation, **dict(overrides)})
-            except (BatchgenError, TypeError, ValueError) as e:
-                raise RowError(f"body: {e}") from None
+            p = self._sampling_params(overrides)
             i = self._param_index[overrides] = len(self.param_sets)
             self.param_sets.append(p)
         return i
+
+    def _sampling_params(self, overrides: tuple) -> SamplingParams:
+        try:
+            return SamplingParams(**{**self.job.generation, **dict(overrides)})
+        except (BatchgenError, ValueError) as e:
+            raise RowError(f"body: {e}") from None
+        except TypeError as e:      # a value of the wrong type: the message names no field, so name them here
+            given = ", ".join(f"{k}={v!r}" for k, v in overrides)
+            raise RowError(f"body: {given}: {e}") from None
 
     def tail_index(self, tail: tuple[int, ...]) -> int:
         i = self.tails.get(tail)
@@ -62,6 +72,14 @@ class JobPrompts:
             i = self.tails[tail] = len(self.tail_ids)
             self.tail_ids.append(tail)
         return i
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
 
 
 __all__ = ["JobPrompts"]

@@ -122,12 +122,34 @@ def _connect(state_dir: str | Path | None, create: bool = True) -> Iterator[sqli
             _migrate(conn, path)
             yield conn
         except (sqlite3.DatabaseError, UnicodeDecodeError) as e:     # also damage found only by a later query
-            if "locked" in str(e) or "busy" in str(e):
+            if _is_busy(e):
                 raise HistoryError(f"run history {path} is busy ({e}); try again") from None
             raise HistoryError(f"run history {path} is unusable ({e}); move it aside to start a new one") from None
 
 
 def _migrate(conn: sqlite3.Connection, path: Path) -> None:
+    """Bring the schema up to date, retrying with backoff while another process holds the file.
+
+    NOTE: SQLite answers ``PRAGMA journal_mode = WAL`` with "database is locked" at once, without waiting out the
+    busy timeout, while another connection holds the still rollback-journal file: several processes setting up a
+    new database together (cron firing jobs at once) would fail without these retries."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            return _migrate_once(conn, path)
+        except sqlite3.OperationalError as e:
+            if not _is_busy(e) or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, 0.25)
+
+
+def _is_busy(e: sqlite3.Error) -> bool:
+    return "locked" in str(e) or "busy" in str(e)
+
+
+def _migrate_once(conn: sqlite3.Connection, path: Path) -> None:
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     if version == SCHEMA_VERSION:
         return

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -32,6 +33,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine import RequestOutput, StepStats
+from pipeline.run.trace_meta import checked_meta
+
+log = logging.getLogger("batchgen.pipeline")
 
 REQUESTS_FILE, STEPS_FILE, RUN_FILE = "requests.parquet", "steps.parquet", "run.json"
 WARMUP_STEPS = 1   # the first step of a session pays for allocation, kernel selection, any compilation
@@ -77,7 +81,7 @@ class RunTrace:
         self.prediction: dict | None = None     # costmodel.predict for this run's plan, when there is one
         self.start = time.monotonic() if start_time is None else start_time
         self.started_at_unix = time.time() - (time.monotonic() - self.start)
-        prev = _read_json(self.run_dir / RUN_FILE)
+        prev = checked_meta(_read_json(self.run_dir / RUN_FILE), self.run_dir / RUN_FILE)
         self._prev_prediction = prev.get("prediction") if prev else None     # a resumed run keeps the first
         self._prev_sessions: list[dict] = list(prev.get("sessions", [])) if prev else []
         self.session = len(self._prev_sessions)
@@ -226,7 +230,7 @@ def read_run(run_dir: str | Path) -> TraceData:
     p = Path(run_dir)
     if not (p / RUN_FILE).is_file():
         raise FileNotFoundError(f"{p}: no {RUN_FILE} (not a run directory written by a batchgen run)")
-    meta = _read_json(p / RUN_FILE) or {}
+    meta = checked_meta(_read_json(p / RUN_FILE), p / RUN_FILE)
     requests = _read_table(p / REQUESTS_FILE, REQUEST_SCHEMA)
     steps = _read_table(p / STEPS_FILE, STEP_SCHEMA)
     return TraceData(p, requests, steps, meta)
@@ -283,10 +287,14 @@ def _config_dict(config) -> dict | None:
     return to_dict(config)
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(path: Path):
+    """The parsed file; None when it is missing or unreadable (warned about: a damaged file of ours)."""
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("run trace %s is unreadable (%s); ignored", path, e)
         return None
 
 
