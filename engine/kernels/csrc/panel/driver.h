@@ -51,9 +51,12 @@ static void panel_tile(const int R, const float *x, int32_t K, int32_t k0, int32
 void panel_linear_f32(const float *x, int32_t M, int32_t K, const void *panels, int32_t pb, int64_t N, float *y,
                       int32_t nt) {
     const int64_t P = panel_count(N);
+    /* a panel read by one or two tiles gains nothing from column blocks: each is read in one pass, from memory in
+     * order (decode's rows; column blocks would walk the weights twice, in strides) */
+    const int32_t KB = M <= 2 * PANEL_MR && K > 0 ? K : PANEL_KC;
 #pragma omp parallel num_threads(nt)
-    for (int32_t k0 = 0; k0 < K || k0 == 0; k0 += PANEL_KC) {
-        const int32_t kc = K - k0 < PANEL_KC ? K - k0 : PANEL_KC;
+    for (int32_t k0 = 0; k0 < K || k0 == 0; k0 += KB) {
+        const int32_t kc = K - k0 < KB ? K - k0 : KB;
         for (int32_t mb = 0; mb < M; mb += PANEL_MC) {
             const int32_t mc = M - mb < PANEL_MC ? M - mb : PANEL_MC;
             const int tiles = (mc + PANEL_MR - 1) / PANEL_MR;
