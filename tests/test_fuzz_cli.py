@@ -342,3 +342,24 @@ def test_an_openai_batch_body_with_a_list_for_a_number_is_a_bad_row_naming_the_f
     rows = {r["custom_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
     assert rows["bad"]["error"].startswith("body: ") and "max_tokens" in rows["bad"]["error"]
     assert rows["good"]["error"] is None
+
+
+@pytest.mark.parametrize("value", [False, 3, ["ok", 1], {"a": "b"}])
+def test_an_openai_batch_body_with_a_stop_that_is_not_text_is_a_bad_row_naming_the_field(value, chat_model, tmp_path,
+                                                                                        chat_llm_factory):
+    """``stop: false`` made plan / submit raise TypeError (found by the fuzz above)."""
+    import pyarrow.parquet as pq
+
+    from tests.test_openai_batch import req, sys_user
+    (tmp_path / "requests.jsonl").write_text(req("bad", sys_user("hi"), stop=value) + "\n"
+                                             + req("good", sys_user("hello")) + "\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: ob\nmodel: {chat_model}\ninput:\n  path: {tmp_path / 'requests.jsonl'}\n"
+                   f"  format: openai_batch\ngeneration:\n  max_tokens: 4\noutput:\n"
+                   f"  path: {tmp_path / 'out.parquet'}\n")
+    for cmd in (["plan", str(job)], ["submit", "--quiet", str(job)]):
+        res = CliRunner().invoke(main, cmd)
+        assert res.exception is None or isinstance(res.exception, SystemExit), (cmd, res.exception)
+    rows = {r["custom_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    assert rows["bad"]["error"].startswith("body.stop must be a string or a list of strings")
+    assert rows["good"]["error"] is None

@@ -149,10 +149,12 @@ def parse_body(body_json: str, problem: str | None) -> tuple[list[dict], dict]:
     if out[-1]["role"] != "user":
         raise RequestError("body.messages: the last message must be the user's")
     overrides = {_PARAMS[k]: v for k, v in body.items() if _PARAMS.get(k) and v is not None}
-    if "stop" in overrides and isinstance(overrides["stop"], str):
-        overrides["stop"] = [overrides["stop"]]
     if "stop" in overrides:
-        overrides["stop"] = tuple(overrides["stop"])
+        stop = overrides["stop"]
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise RequestError(f"body.stop must be a string or a list of strings, got {overrides['stop']!r}"[:200])
+        overrides["stop"] = tuple(stop)
     so = _response_format(body.get("response_format"))
     if so is not None:
         overrides["structured_outputs"] = so
