@@ -93,12 +93,13 @@ TARGETS = {
 }
 CHOSEN = {   # target -> family -> implementation file (csrc/<family>/<name>.c)
     "portable": {"bf16_gemm": "portable", "paged_decode": "portable", "prefill": "portable", "qlinear": "portable",
-                 "small_m": "portable"},
-    "avx2": {"bf16_gemm": "portable", "paged_decode": "avx2", "prefill": "avx2", "qlinear": "avx2", "small_m": "avx2"},
+                 "small_m": "portable", "panel": "portable"},
+    "avx2": {"bf16_gemm": "portable", "paged_decode": "avx2", "prefill": "avx2", "qlinear": "avx2", "small_m": "avx2",
+             "panel": "avx2"},
     "avx512": {"bf16_gemm": "portable", "paged_decode": "avx512", "prefill": "avx512", "qlinear": "avx2",
-               "small_m": "avx512"},
+               "small_m": "avx512", "panel": "avx2"},
     "avx512-bf16-vnni": {"bf16_gemm": "avx512_bf16", "paged_decode": "avx512_bf16", "prefill": "avx512",
-                         "qlinear": "avx512_vnni", "small_m": "avx512_bf16"},
+                         "qlinear": "avx512_vnni", "small_m": "avx512_bf16", "panel": "avx2"},
 }
 
 
