@@ -21,7 +21,8 @@ def _job(tmp_path, name, limit, max_tokens):
     spec["input"].update(path=str(ROOT / spec["input"]["path"]), limit=limit)
     spec["generation"].update(max_tokens=max_tokens)
     so = spec["generation"]["structured_outputs"]
-    so["json"] = str(ROOT / "jobs" / so["json"])
+    (tmp_path / "schemas").mkdir(exist_ok=True)                 # the schema beside the job file, as shipped
+    (tmp_path / so["json"]).write_text((ROOT / "jobs" / so["json"]).read_text())
     spec["output"]["path"] = str(tmp_path / f"out/{name}.parquet")
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
