@@ -15,6 +15,13 @@ import time
 import types
 
 import pytest
+from hypothesis import settings
+
+# The fuzz tests (hypothesis) draw the same examples every run, so CI cannot fail on a case no earlier run saw;
+# `HYPOTHESIS_PROFILE=explore` draws new ones (run it to look for more, then pin what it finds as a named test).
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore", max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # engine.tuning: tests never pay the tuner's probe (the tables decide, as with BATCHGEN_TUNE=off anywhere), so
 # tiny models and the default model alike resolve as before; tests/test_tuning.py turns it on per test with a
