@@ -86,10 +86,12 @@ def panel_pack(w: torch.Tensor, as_bf16: bool, lib: KernelLibrary | None = None)
     return out
 
 
-def panel_unpack(panels: torch.Tensor, n: int, out: torch.Tensor, lib: KernelLibrary | None = None) -> torch.Tensor:
-    """The panels' weight as float32 [n, K] into ``out`` (contiguous, n * K float32 at least)."""
+def panel_unpack(panels: torch.Tensor, n: int, out: torch.Tensor | None = None,
+                 lib: KernelLibrary | None = None) -> torch.Tensor:
+    """The panels' weight as float32 [n, K] into ``out`` (contiguous, n * K float32 at least; None: a fresh one)."""
     lib = lib or library.load()
     k = panels.shape[1]
+    out = torch.empty(n * k) if out is None else out
     assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() >= n * k
     lib.panel_unpack_f32(panels.data_ptr(), int(panels.dtype == torch.bfloat16), n, k, out.data_ptr())
     return out[:n * k].view(n, k)

@@ -47,8 +47,7 @@ class Embedding(nn.Embedding):
         """The weight [vocab, hidden] (a packed one unpacked into a fresh float32 tensor)."""
         if not self.packed:
             return self.weight
-        return gemm.panel_unpack(self.weight.detach(), self.num_embeddings,
-                                 torch.empty(self.num_embeddings * self.embedding_dim))
+        return gemm.panel_unpack(self.weight.detach(), self.num_embeddings)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """A packed weight is saved as [vocab, hidden] float32 (what a fresh model loads)."""

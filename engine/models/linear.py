@@ -70,8 +70,7 @@ class Linear(nn.Linear):
         """The weight [out, in] in the activations' dtype (a packed one unpacked into a fresh float32 tensor)."""
         if not self.packed:
             return self.weight
-        return panel_unpack(self.weight.detach(), self.out_features,
-                            torch.empty(self.out_features * self.in_features))
+        return panel_unpack(self.weight.detach(), self.out_features)
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_rows: int | torch.Tensor,
