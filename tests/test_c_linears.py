@@ -1,7 +1,7 @@
 """The ``linears`` kernel family: float linears' rows of output positions through the C few-row kernel
 (csrc/small_m/), prompt rows through torch. The kernel's rows must be the same bits at every row count, on every
 build (so a decode row does not depend on its step's other rows), and the engine must send exactly the output
-positions' rows to it."""
+positions' rows to it (and, under ``prefill_linears: c``, a prompt's rows too)."""
 import pytest
 import torch
 
@@ -129,6 +129,42 @@ def test_the_engine_sends_exactly_the_decode_rows_to_the_c_linears(llama_dir, mo
         return
     # three decode steps of both sequences: every float Linear once per step with their two rows
     assert len(seen) == 3 * linears and set(seen) == {2}
+
+
+def test_prefill_linears_c_sends_every_row_and_chunking_changes_no_bit(llama_dir, monkeypatch):
+    """``prefill_linears: c``: a prompt's rows take the panel kernel too, every call whole (no torch rows), and a
+    prompt's hidden states are the same bits however its prefill is chunked (each row one fma chain); the tokens are
+    torch-prefill's."""
+    monkeypatch.setenv("BATCHGEN_TUNE", "off")
+    opts = dict(dtype="float32", quantization="none", kv_cache_dtype="float32", speculative_config="off",
+                kv_cache_memory=16 << 20, max_num_seqs=8)
+    prompts = [list(range(5, 45)), [12, 13, 14]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llms = {(p, budget): LLM(llama_dir, max_num_batched_tokens=budget,
+                             kernels={"linears": "c", "prefill_linears": p}, **opts)
+            for p, budget in (("c", 256), ("c", 16), ("torch", 256))}
+    assert llms[("c", 256)].model.step_rows.prompts_too and not llms[("torch", 256)].model.step_rows.prompts_too
+    linears = sum(type(m) is Linear for m in llms[("c", 256)].model.modules())
+    seen = _kernel_rows(monkeypatch)
+    llms[("c", 256)].generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    assert len(seen) == linears and seen[0] == 43               # one prefill step of both prompts, whole
+    seen.clear()
+    llms[("torch", 256)].generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    assert seen == []
+    from engine.model_runner import ModelRunner
+    hidden, real_tokens = {}, ModelRunner._tokens
+
+    def spy(runner, rows, reqs, drafts):   # each request's sampled hidden state by its token count: any budget's
+        for row, r in zip(rows, reqs):
+            hidden[(key, r.prompt_token_ids[0], len(r.output_token_ids))] = row.clone()
+        return real_tokens(runner, rows, reqs, drafts)
+    monkeypatch.setattr(ModelRunner, "_tokens", spy)
+    outs = {}
+    for key, llm in llms.items():
+        outs[key] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs[("c", 256)] == outs[("c", 16)] == outs[("torch", 256)]
+    firsts = [k[1:] for k in hidden if k[0] == ("c", 256)]
+    assert len(firsts) == 8 and all(torch.equal(hidden[(("c", 256), *f)], hidden[(("c", 16), *f)]) for f in firsts)
 
 
 def test_packed_weights_give_the_same_bits_as_float32(tmp_path, llama_dir, monkeypatch):

@@ -5,7 +5,12 @@ for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfi
     lm_head      a float head's logits: "c" (csrc/small_m/ at every row count) | "torch" | "table" (the C kernel up
                  to gemm.SMALL_M_MAX rows, torch beyond: the rule when nothing was measured)
     linears      float linears' rows of output positions (decode): "c" (csrc/small_m/, row-invariant at every
-                 row count) | "torch" (torch's matmul, padded to an invariant row count). Prompt rows: torch.
+                 row count) | "torch" (torch's matmul, padded to an invariant row count). Prompt rows: torch,
+                 unless prefill_linears says otherwise.
+    prefill_linears  under linears "c" (weights held as panels), the prompt rows: "c" (the panel kernel blocked as a
+                 GEMM, csrc/panel/: every row one chain, so prefill's bits do not depend on the chunking) | "torch"
+                 (the panels unpacked into a float32 buffer, torch's matmul). "torch" when nothing was measured:
+                 on CPUs with wider vectors than the kernel's AVX2 torch is far ahead.
     attention    prefill over a bf16 or int8 KV cache: "c" (bf16 multiplied into float32, csrc/bf16_gemm/, where the
                  build has bf16 dot products) | "torch" (torch's matmuls in the activation dtype; float32 queries
                  read the cache as float32). Decode attention is the C kernel wherever it builds.
@@ -13,8 +18,8 @@ for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfi
 Kept free of torch so that a config can be checked without loading it.
 """
 KERNEL_FAMILIES = {"elementwise": ("c", "torch"), "lm_head": ("c", "torch", "table"), "attention": ("c", "torch"),
-                   "linears": ("c", "torch")}
-TABLE_KERNELS = {"elementwise": "c", "lm_head": "table", "attention": "c", "linears": "c"}
+                   "linears": ("c", "torch"), "prefill_linears": ("c", "torch")}
+TABLE_KERNELS = {"elementwise": "c", "lm_head": "table", "attention": "c", "linears": "c", "prefill_linears": "torch"}
 
 
 def check_kernels(kernels: dict) -> None:

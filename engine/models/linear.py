@@ -13,7 +13,8 @@ Output positions (a generated token's row, engine.model_runner) can instead go t
 (row-invariant at every row count, and on CPUs where torch's few-row matmul streams weights slowly several times
 faster): the ``linears`` kernel family, "c" or "torch" (engine.kernels.families). With "c" a step's output rows take
 the kernel and its prompt rows torch's padded matmul; which rows are which the layers set per forward on the
-model's ``StepRows``. Under "c" a float32 weight is held in the panel kernel's layout (``engine.kernels.gemm
+model's ``StepRows`` (the ``prefill_linears`` family's "c": every row of a packed weight through the panel
+kernel). Under "c" a float32 weight is held in the panel kernel's layout (``engine.kernels.gemm
 .panel_linear``: 16 output rows k-major, bf16 when every value is a bf16 value), and torch's rows get it unpacked
 into a reused float32 buffer; a bf16 weight (bf16 activations) stays [N, K] for the dot-product kernel
 (``small_m_linear``)."""
@@ -38,6 +39,8 @@ class StepRows:
 
     def __init__(self):
         self.spec: int | torch.Tensor = 0
+        self.prompts_too = False        # the ``prefill_linears`` family's "c": every row of a packed weight's call
+
 
     def use(self, spec: int | torch.Tensor) -> None:
         self.spec = spec
@@ -57,8 +60,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step_rows is None or x.dim() != 2:
             return invariant_linear(x, self.compute_weight(), self.bias, self.pad_to, self.tile)
-        return split_linear(x, self.weight, self.bias, self.step_rows.spec, self.pad_to, self.tile,
-                            self.out_features)
+        rows = self.step_rows
+        spec = x.shape[0] if rows.prompts_too and self.packed else rows.spec
+        return split_linear(x, self.weight, self.bias, spec, self.pad_to, self.tile, self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """A packed weight is saved as [out, in] float32 (what a fresh model loads; the weights cache stores it)."""

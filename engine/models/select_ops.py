@@ -41,6 +41,8 @@ def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
     make_row_invariant(model, deterministic)
     kernels = getattr(ops, "kernels", {})                              # CpuKernelOps only
     model.step_rows = use_c_linears(model, kernels.get("linears") == "c")
+    if model.step_rows is not None:
+        model.step_rows.prompts_too = kernels.get("prefill_linears") == "c"
     head = kernels.get("lm_head")
     pack_head(model, head == "c" or (head == "table" and deterministic))
     for mod in model.modules():
