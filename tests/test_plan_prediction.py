@@ -1,6 +1,6 @@
 """bench.plan_prediction: a batchgen bench run carries what ``batchgen plan`` predicts for the same work (the
 planner's hits at block granularity, priced by the engine's own ``plan_pricer``), beside the seconds it took; the
-JSON keeps both. No timing assertions: speeds here are noise."""
+size sweep's table shows both. No timing assertions: speeds here are noise."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +9,8 @@ import pytest
 from bench.options import options_from
 from bench.plan_prediction import bench_plan, percent_over, prediction_line
 from bench.run import run_bench
+from bench.sweep import SweepShape, format_sweep, sweep_row
+from bench.table import format_table
 from bench.workloads import build_prompts, make_workload
 from costmodel.predict import plan_pricer
 from engine.cache_root import cache_root
@@ -86,3 +88,28 @@ def test_a_bench_run_carries_the_plans_prediction(tiny_dir, cache_dir):
         assert extra["predicted_engine_s"] == again.engine_s
     # the cache-off run computes every prompt token: priced longer
     assert got["batchgen-nocache"]["predicted_engine_s"] > got["batchgen"]["predicted_engine_s"]
+    table = format_table(result)
+    for s in result["systems"]:
+        assert f"{s['label']}: {prediction_line(s['extra']['predicted_engine_s'], s['wall_s'])}" in table
+
+
+def _result(predicted, wall=5.0, skipped=None):
+    sys = {"system": "batchgen-default", "label": "batchgen-default", "wall_s": wall, "skipped": skipped,
+           "extra": {"predicted_engine_s": predicted} if predicted else {}}
+    peer = {"system": "vllm", "label": "vllm", "wall_s": 10.0, "skipped": None, "extra": {"dtype": "float32"}}
+    return {"systems": [sys, peer]}
+
+
+def test_sweep_row_and_table_show_plan_against_achieved():
+    shape = SweepShape("long-prompt", "long-prompt", dict(n=4, groups=4, prefix_tokens=0, doc_tokens=20,
+                                                          output_tokens=2), ("batchgen-default", "vllm"))
+    sizes = dict(shape.sizes)
+    rows = [sweep_row(shape, sizes, _result(4.0), 1.0), sweep_row(shape, sizes, _result(None), 1.0),
+            sweep_row(shape, sizes, _result(4.0, None, "no int8 here"), 1.0)]
+    assert rows[0]["systems"]["batchgen-default"]["predicted_engine_s"] == 4.0
+    assert rows[0]["systems"]["vllm"]["predicted_engine_s"] is None
+    table = format_sweep("tiny", "a CPU", rows).splitlines()
+    assert table[2].endswith("| vllm / ours | plan / achieved |")
+    assert table[4].endswith("| 2.00× | 4.0 s / 5.0 s (+25 %) |")
+    assert table[5].endswith("| 2.00× | – |")                  # no prediction: nothing to compare
+    assert table[6].endswith("| – | – |")                      # ours skipped
