@@ -89,7 +89,9 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
                                 "dtype": r["extra"].get("dtype"), "platform": r["extra"].get("platform"),
                                 "load_s": r["extra"].get("load_s"), "match_rate": r.get("match_rate"),
                                 "limit": limit_line(r) if not r["skipped"] and r.get("limits") else None,
-                                "predicted_engine_s": r["extra"].get("predicted_engine_s")}
+                                "predicted_engine_s": r["extra"].get("predicted_engine_s"),
+                                # roofline, or scaled to the tuner's timed steps of this format (costmodel.predict)
+                                "prediction_basis": (r["extra"].get("prediction") or {}).get("basis")}
     if ours and not ours["skipped"]:
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
@@ -127,7 +129,7 @@ def _plan_cell(ours: dict | None) -> str:
     if not ours or ours["skipped"] or not ours.get("predicted_engine_s") or not ours["wall_s"]:
         return "–"
     pred, wall = ours["predicted_engine_s"], ours["wall_s"]
-    return f"{pred:.1f} s / {wall:.1f} s ({percent_over(pred, wall):+.0f} %)"
+    return f"{pred:.2f} s / {wall:.2f} s ({percent_over(pred, wall):+.0f} %)"
 
 
 __all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "sweep_row", "format_sweep"]

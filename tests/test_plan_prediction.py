@@ -95,7 +95,7 @@ def test_a_bench_run_carries_the_plans_prediction(tiny_dir, cache_dir):
 
 def _result(predicted, wall=5.0, skipped=None):
     sys = {"system": "batchgen-default", "label": "batchgen-default", "wall_s": wall, "skipped": skipped,
-           "extra": {"predicted_engine_s": predicted} if predicted else {}}
+           "extra": {"predicted_engine_s": predicted, "prediction": {"basis": "roofline"}} if predicted else {}}
     peer = {"system": "vllm", "label": "vllm", "wall_s": 10.0, "skipped": None, "extra": {"dtype": "float32"}}
     return {"systems": [sys, peer]}
 
@@ -107,9 +107,10 @@ def test_sweep_row_and_table_show_plan_against_achieved():
     rows = [sweep_row(shape, sizes, _result(4.0), 1.0), sweep_row(shape, sizes, _result(None), 1.0),
             sweep_row(shape, sizes, _result(4.0, None, "no int8 here"), 1.0)]
     assert rows[0]["systems"]["batchgen-default"]["predicted_engine_s"] == 4.0
+    assert rows[0]["systems"]["batchgen-default"]["prediction_basis"] == "roofline"
     assert rows[0]["systems"]["vllm"]["predicted_engine_s"] is None
     table = format_sweep("tiny", "a CPU", rows).splitlines()
     assert table[2].endswith("| vllm / ours | plan / achieved |")
-    assert table[4].endswith("| 2.00× | 4.0 s / 5.0 s (+25 %) |")
+    assert table[4].endswith("| 2.00× | 4.00 s / 5.00 s (+25 %) |")
     assert table[5].endswith("| 2.00× | – |")                  # no prediction: nothing to compare
     assert table[6].endswith("| – | – |")                      # ours skipped
