@@ -14,6 +14,7 @@ import torch
 
 from bench.contend import contended_ratio, contention
 from bench.options import BenchOptions, say
+from bench.plan_prediction import prediction_line
 from bench.result import SystemResult
 from bench.systems.batchgen import BATCHGEN_VARIANTS, run_batchgen
 from bench.systems.llamacpp import run_llama_cpp
@@ -170,6 +171,8 @@ class _BenchRun:
             release_freed_memory()       # the engine keeps its peak heap (engine/malloc.py); a peer runs next
         if not res.skipped:
             say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s")
+            if res.extra.get("predicted_engine_s"):
+                say(opts, f"{name}: {prediction_line(res.extra['predicted_engine_s'], res.wall_s)}")
         return res
 
     def transformers(self) -> None:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from bench.options import BenchOptions, say
+from bench.plan_prediction import percent_over
 from bench.table import limit_line
 from bench.workloads import make_workload
 
@@ -81,12 +82,16 @@ def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str,
 def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dict:
     by = {r["system"]: r for r in result["systems"]}
     ours = by.get(s.systems[0])
-    row = {"label": s.label, "sizes": sizes, "elapsed_s": round(elapsed_s, 1), "systems": {}, "ratios": {}}
+    row = {"label": s.label, "sizes": sizes, "elapsed_s": round(elapsed_s, 1), "ours": s.systems[0], "systems": {},
+           "ratios": {}}
     for name, r in by.items():
         row["systems"][name] = {"wall_s": r["wall_s"], "label": r["label"], "skipped": r["skipped"],
                                 "dtype": r["extra"].get("dtype"), "platform": r["extra"].get("platform"),
                                 "load_s": r["extra"].get("load_s"), "match_rate": r.get("match_rate"),
-                                "limit": limit_line(r) if not r["skipped"] and r.get("limits") else None}
+                                "limit": limit_line(r) if not r["skipped"] and r.get("limits") else None,
+                                "predicted_engine_s": r["extra"].get("predicted_engine_s"),
+                                # roofline, or scaled to the tuner's timed steps of this format (costmodel.predict)
+                                "prediction_basis": (r["extra"].get("prediction") or {}).get("basis")}
     if ours and not ours["skipped"]:
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
@@ -99,7 +104,8 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
     faster (peer seconds / ours)."""
     names = list(dict.fromkeys(n for r in rows for n in r["systems"]))
     compared = [n for n in names if any(n in r["ratios"] for r in rows)]
-    head = ["shape", "sizes (n, groups, prefix, doc, out)"] + names + [f"{n} / ours" for n in compared]
+    head = (["shape", "sizes (n, groups, prefix, doc, out)"] + names + [f"{n} / ours" for n in compared]
+            + ["plan / achieved"])
     out = [f"Model {model}; CPU {cpu}; {time.strftime('%Y-%m-%d')}", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -110,11 +116,20 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
             cells.append("–" if s is None else ("skipped" if s["skipped"] else
                                                 f"{s['wall_s']:.1f} s" + (f" ({s['dtype']})" if s["dtype"] else "")))
         cells += [f"{r['ratios'][n]:.2f}×" if n in r["ratios"] else "–" for n in compared]
+        cells.append(_plan_cell(r["systems"].get(r.get("ours"))))
         out.append("| " + " | ".join(cells) + " |")
     skipped = [f"- {r['label']}, {n}: {s['skipped']}" for r in rows for n, s in r["systems"].items() if s["skipped"]]
     limits = [f"- {r['label']}: {s['limit']}" for r in rows for s in r["systems"].values() if s.get("limit")]
     return "\n".join(out + ([""] + skipped if skipped else [])
                      + (["", "How close to the limit (docs/guide/reports.md):"] + limits if limits else []))
+
+
+def _plan_cell(ours: dict | None) -> str:
+    """Batchgen's system: what ``batchgen plan`` predicted against the seconds the run took (issue 39's ±25 %)."""
+    if not ours or ours["skipped"] or not ours.get("predicted_engine_s") or not ours["wall_s"]:
+        return "–"
+    pred, wall = ours["predicted_engine_s"], ours["wall_s"]
+    return f"{pred:.2f} s / {wall:.2f} s ({percent_over(pred, wall):+.0f} %)"
 
 
 __all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "sweep_row", "format_sweep"]

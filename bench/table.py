@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from bench.breakdown import format_bound, format_breakdown
+from bench.plan_prediction import prediction_line
 from bench.result import SystemResult
 from bench.systems.registry import INT8_SYSTEMS, PEER_SYSTEMS, STRUCTURED_SYSTEMS
 
@@ -97,6 +98,7 @@ def format_table(result: dict) -> str:
     lines += _structured_ratio_lines(r, systems)
     lines += _peer_ratio_lines(r)
     lines += _contention_lines(systems)
+    lines += _prediction_lines(systems)
     lines += _breakdown_lines(systems)
     lines += _limit_lines(systems)
     lines += _calibration_lines(env)
@@ -237,6 +239,12 @@ def _contention_lines(systems: list[dict]) -> list[str]:
                          f"{e['contention_ratio']:.2f}x its quiet time; tokens "
                          f"{'identical' if e['contended_same_tokens'] else 'CHANGED'}")
     return lines
+
+
+def _prediction_lines(systems: list[dict]) -> list[str]:
+    """Each batchgen system: what ``batchgen plan`` predicts for its work against its wall (bench.plan_prediction)."""
+    ran = [s for s in systems if not s["skipped"] and s["wall_s"] and s["extra"].get("predicted_engine_s")]
+    return [f"{s['label']}: {prediction_line(s['extra']['predicted_engine_s'], s['wall_s'])}" for s in ran]
 
 
 def _breakdown_lines(systems: list[dict]) -> list[str]:

@@ -147,6 +147,7 @@ class BenchPrompt:
     index: int                # position in arrival order (document i)
     group: int
     token_ids: tuple[int, ...]
+    head_len: int = 0         # leading tokens the group shares (BOS + its prefix): the planner's head (plan_prediction)
 
 
 def build_prompts(tokenizer, w: Workload, seed: int = 0) -> list[BenchPrompt]:
@@ -166,7 +167,7 @@ def build_prompts(tokenizer, w: Workload, seed: int = 0) -> list[BenchPrompt]:
     for i in range(w.n):
         g = i % w.groups
         doc = text_tokens(tokenizer, w.doc_tokens, seed * 7919 + 100_003 + i, f"\nDocument {i}:\n")
-        prompts.append(BenchPrompt(i, g, tuple(prefixes[g] + doc + tail)))
+        prompts.append(BenchPrompt(i, g, tuple(prefixes[g] + doc + tail), len(prefixes[g])))
     return sorted(prompts, key=lambda p: (p.group, p.index))
 
 

@@ -78,6 +78,11 @@ class TokenIdsOnly:
         raise ModelLoadError(f"{self.path}: the model has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                              "give prompts as token ids, or add the tokenizer's files to the directory")
 
+    def __call__(self, texts, add_special_tokens: bool = True, **_) -> dict:
+        """Text in batches (a job's documents, ``batchgen plan`` included) refused as ``encode`` refuses it: the
+        same message, not a TypeError from deep in the pipeline."""
+        return self.encode("", add_special_tokens)
+
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         return ""
 

@@ -5,6 +5,7 @@ a bad directory or load_format is refused by name."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +75,34 @@ def test_bad_directory_or_load_format_is_refused(tmp_path):
         LLM(str(tmp_path), load_format="dummy", **OPTS)
     with pytest.raises(ConfigError, match="load_format must be auto or dummy"):
         LLM(str(tmp_path), load_format="random", **OPTS)
+
+
+def test_a_text_job_on_a_model_with_no_tokenizer_is_refused_by_name(config_dir, tmp_path, monkeypatch):
+    """``batchgen plan`` (and a run) render text prompts: on a config-only directory that is one message and exit
+    code 2, not a traceback."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    data = Path(__file__).resolve().parent.parent / "sample_data" / "documents.parquet"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"""name: dummy-text
+model: {config_dir}
+engine:
+  load_format: dummy
+input:
+  path: {data}
+  id_column: id
+  limit: 4
+prompt:
+  document_column: document
+  template: "Summarize:\\n{{document}}"
+generation:
+  max_tokens: 4
+output:
+  path: {tmp_path / "out.parquet"}
+""")
+    res = CliRunner().invoke(main, ["plan", str(job)])
+    assert res.exit_code == 2, res.output
+    assert "has no tokenizer" in res.output and "add the tokenizer's files" in res.output

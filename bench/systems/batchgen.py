@@ -8,6 +8,7 @@ from typing import Callable
 
 from bench.breakdown import kernel_breakdown
 from bench.options import BenchOptions, say
+from bench.plan_prediction import plan_prediction
 from bench.result import SystemResult
 from bench.workloads import STRUCTURED_SCHEMA, BenchPrompt, prompt_tokenizer, warmup_prompts
 from costmodel.roofline import Roofline, RunFormat
@@ -81,6 +82,7 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
     fmt = RunFormat.of(llm.info)
     res.extra["format"] = fmt.label
     res.extra["warmup_s"] = round(warmup_s, 3)
+    _plan_prediction(res, llm, prompts, T)
     if structured is not None:
         res.extra.update(structured=_structured_summary(outs))
     drafts = sum(o.metrics.num_draft_tokens for o in outs)
@@ -95,6 +97,19 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
     if roof is not None:
         _batchgen_roofline(res, outs, steps, roof, fmt)
     return res, llm
+
+
+def _plan_prediction(res: SystemResult, llm, prompts: list[BenchPrompt], output_tokens: int) -> None:
+    """What ``batchgen plan`` would predict for this run (``bench.plan_prediction``), in ``res.extra``:
+    ``predicted_engine_s`` and the whole ``prediction``."""
+    try:
+        pred = plan_prediction(llm, prompts, output_tokens)
+    except Exception as e:        # NOTE: as in a pipeline run, a prediction never loses the measurement
+        res.extra["prediction_error"] = f"{type(e).__name__}: {e}"
+        return
+    if pred is not None:
+        res.extra["predicted_engine_s"] = pred.engine_s
+        res.extra["prediction"] = pred.to_dict()
 
 
 def _structured_summary(outs) -> dict:
