@@ -353,6 +353,22 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{target}.{suffix}" if target else None
 
 
+def gguf_name(hf: str, arch: str) -> str:
+    """The GGUF tensor name of HF parameter ``hf`` (the inverse of ``hf_name``), for writing GGUF files."""
+    stem, _, suffix = hf.rpartition(".")
+    for g, h in _GLOBAL_NAMES.items():
+        if stem == h:
+            return f"{g}.{suffix}"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
+    if m:
+        layer, part = m.groups()
+        norms = _NORMS_SANDWICH if arch == "gemma3" else _NORMS_PRE_POST
+        for g, h in {**_LAYER_NAMES, **norms}.items():
+            if part == h:
+                return f"blk.{layer}.{g}.{suffix}"
+    raise ValueError(f"no GGUF name for {hf!r} ({arch})")
+
+
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf ``LlamaModel.permute``).
 
@@ -424,4 +440,4 @@ def gguf_int8_weights(path: str | Path, config: ModelConfig) -> dict[str, tuple[
 
 
 __all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "load_gguf_weights", "gguf_int8_weights", "hf_name",
-           "SUPPORTED_GGUF_ARCHITECTURES"]
+           "gguf_name", "SUPPORTED_GGUF_ARCHITECTURES"]
