@@ -21,10 +21,14 @@ def bench_models() -> tuple[str, ...]:
 
 
 def bench_model(model: str) -> tuple[str, str]:
-    """(what the engine loads, load_format): a name of ``bench_models()`` is its config directory with made-up
-    weights; anything else (an alias, an HF directory, a .gguf file) loads as it is."""
+    """(what the engine loads, load_format): a name of ``bench_models()``, or a directory with a config.json and no
+    weights, is that config with made-up weights; anything else (an alias, an HF directory, a .gguf file) loads as
+    it is."""
     if model in bench_models():
         return str(BENCH_MODELS / model), "dummy"
+    p = Path(model)
+    if (p / "config.json").is_file() and not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        return model, "dummy"
     return model, "auto"
 
 

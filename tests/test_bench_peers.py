@@ -38,7 +38,8 @@ keep = {{k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "VLLM_CPU_OMP_THREADS_
                                       "PYTHONPATH")}}
 json.dump({{"runner": runner, "request": req, "env": keep}}, open(os.path.join(here, "seen.json"), "w"))
 with open(os.path.join(here, "calls.jsonl"), "a") as f:
-    f.write(json.dumps({{"dtype": req.get("dtype"), "probe": req.get("probe"), "n": len(req["prompts"])}}) + "\\n")
+    f.write(json.dumps({{"dtype": req.get("dtype"), "probe": req.get("probe"), "n": len(req["prompts"]),
+                        "model": os.path.basename(req["model"])}}) + "\\n")
 if os.environ.get("FAKE_PEER_FAIL"):
     print("RuntimeError: no kernel for this CPU", file=sys.stderr)
     sys.exit(3)
@@ -62,14 +63,15 @@ json.dump({{"peer": name, "version": "0.0-fake", "load_s": 1.5, "warmup_s": 0.25
 
 @pytest.fixture
 def peers(tmp_path, monkeypatch, tiny_llama_dir):
-    """A peers dir with fake vllm and openvino venvs and the tiny model's OpenVINO 'export'."""
+    """A peers dir with fake vllm and openvino venvs and the tiny model's OpenVINO 'exports'."""
     root = tmp_path / "peers"
     for name in PEER_SYSTEMS:
         py = root / name / "bin" / "python"
         py.parent.mkdir(parents=True)
         py.write_text(FAKE.format(python=sys.executable))
         py.chmod(0o755)
-    (root / "models" / f"{Path(tiny_llama_dir).name}-ov-fp16").mkdir(parents=True)
+    for fmt in ("fp16", "int8"):
+        (root / "models" / f"{Path(tiny_llama_dir).name}-ov-{fmt}").mkdir(parents=True)
     monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(root))
     monkeypatch.delenv("FAKE_PEER_FAIL", raising=False)
     monkeypatch.delenv("FAKE_PEER_PROBE", raising=False)
@@ -166,7 +168,8 @@ def test_a_peer_runs_in_the_dtype_its_probe_found_fastest_and_keeps_the_choice(p
     probes = [c for c in _calls(peers) if c["probe"]]
     assert [c["dtype"] for c in probes] == ["float32", "bfloat16"]
     assert all(c["n"] == min(peer.PROBE_PROMPTS, len(prompts)) for c in probes)
-    assert _calls(peers)[-1] == {"dtype": "float32", "probe": False, "n": len(prompts)}
+    assert _calls(peers)[-1] == {"dtype": "float32", "probe": False, "n": len(prompts),
+                                 "model": Path(tiny_llama_dir).name}
     assert res.label == "vllm float32" and res.extra["dtype"] == "float32"
     assert res.extra["dtype_probes"] == {"bfloat16": 7.0, "float32": 1.0}
     assert res.extra["platform"] == "FakePlatform"
@@ -189,6 +192,23 @@ def test_a_dtype_that_fails_its_probe_is_reported_and_the_other_runs(peers, tiny
     res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
     assert res.skipped.startswith("every dtype failed: float32: failed (exit 4")
     assert "bfloat16: failed (exit 4" in res.skipped
+
+
+def test_openvino_probes_its_weight_formats_each_in_its_own_export(peers, tiny_llama_dir, monkeypatch):
+    """OpenVINO's dtypes are its IR's weight formats (setup.sh exports both): each probe loads its own directory,
+    the fastest runs, and a missing export names the setup to run."""
+    monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"fp16": 2.0, "int8": 1.0}))
+    opts = _opts(tiny_llama_dir, ("openvino",))
+    prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
+    res = peer.run_peer("openvino", opts, prompts, [[1, 2, 3]], threads=1)
+    stem = Path(tiny_llama_dir).name
+    assert [(c["dtype"], c["model"]) for c in _calls(peers, "openvino") if c["probe"]] == [
+        ("fp16", f"{stem}-ov-fp16"), ("int8", f"{stem}-ov-int8")]
+    assert _calls(peers, "openvino")[-1]["model"] == f"{stem}-ov-int8" and not _calls(peers, "openvino")[-1]["probe"]
+    assert res.label == "openvino int8" and res.extra["dtype_probes"] == {"fp16": 2.0, "int8": 1.0}
+    (peers / "models" / f"{stem}-ov-int8").rmdir()
+    with pytest.raises(peer.PeerMissing, match=r"ov-int8 missing.*bash bench/peers/setup.sh openvino"):
+        peer.check_peer("openvino", tiny_llama_dir)
 
 
 def test_a_peer_that_fails_is_a_row_saying_why(peers, tiny_llama_dir, monkeypatch):

@@ -7,8 +7,11 @@
 #
 # MODEL is what `batchgen bench --model` takes (default gemma-3-270m). Everything lands under
 # ${BATCHGEN_PEERS_DIR:-~/.cache/batchgen/peers}: <name>/ (the venv), models/<gguf stem>-hf/ (bf16 safetensors
-# and tokenizer) and models/<gguf stem>-ov-fp16/ (the IR). Idempotent: a finished venv carries a stamp of its
-# pins and is left alone; a converted model is not converted again.
+# and tokenizer) and models/<gguf stem>-ov-fp16/ and -ov-int8/ (the IR, fp16 and int8 weights). A dummy model (a
+# bench/models name, or a directory with only a config.json: made-up weights) is written as
+# models/<name>-dummy-bf16/ (bench.dummy_checkpoint, no tokenizer) and exported to models/<name>-dummy-ov-*/.
+# Idempotent: a finished venv carries a stamp of its pins and is left alone; a converted model is not converted
+# again.
 set -euo pipefail
 
 name=${1:?usage: bash bench/peers/setup.sh vllm|openvino [MODEL]}
@@ -58,20 +61,30 @@ venv() {
     log "$dir: done in $((SECONDS - t)) s, $(du -sh "$dir" | cut -f1)"
 }
 
-resolve_model() {   # MODEL -> the path batchgen loads (a GGUF file or an HF directory)
-    "$bg_python" -c "import sys; from engine import resolve_model; print(resolve_model(sys.argv[1]).path)" "$1"
+resolve_model() {   # MODEL -> "FORMAT PATH": what batchgen loads (a GGUF file, an HF or a dummy model's directory)
+    PYTHONPATH=$root "$bg_python" -c "import sys; from bench.options import bench_model; from engine import resolve_model
+m, fmt = bench_model(sys.argv[1]); print(fmt, resolve_model(m, fmt).path)" "$1"
 }
 
-# hf_copy PYTHON: the HF bf16 directory for MODEL, converted from its GGUF once (under a lock: two setups may
-# run at once); an HF directory is used as it is
+# hf_copy PYTHON: the HF bf16 directory for MODEL (under a lock: two setups may run at once): a GGUF converted
+# once, a dummy model's weights written once (the checkpoint vLLM's run writes too), an HF directory as it is
 hf_copy() {
-    local py=$1 src
-    src=$(resolve_model "$model")
+    local py=$1 src fmt
+    read -r fmt src < <(resolve_model "$model")
+    if [[ $fmt == dummy ]]; then
+        HF_DIR=$peers/models/$(basename "$src")-dummy-bf16          # bench/systems/peer.py: peer_model_dir
+        STEM=${HF_DIR%-bf16}
+        log "writing $HF_DIR (the dummy weights of $src, if not written)"
+        ( flock 9; PYTHONPATH=$root "$bg_python" -m bench.dummy_checkpoint "$src" "$HF_DIR" ) 9> "$peers/models/.lock"
+        return
+    fi
     if [[ -d $src ]]; then
         HF_DIR=$src
+        STEM=$peers/models/$(basename "$src")
         return
     fi
     HF_DIR=$peers/models/$(basename "$src" .gguf)-hf
+    STEM=${HF_DIR%-hf}
     (
         flock 9
         if [[ -f $HF_DIR/config.json && -f $HF_DIR/model.safetensors ]]; then
@@ -121,19 +134,22 @@ openvino)
         "pip uninstall -q -y $OV_DROP" \
         "pip install -q $CONVERT_EXTRA"
     hf_copy "$env_dir/bin/python"
-    ov_dir=$peers/models/$(basename "${HF_DIR%-hf}")-ov-fp16     # bench/systems/peer.py: peer_model_dir
-    (
-        flock 9
-        if [[ -f $ov_dir/openvino_model.xml ]]; then
-            log "$ov_dir: exported"
-        else
-            log "exporting $HF_DIR -> $ov_dir (fp16 weights)"
-            rm -rf "$ov_dir.tmp"
-            "$env_dir/bin/optimum-cli" export openvino --model "$HF_DIR" --task text-generation-with-past \
-                --weight-format fp16 "$ov_dir.tmp"
-            mv "$ov_dir.tmp" "$ov_dir"
-        fi
-    ) 9> "$peers/models/.lock"
-    log "ready: $env_dir/bin/python, model $ov_dir"
+    for format in fp16 int8; do      # bench/systems/peer.py: PEERS["openvino"].dtypes, each probed
+        ov_dir=$STEM-ov-$format                                    # bench/systems/peer.py: peer_model_dir
+        (
+            flock 9
+            if [[ -f $ov_dir/openvino_model.xml ]]; then
+                log "$ov_dir: exported"
+            else
+                log "exporting $HF_DIR -> $ov_dir ($format weights)"
+                rm -rf "$ov_dir.tmp"
+                # a dummy model has no tokenizer (prompts are token ids): the export then writes none
+                "$env_dir/bin/optimum-cli" export openvino --model "$HF_DIR" --task text-generation-with-past \
+                    --weight-format "$format" "$ov_dir.tmp"
+                mv "$ov_dir.tmp" "$ov_dir"
+            fi
+        ) 9> "$peers/models/.lock"
+    done
+    log "ready: $env_dir/bin/python, models $STEM-ov-{fp16,int8}"
     ;;
 esac

