@@ -55,7 +55,8 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--positions", type=int, default=2000, show_default=True, help="--quality: next-token positions.")
 @click.option("--size-sweep", is_flag=True, help="Instead of SHAPE: every shape of bench.sweep sized for --model "
               "(shared-prefix with the prefix cache on and off, long-prompt, long-output, decode at 1, 8 and 48 "
-              "rows), batchgen's defaults, int8 and vLLM at its best in each; a markdown table of same-run ratios.")
+              "rows), batchgen's defaults, int8, and vLLM, OpenVINO and llama.cpp at their best in each; a markdown "
+              "table of same-run ratios.")
 @click.option("--sweep-only", default=None, help="With --size-sweep: a comma list of its shapes' labels to run "
               "(e.g. 'shared-prefix,shared-prefix cache off'; default: all).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -126,15 +127,17 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
 
 
 def _size_sweep(opts, progress, only: list[str] | None) -> None:
-    """``--size-sweep``: bench.sweep on the model, peers that are set up (the others are named as missing)."""
+    """``--size-sweep``: bench.sweep on the model, the venv peers that are set up (the others are named as missing;
+    llama.cpp always runs, a skipped row when it is not installed)."""
     from bench.sweep import SWEEP, format_sweep, run_sweep
     from bench.systems.peer import PeerMissing, check_peer
+    from bench.systems.registry import PEER_SYSTEMS
     from costmodel.flops import num_params
     from engine.kernels.cpu_features import cpu_description
     from engine.loader import load_model_config, resolve_model
 
     peers = []
-    for name in ("vllm", "vllm-nocache"):
+    for name in PEER_SYSTEMS:
         try:
             check_peer(name, opts.model, opts.load_format)
             peers.append(name)

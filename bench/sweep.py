@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from bench.options import BenchOptions, say
 from bench.plan_prediction import percent_over
+from bench.systems.registry import PEER_SYSTEMS
 from bench.table import limit_line
 from bench.workloads import make_workload
 
@@ -28,7 +29,9 @@ class SweepShape:
     scale_n: bool = True              # fewer documents for a larger model
 
 
-_CACHE_ON = ("batchgen-default", "batchgen-int8", "vllm")
+# llama.cpp runs in this process (a skipped row when llama-cpp-python is not installed); the venv peers are left
+# out of the shapes when they are not set up (batchgen/bench_cmd.py says so)
+_CACHE_ON = ("batchgen-default", "batchgen-int8", "vllm", "openvino", "llama.cpp")
 _CACHE_OFF = ("batchgen-default-nocache", "vllm-nocache")
 SWEEP = (
     SweepShape("shared-prefix", "shared-prefix",
@@ -59,16 +62,16 @@ def sized(s: SweepShape, params: float, quick: bool = False) -> dict:
     return sizes
 
 
-def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str, ...] = ("vllm", "vllm-nocache"),
+def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str, ...] = PEER_SYSTEMS,
               on_result=None) -> list[dict]:
-    """Each shape through ``bench.run.run_bench`` with its systems (peers not in ``peers`` left out); one row per
-    shape: its sizes, each system's seconds (or why it was skipped), and batchgen's ratio against each peer."""
+    """Each shape through ``bench.run.run_bench`` with its systems (venv peers not in ``peers`` left out); one row
+    per shape: its sizes, each system's seconds (or why it was skipped), and batchgen's ratio against each peer."""
     from bench.run import run_bench
 
     rows = []
     for s in shapes:
         sizes = sized(s, params, opts.quick)
-        systems = tuple(n for n in s.systems if not n.startswith("vllm") or n in peers)
+        systems = tuple(n for n in s.systems if n not in PEER_SYSTEMS or n in peers)
         o = dataclasses.replace(opts, workload=make_workload(s.shape, **sizes), systems=systems)
         say(opts, f"sweep: {s.label} {sizes} -> {', '.join(systems)}")
         t = time.monotonic()

@@ -1,7 +1,14 @@
-"""The llama.cpp peer: llama-cpp-python on the same GGUF (``pip install -e '.[peer]'``), when installed."""
+"""The llama.cpp peer: llama-cpp-python in batchgen's venv (``pip install -e '.[peer]'``), when installed.
+
+A GGUF model runs as it is. A ``load_format: dummy`` model runs on the same made-up weights written as GGUF
+(``bench.dummy_gguf``, once, under the peers dir: ``models/<name>-dummy-<type>.gguf``) in each of
+``DUMMY_TYPES``: each is probed on the workload's first prompts and the fastest runs the workload, chosen and kept
+as the venv peers' dtypes are (``bench.systems.peer.choose_fastest``); the row says which ran.
+"""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -10,51 +17,129 @@ from bench.result import SystemResult
 from bench.workloads import BenchPrompt
 from engine.loader import resolve_model
 
+# Q8_0 and llama.cpp's fastest float type here: F16 (its matmuls take F16 weights natively with F16C, and decode
+# reads half of F32's bytes; BF16 has no native path without AVX512-BF16). The dummy values are bf16, so F16
+# holds them exactly.
+DUMMY_TYPES = ("q8_0", "f16")
+NOTE = "llama-cpp-python, n_batch=512, flash_attn, swa_full, group order"
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _skipped(why: str) -> SystemResult:
+    return SystemResult(system="llama.cpp", label="llama.cpp", skipped=why)
+
+
+def dummy_gguf_path(model: str, type_: str) -> Path:
+    from bench.systems.peer import peers_dir
+    return peers_dir() / "models" / f"{Path(model).name}-dummy-{type_}.gguf"
+
+
+def _load(path: Path, prompts: list[BenchPrompt], output_tokens: int, threads: int):
+    from llama_cpp import Llama
+
+    n_ctx = max(len(p.token_ids) for p in prompts) + output_tokens + 16
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                 flash_attn=True, swa_full=True, verbose=False)
+
+
+def _generate(llm, prompts: list[BenchPrompt], T: int, deadline: float | None = None) -> dict:
+    """Exactly ``T`` greedy tokens per prompt, in group order (one Llama keeps the KV of the longest common prefix
+    with the previous prompt); raises _Stopped past ``deadline`` (monotonic)."""
+    outputs: dict[int, list[int]] = {}
+    ttft, tpot = [], []
+    t0 = time.monotonic()
+    for p in sorted(prompts, key=lambda p: (p.group, p.index)):
+        out, start, first = [], time.monotonic(), None
+        # greedy (top_k=1), no penalties; reset=True keeps the longest common prefix of the previous prompt
+        for tok in llm.generate(list(p.token_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            first = first or time.monotonic()
+            out.append(int(tok))
+            if deadline is not None and time.monotonic() > deadline:
+                raise _Stopped
+            if len(out) >= T:
+                break
+        ttft.append(first - start)
+        if len(out) > 1:
+            tpot.append((time.monotonic() - first) / (len(out) - 1))
+        outputs[p.index] = out
+    return {"outputs": [outputs[p.index] for p in prompts], "wall": time.monotonic() - t0, "ttft": ttft,
+            "tpot": tpot}
+
+
+def _warm_up(llm, prompts: list[BenchPrompt]) -> None:
+    _generate(llm, [BenchPrompt(-1, -1, tuple(prompts[0].token_ids[:16]))], 2)
+
+
+def _choose_type(opts: BenchOptions, prompts: list[BenchPrompt], threads: int) -> tuple[str | None, dict]:
+    """The fastest of DUMMY_TYPES for this dummy model on this CPU, each file written first (once)."""
+    from bench.dummy_gguf import write_gguf
+    from bench.systems.peer import PROBE_PROMPT_TOKENS, PROBE_PROMPTS, PROBE_TOKENS, choose_fastest, kept_choice
+
+    key = f"llama.cpp-{Path(opts.model).name}-dummy"
+    if kept_choice(key, DUMMY_TYPES) is None:         # all are probed: write them before any probe is timed
+        for t in DUMMY_TYPES:
+            say(opts, f"llama.cpp: writing {dummy_gguf_path(opts.model, t)} (once)")
+            write_gguf(opts.model, dummy_gguf_path(opts.model, t), t)
+    short = [BenchPrompt(p.index, p.group, tuple(p.token_ids[:PROBE_PROMPT_TOKENS])) for p in prompts[:PROBE_PROMPTS]]
+
+    def probe(type_: str, limit: float | None) -> tuple[float | None, str]:
+        start = time.monotonic()
+        try:
+            llm = _load(dummy_gguf_path(opts.model, type_), short, PROBE_TOKENS, threads)
+        except (ValueError, RuntimeError) as e:
+            return None, f"failed to load: {e}"
+        try:
+            _warm_up(llm, short)
+            return _generate(llm, short, PROBE_TOKENS, start + limit if limit else None)["wall"], ""
+        except _Stopped:
+            return None, f"stopped after {limit:.1f} s"
+        finally:
+            llm.close()
+
+    return choose_fastest(key, DUMMY_TYPES, probe, opts, opts.model)
+
 
 def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResult:
     """llama.cpp through llama-cpp-python: its best configuration measured on this workload (module docstring)."""
     try:   # NOTE: an optional dependency (the peer extra): without it the system is reported skipped
         import llama_cpp
-        from llama_cpp import Llama
     except ImportError:
-        return SystemResult(system="llama.cpp", label="llama.cpp",
-                            skipped="llama-cpp-python not installed (pip install -e '.[peer]')")
+        return _skipped("llama-cpp-python not installed (pip install -e '.[peer]')")
     # which build runs (its instruction sets): a peer built for another CPU kind is not the same peer
     say(opts, f"llama.cpp {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}")
-    src = resolve_model(opts.model)
-    if src.kind != "gguf":
-        return SystemResult(system="llama.cpp", label="llama.cpp", skipped="the model is not a GGUF file")
-    T = opts.workload.output_tokens
-    n_ctx = max(len(p.token_ids) for p in prompts) + T + 16
     threads = opts.threads or torch.get_num_threads()
-    llm = Llama(model_path=str(src.path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                flash_attn=True, swa_full=True, verbose=False)
-    ordered = sorted(prompts, key=lambda p: (p.group, p.index))
-    outputs: dict[int, list[int]] = {}
-    ttft, tpot = [], []
-
-    def one(p: BenchPrompt, limit: int) -> list[int]:
-        out, t0, t_first = [], time.monotonic(), None
-        # greedy (top_k=1), no penalties; reset=True keeps the longest common prefix of the previous prompt
-        for tok in llm.generate(list(p.token_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-            t_first = t_first or time.monotonic()
-            out.append(int(tok))
-            if len(out) >= limit:
-                break
-        if limit == T:
-            ttft.append(t_first - t0)
-            if len(out) > 1:
-                tpot.append((time.monotonic() - t_first) / (len(out) - 1))
-        return out
-
-    one(BenchPrompt(-1, -1, tuple(prompts[0].token_ids[:16])), 2)          # warm-up, like the others
-    t0 = time.monotonic()
-    for p in ordered:
-        outputs[p.index] = one(p, T)
-    wall = time.monotonic() - t0
-    outs = [outputs[p.index] for p in prompts]
-    llm.close()
-    return SystemResult(system="llama.cpp", label="llama.cpp", wall_s=wall, num_requests=len(outs),
-                        prompt_tokens=sum(len(p.token_ids) for p in prompts), cached_tokens=0,
-                        output_tokens=sum(len(o) for o in outs), ttft_s=ttft, tpot_s=tpot, outputs=outs,
-                        extra={"note": "llama-cpp-python, n_batch=512, flash_attn, swa_full, group order"})
+    type_, probes = None, {}
+    if opts.load_format == "dummy":
+        type_, probes = _choose_type(opts, prompts, threads)
+        if type_ is None:
+            return _skipped("every type failed: " + "; ".join(f"{t}: {w}" for t, w in probes.items()))
+        from bench.dummy_gguf import write_gguf
+        path = write_gguf(opts.model, dummy_gguf_path(opts.model, type_), type_)
+    else:
+        src = resolve_model(opts.model)
+        if src.kind != "gguf":
+            return _skipped("the model is not a GGUF file")
+        path = Path(src.path)
+    t = time.monotonic()
+    llm = _load(path, prompts, opts.workload.output_tokens, threads)
+    load_s = time.monotonic() - t
+    try:
+        t = time.monotonic()
+        _warm_up(llm, prompts)
+        warmup_s = time.monotonic() - t
+        run = _generate(llm, prompts, opts.workload.output_tokens)
+    finally:
+        llm.close()
+    outs = run["outputs"]
+    res = SystemResult(system="llama.cpp", label="llama.cpp" + (f" {type_}" if type_ else ""), wall_s=run["wall"],
+                       num_requests=len(outs), prompt_tokens=sum(len(p.token_ids) for p in prompts),
+                       cached_tokens=0, output_tokens=sum(len(o) for o in outs), ttft_s=run["ttft"],
+                       tpot_s=run["tpot"], outputs=outs,
+                       extra={"note": NOTE, "load_s": round(load_s, 2), "warmup_s": round(warmup_s, 2),
+                              "version": llama_cpp.__version__})
+    if type_:
+        res.extra.update(dtype=type_, dtype_probes=probes, model_file=str(path))
+    return res

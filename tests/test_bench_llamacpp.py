@@ -1,0 +1,116 @@
+"""bench/systems/llamacpp.py on a dummy model, without llama.cpp: a fake ``llama_cpp`` module stands in, slower
+or failing per GGUF type, so the type probe (each type's file written once, the fastest runs, a failure reported,
+the choice kept) and the sweep's llama.cpp rows are held. The real check of the files against llama.cpp's tokens
+is done by hand (bench/dummy_gguf.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import types
+
+import pytest
+
+from bench.options import options_from
+from bench.systems import llamacpp
+from bench.workloads import BenchPrompt
+
+TINY = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "bfloat16"}
+
+
+class FakeLlama:
+    """Greedy 'tokens' (last prompt token + k) % 97; FAKE_LLAMA_SLOW seconds per token and FAKE_LLAMA_FAIL (a
+    type: the load fails) by the file's type."""
+    loaded: list[str] = []
+
+    def __init__(self, model_path, **kw):
+        type_ = model_path.removesuffix(".gguf").rsplit("-", 1)[1]
+        FakeLlama.loaded.append(type_)
+        if os.environ.get("FAKE_LLAMA_FAIL") in (type_, "all"):
+            raise ValueError(f"Failed to load model from file: {model_path}")
+        self.delay = json.loads(os.environ.get("FAKE_LLAMA_SLOW", "{}")).get(type_, 0.0)
+
+    def generate(self, tokens, **kw):
+        k = 0
+        while True:
+            time.sleep(self.delay)
+            yield (tokens[-1] + k) % 97
+            k += 1
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    mod = types.SimpleNamespace(__version__="0.0-fake", Llama=FakeLlama, llama_print_system_info=lambda: b"FAKE")
+    monkeypatch.setitem(sys.modules, "llama_cpp", mod)
+    monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.delenv("FAKE_LLAMA_FAIL", raising=False)
+    monkeypatch.setenv("FAKE_LLAMA_SLOW", "{}")
+    FakeLlama.loaded = []
+    cfg = tmp_path / "tiny-qwen2"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps(TINY))
+    opts = options_from("shared-prefix", quick=True, model=str(cfg), dtype="float32", log=False, roofline=False,
+                        systems=("llama.cpp",))
+    assert opts.load_format == "dummy"                 # a directory with only a config.json
+    prompts = [BenchPrompt(i, i % 2, tuple(range(3 + i, 40 + i))) for i in range(4)]
+    return opts, prompts
+
+
+@pytest.mark.parametrize("slow", ["q8_0", "f16"])
+def test_the_fastest_type_runs_and_the_choice_is_kept(fake, monkeypatch, slow):
+    opts, prompts = fake
+    monkeypatch.setenv("FAKE_LLAMA_SLOW", json.dumps({slow: 0.02}))
+    res = llamacpp.run_llama_cpp(opts, prompts)
+    fast = next(t for t in llamacpp.DUMMY_TYPES if t != slow)
+    assert not res.skipped and res.extra["dtype"] == fast and res.label == f"llama.cpp {fast}"
+    assert FakeLlama.loaded == [*llamacpp.DUMMY_TYPES, fast]            # each probed, then the fastest ran
+    probes = res.extra["dtype_probes"]
+    # probed second, the slow one is stopped at PROBE_CUTOFF times the fast one's wall time
+    assert probes[slow] > probes[fast] >= 0 if slow == llamacpp.DUMMY_TYPES[0] else probes[slow].startswith("slower")
+    for t in llamacpp.DUMMY_TYPES:                                       # each type written, once
+        assert llamacpp.dummy_gguf_path(opts.model, t).is_file()
+    T = opts.workload.output_tokens
+    assert res.outputs == [[(p.token_ids[-1] + k) % 97 for k in range(T)] for p in prompts]
+    assert res.output_tokens == len(prompts) * T and res.extra["load_s"] >= 0
+    FakeLlama.loaded = []
+    monkeypatch.setenv("FAKE_LLAMA_SLOW", json.dumps({fast: 0.02}))       # kept: not probed again
+    again = llamacpp.run_llama_cpp(opts, prompts)
+    assert again.extra["dtype"] == fast and FakeLlama.loaded == [fast] and "kept" in again.extra["dtype_probes"]
+
+
+def test_a_type_that_fails_is_reported_and_every_type_failing_is_a_skipped_row(fake, monkeypatch, tmp_path):
+    opts, prompts = fake
+    monkeypatch.setenv("FAKE_LLAMA_FAIL", "q8_0")
+    res = llamacpp.run_llama_cpp(opts, prompts)
+    assert res.extra["dtype"] == "f16"
+    assert res.extra["dtype_probes"]["q8_0"].startswith("failed to load: Failed to load model from file")
+    for kept in (tmp_path / "peers" / "choices").iterdir():
+        kept.unlink()
+    monkeypatch.setenv("FAKE_LLAMA_FAIL", "all")
+    res = llamacpp.run_llama_cpp(opts, prompts)
+    assert res.skipped.startswith("every type failed: q8_0: failed to load") and "f16: failed to load" in res.skipped
+
+
+def test_without_llama_cpp_the_row_says_why(fake, monkeypatch):
+    opts, prompts = fake
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)               # import fails
+    assert "llama-cpp-python not installed" in llamacpp.run_llama_cpp(opts, prompts).skipped
+
+
+def test_the_sweep_runs_llama_cpp_in_its_cache_on_shapes(fake):
+    from bench.sweep import SWEEP, format_sweep, sweep_row
+
+    assert all("llama.cpp" in s.systems and "openvino" in s.systems for s in SWEEP if "cache off" not in s.label)
+    opts, prompts = fake
+    res = llamacpp.run_llama_cpp(opts, prompts)
+    ours = {"system": "batchgen-default", "wall_s": res.wall_s * 2, "label": "b", "skipped": None, "extra": {}}
+    row = sweep_row(SWEEP[0], SWEEP[0].sizes, {"systems": [ours, {**res.to_dict(), "system": "llama.cpp"}]}, 1.0)
+    assert row["systems"]["llama.cpp"]["dtype"] == res.extra["dtype"]
+    assert f"({res.extra['dtype']})" in format_sweep("tiny", "cpu", [row])
