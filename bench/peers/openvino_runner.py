@@ -3,11 +3,13 @@ imports only openvino(_genai), numpy and the standard library, never batchgen.
 
     python openvino_runner.py REQUEST.json RESULT.json
 
-The request (bench/systems/peer.py writes it): ``model`` (an OpenVINO IR directory), ``prompts``, ``groups`` (the
-shared-prefix group of each prompt), ``warmup``, ``max_tokens``, ``threads``, ``prefix_caching``,
-``max_num_batched_tokens``, ``cache_size_gb``. The result: per prompt output token ids, ``load_s``,
-``warmup_s``, ``generate_s``, per request TTFT/TPOT seen from the step loop (step granularity). It does not report
-cached prompt tokens (``cached_tokens`` is null).
+The request (bench/systems/peer.py writes it): ``model`` (an OpenVINO IR directory, its weights in the format
+``dtype`` names: fp16 or int8), ``prompts``, ``groups`` (the shared-prefix group of each prompt), ``warmup``,
+``max_tokens``, ``threads``, ``prefix_caching``, ``max_num_batched_tokens``, ``cache_size_gb``, ``probe`` (a dtype
+probe: ``probe_s`` is its generate time). The result: per prompt output token ids, ``load_s``, ``warmup_s``,
+``generate_s``, per request TTFT/TPOT seen from the step loop (step granularity). It does not report cached prompt
+tokens (``cached_tokens`` is null). Prompts and outputs are token ids: the IR's tokenizer is never used (a dummy
+model's export has only a placeholder one).
 
 NOTE: ContinuousBatchingPipeline looks a prefix up only when a request is added, so one ``generate()`` over all
 prompts reuses nothing. With prefix caching on, the first prompt of each group goes first; the pipeline steps
@@ -99,7 +101,8 @@ def main(request_path: str, result_path: str) -> None:
     res = generate(pipe, prompts, groups, int(req["max_tokens"]), bool(req["prefix_caching"]))
     generate_s = time.monotonic() - t
     res.update(peer="openvino", version=ov_genai.__version__, load_s=load_s, warmup_s=warmup_s,
-               generate_s=generate_s, prompt_tokens=[len(p) for p in prompts], cached_tokens=None)
+               generate_s=generate_s, probe_s=generate_s if req.get("probe") else None, dtype=req.get("dtype"),
+               prompt_tokens=[len(p) for p in prompts], cached_tokens=None)
     with open(result_path, "w") as f:
         json.dump(res, f)
 
