@@ -25,11 +25,13 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
     llama.cpp         llama-cpp-python on the same GGUF, when installed (``pip install -e '.[peer]'``):
                       documents in group order, one Llama object keeping its KV between prompts (prefix
                       reuse), swa_full=True (without it Gemma 3's reused prefixes give different tokens),
-                      flash_attn=True, n_batch=512
+                      flash_attn=True, n_batch=512; a dummy model's weights written as GGUF (dummy_gguf.py), Q8_0
+                      and F16 probed, the faster run
     vllm              vLLM's CPU backend in its own venv (``bash bench/peers/setup.sh vllm``; not in the defaults):
                       bf16 HF copy of the model, prefix caching, all prompts in one generate (systems/peer.py)
     openvino          OpenVINO GenAI in its own venv (``bash bench/peers/setup.sh openvino``; not in the defaults):
-                      fp16 IR, ContinuousBatchingPipeline, one prompt per shared prefix first
+                      fp16 and int8 IRs probed, the faster run; ContinuousBatchingPipeline, one prompt per shared
+                      prefix first
     hf-generate       transformers ``generate`` on left-padded batches, one row per batch size tried
     hf-cb             transformers continuous batching (``generate_batch``), where it runs
 
@@ -48,6 +50,7 @@ only on sampled rows; padding and masked work are not counted) against the calib
     systems/            one runner per system (batchgen.py, transformers.py, llamacpp.py, peer.py); registry.py
                         names them
     peers/              the peers' setup.sh and the runners that run inside their venvs
+    dummy_checkpoint.py, dummy_gguf.py   a dummy model's weights for the peers (safetensors; GGUF for llama.cpp)
     options.py          BenchOptions (one run's settings) and the CLI's values -> options
     result.py           SystemResult: one system's numbers
     run.py              the orchestrator: every selected system on one workload (``run_bench``)
