@@ -86,6 +86,9 @@ def test_the_fastest_type_runs_and_the_choice_is_kept(fake, monkeypatch, slow):
     assert again.extra["dtype"] == fast and FakeLlama.loaded == [fast] and "kept" in again.extra["dtype_probes"]
     decode = dataclasses.replace(opts, workload=dataclasses.replace(opts.workload, shape="short-prompt"))
     assert llamacpp.run_llama_cpp(decode, prompts).extra["dtype"] == slow     # chosen per shape: probed again
+    FakeLlama.loaded = []
+    llamacpp.run_llama_cpp(dataclasses.replace(opts, quick=False), prompts)    # a quick run's choice is its own
+    assert FakeLlama.loaded == [*llamacpp.DUMMY_TYPES, slow]
 
 
 def test_a_type_that_fails_is_reported_and_every_type_failing_is_a_skipped_row(fake, monkeypatch, tmp_path):

@@ -162,8 +162,9 @@ def probe_tokens(opts: BenchOptions, per_shape: bool) -> int:
 
 
 def choice_key(peer: str, model_stem: str, opts: BenchOptions, per_shape: bool) -> str:
-    """What a dtype choice is kept for: a peer and a model, and the workload's shape when chosen per shape."""
-    return f"{peer}-{model_stem}" + (f"-{opts.workload.shape}" if per_shape else "")
+    """What a dtype choice is kept for: a peer and a model, and when chosen per shape the workload's shape, a
+    ``--quick`` run's apart (its prompts are too short to choose for the full-size shape)."""
+    return f"{peer}-{model_stem}" + (f"-{opts.workload.shape}{'-quick' * opts.quick}" if per_shape else "")
 
 
 def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
