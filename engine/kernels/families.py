@@ -8,9 +8,11 @@ for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfi
                  row count) | "torch" (torch's matmul, padded to an invariant row count). Prompt rows: torch,
                  unless prefill_linears says otherwise.
     prefill_linears  under linears "c" (weights held as panels), the prompt rows: "c" (the panel kernel blocked as a
-                 GEMM, csrc/panel/: every row one chain, so prefill's bits do not depend on the chunking) | "torch"
-                 (the panels unpacked into a float32 buffer, torch's matmul). "torch" when nothing was measured:
-                 on CPUs with wider vectors than the kernel's AVX2 torch is far ahead.
+                 GEMM, csrc/panel/: every row one chain, so a prompt's bits do not depend on its chunking) | "torch"
+                 (the panels unpacked into a float32 buffer, torch's matmul). Not measured by the tuner: "torch"
+                 unless a config names "c". One layer's calls alone time "c" faster at a few hundred rows, while
+                 whole engine steps of thousands of rows over every layer's weights run slower with it
+                 (docs/perf/avx2.md), so the probe's one-layer calls would choose it wrongly.
     attention    prefill over a bf16 or int8 KV cache: "c" (bf16 multiplied into float32, csrc/bf16_gemm/, where the
                  build has bf16 dot products) | "torch" (torch's matmuls in the activation dtype; float32 queries
                  read the cache as float32). Decode attention is the C kernel wherever it builds.

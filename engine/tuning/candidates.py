@@ -8,8 +8,7 @@ where both exist, C or torch (``engine.kernels.families``). ``auto`` fields vary
     quantization     none; int8 too where the weights come quantized (GGUF) and the int8 kernels load
     dtype            float32; bfloat16 too where the CPU has bf16 matmul units (AMX-BF16 or AVX512-BF16)
     kv_cache_dtype   the activation dtype, and bfloat16
-    kernel families  c and torch, where the kernel library loads (lm_head, linears, prefill_linears: float weights
-                     only; attention:
+    kernel families  c and torch, where the kernel library loads (lm_head, linears: float weights only; attention:
                      a bf16 or int8 KV cache, where the build has bf16 dot products)
 
 Quality is a property of the format, measured once by ``batchgen bench --quality`` against float32 and recorded
@@ -119,7 +118,6 @@ def family_options(fmt: Format, facts: KernelFacts) -> dict[str, tuple[str, ...]
     if fmt.quantization == "none":
         families["lm_head"] = ("c", "torch")
         families["linears"] = ("c", "torch")           # float linears' decode rows
-        families["prefill_linears"] = ("c", "torch")   # their prompt rows, where linears is "c"
     if fmt.kv_cache_dtype in ("bfloat16", "int8") and facts.bf16_attention:
         families["attention"] = ("c", "torch")        # prefill over a low-precision cache: bf16 kernel or torch
     return families

@@ -255,8 +255,8 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
     from engine.models.layers import RMSNorm
     from engine.models.ops import CpuKernelOps
 
-    if family in ("linears", "prefill_linears"):
-        return linears_tasks(impls, model, shapes, prompts=family == "prefill_linears")
+    if family == "linears":
+        return linears_tasks(impls, model, shapes)
 
     dtype = model.model.norm.weight.dtype             # the activations' (a packed head's weight is bf16)
     layer = model.model.layers[0]
@@ -310,11 +310,10 @@ def _head_weights(model, head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {"c": c, "torch": plain}
 
 
-def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape], prompts: bool = False) -> list[Task]:
+def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Task]:
     """The ``linears`` family: one layer's float linears (QKV, output, gate-up, down) at each decode shape's rows,
-    all of them output positions ("c": the C few-row kernel; "torch": torch's padded matmul). ``prompts``: the
-    ``prefill_linears`` family instead, at each prefill shape's rows, all prompt rows, from the weights as linears
-    "c" holds them ("c": the panel kernel; "torch": unpacked, torch's matmul); nothing where they are not panels."""
+    all of them output positions ("c": the C few-row kernel; "torch": torch's padded matmul). Prefill rows are
+    torch's under both, so prefill shapes are not timed."""
     from engine.models.linear import Linear, kernel_weight, split_linear
 
     layer = model.model.layers[0]
@@ -323,21 +322,18 @@ def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape], prompts: b
         return []
     # "c": the weights as the engine holds them under "c" (panels); "torch": as torch would hold them ([out, in])
     plain = [m.compute_weight().detach() for m in linears]
-    packed = [m.weight.detach() if m.packed else kernel_weight(w) for m, w in zip(linears, plain)]
-    if prompts and any(w.dim() != 3 for w in packed):
-        return []
-    weights = {"c": packed, "torch": packed if prompts else plain}
-    dtype = plain[0].dtype
-    family = "prefill_linears" if prompts else "linears"
+    weights = {"c": [m.weight.detach() if m.packed else kernel_weight(w) for m, w in zip(linears, plain)],
+               "torch": plain}
+    dtype = weights["torch"][0].dtype
     g = torch.Generator().manual_seed(0)
     tasks = []
-    for s in (s for s in shapes if s.kind == ("prefill" if prompts else "decode")):
+    for s in (s for s in shapes if s.kind == "decode"):
         xs = [torch.randn(s.rows, m.in_features, generator=g).to(dtype) for m in linears]
         for impl in impls:
             def fn(xs=xs, ws=weights[impl], out=s.rows if impl == "c" else 0):
                 for m, x, w in zip(linears, xs, ws):
                     split_linear(x, w, m.bias, out, m.pad_to, m.tile, m.out_features)
-            tasks.append(Task(f"{family}:{impl}@{dtype_name(dtype)}", s.name, fn))
+            tasks.append(Task(f"linears:{impl}@{dtype_name(dtype)}", s.name, fn))
     return tasks
 
 
