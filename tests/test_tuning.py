@@ -375,3 +375,10 @@ def test_the_prefill_shape_shrinks_with_the_model():
     huge = probe.probe_shapes(4096, 128, 32768, layer_params=7_000_000_000)
     assert small[0].rows == probe.PREFILL_MAX and 80 <= qwen_15b[0].rows < 100 and huge[0].rows == probe.PREFILL_MIN
     assert [s.rows for s in qwen_15b[1:]] == [s.rows for s in small[1:]]      # decode shapes are unchanged
+
+
+def test_the_probe_budget_grows_with_the_model_up_to_its_cap():
+    from engine.tuning.probe import BUDGET_MAX_SCALE, BUDGET_S, budget_for
+    assert budget_for(0) == budget_for(4e8) == BUDGET_S                  # up to a 0.5B model's linears
+    assert budget_for(1.2e9) == pytest.approx(3 * BUDGET_S)              # a 1.5B model's: three times
+    assert budget_for(7e9) == BUDGET_MAX_SCALE * BUDGET_S                # an 8B model's: capped

@@ -255,12 +255,13 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
         formats.insert(0, table)
     families = {f: family_options(f, facts) for f in formats}
     t0 = time.perf_counter()
+    budget = probe.budget_for(probe.layer_params(mcfg))
     log.info("tuning: measuring %d formats (%s) on this machine, once (budget %.0f s)", len(formats),
-             ", ".join(f.name for f in formats), probe.BUDGET_S)
+             ", ".join(f.name for f in formats), budget)
     busy = load_average()
-    shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families, table)
+    shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families, table, budget_s=budget)
     dec = decide(fields, formats, families, shapes, m, table, mcfg.num_hidden_layers)
-    dec.load_average = round(busy, 2)
+    dec.load_average, dec.budget_s = round(busy, 2), budget
     store(path, dec)
     log.info("tuning: %s; kernels %s (%.1f s, %d rounds, load average %.1f; decision %s)", dec.reason,
              dec.choice["kernels"], time.perf_counter() - t0, dec.rounds, busy, path)

@@ -30,6 +30,8 @@ from engine.dtype_policy import DTYPES
 from engine.tuning.candidates import Format
 
 BUDGET_S = 15.0
+BUDGET_REF_LAYER_PARAMS = 4e8    # a 0.5B model's decoder linears: the size BUDGET_S is enough for
+BUDGET_MAX_SCALE = 4.0
 FORMAT_SHARE = 0.8
 MAX_ROUNDS = 5
 PRUNE_RATIO = 1.5
@@ -62,6 +64,14 @@ def probe_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
     rows = sorted({r for r in (*DECODE_ROWS, max_num_seqs) if r <= max_num_seqs})
     return [Shape(f"prefill {p}", "prefill", p, 0.5)] + [Shape(f"decode {r}", "decode", r, 0.5 / len(rows))
                                                         for r in rows]
+
+
+def budget_for(layer_params: int) -> float:
+    """The probe's budget for a model whose decoder linears hold ``layer_params`` weights: ``BUDGET_S`` up to a
+    0.5B model, growing with the weights (at most ``BUDGET_MAX_SCALE`` times): a step's time grows with them, and a
+    budget that ends inside the first round keeps only first calls, which pay first-use costs (1.5B: a 95-row
+    prefill timed once at 2.5x its engine rate, the plan's prediction 62 % high)."""
+    return BUDGET_S * min(BUDGET_MAX_SCALE, max(1.0, layer_params / BUDGET_REF_LAYER_PARAMS))
 
 
 def layer_params(mcfg) -> int:
@@ -352,5 +362,5 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["BUDGET_S", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params", "measure", "score",
+__all__ = ["BUDGET_S", "budget_for", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params", "measure", "score",
            "format_tasks", "family_tasks", "linears_tasks", "attention_tasks"]
