@@ -27,6 +27,9 @@ STEP_OVERHEAD_S = 0.004
 # The fraction of the calibrated matmul rate whole engine steps reach: norms, activations, RoPE, softmax and
 # K/V writes run between the matmuls, memory-bound (measured: docs/perf/code-notes-perf.md).
 ENGINE_EFFICIENCY = 0.8
+# The row count of the calibration's large matmuls (costmodel.calibrate's 2048-row shapes): a prefill step this
+# large runs at the roofline's rate, measured, whatever the probe's smaller prefill chunk measured
+CALIBRATED_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     decode-only stretches step by step too (the tests compare the two: equal to the last bit). ``measured``: this
     machine's timed engine steps of the running format (engine.tuning's probe, ``measured_steps``): every step's
     roofline price is scaled by measured / priced at the probe's shapes (prefill steps by the prefill chunk's
-    ratio, decode-only steps by the ratio at their row count, log-interpolated)."""
+    ratio up to its rows, going to 1 at ``CALIBRATED_ROWS``; decode-only steps by the ratio at their row count;
+    both log-interpolated)."""
 
     prompt_len = np.asarray(prompt_len, dtype=np.int64)
     cached = np.asarray(cached, dtype=np.int64)
@@ -72,7 +76,7 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
 
     def price(flops, nbytes, attn, rows: int, sampled: int, prefill: bool):
         """The roofline's price, scaled to this machine's measured steps (``measured``) where given."""
-        return c.price(flops, nbytes, attn, rows, sampled) * (scale_prefill if prefill else scale_decode(rows))
+        return c.price(flops, nbytes, attn, rows, sampled) * (scale_prefill if prefill else scale_decode)(rows)
 
     run = _Replay(c, price, prompt_len, cached, max_tokens, max_num_batched_tokens, max_num_seqs)
     run.replay(fast_forward)
@@ -211,24 +215,36 @@ class _Costs:
                                 * rows + self.w_all, self.per_key * k, rows, rows))
 
 
-def _scales(c: _Costs, measured: dict | None) -> tuple[float, Callable[[int], float]]:
-    """(prefill steps' factor, decode-only steps' factor by row count): measured / priced at the probe's shapes;
-    (1, 1) without a measurement."""
-    pre, dec = 1.0, []
+def _scales(c: _Costs, measured: dict | None) -> tuple[Callable[[int], float], Callable[[int], float]]:
+    """(prefill steps' factor, decode-only steps' factor), each by the step's row count: measured / priced at the
+    probe's shapes; 1 without a measurement. The prefill factor holds up to the probe's chunk and goes to 1 at
+    ``CALIBRATED_ROWS`` (log-interpolated): the probe's chunk is small for larger models (95 rows at 1.5B), where
+    per-call costs (float32 weights unpacked for torch, small-matmul efficiency) weigh far more than in an engine
+    step of thousands of rows, whose rate the calibration measured (at 1B the chunk's factor alone priced runs
+    46 % high)."""
+    pre, dec = None, []
     for name, seconds in ((measured or {}).get("shapes") or {}).items():
         kind, _, n = name.partition(" ")
         if kind == "prefill":
-            pre = seconds / c.prefill_chunk(int(n))
+            pre = (int(n), seconds / c.prefill_chunk(int(n)))
         elif kind == "decode":
             dec.append((int(n), seconds / c.decode(int(n), measured["context"])))
+
+    def prefill(rows: int) -> float:
+        if pre is None:
+            return 1.0
+        n, f = pre
+        if n >= CALIBRATED_ROWS:
+            return f
+        return float(np.interp(np.log(max(rows, 1)), [np.log(n), np.log(CALIBRATED_ROWS)], [f, 1.0]))
     dec.sort()
     if not dec:
-        return pre, lambda rows: 1.0
+        return prefill, lambda rows: 1.0
     logs, ratios = np.log([r for r, _ in dec]), np.asarray([f for _, f in dec])
 
     def decode(rows: int) -> float:
         return float(np.interp(np.log(max(rows, 1)), logs, ratios))
-    return pre, decode
+    return prefill, decode
 
 
 @dataclass

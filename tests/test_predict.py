@@ -92,7 +92,8 @@ def test_int8_weight_bytes_price_the_weight_reads():
 def test_measured_steps_scale_the_roofline_to_this_machine():
     """With the tuner's timed steps (engine.tuning) the prediction of a run shaped like the probe's prefill equals
     the measured time; decode steps scale by the measured ratio at their row count, log-interpolated between the
-    timed row counts and held beyond them."""
+    timed row counts and held beyond them; prefill steps by the chunk's ratio up to its rows, going to 1 at the
+    calibration's row count."""
     g = gemma_270m()
     c = P._Costs(g, 4, None, None, 1e12, None, 1e11)
     measured = {"shapes": {"prefill 1024": 3 * c.prefill_chunk(1024), "decode 8": 2 * c.decode(8, 512),
@@ -102,12 +103,19 @@ def test_measured_steps_scale_the_roofline_to_this_machine():
     assert one.steps == 1 and one.engine_s == pytest.approx(measured["shapes"]["prefill 1024"])
     assert one.basis == "measured steps (decision.json)" and _run([1024], [0], [1], **kw).basis == "roofline"
     pre, dec = P._scales(c, measured)
-    assert pre == pytest.approx(3) and dec(8) == pytest.approx(2) and dec(48) == pytest.approx(4)
+    assert pre(1024) == pre(64) == pytest.approx(3) and dec(8) == pytest.approx(2) and dec(48) == pytest.approx(4)
+    # prefill steps larger than the probe's chunk: toward the calibrated rate (1x) at CALIBRATED_ROWS, held beyond
+    assert pre(P.CALIBRATED_ROWS) == pre(8192) == pytest.approx(1)
+    assert pre(1448) == pytest.approx(3 - 2 * (np.log(1448) - np.log(1024)) / (np.log(2048) - np.log(1024)))
     assert dec(1) == pytest.approx(2) and dec(128) == pytest.approx(4)               # held at the ends
     mid = 2 + 2 * (np.log(20) - np.log(8)) / (np.log(48) - np.log(8))
     assert dec(20) == pytest.approx(mid)
     # a whole run's decode-only steps are scaled too: more than the roofline, less than 4x it
     base = _run([512] * 48, [0] * 48, [32] * 48, **kw)
     scaled = _run([512] * 48, [0] * 48, [32] * 48, measured=measured, **kw)
-    assert scaled.prefill_s == pytest.approx(3 * base.prefill_s)
+    # 4,096-row steps at the calibrated rate; the smaller last one toward the chunk's 3x
+    assert base.prefill_s < scaled.prefill_s < 1.1 * base.prefill_s
+    small = dict(budget=1024)
+    assert (_run([512] * 48, [0] * 48, [32] * 48, measured=measured, **small, **kw).prefill_s
+            == pytest.approx(3 * _run([512] * 48, [0] * 48, [32] * 48, **small, **kw).prefill_s))
     assert 2 * base.decode_s <= scaled.decode_s <= 4 * base.decode_s
