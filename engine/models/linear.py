@@ -41,7 +41,6 @@ class StepRows:
         self.spec: int | torch.Tensor = 0
         self.prompts_too = False        # the ``prefill_linears`` family's "c": every row of a packed weight's call
 
-
     def use(self, spec: int | torch.Tensor) -> None:
         self.spec = spec
 

@@ -362,5 +362,5 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["BUDGET_S", "budget_for", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params", "measure", "score",
-           "format_tasks", "family_tasks", "linears_tasks", "attention_tasks"]
+__all__ = ["BUDGET_S", "budget_for", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params",
+           "measure", "score", "format_tasks", "family_tasks", "linears_tasks", "attention_tasks"]
