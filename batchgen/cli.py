@@ -84,13 +84,17 @@ def plan(job_files):
         click.echo(f"model {report.engine_info.name} (block size {p.block_size}):")
         for jr in report.jobs:
             done = f", {jr.reused} already done" if jr.reused else ""
+            done += (f", {jr.planned_copies} identical to another row (computed once: "
+                     f"{jr.planned_copy_tokens:,} prompt tokens saved)" if jr.planned_copies else "")
             errs = f", {jr.row_errors} bad rows" if jr.row_errors else ""
             alone = (f", predicted engine time {jr.predicted_engine_s:.1f}s"
                      if jr.predicted_engine_s is not None else "")
             click.echo(f"  {jr.job.name}: {jr.num_rows} documents{done}{errs}; {jr.spill_rows} to compute, "
                        f"{jr.planned_prompt_tokens:,} prompt tokens, predicted hit rate "
                        f"{_pct(jr.predicted_cached, jr.planned_prompt_tokens)}{alone}")
-        click.echo(f"  total: {p.num_requests} documents in {len(p.group_order)} prefix groups, "
+        copies = sum(jr.planned_copies for jr in report.jobs)
+        same = f" ({copies} identical to another, computed once)" if copies else ""
+        click.echo(f"  total: {p.num_requests + copies} documents{same} in {len(p.group_order)} prefix groups, "
                    f"{p.prompt_tokens:,} prompt tokens, {p.tokens_to_compute:,} to compute after sharing, "
                    f"predicted cache hit rate {_pct(p.cached_tokens, p.prompt_tokens)}")
         pr = report.prediction

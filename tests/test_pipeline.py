@@ -94,10 +94,12 @@ def test_jobs_on_one_model_merge_their_engine_sections(tmp_path, make_docs_datas
 def test_cross_job_sharing_one_engine(tmp_path, make_docs_dataset, fake_llm_factory):
     data = make_docs_dataset(n=12)
     j1, j2 = write_job(tmp_path, "one", data), write_job(tmp_path, "two", data)
+    j2.write_text(j2.read_text().replace("temperature: 0.0", "temperature: 0.0\n  dedup: false"))
     [report] = run([j1, j2], fake_llm_factory)
     assert len(fake_llm_factory.made) == 1
     t2 = pq.read_table(tmp_path / "out/two.parquet")
-    # Every prompt of the second job is a prompt of the first: all heads were computed by job one.
+    # Every prompt of the second job is a prompt of the first: all heads were computed by job one (the rows
+    # themselves too: with dedup on, job two's would be copies of job one's, tests/test_dedup.py).
     assert report.plan.num_requests == 24
     assert (tmp_path / "out/one.parquet").exists() and t2.num_rows == 12
 

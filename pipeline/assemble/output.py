@@ -172,6 +172,9 @@ def _this_run(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, pred
     """The manifest's ``this_run``: rows, tokens, hit rates, times and speculation of this run."""
     return {"computed": jr.computed, "reused": jr.reused, "changed": jr.changed,
             "row_errors": jr.row_errors, "prompt_tokens": jr.prompt_tokens,
+            # rows equal to another request of the run (pipeline.prepare.dedup): its result, tokens not computed
+            "deduplicated": {"rows": jr.dedup_rows, "prompt_tokens_saved": jr.dedup_prompt_tokens,
+                             "output_tokens_saved": jr.dedup_output_tokens},
             "cached_tokens": jr.cached_tokens, "output_tokens": jr.output_tokens,
             "predicted_hit_rate": hit_rate(jr.predicted_cached, jr.planned_prompt_tokens),
             "achieved_hit_rate": hit_rate(jr.cached_tokens, jr.prompt_tokens),

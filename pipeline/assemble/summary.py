@@ -20,6 +20,9 @@ def summarize(report) -> str:
             bits.append(f"{jr.reused} reused from earlier runs")
         if jr.changed:
             bits.append(f"{jr.changed} recomputed because their prompt, model or parameters changed")
+        if jr.dedup_rows:
+            bits.append(f"{jr.dedup_rows} identical to another row's request (computed once, "
+                        f"{jr.dedup_prompt_tokens + jr.dedup_output_tokens:,} tokens saved)")
         if jr.deleted_kept:
             bits.append(f"{jr.deleted_kept} no longer in the input kept (output.keep_deleted_rows)")
         if jr.deleted_dropped:

@@ -88,7 +88,8 @@ _STRUCTURED = {    # vLLM's names (engine.StructuredOutputsParams); exactly one 
     "json_object": (bool, False),
     "disable_any_whitespace": (bool, False),
 }
-_GENERATION = {**_dataclass_schema(SamplingParams), "structured_outputs": (_STRUCTURED, False)}
+_GENERATION = {**_dataclass_schema(SamplingParams), "structured_outputs": (_STRUCTURED, False),
+               "dedup": (bool, False)}     # identical requests computed once (pipeline.prepare.dedup); not sampling
 _ENGINE = _dataclass_schema(EngineConfig, skip=("model",))
 _TOP = {
     "name": (str, True),
@@ -174,6 +175,7 @@ class Job:
     model: str = DEFAULT_MODEL
     description: str | None = None
     generation: dict = field(default_factory=dict)   # SamplingParams fields, as written
+    dedup: bool = True                               # generation.dedup: identical rows computed once
     engine: EngineConfig = field(default_factory=EngineConfig)   # the engine: section, validated and built
     engine_options: tuple[str, ...] = ()             # the engine: keys the job file wrote (jobs on one model merge
                                                      # these; the rest stay the engine's defaults)
@@ -298,6 +300,8 @@ def load_job(path: str | Path) -> Job:
     prompt = _prompt_spec(pr, file, lines, problems)
     _check_counts(inp, out, file, lines, problems)
     gen, eng = d.get("generation") or {}, d.get("engine") or {}
+    dedup = gen.get("dedup", True)
+    gen = {k: v for k, v in gen.items() if k != "dedup"}
     gen, files = _resolve_structured(gen, file, lines, problems, d.get("allow_outside_files", False))
     built = _build_sections(d.get("model", DEFAULT_MODEL), gen, eng, file, lines, problems, files)
     if "generation" in built:
@@ -316,8 +320,8 @@ def load_job(path: str | Path) -> Job:
                           rows_per_shard=out.get("rows_per_shard") or 100_000,
                           keep_deleted_rows=out.get("keep_deleted_rows", False),
                           keep_runs=out.get("keep_runs") or 20),
-        generation=gen, engine=built["engine"], engine_options=tuple(sorted(eng)), schedule=d.get("schedule"),
-        lines=lines,
+        generation=gen, dedup=dedup, engine=built["engine"], engine_options=tuple(sorted(eng)),
+        schedule=d.get("schedule"), lines=lines,
     )
 
 

@@ -1,11 +1,12 @@
 """One planned batch of requests: a plan (``pipeline.plan.planner``) and what its positions mean. Position p is request
 ``requests[plan.order[p]]`` (a ``rows.RowRequest``), whose token ids ``prompt(p)`` builds; a sampled row's seed is
-its own (``row_seed``)."""
+its own (``row_seed``). ``copies``: rows that take a request's result instead of being computed
+(``pipeline.prepare.dedup``)."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ import numpy as np
 from pipeline.job.job_prompts import JobPrompts
 from pipeline.job.rows import RowRequest
 from pipeline.plan.planner import Plan
+from pipeline.prepare.dedup import Copy
 
 
 @dataclass
@@ -23,6 +25,15 @@ class Batch:
     requests: Sequence[RowRequest]    # by request index; ``plan.order[p]`` is position p's
     job: np.ndarray                   # by request index: the request's job (without reading the request)
     prompts: list[JobPrompts]         # by job index: tails and parameter sets
+    copies: dict[int, list[Copy]] = field(default_factory=dict)   # by request index: rows that take its result
+
+    @property
+    def num_copies(self) -> int:
+        return sum(len(c) for c in self.copies.values())
+
+    def copies_at(self, p: int) -> list[Copy]:
+        """The rows that take position ``p``'s result (none for most)."""
+        return self.copies.get(int(self.plan.order[p]), []) if self.copies else []
 
     def request(self, p: int) -> RowRequest:
         return self.requests[int(self.plan.order[p])]

@@ -30,6 +30,8 @@ class JobRun:
     spill_rows: int = 0
     keys_digest: str = ""
     ids: set = field(default_factory=set)      # the current input's row ids
+    planned_copies: int = 0                    # rows equal to another request: take its result (prepare.dedup) ...
+    planned_copy_tokens: int = 0               # ... and their prompt tokens (not computed)
     # computed this run
     computed: int = 0
     row_errors: int = 0
@@ -44,6 +46,9 @@ class JobRun:
     forced_tokens: int = 0                     # tokens the grammar forced (no sampling)
     masks_applied: int = 0                     # steps whose unconstrained choice was rejected: a full mask
     mask_s: float = 0.0                        # time computing / applying masks
+    dedup_rows: int = 0                        # rows that took an identical request's result (not computed) ...
+    dedup_prompt_tokens: int = 0               # ... their prompt tokens and output tokens: what they saved
+    dedup_output_tokens: int = 0
     # predicted (planner, costmodel.predict)
     predicted_cached: int = 0
     planned_prompt_tokens: int = 0
@@ -54,10 +59,18 @@ class JobRun:
     deleted_kept: int = 0                      # rows no longer in the input, kept (output.keep_deleted_rows)
     deleted_dropped: int = 0                   # ... dropped from the output
 
-    def take(self, key: str, out: RequestOutput, params: int = 0) -> ResultRow:
+    def take(self, key: str, out: RequestOutput, params: int = 0, copy: bool = False) -> ResultRow:
         """A finished request (under params id ``params``): a row's result, a part of a long row's (map_reduce),
-        or a long row's last. A result asked for as JSON is checked against its schema (``json_error``)."""
+        or a long row's last. A result asked for as JSON is checked against its schema (``json_error``).
+        ``copy``: the result of an identical request computed for another row (prepare.dedup): the row's, counted
+        as saved, not as computed tokens."""
         row = ResultRow.from_output(key, out)
+        if copy:
+            self.dedup_rows += 1
+            self.dedup_prompt_tokens += row.prompt_tokens
+            self.dedup_output_tokens += row.output_tokens
+            self._finish(row, params)
+            return row
         m = out.metrics
         self.prompt_tokens += row.prompt_tokens
         self.cached_tokens += row.cached_tokens
@@ -68,6 +81,10 @@ class JobRun:
         self.forced_tokens += m.num_forced_tokens
         self.masks_applied += m.num_masks_applied
         self.mask_s += m.mask_time_s
+        self._finish(row, params)
+        return row
+
+    def _finish(self, row: ResultRow, params: int) -> None:
         if self.long_docs.finish(row) != "part":        # a part is committed, but is not a row
             self.computed += 1
             self.row_errors += row.error is not None
@@ -79,7 +96,6 @@ class JobRun:
                 self.json_rows += 1
                 self.json_valid += row.json_error is None
         self.pending.append(row)
-        return row
 
     def row_error(self, key: str, message: str) -> None:
         """A row that cannot be computed (``prepare``): its error is its result."""

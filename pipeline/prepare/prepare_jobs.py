@@ -26,6 +26,7 @@ from pipeline.job.prompts import RowError, RowKeyer, needed_columns, row_key
 from pipeline.job.rows import RowRequest
 from pipeline.plan.batch import Batch
 from pipeline.plan.planner import make_plan, unplanned
+from pipeline.prepare.dedup import Copy, Dedup, content_digest
 from pipeline.prepare.job_run import JobRun
 from pipeline.prepare.long_docs import chunks_of
 from pipeline.problems import RunError
@@ -48,10 +49,11 @@ def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: b
     ``order``: planned (``planner.make_plan``), or input / shuffled (``planner.unplanned``, benchmark baselines)."""
     heads: list[tuple[int, ...]] = []
     head_index: dict[str, int] = {}
+    dedup = Dedup()
     req_job, req_local, req_group, req_len = [], [], [], []
     for j, jr in enumerate(runs):
         prepared = prepare(jr, info, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
-                           fail_fast=fail_fast)
+                           fail_fast=fail_fast, dedup=dedup, job_index=j)
         g, ln = prepared.groups, prepared.prompt_lens
         req_job.append(np.full(len(g), j, dtype=np.int64))
         req_local.append(np.arange(len(g), dtype=np.int64))
@@ -61,16 +63,19 @@ def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: b
     groups, lens = np.concatenate(req_group), np.concatenate(req_len)
     plan = (make_plan(heads, groups, lens, info.config.block_size) if order == "planned"
             else unplanned(groups, lens, info.config.block_size, order))
-    return Batch(plan, heads, SpilledRequests(runs, job_a, local_a), job_a, [jr.prompts for jr in runs])
+    offsets = np.cumsum([0] + [len(g) for g in req_group]).tolist()
+    return Batch(plan, heads, SpilledRequests(runs, job_a, local_a), job_a, [jr.prompts for jr in runs],
+                 copies=dedup.by_request(offsets))
 
 
 def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
-            fail_fast: bool) -> PreparedJob:
+            fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0) -> PreparedJob:
     """Stream the job's input; write keys (+ spill of rows to compute). Rows already committed are reused, bad
     rows are committed as error rows at once. ``heads`` / ``head_index`` collect the distinct prompt heads of
-    every job on the model (the planner's groups)."""
+    every job on the model (the planner's groups); ``dedup`` the distinct requests of every job on the model
+    (``job_index``: this job's): a row equal to one already spilled is recorded as its copy, not spilled."""
     return _JobPreparer(jr, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
-                        fail_fast=fail_fast).run()
+                        fail_fast=fail_fast, dedup=dedup, job_index=job_index).run()
 
 
 class _JobPreparer:
@@ -78,8 +83,10 @@ class _JobPreparer:
     lengths of the rows to compute, and the keys / spill writers (none in a dry run)."""
 
     def __init__(self, jr: JobRun, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
-                 fail_fast: bool):
+                 fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0):
         self.jr, self.heads, self.head_index = jr, heads, head_index
+        self.dedup = dedup if jr.job.dedup else None
+        self.job_index = job_index
         self.dry_run, self.commit_rows, self.fail_fast = dry_run, commit_rows, fail_fast
         self.job, self.prompts = jr.job, jr.prompts
         self.r = self.prompts.renderer
@@ -232,6 +239,8 @@ class _JobPreparer:
             parts = self.jr.long_docs.add(key, chunks, gid, tail_id, pidx, head_len=len(head), tail_len=len(tail))
             todo_chunks = [(ck, c) for ck, c in parts if ck not in self.done_keys]
         else:
+            if self._is_copy(gid, rr, pidx, key):
+                return
             todo_chunks = [(key, ids)]
         part_params = pidx if chunks is None else prompts.unconstrained_index(pidx)   # parts: no schema
         for ck, c in todo_chunks:
@@ -242,6 +251,21 @@ class _JobPreparer:
             spill["doc_ids"].append(c)
             spill["tail"].append(tail_id)
             spill["params"].append(part_params)
+
+    def _is_copy(self, gid: int, rr, pidx: int, key: str) -> bool:
+        """Whether a row equals a request already spilled (this job's or an earlier one's): then it is recorded as
+        that request's copy (``dedup``) instead of being spilled itself."""
+        if self.dedup is None:
+            return False
+        digest = content_digest(gid, rr.document, rr.tail, self.prompts.param_sets[pidx])
+        if digest is None:
+            return False
+        first = self.dedup.claim(digest, self.job_index, len(self.groups))
+        if first is None:
+            return False
+        self.dedup.add(first, Copy(self.job_index, key, pidx))
+        self.jr.planned_copies += 1
+        return True
 
     def _head_group(self, head_text: str, head: list) -> int:
         """The planner's group of a prompt head (and chat template), shared by every job on the model."""

@@ -221,6 +221,12 @@ class Runner:
             mask = pjob == j
             jr.predicted_cached = int(plan.cached[mask].sum())
             jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
+        if batch.copies:
+            position = np.empty_like(plan.order)
+            position[plan.order] = np.arange(plan.num_requests)
+            for r, copies in batch.copies.items():
+                for c in copies:
+                    runs[c.job].planned_copy_tokens += int(plan.prompt_len[position[r]])
         return batch, RunReport(runs, plan, 0.0, llm.info, prediction=self._predict(llm, runs, plan, pjob))
 
     def _execution(self, llm: Engine, config: EngineConfig, states: list[RunState], work: bool) -> Execution:
@@ -332,7 +338,7 @@ class Runner:
         asked (in-flight rows are dropped: they rerun on resume)."""
         from tqdm import tqdm  # NOTE: here, not at module level: tqdm's import is slow for CLI start-up
 
-        n = batch.plan.num_requests
+        n = batch.plan.num_requests + batch.num_copies      # rows: each computed request and its copies
         stream = sys.stderr
         bar = tqdm(total=n, file=stream, unit="doc", dynamic_ncols=True,
                    disable=self.opts.quiet or not stream.isatty())
@@ -363,7 +369,9 @@ class Runner:
                         raise RunError(f"job {jr.job.name!r}, row {q.key.rpartition('#')[0]}: {row.error}. "
                                        "Stopped because of --fail-fast; rows done so far are kept.")
                     progress.add(row)
-                    bar.update(1)
+                    for c in batch.copies_at(p):     # identical rows (prepare.dedup): the same result, not computed
+                        progress.add(runs[c.job].take(c.key, out, c.params, copy=True), copy=True)
+                    bar.update(1 + len(batch.copies_at(p)))
                     bar.set_postfix_str(progress.postfix(), refresh=False)
                 for steps, source in exe.steps():
                     self._rec.add_steps(steps, source)
@@ -419,8 +427,10 @@ class _Progress:
     cached: int = 0
     toks: int = 0
 
-    def add(self, row: ResultRow) -> None:
+    def add(self, row: ResultRow, copy: bool = False) -> None:
         self.finished += 1
+        if copy:            # nothing computed for it
+            return
         self.prompt += row.prompt_tokens
         self.cached += row.cached_tokens
         self.toks += row.prompt_tokens - row.cached_tokens + row.output_tokens
