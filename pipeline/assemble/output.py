@@ -20,14 +20,8 @@ import pyarrow.parquet as pq
 
 from engine import EngineInfo
 from pipeline.io.openai_batch import write_output as write_jsonl
-from pipeline.io.tables import (
-    iter_batches,
-    iter_output_batches,
-    publish_output,
-    remote_exists,
-    write_bytes_atomic,
-    write_output,
-)
+from pipeline.io.publish import publish_output, remote_exists
+from pipeline.io.tables import iter_batches, iter_output_batches, write_bytes_atomic, write_output
 from pipeline.job.rows import RESULT_COLUMNS, hit_rate
 from pipeline.job.state import manifest_path_for
 from pipeline.job.structured_output import JSON_KINDS, typed_columns

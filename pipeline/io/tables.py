@@ -238,37 +238,6 @@ def write_output(batches: Iterator[pa.Table], path: str | Path, directory: bool)
     return rows
 
 
-def output_filesystem(uri: str):
-    """(pyarrow filesystem, path in it) for an output URI; ``RunError`` naming it when pyarrow cannot open it."""
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise RunError(f"output {uri}: not a URI pyarrow.fs can write ({e})") from None
-
-
-def remote_exists(uri: str) -> bool:
-    fs, path = output_filesystem(uri)
-    return fs.get_file_info(path).type != pafs.FileType.NotFound
-
-
-def publish_output(local: Path, uri: str, manifest: Path) -> None:
-    """Copy an assembled output (a file, or a directory of shards: its old shards are removed first) and then
-    its manifest (which marks it complete) to ``uri``. Object stores write each object whole; a directory is
-    not swapped atomically, so a reader may see it half-copied until the manifest is there."""
-    fs, path = output_filesystem(uri)
-    local_fs = pafs.LocalFileSystem()
-    try:
-        if local.is_dir() and fs.get_file_info(path).type == pafs.FileType.Directory:
-            fs.delete_dir_contents(path)
-        else:
-            fs.create_dir(path if local.is_dir() else (path.rpartition("/")[0] or path), recursive=True)
-        for src, dst in ((local, path), (manifest, path.rstrip("/") + ".manifest.json")):
-            pafs.copy_files(str(src), dst, source_filesystem=local_fs, destination_filesystem=fs)
-    except (pa.ArrowException, OSError) as e:
-        raise RunError(f"cannot copy the output to {uri} ({e}); it is complete in {local}, and the same command "
-                       "again copies it") from None
-
-
 def read_output(path: str | Path) -> pa.Table:
     """Read an output written by ``write_output`` (file or shard directory)."""
     path = Path(path)

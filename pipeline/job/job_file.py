@@ -159,7 +159,7 @@ class OutputSpec:
     @property
     def local_path(self) -> str:
         """Where the output is assembled and its run state kept: the path itself, or for a URI (``s3://...``) a
-        directory under the state dir, published to the URI after each run (``pipeline.io.tables.publish_output``)."""
+        directory under the state dir, published to the URI after each run (``pipeline.io.publish``)."""
         if not self.is_uri:
             return self.path
         return str(local_output_path(self.path))

@@ -102,7 +102,7 @@ def _template_problems(job: Job, schema: pa.Schema) -> list[Problem]:
 
 def _output_problems(job: Job) -> list[Problem]:
     if job.output.is_uri:
-        from pipeline.io.tables import output_filesystem
+        from pipeline.io.publish import output_filesystem
         from pipeline.problems import RunError
         try:
             output_filesystem(job.output.path)
