@@ -19,6 +19,7 @@ from pipeline.execute.ray.driver import RayOptions, replica_name
 from pipeline.job.job_file import load_job
 from pipeline.run.runner import RunOptions, run_jobs
 from tests.test_pipeline import write_job
+from tests.test_s3 import s3, s3_endpoint  # noqa: F401  (fixtures)
 
 ray = pytest.importorskip("ray")
 
@@ -223,3 +224,17 @@ def test_map_reduce_on_ray_equals_local_and_keeps_replicas_between_levels(ray_lo
     assert all(b.column("summary").to_pylist())
     dist = json.loads((tmp_path / "out/dist.parquet.manifest.json").read_text())["this_run"]["distributed"]
     assert dist["plans"] == 2 and len(dist["per_replica"]) == 2 and dist["restarts"] == 0
+
+
+def test_two_replicas_read_from_and_write_to_s3(ray_local, tmp_path, tiny_llama_dir, local_reference, s3):
+    """An s3:// input and output on Ray (the local S3 server of tests/test_s3.py): the driver reads and publishes,
+    the replicas compute; the published rows equal the local run's."""
+    data, ref = local_reference
+    src = s3.put("in/docs.parquet", pq.read_table(data).to_pylist())
+    job = write_job(tmp_path, "s3ray", src, out=s3.uri("out/s3ray.parquet"),
+                    extra=f"model: {tiny_llama_dir}\n" + ENGINE)
+    opts = RunOptions(quiet=True, record_history=False, commit_interval_s=0.0,
+                      ray=RayOptions(replicas=2, num_cpus=1, threads=1))
+    run_jobs([load_job(job)], options=opts, echo=lambda *_: None)
+    _same_rows(s3.get("out/s3ray.parquet"), ref)
+    assert s3.manifest("out/s3ray.parquet")["this_run"]["distributed"]["replicas"] == 2

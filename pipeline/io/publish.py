@@ -35,9 +35,9 @@ def manifest_key(path: str) -> str:
 
 
 def remote_exists(uri: str) -> bool:
-    """Whether the output at ``uri`` was published: its manifest (the commit point) is there."""
+    """Whether the output at ``uri`` is there: its manifest (the commit point) and its data (a file, or shards)."""
     fs, path = output_filesystem(uri)
-    return fs.get_file_info(manifest_key(path)).type != pafs.FileType.NotFound
+    return all(fs.get_file_info(p).type != pafs.FileType.NotFound for p in (manifest_key(path), path.rstrip("/")))
 
 
 def publish_output(local: Path, uri: str, manifest: Path) -> None:

@@ -1,5 +1,6 @@
 """The typed rows that cross the pipeline's seams.
 
+    Copy        a row that takes an identical request's result (``prepare.dedup``)
     RowRequest  one prompt to compute (a spill-file row, a map_reduce part or reduce request): which job, its key,
                 its head group, document ids, tail id and params id. ``plan.batch.Batch`` turns it into token ids.
     ResultRow   one committed result: a part file's row (``state.RunState.commit``) and the output's result
@@ -24,6 +25,15 @@ class RowRequest:
     doc_ids: list[int]
     tail: int                     # tail id (``JobPrompts.tails``)
     params: int                   # params id (``JobPrompts.param_sets``; 0: the job's own)
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """A row that takes an identical request's result instead of being computed (``prepare.dedup``): its job, row
+    key and params id."""
+    job: int
+    key: str
+    params: int
 
 
 @dataclass(slots=True)
@@ -84,4 +94,4 @@ def hit_rate(a: int, b: int) -> float | None:
     return round(a / b, 6) if b else None
 
 
-__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "RowRequest", "ResultRow", "results_table", "hit_rate"]
+__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "Copy", "RowRequest", "ResultRow", "results_table", "hit_rate"]

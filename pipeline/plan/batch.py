@@ -12,9 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.job.job_prompts import JobPrompts
-from pipeline.job.rows import RowRequest
+from pipeline.job.rows import Copy, RowRequest
 from pipeline.plan.planner import Plan
-from pipeline.prepare.dedup import Copy
 
 
 @dataclass

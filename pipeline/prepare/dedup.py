@@ -14,16 +14,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from pipeline.job.rows import Copy
+
 _LOCAL_BITS = 40
 _LOCAL_MASK = (1 << _LOCAL_BITS) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class Copy:
-    """A row that takes another request's result: its job (index among the model's), row key and params id."""
-    job: int
-    key: str
-    params: int
 
 
 @dataclass

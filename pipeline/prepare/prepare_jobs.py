@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,8 @@ KEYS_SCHEMA = pa.schema([("row_idx", pa.int64()), ("row_key", pa.string())])
 @dataclass(frozen=True)
 class PreparedJob:
     """What the planner needs of a prepared job: per row to compute (spill order), its head group and length."""
-    groups: list[int]
-    prompt_lens: list[int]
+    groups: array           # int64 ("q"): a compact buffer, not a list of Python ints
+    prompt_lens: array
 
 
 def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: bool, commit_rows: int,
@@ -96,10 +97,11 @@ class _JobPreparer:
         self.done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
         self.done_ids = {k.rpartition("#")[0] for k in self.done_keys}
         self.seen_ids: set[str] = set()
-        self.seen_keys: set[str] = set()
+        # keys are unique when ids are (a key is its row id + a hash): only repeated ids need them remembered
+        self.seen_keys: set[str] | None = set() if self.job.input.allow_duplicate_ids else None
         self.digest = hashlib.sha256()
-        self.groups: list[int] = []
-        self.lens: list[int] = []
+        self.groups = array("q")
+        self.lens = array("q")
         self.keyer = RowKeyer(self.prompts.fingerprint)          # = row_key(rid, rendered text, fingerprint)
         self.keys_w = self.spill_w = None
 
@@ -150,7 +152,7 @@ class _JobPreparer:
                 rows = record_batch.to_pylist()
                 rendered = self._render_rows(rows, row_idx)
                 todo = [k for k, (_, rr, key, _) in enumerate(rendered)
-                        if not isinstance(rr, RowError) and key not in self.done_keys and key not in self.seen_keys]
+                        if not isinstance(rr, RowError) and key not in self.done_keys and not self._seen(key)]
                 future = pool.submit(self._tokenize, [rendered[k][1].document for k in todo])
                 if inflight is not None:
                     self._finish(*inflight)
@@ -159,6 +161,9 @@ class _JobPreparer:
             if inflight is not None:
                 self._finish(*inflight)
         return row_idx
+
+    def _seen(self, key: str) -> bool:
+        return self.seen_keys is not None and key in self.seen_keys
 
     def _row_id(self, row: dict, row_no: int) -> str:
         id_col = self.id_col
@@ -203,10 +208,11 @@ class _JobPreparer:
         for k, (rid, rr, key, pidx) in enumerate(rendered):
             keys.append(key)
             self.digest.update(key.encode() + b"\n")
-            if key in self.done_keys or key in self.seen_keys:
+            if key in self.done_keys or self._seen(key):
                 jr.reused += key in self.done_keys
                 continue
-            self.seen_keys.add(key)
+            if self.seen_keys is not None:
+                self.seen_keys.add(key)
             if rid in self.done_ids:
                 jr.changed += 1
             self._spill_row(rr, key, pidx, doc_ids, k, row_idx + k, spill)
