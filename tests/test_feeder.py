@@ -106,3 +106,22 @@ def test_refused_pin_still_admits_everyone():
     for p in range(4):
         f.on_finished(eng, p)
     assert f.done and not eng.live_pins
+
+
+def test_a_large_plan_is_admitted_in_order_from_arrays_not_per_row_objects():
+    """100,000 positions in 3 groups (each a provider and its followers) and 1,000 alone, admitted through a window
+    of 64: the admission order is the old per-row heap's, and the ready set is a few sorted arrays at any time
+    (one per released provider and one of positions without a provider), never a Python object per row."""
+    n, rng = 101_000, np.random.default_rng(0)
+    groups = np.sort(rng.integers(0, 3, n - 1_000)).tolist() + [2] * 1_000
+    starts = {g: groups.index(g) for g in range(3)}
+    providers = [-1 if i == starts[g] or i >= n - 1_000 else starts[g] for i, g in enumerate(groups)]
+    plan = _plan(groups, providers)
+    eng, f = Recorder(), _feeder(plan, window=64)
+    most = 0
+    while not f.done:
+        f.admit(eng)
+        most = max(most, len(f._ready._arrays))
+        for p in sorted(f.in_flight)[:16]:
+            f.on_finished(eng, p)
+    assert eng.added() == list(range(n)) and most <= 4 and f.done and not eng.live_pins

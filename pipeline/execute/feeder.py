@@ -3,7 +3,9 @@
 The plan orders requests so each shared prefix is computed once (``pipeline.plan.planner``). The feeder keeps a
 bounded window of them in the engine and releases followers as their provider starts:
 
-* ``ready`` is a heap of plan positions whose provider is already in the engine (or who have none);
+* ``ready`` holds the plan positions whose provider is already in the engine (or who have none), smallest first:
+  sorted arrays merged by a heap of their next positions (``_Sorted``), so its memory grows with the providers,
+  not with the rows (a provider's followers become ready together);
 * when a provider is admitted, its group's head is pinned (while followers still need it) and its followers
   become ready at once. NOTE: they may join in the same step: the engine admits by priority (= plan
   position), so the provider is scheduled first and registers its prefix blocks in the step it computes them.
@@ -18,12 +20,44 @@ needed to test it.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from pipeline.plan.planner import Plan
+
+
+class _Sorted:
+    """Positions from sorted int arrays, smallest first: a heap of (next position, array id), a cursor per array."""
+
+    def __init__(self):
+        self._heap: list[tuple[int, int]] = []
+        self._arrays: dict[int, tuple[np.ndarray, int]] = {}
+        self._ids = itertools.count()
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def add(self, positions: np.ndarray) -> None:
+        if len(positions):
+            i = next(self._ids)
+            self._arrays[i] = (positions, 0)
+            heapq.heappush(self._heap, (int(positions[0]), i))
+
+    def peek(self) -> int:
+        return self._heap[0][0]
+
+    def pop(self) -> int:
+        p, i = heapq.heappop(self._heap)
+        arr, cur = self._arrays[i]
+        if cur + 1 < len(arr):
+            self._arrays[i] = (arr, cur + 1)
+            heapq.heappush(self._heap, (int(arr[cur + 1]), i))
+        else:
+            del self._arrays[i]
+        return p
 
 
 @dataclass
@@ -36,18 +70,21 @@ class Feeder:
     in_flight: set[int] = field(default_factory=set)
     finished: int = 0
     pins: dict[int, int] = field(default_factory=dict)        # provider position -> pin id
-    _ready: list[int] = field(default_factory=list)
-    _waiters: dict[int, list[int]] = field(default_factory=dict)     # provider -> followers not yet ready
+    _ready: _Sorted = field(default_factory=_Sorted)
+    _waiters: dict[int, np.ndarray] = field(default_factory=dict)    # provider -> followers not yet ready (sorted)
     _dependents: dict[int, int] = field(default_factory=dict)        # provider -> followers not yet finished
     _open_groups: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        provider = self.plan.provider
-        for p in np.nonzero(provider >= 0)[0].tolist():
-            self._waiters.setdefault(int(provider[p]), []).append(p)
+        provider = np.asarray(self.plan.provider)
+        followers = np.nonzero(provider >= 0)[0]
+        by_provider = followers[np.argsort(provider[followers], kind="stable")]   # each provider's, in plan order
+        providers, starts = np.unique(provider[by_provider], return_index=True)
+        ends = np.append(starts[1:], len(by_provider))
+        self._waiters = {int(p): by_provider[a:b] for p, a, b in zip(providers, starts, ends)}   # views, no copies
         self._dependents = {p: len(w) for p, w in self._waiters.items()}
-        self._ready = [p for p in range(self.plan.num_requests) if provider[p] < 0]
-        heapq.heapify(self._ready)
+        self._ready = _Sorted()
+        self._ready.add(np.nonzero(provider < 0)[0])
 
     @property
     def done(self) -> bool:
@@ -61,12 +98,12 @@ class Feeder:
         """Add ready requests (plan order) until the window is full; returns how many were added."""
         added = 0
         while self._ready and len(self.in_flight) < self.window:
-            p = self._ready[0]
+            p = self._ready.peek()
             g = int(self.plan.group[p])
             if p in self._dependents and g not in self._open_groups and self.in_flight \
                     and len(self._open_groups) >= self.max_open_groups:
                 break
-            heapq.heappop(self._ready)
+            self._ready.pop()
             if p in self._dependents:
                 self._open_groups.add(g)
             if p in self._waiters:
@@ -75,8 +112,7 @@ class Feeder:
                 pin_id = engine.pin_prefix(list(self.heads[g]))
                 if pin_id is not None:
                     self.pins[p] = pin_id
-                for w in self._waiters.pop(p):
-                    heapq.heappush(self._ready, w)
+                self._ready.add(self._waiters.pop(p))
             ids, params = self.prompt_of(p)
             engine.add_request(str(p), ids, params, priority=p)
             self.in_flight.add(p)
