@@ -245,7 +245,7 @@ class _JobPreparer:
             parts = self.jr.long_docs.add(key, chunks, gid, tail_id, pidx, head_len=len(head), tail_len=len(tail))
             todo_chunks = [(ck, c) for ck, c in parts if ck not in self.done_keys]
         else:
-            if self._is_copy(gid, rr, pidx, key):
+            if self._is_copy(gid, rr, pidx, key, len(head) + len(ids) + len(tail)):
                 return
             todo_chunks = [(key, ids)]
         part_params = pidx if chunks is None else prompts.unconstrained_index(pidx)   # parts: no schema
@@ -258,9 +258,9 @@ class _JobPreparer:
             spill["tail"].append(tail_id)
             spill["params"].append(part_params)
 
-    def _is_copy(self, gid: int, rr, pidx: int, key: str) -> bool:
+    def _is_copy(self, gid: int, rr, pidx: int, key: str, prompt_len: int) -> bool:
         """Whether a row equals a request already spilled (this job's or an earlier one's): then it is recorded as
-        that request's copy (``dedup``) instead of being spilled itself."""
+        that request's copy (``dedup``) instead of being spilled itself (its ``prompt_len`` tokens saved)."""
         if self.dedup is None:
             return False
         digest = content_digest(gid, rr.document, rr.tail, self.prompts.param_sets[pidx])
@@ -271,6 +271,7 @@ class _JobPreparer:
             return False
         self.dedup.add(first, Copy(self.job_index, key, pidx))
         self.jr.planned_copies += 1
+        self.jr.planned_copy_tokens += prompt_len
         return True
 
     def _head_group(self, head_text: str, head: list) -> int:

@@ -221,12 +221,6 @@ class Runner:
             mask = pjob == j
             jr.predicted_cached = int(plan.cached[mask].sum())
             jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
-        if batch.copies:
-            position = np.empty_like(plan.order)
-            position[plan.order] = np.arange(plan.num_requests)
-            for r, copies in batch.copies.items():
-                for c in copies:
-                    runs[c.job].planned_copy_tokens += int(plan.prompt_len[position[r]])
         return batch, RunReport(runs, plan, 0.0, llm.info, prediction=self._predict(llm, runs, plan, pjob))
 
     def _execution(self, llm: Engine, config: EngineConfig, states: list[RunState], work: bool) -> Execution:
@@ -369,9 +363,10 @@ class Runner:
                         raise RunError(f"job {jr.job.name!r}, row {q.key.rpartition('#')[0]}: {row.error}. "
                                        "Stopped because of --fail-fast; rows done so far are kept.")
                     progress.add(row)
-                    for c in batch.copies_at(p):     # identical rows (prepare.dedup): the same result, not computed
+                    copies = batch.copies_at(p)      # identical rows (prepare.dedup): the same result, not computed
+                    for c in copies:
                         progress.add(runs[c.job].take(c.key, out, c.params, copy=True), copy=True)
-                    bar.update(1 + len(batch.copies_at(p)))
+                    bar.update(1 + len(copies))
                     bar.set_postfix_str(progress.postfix(), refresh=False)
                 for steps, source in exe.steps():
                     self._rec.add_steps(steps, source)
