@@ -4,7 +4,8 @@ CPU: a quarter of the memory available at start (``/proc/meminfo`` MemAvailable)
 ``BUDGET_STEP`` (so MemAvailable's moment-to-moment drift does not change the pool between validate, plan and
 submit), at most 4 GiB, unless
 ``kv_cache_memory`` names bytes (refused when above 90 % of what is available). CUDA: ``gpu_memory_utilization``
-of the free device memory. Never more blocks than ``max_num_seqs`` full-length sequences need.
+of the free device memory, less the weights (the pool is sized before they load). Never more blocks than
+``max_num_seqs`` full-length sequences need.
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * elem
 
 
+def _weight_bytes(model_config, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights in ``dtype`` (on CUDA the weights are held in the activation dtype)."""
+    import math
+
+    from engine.loader.dummy import hf_shapes
+    elem = torch.empty((), dtype=dtype).element_size()
+    return elem * sum(math.prod(s) for s in hf_shapes(model_config).values())
+
+
 def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, block_size: int,
                   max_model_len: int) -> int:
     """The KV pool size in blocks for these (resolved) settings; ConfigError when it cannot hold one block."""
@@ -52,8 +62,9 @@ def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: t
                 raise ConfigError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the memory available "
                                   f"on this machine ({avail / 2**30:.1f} GiB); lower kv_cache_memory")
     elif device.type == "cuda":
+        # NOTE: the pool is sized before the weights load, so their bytes come off the share of free memory
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * cfg.gpu_memory_utilization)
+        budget = int(free * cfg.gpu_memory_utilization) - _weight_bytes(model_config, dtype)
     else:
         avail = available_memory_bytes() or 4 * DEFAULT_CPU_KV_CACHE_MAX_BYTES
         share = int(avail * DEFAULT_CPU_KV_FRACTION)

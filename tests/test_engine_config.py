@@ -135,3 +135,24 @@ def test_cpu_kv_pool_stable_under_memavailable_drift(monkeypatch):
     assert sizes[0] == sizes[1] == sizes[2] == budget // per_block
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 600 << 20)
     assert memory.num_kv_blocks(cfg, mcfg, torch.bfloat16, torch.device("cpu"), 16, 32768) == (150 << 20) // per_block
+
+
+def test_cuda_kv_pool_leaves_room_for_the_weights(monkeypatch):
+    """On CUDA the pool is sized before the weights load: gpu_memory_utilization of the free memory less the
+    weights' bytes in the activation dtype (an 8B bf16 model on a card with 20 GB free gets ~1 GB of KV, not 17)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from engine import memory
+    from engine.models.config import ModelConfig
+    raw = json.loads((Path(__file__).parents[1] / "bench/models/llama-3.1-8b-instruct/config.json").read_text())
+    mcfg = ModelConfig.from_hf(raw, source="config.json")
+    weights = memory._weight_bytes(mcfg, torch.bfloat16)
+    assert 16.0e9 < weights < 16.1e9                     # 8.03B parameters, untied head
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 << 30, 141 << 30))
+    cfg = EngineConfig(max_num_seqs=256)
+    blocks = memory.num_kv_blocks(cfg, mcfg, torch.bfloat16, torch.device("cuda"), 16, 131072)
+    per_block = memory.kv_block_bytes(mcfg, 16, torch.bfloat16)
+    assert blocks == (int((20 << 30) * 0.85) - weights) // per_block
