@@ -23,7 +23,7 @@ from pipeline.run.validate import load_valid_jobs, load_valid_jobs_recorded, val
 
 # NOTE: schedule_cmd owns `cron` and `status`, report_cmd owns `report` and `calibrate`; a name registered twice
 # is refused with a warning (the first module wins).
-PLUGINS = ("schedule_cmd", "report_cmd", "bench_cmd")
+PLUGINS = ("schedule_cmd", "report_cmd", "bench_cmd", "serve_cmd")
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130

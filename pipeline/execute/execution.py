@@ -13,9 +13,14 @@
     ex.close()
 
 Request ids the engine sees are plan positions.
+
+Test hook ``BATCHGEN_FAULT=step-delay:S`` (as ``BATCHGEN_RAY_FAULT``'s): sleep S seconds after every local engine
+step, so a tiny model's run lasts long enough to be killed mid-way (tests of resume, cancel and the server).
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Iterator, Protocol
 
 from engine import Engine, EngineInfo, RequestOutput, StepStats
@@ -57,6 +62,8 @@ class LocalExecution:
         self.feeder: Feeder | None = None
         self._exhausted = False
         self._steps: list[StepStats] = []       # taken since the last steps()
+        faults = os.environ.get("BATCHGEN_FAULT", "").split(",")
+        self._step_delay = sum(float(f.partition(":")[2]) for f in faults if f.strip().startswith("step-delay:"))
 
     def start(self) -> None:
         pass
@@ -77,6 +84,8 @@ class LocalExecution:
             self._exhausted = True
             return
         outs, stats = llm.step()
+        if self._step_delay:
+            time.sleep(self._step_delay)
         self._steps.append(stats)
         for out in outs:
             p = int(out.request_id)
