@@ -214,6 +214,28 @@ def test_keys_bad_files_and_limits(server_for, tmp_path):
         assert b.errors.data[0].line == (3 if code == "duplicate_custom_id" else 1)
 
 
+def test_completions_endpoint_gives_text_completions(server_for, tmp_path, chat_model):
+    """/v1/completions: the prompt as it is (no chat template), a text_completion back, as a direct submit."""
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": f"Summary of ticket {i}: " + TICKETS[i], "max_tokens": 5}})
+             for i in range(3)]
+    lines.append(json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                             "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}))
+    c = server_for().client()
+    f = upload(c, tmp_path, lines)
+    b = wait_for(c, c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h").id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (3, 1)
+    out, err = jsonl(c, b.output_file_id), jsonl(c, b.error_file_id)
+    ref = direct(tmp_path, chat_model, lines)
+    for x in out:
+        body = x["response"]["body"]
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+        assert body["choices"] == ref[x["custom_id"]]["response"]["body"]["choices"]
+        assert set(body["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+        assert body["usage"]["completion_tokens"] == 5
+    assert err[0]["custom_id"] == "bad" and "body.messages" in err[0]["error"]["message"]
+
+
 def test_cancel_mid_run_keeps_the_finished_lines(server_for, tmp_path, chat_model):
     s = server_for({"BATCHGEN_FAULT": "step-delay:0.1"})
     c = s.client()

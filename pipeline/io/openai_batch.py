@@ -1,6 +1,7 @@
 """OpenAI Batch files in and out (``input.format: openai_batch``, ``output.format: openai_batch``).
 
-Input: JSONL, one request per line, as OpenAI's Batch API and vLLM's ``run-batch`` read it:
+Input: JSONL, one request per line, as OpenAI's Batch API and vLLM's ``run-batch`` read it (``/v1/completions`` too:
+its ``body.prompt`` is the text as it is, no chat template, and its output a ``text_completion``):
 
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "...", "messages": [{"role": "system", "content": "..."}, {"role": "user", ...}],
@@ -39,9 +40,10 @@ import pyarrow as pa
 from engine import StructuredOutputError, StructuredOutputsParams, check_structured
 
 READ_SCHEMA = pa.schema([("custom_id", pa.string()), ("body", pa.string()), ("line", pa.int64()),
-                         ("problem", pa.string())])
-COLUMNS = ("body", "problem", "line")
-URLS = ("/v1/chat/completions",)
+                         ("problem", pa.string()), ("url", pa.string())])
+COLUMNS = ("body", "problem", "line", "url")
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+URLS = (CHAT, COMPLETIONS)
 ROLES = ("system", "developer", "user", "assistant")
 
 # body field -> SamplingParams field (None: accepted and ignored)
@@ -51,10 +53,11 @@ _PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "t
            # vLLM's extensions, same names
            "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
            "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-           "model": None, "user": None, "messages": None, "metadata": None, "store": None,
+           "model": None, "user": None, "metadata": None, "store": None,
            "response_format": None}     # -> structured_outputs (``_response_format``)
 # accepted only at the value that means "as batchgen does anyway"
-_ONLY = {"n": 1, "stream": False, "logprobs": False, "parallel_tool_calls": None}
+_ONLY = {"n": 1, "stream": False, "logprobs": False, "parallel_tool_calls": None,
+         "echo": False, "best_of": 1, "suffix": None}            # the last three: /v1/completions
 
 
 class RequestError(ValueError):
@@ -63,7 +66,7 @@ class RequestError(ValueError):
 
 # ---- reading ---------------------------------------------------------------------------------------------
 def _parse_line(text: str, lineno: int) -> dict:
-    row = {"custom_id": None, "body": None, "line": lineno, "problem": None}
+    row = {"custom_id": None, "body": None, "line": lineno, "problem": None, "url": None}
     try:
         req = json.loads(text)
     except ValueError as e:
@@ -81,6 +84,8 @@ def _parse_line(text: str, lineno: int) -> dict:
         problems.append(f"method {req.get('method')!r} is not supported (only POST)")
     if req.get("url") not in URLS:
         problems.append(f"url {req.get('url')!r} is not supported (only {', '.join(URLS)})")
+    else:
+        row["url"] = req["url"]
     body = req.get("body")
     if not isinstance(body, dict):
         problems.append("body must be a JSON object")
@@ -125,18 +130,28 @@ def _content(msg: dict, i: int) -> str:
     raise RequestError(f"body.messages[{i}].content must be a string or a list of text parts")
 
 
-def parse_body(body_json: str, problem: str | None) -> tuple[list[dict], dict]:
-    """(messages with text content, SamplingParams overrides); ``RequestError`` naming the field."""
+def parse_body(body_json: str, problem: str | None, url: str | None = CHAT) -> tuple[list[dict] | str, dict]:
+    """(messages with text content, SamplingParams overrides) of a chat request; of a ``/v1/completions`` one
+    (``url``), (its prompt text, overrides). ``RequestError`` names the field."""
     if problem:
         raise RequestError(problem)
     body = json.loads(body_json)
-    unknown = [k for k in body if k not in _PARAMS and k not in _ONLY]
-    if unknown:
-        raise RequestError(f"body.{unknown[0]} is not supported by batchgen (supported: "
-                           f"{', '.join(sorted(set(_PARAMS) | set(_ONLY)))})")
-    for k, allowed in _ONLY.items():
-        if k in body and body[k] not in (allowed, None):
-            raise RequestError(f"body.{k} = {body[k]!r} is not supported (only {allowed!r})")
+    completion = url == COMPLETIONS
+    _check_fields(body, "prompt" if completion else "messages")
+    text = _completion_prompt(body) if completion else _messages(body)
+    return text, _overrides(body)
+
+
+def _completion_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise RequestError("body.prompt must be a string (one prompt a request)")
+    return prompt
+
+
+def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("body.messages must be a non-empty list")
@@ -148,6 +163,22 @@ def parse_body(body_json: str, problem: str | None) -> tuple[list[dict], dict]:
         out.append({"role": role, "content": _content(m, i)})
     if out[-1]["role"] != "user":
         raise RequestError("body.messages: the last message must be the user's")
+    return out
+
+
+def _check_fields(body: dict, text_field: str) -> None:
+    """Every field known (``text_field``: the prompt's, messages or prompt), the fixed ones at their value."""
+    unknown = [k for k in body if k not in _PARAMS and k not in _ONLY and k != text_field]
+    if unknown:
+        raise RequestError(f"body.{unknown[0]} is not supported by batchgen (supported: "
+                           f"{', '.join(sorted(set(_PARAMS) | set(_ONLY) | {text_field}))})")
+    for k, allowed in _ONLY.items():
+        if k in body and body[k] not in (allowed, None):
+            raise RequestError(f"body.{k} = {body[k]!r} is not supported (only {allowed!r})")
+
+
+def _overrides(body: dict) -> dict:
+    """The body's sampling fields as SamplingParams overrides."""
     overrides = {_PARAMS[k]: v for k, v in body.items() if _PARAMS.get(k) and v is not None}
     if "stop" in overrides:
         stop = overrides["stop"]
@@ -158,7 +189,7 @@ def parse_body(body_json: str, problem: str | None) -> tuple[list[dict], dict]:
     so = _response_format(body.get("response_format"))
     if so is not None:
         overrides["structured_outputs"] = so
-    return out, overrides
+    return overrides
 
 
 def _response_format(rf) -> StructuredOutputsParams | None:
@@ -188,7 +219,8 @@ def _response_format(rf) -> StructuredOutputsParams | None:
 
 # ---- writing ---------------------------------------------------------------------------------------------
 def response_line(custom_id: str | None, row: dict, model: str, created: int) -> dict:
-    """One output line from a committed result row (``rows.RESULT_COLUMNS``). ``created``: the output file's
+    """One output line from a committed result row (``rows.RESULT_COLUMNS``; ``url``: the request's endpoint, a
+    ``text_completion`` for ``/v1/completions``, else a ``chat.completion``). ``created``: the output file's
     write time, one value per file (committed results keep no clock, so a reused row gets the rerun's)."""
     key = row.get("row_key") or ""
     if custom_id is None:
@@ -201,9 +233,16 @@ def response_line(custom_id: str | None, row: dict, model: str, created: int) ->
                 "error": {"code": code, "message": row["error"]}}
     prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
     finish = row.get("finish_reason")
-    body = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": row.get("summary") or ""},
-                         "logprobs": None, "finish_reason": finish if finish in ("stop", "length") else "stop"}],
+    finish = finish if finish in ("stop", "length") else "stop"
+    text = row.get("summary") or ""
+    if row.get("url") == COMPLETIONS:
+        head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    else:
+        head = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish}]}
+    body = {**head,
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                       "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)}}}
     return {"id": f"batch_req_{rid}", "custom_id": custom_id,

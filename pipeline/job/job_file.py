@@ -191,6 +191,8 @@ class Job:
         """Input columns copied into the output: the id column first (when the job names one), so every output
         row can be joined back to its input, then ``output.include_columns``."""
         head = (self.input.id_column,) if self.input.id_column else ()
+        if self.input.format == "openai_batch" and self.output.format == "openai_batch":
+            head += ("url",)                    # each line's endpoint: the shape of its response
         return tuple(dict.fromkeys(head + tuple(self.output.include_columns)))
 
     def line(self, key: str) -> int | None:

@@ -131,11 +131,14 @@ class PromptRenderer:
         return RenderedRow(head, document, tail.replace(_SENTINEL, document))
 
     def _render_request(self, row: dict) -> RenderedRow:
-        """An OpenAI Batch request: its messages through the chat template, split at the last user message."""
+        """An OpenAI Batch request: its messages through the chat template, split at the last user message (a
+        ``/v1/completions`` request: its prompt, all of it the document)."""
         try:
-            messages, overrides = parse_body(row.get("body"), row.get("problem"))
+            messages, overrides = parse_body(row.get("body"), row.get("problem"), row.get("url"))
         except RequestError as e:
             raise RowError(str(e)) from None
+        if isinstance(messages, str):           # /v1/completions: the prompt as it is, no template
+            return RenderedRow("", messages, "", tuple(sorted(overrides.items())))
         document = messages[-1]["content"]
         messages[-1] = {"role": "user", "content": _SENTINEL}
         head, tail = self._chat_split(messages, "body.messages")

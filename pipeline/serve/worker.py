@@ -35,7 +35,7 @@ log = logging.getLogger("batchgen.serve")
 
 MAX_LINES = 50_000                 # per input file, as OpenAI
 MAX_BYTES = 200 * 1024 * 1024
-ENDPOINTS = ("/v1/chat/completions",)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 @dataclass
@@ -273,6 +273,7 @@ class Worker:
         if status == "completed":
             self.store.update_batch(batch_id, "finalizing", "finalizing_at")
         plan = self._plan(batch_id)
+        endpoint = self.store.get_batch(batch_id, None)["endpoint"]
         created = int(time.time())
         results: dict[str, dict] = {}
         for j in plan["jobs"]:
@@ -283,7 +284,8 @@ class Worker:
             parts = job_dir_for(out) / "parts"
             for f in sorted(parts.glob("*.parquet")) if parts.is_dir() else ():
                 for row in pq.read_table(f).to_pylist():
-                    line = response_line(None, row, self.config.models[j["model"]]["model"], created)
+                    line = response_line(None, {**row, "url": endpoint}, self.config.models[j["model"]]["model"],
+                                         created)
                     results[line["custom_id"]] = line
         for cid, message in plan["unknown"].items():
             rid = hashlib.sha256(f"{batch_id}/{cid}".encode()).hexdigest()[:24]
