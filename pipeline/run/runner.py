@@ -60,6 +60,7 @@ from pipeline.prepare.prepare_jobs import prepare_jobs
 from pipeline.problems import Interrupted, RunError
 from pipeline.run.admission import MachineLock
 from pipeline.run.engine_format import Recorded
+from pipeline.run.eta import PlanEta
 from pipeline.run.failure import failure_of
 from pipeline.run.recorder import RunRecorder, warn
 from pipeline.run.validate import engine_setup, kv_pool_problem
@@ -132,6 +133,7 @@ class Runner:
         self.echo = echo
         self._stop_reason: str | None = None      # set by SIGTERM / Ctrl-C (or stop_after_rows)
         self._rec: RunRecorder | None = None       # the current model's trace and history rows
+        self._priced = None                         # (plan, prediction, max_tokens by position): the ETA's basis
 
     # ---- entry points -------------------------------------------------------------------------------
     def run(self, dry_run: bool = False) -> list[RunReport]:
@@ -221,7 +223,10 @@ class Runner:
             mask = pjob == j
             jr.predicted_cached = int(plan.cached[mask].sum())
             jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
-        return batch, RunReport(runs, plan, 0.0, llm.info, prediction=self._predict(llm, runs, plan, pjob))
+        prediction = self._predict(llm, runs, plan, pjob)
+        self._priced = (plan, prediction, np.asarray([jr.prompts.params.max_tokens for jr in runs],
+                                                     dtype=np.int64)[pjob])
+        return batch, RunReport(runs, plan, 0.0, llm.info, prediction=prediction)
 
     def _execution(self, llm: Engine, config: EngineConfig, states: list[RunState], work: bool) -> Execution:
         """Where the plan computes: in this process, or on Ray replicas all loading the driver's format; the format
@@ -337,6 +342,9 @@ class Runner:
         bar = tqdm(total=n, file=stream, unit="doc", dynamic_ncols=True,
                    disable=self.opts.quiet or not stream.isatty())
         progress = _Progress(time.monotonic())
+        priced = self._priced
+        if priced is not None and priced[0] is batch.plan:    # the planned batch (reduce levels are not priced)
+            progress.eta = PlanEta.of(priced[0], priced[1], priced[2], progress.t_start)
         last_commit = progress.t_start
         clean_exit = False
         try:
@@ -363,6 +371,8 @@ class Runner:
                         raise RunError(f"job {jr.job.name!r}, row {q.key.rpartition('#')[0]}: {row.error}. "
                                        "Stopped because of --fail-fast; rows done so far are kept.")
                     progress.add(row)
+                    if progress.eta is not None:
+                        progress.eta.finished(p)
                     copies = batch.copies_at(p)      # identical rows (prepare.dedup): the same result, not computed
                     for c in copies:
                         progress.add(runs[c.job].take(c.key, out, c.params, copy=True), copy=True)
@@ -421,6 +431,7 @@ class _Progress:
     prompt: int = 0
     cached: int = 0
     toks: int = 0
+    eta: PlanEta | None = None      # time left by the plan's prediction (None: not priced)
 
     def add(self, row: ResultRow, copy: bool = False) -> None:
         self.finished += 1
@@ -432,7 +443,8 @@ class _Progress:
 
     def postfix(self) -> str:
         elapsed = max(time.monotonic() - self.t_start, 1e-9)
-        return f"{self.toks / elapsed:,.0f} tok/s, hit {self.cached / max(self.prompt, 1):.0%}"
+        text = f"{self.toks / elapsed:,.0f} tok/s, hit {self.cached / max(self.prompt, 1):.0%}"
+        return text + (f", {self.eta.text(time.monotonic())} (plan)" if self.eta is not None else "")
 
 
 def _check_kv_pool(info: EngineInfo, jobs: list[Job]) -> None:
