@@ -42,6 +42,14 @@ def test_chunked_prefill_and_decode_match_full_forward(pair, native):
     _close(run_chunks(ours, ids, [5, 13, 1, 17, 1, 1, 1, 1, 1], native=native), _ref_logits(hf, ids))
 
 
+def test_fused_sdpa_prefill_matches_transformers(pair):
+    """The fused prefill a GPU takes (one scaled_dot_product_attention call a chunk, its mask for causality and the
+    sliding window), forced here on the CPU: uneven chunks over a cached prefix, then decode, same logits."""
+    _, hf, ours = pair
+    ids = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(4)).tolist()
+    _close(run_chunks(ours, ids, [5, 13, 1, 17, 1, 1, 1, 1, 1], native=False, prefill="sdpa"), _ref_logits(hf, ids))
+
+
 def test_engine_step_computes_only_sampled_rows_with_transformers_logits(pair):
     """A mixed step as the model runner builds it (two prefill chunks, one that samples, one mid-prompt, plus
     a decode): with ``sample_rows`` the last layer computes only the sampled rows, and their logits equal

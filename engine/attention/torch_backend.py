@@ -36,7 +36,8 @@ class TorchAttentionBackend(AttentionBackend):
     """``native=None`` (default): decode attention uses the C kernel (``engine.kernels.attention``) when it can run the
     tensors and builds here; ``False``: always the pure-torch gather path (tests compare the two). ``prefill``: the
     ``attention`` kernel family's choice (engine.kernels.families) for prefill over a bf16 or int8 cache: "c" (bf16
-    into float32 where the build has bf16 dot products) or "torch"."""
+    into float32 where the build has bf16 dot products) or "torch"; "sdpa" (what a GPU always takes; tests force it
+    on the CPU): each chunk in one fused ``scaled_dot_product_attention`` call."""
 
     name = "torch"
 
@@ -84,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             out[s:e] = _prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
                                 meta.seq_lens[i], window, scale, bs, lambda key, fn, i=i: meta.memo((i, *key), fn),
-                                self.native)
+                                self.native, sdpa=self.prefill == "sdpa" or q.device.type != "cpu")
         return out
 
 
@@ -153,14 +154,15 @@ def _chunk_keys(k_new, v_new, k_cache, v_cache, table, seq_len: int, n: int, win
 
 
 def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
-             memo=lambda key, fn: fn(), native: bool = False, chunk=None):
+             memo=lambda key, fn: fn(), native: bool = False, chunk=None, sdpa: bool = False):
     """One sequence's chunk. q: [n, Hq, D] at positions [seq_len - n, seq_len); k/v_new: [n, Hkv, D]. ``chunk``:
     the visible keys and values [S, Hkv, D], the first one's position, already gathered (an int8 cache), and
     ``gather(lo)`` for them from another first position.
 
         keys:  lo_all ........... start ......... seq_len
                | cached context   | this chunk    |
-    The cache is read only when some query's window reaches back before this chunk.
+    The cache is read only when some query's window reaches back before this chunk. ``sdpa`` (a GPU's, or the
+    attention family's "sdpa"): one ``scaled_dot_product_attention`` call for the chunk instead of the tiles.
     """
     n, hq, d = q.shape
     start = seq_len - n
@@ -181,6 +183,8 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
     hkv = keys.shape[1]
     g = hq // hkv
     keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+    if sdpa:
+        return _prefill_sdpa(q, keys, vals, base, start, window, scale, memo)
     fused_softmax = native and elementwise.elementwise_ok(q)
     out = torch.empty_like(q)
     for ts in range(start, seq_len, PREFILL_TILE):                # absolute query positions [ts, te)
@@ -207,6 +211,28 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, table, seq_len: int, window: int
             o = o.view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)
         out[ts - start:te - start] = o
     return out
+
+
+def _prefill_sdpa(q, keys, vals, base: int, start: int, window: int | None, scale: float, memo) -> torch.Tensor:
+    """A chunk's attention in one fused call (flash / memory-efficient kernels on CUDA: one launch a layer where the
+    tiles took dozens): q [n, Hq, D] at positions [start, start + n), keys and values [S, Hkv, D] from ``base``; the
+    mask hides keys after a query and outside its window. Grouped heads are expanded (the fused kernels take equal
+    head counts with a mask)."""
+    n, hq, d = q.shape
+    g = hq // keys.shape[1]
+    if g > 1:
+        keys, vals = keys.repeat_interleave(g, dim=1), vals.repeat_interleave(g, dim=1)
+    s = keys.shape[0]
+
+    def mask():
+        q_pos = torch.arange(start, start + n, device=q.device)[:, None]
+        k_pos = torch.arange(base, base + s, device=q.device)[None, :]
+        seen = k_pos <= q_pos
+        return seen & (q_pos - k_pos < window) if window else seen
+    visible = memo(("sdpa_mask", window, start, n, base, s), mask)           # shared by the layers
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         vals.transpose(0, 1)[None], attn_mask=visible, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, scale: float, bs: int,
