@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("engine", "costmodel", "pipeline", "bench", "batchgen")
 # pipeline/'s stages in the order data flows (docs/design/layout.md); a stage imports only itself and earlier ones.
 PIPELINE_STAGES = ("problems", "io", "job", "plan", "prepare", "execute", "assemble", "schedule", "run", "report",
-                   "__init__")
+                   "serve", "__init__")
 MAX_LINES = 500
 # engine/'s parts (a top-level module, or a subpackage with all its modules), lowest first: a part imports only
 # itself and parts listed before it. "__init__" is the package's own door (engine/__init__.py).

@@ -39,8 +39,14 @@ def _error(status: int, message: str, code=None, param=None, kind="invalid_reque
 def create_app(store: Store, api_keys: list[str] | None, window: str = "24h", window_s: float = 86400) -> FastAPI:
     """``api_keys`` None: no authentication (the caller allows it only on a loopback host)."""
     app = FastAPI(title="batchgen", docs_url=None, redoc_url=None, openapi_url=None)
-    keys = [k.encode() for k in api_keys] if api_keys is not None else None
+    _error_handlers(app)
+    owner = _authenticator([k.encode() for k in api_keys] if api_keys is not None else None)
+    _file_routes(app, store, owner)
+    _batch_routes(app, store, owner, window, window_s)
+    return app
 
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
         return _error(e.status, e.message, e.code, e.param, e.kind)
@@ -51,6 +57,9 @@ def create_app(store: Store, api_keys: list[str] | None, window: str = "24h", wi
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return _error(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}", "invalid_request", where)
 
+
+def _authenticator(keys: list[bytes] | None):
+    """``owner(request)``: the hash of the request's key (401 unless it is one of ``keys``); "" without keys."""
     def owner(request: Request) -> str:
         if keys is None:
             return ""
@@ -62,12 +71,14 @@ def create_app(store: Store, api_keys: list[str] | None, window: str = "24h", wi
         if not token or not ok:
             raise ApiError(401, "Incorrect API key provided.", "invalid_api_key", kind="authentication_error")
         return hashlib.sha256(token).hexdigest()
+    return owner
 
-    def not_found(what: str, ident: str):
-        return ApiError(404, f"No such {what}: '{ident[:64]}'", f"{what}_not_found" if what == "batch" else None,
-                        "id", "invalid_request_error")
 
-    # ---- files ----------------------------------------------------------------------------------------------
+def _not_found(what: str, ident: str) -> ApiError:
+    return ApiError(404, f"No such {what}: '{ident[:64]}'", f"{what}_not_found" if what == "batch" else None, "id")
+
+
+def _file_routes(app: FastAPI, store: Store, owner) -> None:
     @app.post("/v1/files")
     async def upload(request: Request):
         who = owner(request)
@@ -110,23 +121,25 @@ def create_app(store: Store, api_keys: list[str] | None, window: str = "24h", wi
     async def get_file(file_id: str, request: Request):
         f = store.get_file(file_id, owner(request))
         if f is None:
-            raise not_found("file", file_id)
+            raise _not_found("file", file_id)
         return f
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, request: Request):
         f = store.get_file(file_id, owner(request))
         if f is None:
-            raise not_found("file", file_id)
+            raise _not_found("file", file_id)
         return Response(store.file_path(file_id).read_bytes(), media_type="application/jsonl")
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str, request: Request):
         if not store.delete_file(file_id, owner(request)):
-            raise not_found("file", file_id)
+            raise _not_found("file", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    # ---- batches ----------------------------------------------------------------------------------------------
+
+
+def _batch_routes(app: FastAPI, store: Store, owner, window: str, window_s: float) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request):
         who = owner(request)
@@ -167,7 +180,7 @@ def create_app(store: Store, api_keys: list[str] | None, window: str = "24h", wi
     async def get_batch(batch_id: str, request: Request):
         b = store.get_batch(batch_id, owner(request))
         if b is None:
-            raise not_found("batch", batch_id)
+            raise _not_found("batch", batch_id)
         return b
 
     @app.post("/v1/batches/{batch_id}/cancel")
@@ -175,12 +188,10 @@ def create_app(store: Store, api_keys: list[str] | None, window: str = "24h", wi
         who = owner(request)
         b = store.get_batch(batch_id, who)
         if b is None:
-            raise not_found("batch", batch_id)
+            raise _not_found("batch", batch_id)
         if not store.cancel(batch_id) and b["status"] not in ("cancelling", "cancelled"):
             raise ApiError(409, f"Cannot cancel a batch with status '{b['status']}'.", "invalid_state")
         return store.get_batch(batch_id, who)
-
-    return app
 
 
 __all__ = ["create_app", "ApiError"]
