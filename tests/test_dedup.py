@@ -131,3 +131,18 @@ def test_on_the_real_engine_the_copies_equal_computed_rows(tmp_path, make_docs_d
     assert _manifest(tmp_path, "merged")["this_run"]["deduplicated"]["rows"] == 3
     merged, alone = _table(tmp_path, "merged"), _table(tmp_path, "alone")
     assert merged == alone and all(r["summary"] for r in merged)
+
+
+def test_the_digest_table_keeps_the_first_value_of_each_digest_through_growth():
+    """The compact index (pipeline/prepare/dedup.DigestTable): setdefault semantics, digests equal in their first 8
+    bytes kept apart, every entry found after the table grew."""
+    import hashlib
+
+    from pipeline.prepare.dedup import DigestTable
+    t = DigestTable(capacity=4)
+    digests = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(5000)]
+    assert [t.setdefault(d, i) for i, d in enumerate(digests)] == list(range(5000))
+    assert [t.setdefault(d, 10**9) for d in digests] == list(range(5000)) and len(t) == 5000
+    same_lo = [b"\x01" * 8 + bytes([i]) * 8 for i in range(3)]          # same probe start, different digests
+    assert [t.setdefault(d, 7000 + i) for i, d in enumerate(same_lo)] == [7000, 7001, 7002]
+    assert t.setdefault(same_lo[1], 0) == 7001 and t.mask + 1 == 8192

@@ -87,9 +87,9 @@ def _write_job_output(jr: JobRun, info: EngineInfo, out_path: Path) -> tuple[pa.
     """Join the row keys with the committed results and write the output; returns (results, joined)."""
     job = jr.job
     openai = job.output.format == "openai_batch"
-    kept = None if openai else _deleted_rows(jr, out_path)
-    results = jr.state.load_done()
     keys = pa.ipc.open_file(pa.memory_map(str(jr.state.scratch("keys.arrow")))).read_all()
+    kept = None if openai else _deleted_rows(jr, out_path, keys.column("row_key"))
+    results = jr.state.load_done()
     joined = keys.join(results, "row_key", join_type="left outer").sort_by("row_idx")
     if joined.num_rows != jr.num_rows:
         raise RunError(f"job {job.name!r}: internal error assembling output ({joined.num_rows} rows for "
@@ -235,20 +235,22 @@ def _structured(jr: JobRun, joined: pa.Table) -> dict | None:
     return out
 
 
-def _deleted_rows(jr: JobRun, out_path: Path) -> pa.Table | None:
-    """Rows of the previous output whose id is no longer in the input: counted, and returned when the job
-    keeps them (``output.keep_deleted_rows``); None when there are none or they are dropped."""
+def _deleted_rows(jr: JobRun, out_path: Path, current_keys: pa.ChunkedArray) -> pa.Table | None:
+    """Rows of the previous output whose id is no longer in the input (its row keys: ``current_keys``): counted,
+    and returned when the job keeps them (``output.keep_deleted_rows``); None when there are none or they are
+    dropped."""
     if not out_path.exists():
         return None
     try:
         prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
     except (pa.ArrowException, OSError, KeyError):
         return None                  # not an output of ours (or unreadable): nothing to carry over
-    current = pa.array(sorted(jr.ids), pa.string())
+    def ids_of(keys):
+        return pc.replace_substring_regex(keys, pattern="#[0-9a-f]{20}$", replacement="")
+    current = pc.unique(ids_of(current_keys).combine_chunks())
 
     def gone_mask(keys):
-        ids = pc.replace_substring_regex(keys, pattern="#[0-9a-f]{20}$", replacement="")
-        return pc.invert(pc.is_in(ids, value_set=current))
+        return pc.invert(pc.is_in(ids_of(keys), value_set=current))
 
     n = int(pc.sum(gone_mask(prev_keys)).as_py() or 0)
     if not n:

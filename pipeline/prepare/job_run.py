@@ -29,7 +29,6 @@ class JobRun:
     changed: int = 0
     spill_rows: int = 0
     keys_digest: str = ""
-    ids: set = field(default_factory=set)      # the current input's row ids
     planned_copies: int = 0                    # rows equal to another request: take its result (prepare.dedup) ...
     planned_copy_tokens: int = 0               # ... and their prompt tokens (not computed)
     # computed this run

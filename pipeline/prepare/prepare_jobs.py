@@ -30,6 +30,7 @@ from pipeline.plan.planner import make_plan, unplanned
 from pipeline.prepare.dedup import Copy, Dedup, content_digest
 from pipeline.prepare.job_run import JobRun
 from pipeline.prepare.long_docs import chunks_of
+from pipeline.prepare.unique_ids import UniqueIds
 from pipeline.problems import RunError
 
 SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
@@ -96,7 +97,7 @@ class _JobPreparer:
         done = jr.state.load_done() if jr.state.dir.exists() else None
         self.done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
         self.done_ids = {k.rpartition("#")[0] for k in self.done_keys}
-        self.seen_ids: set[str] = set()
+        self.ids = UniqueIds() if self.id_col and not self.job.input.allow_duplicate_ids else None
         # keys are unique when ids are (a key is its row id + a hash): only repeated ids need them remembered
         self.seen_keys: set[str] | None = set() if self.job.input.allow_duplicate_ids else None
         self.digest = hashlib.sha256()
@@ -113,6 +114,7 @@ class _JobPreparer:
         # (cost: docs/perf/code-notes-pipe.md)
         try:
             num_rows = self._stream()
+            self._check_ids()
         finally:
             if gc_was_on:
                 gc.enable()
@@ -122,7 +124,6 @@ class _JobPreparer:
         if not self.dry_run:
             jr.commit()
         jr.num_rows = num_rows
-        jr.ids = self.seen_ids
         jr.spill_rows = len(self.groups)
         jr.keys_digest = self.digest.hexdigest()
         return PreparedJob(self.groups, self.lens)
@@ -166,16 +167,29 @@ class _JobPreparer:
         return self.seen_keys is not None and key in self.seen_keys
 
     def _row_id(self, row: dict, row_no: int) -> str:
-        id_col = self.id_col
-        rid = str(row[id_col]) if id_col else str(row_no)
-        if id_col and row[id_col] is None:
-            rid = f"<null id at row {row_no}>"
-        if rid in self.seen_ids and not self.job.input.allow_duplicate_ids:
-            raise RunError(f"{self.job.file}: input.id_column {id_col!r}: id {rid!r} appears more than "
-                           f"once (again at row {row_no}); ids must be unique, or set "
-                           "input.allow_duplicate_ids: true")
-        self.seen_ids.add(rid)
+        rid = _row_id(row, row_no, self.id_col)
+        if self.ids is not None:
+            self.ids.add(rid)
         return rid
+
+    def _check_ids(self) -> None:
+        """Ids must be unique unless the job allows repeats: the first repeated one, named with its row."""
+        if self.ids is None:
+            return
+        job, id_col = self.job, self.id_col
+
+        def ids():
+            row_no = 0
+            for b in iter_batches(job.input.path, job.input.format, [id_col], job.input.batch_size, job.input.split,
+                                  job.input.limit):
+                for row in b.to_pylist():
+                    yield row_no, _row_id(row, row_no, id_col)
+                    row_no += 1
+        repeat = self.ids.first_repeat(ids)
+        if repeat is not None:
+            rid, row_no = repeat
+            raise RunError(f"{job.file}: input.id_column {id_col!r}: id {rid!r} appears more than once (again at "
+                           f"row {row_no}); ids must be unique, or set input.allow_duplicate_ids: true")
 
     def _render_rows(self, rows: list[dict], row_idx: int) -> list:
         """Per row: (row id, its rendering or the RowError, its row key, its parameter set's index)."""
@@ -288,6 +302,12 @@ class _JobPreparer:
                                                      pa.array(keys, pa.string())], schema=KEYS_SCHEMA))
             if spill["row_key"]:
                 self.spill_w.write_batch(pa.record_batch(spill, schema=SPILL_SCHEMA))
+
+
+def _row_id(row: dict, row_no: int, id_col: str | None) -> str:
+    if not id_col:
+        return str(row_no)
+    return str(row[id_col]) if row[id_col] is not None else f"<null id at row {row_no}>"
 
 
 def _row_error(jr: JobRun, key: str, message: str, row_idx: int, fail_fast: bool) -> None:
