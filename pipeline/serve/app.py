@@ -78,6 +78,13 @@ def _not_found(what: str, ident: str) -> ApiError:
     return ApiError(404, f"No such {what}: '{ident[:64]}'", f"{what}_not_found" if what == "batch" else None, "id")
 
 
+def _found(obj: dict | None, what: str, ident: str) -> dict:
+    """``obj``, or a 404 naming ``what`` (another key's object is not found either)."""
+    if obj is None:
+        raise _not_found(what, ident)
+    return obj
+
+
 def _file_routes(app: FastAPI, store: Store, owner) -> None:
     @app.post("/v1/files")
     async def upload(request: Request):
@@ -119,16 +126,11 @@ def _file_routes(app: FastAPI, store: Store, owner) -> None:
 
     @app.get("/v1/files/{file_id}")
     async def get_file(file_id: str, request: Request):
-        f = store.get_file(file_id, owner(request))
-        if f is None:
-            raise _not_found("file", file_id)
-        return f
+        return _found(store.get_file(file_id, owner(request)), "file", file_id)
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, request: Request):
-        f = store.get_file(file_id, owner(request))
-        if f is None:
-            raise _not_found("file", file_id)
+        _found(store.get_file(file_id, owner(request)), "file", file_id)
         return Response(store.file_path(file_id).read_bytes(), media_type="application/jsonl")
 
     @app.delete("/v1/files/{file_id}")
@@ -178,17 +180,12 @@ def _batch_routes(app: FastAPI, store: Store, owner, window: str, window_s: floa
 
     @app.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request):
-        b = store.get_batch(batch_id, owner(request))
-        if b is None:
-            raise _not_found("batch", batch_id)
-        return b
+        return _found(store.get_batch(batch_id, owner(request)), "batch", batch_id)
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request):
         who = owner(request)
-        b = store.get_batch(batch_id, who)
-        if b is None:
-            raise _not_found("batch", batch_id)
+        b = _found(store.get_batch(batch_id, who), "batch", batch_id)
         if not store.cancel(batch_id) and b["status"] not in ("cancelling", "cancelled"):
             raise ApiError(409, f"Cannot cancel a batch with status '{b['status']}'.", "invalid_state")
         return store.get_batch(batch_id, who)
