@@ -247,7 +247,13 @@ def test_cancel_mid_run_keeps_the_finished_lines(server_for, tmp_path, chat_mode
     f = upload(c, tmp_path, lines)
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(c, b.id, until=lambda x: x.request_counts.completed >= 1)
+    # a batch created while another computes is validated at once, and runs next
+    later = c.batches.create(input_file_id=upload(c, tmp_path, lines_for(2), "later.jsonl").id,
+                             endpoint="/v1/chat/completions", completion_window="24h")
+    assert wait_for(c, later.id, done=("in_progress",), timeout=30).request_counts.total == 2
+    assert c.batches.retrieve(b.id).status == "in_progress"
     assert c.batches.cancel(b.id).status in ("cancelling", "cancelled")
+    assert wait_for(c, later.id).status == "completed"
     b = wait_for(c, b.id)
     assert b.status == "cancelled" and b.cancelled_at and b.cancelling_at
     out = jsonl(c, b.output_file_id)

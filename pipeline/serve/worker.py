@@ -222,6 +222,7 @@ class Worker:
                     return
                 for bid, plan in plans.items():
                     self.store.update_batch(bid, completed=self._committed(plan))
+                self._meanwhile(plans)
                 if not stopped and self._should_stop(plans):
                     proc.send_signal(signal.SIGTERM)       # finished rows are committed; the rest resume later
                     stopped = True
@@ -240,6 +241,19 @@ class Worker:
                 self.store.update_batch(bid, "failed", "failed_at", errors=[{
                     "code": "batchgen_error", "message": f"the run exited with code {rc}: {tail}", "line": None,
                     "param": None}])
+
+    def _meanwhile(self, plans: dict) -> None:
+        """While a run computes: batches created since are validated (they run next), and batches cancelled or
+        expired that are not in this run are finished at once."""
+        for b in self.store.batches_with("validating", "in_progress", "cancelling"):
+            if b["id"] in plans:
+                continue
+            if b["status"] == "cancelling":
+                self._finish(b, "cancelled", "cancelled_at")
+            elif time.time() > b["expires_at"]:
+                self._finish(b, "expired", "expired_at")
+            elif b["status"] == "validating":
+                self._validate(b)
 
     def _should_stop(self, plans: dict) -> bool:
         for bid in plans:
