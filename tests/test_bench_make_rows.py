@@ -17,3 +17,14 @@ def test_rows_prefixes_duplicates_and_job(tmp_path):
     assert write_rows(1000, tmp_path / "again", duplicates=0.3).read_bytes() == data.read_bytes()   # seeded
     job = load_job(write_job(tmp_path, data))
     assert job.input.path == str(data) and job.generation["max_tokens"] == 4
+
+
+def test_the_pipeline_runs_every_row_through_the_engine_double(tmp_path):
+    """bench/pipeline_double.py: a make_rows job through the whole pipeline with the engine double (the default
+    model's tokenizer, no weights): one output row per input row, 30 % of them copies of a computed twin."""
+    from bench.pipeline_double import main
+    data = write_rows(300, tmp_path, duplicates=0.3)
+    assert main([str(write_job(tmp_path, data))]) == 0
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.num_rows == 300 and out.column("id").to_pylist() == pq.read_table(data).column("id").to_pylist()
+    assert all(s.startswith("summary-") for s in out.column("summary").to_pylist())
