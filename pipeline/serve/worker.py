@@ -140,13 +140,7 @@ class Worker:
 
     def tick(self) -> None:
         """One round: settle cancels and expiries, validate what is new, run what is in progress."""
-        for b in self.store.batches_with("validating", "in_progress", "cancelling"):
-            if b["status"] == "cancelling":
-                self._finish(b, "cancelled", "cancelled_at")
-            elif time.time() > b["expires_at"]:
-                self._finish(b, "expired", "expired_at")
-            elif b["status"] == "validating":
-                self._validate(b)
+        self._settle(running=())
         running = self.store.batches_with("in_progress")
         if running and not self._stop.is_set():
             self._run(running)
@@ -222,7 +216,7 @@ class Worker:
                     return
                 for bid, plan in plans.items():
                     self.store.update_batch(bid, completed=self._committed(plan))
-                self._meanwhile(plans)
+                self._settle(running=plans)
                 if not stopped and self._should_stop(plans):
                     proc.send_signal(signal.SIGTERM)       # finished rows are committed; the rest resume later
                     stopped = True
@@ -242,11 +236,12 @@ class Worker:
                     "code": "batchgen_error", "message": f"the run exited with code {rc}: {tail}", "line": None,
                     "param": None}])
 
-    def _meanwhile(self, plans: dict) -> None:
-        """While a run computes: batches created since are validated (they run next), and batches cancelled or
-        expired that are not in this run are finished at once."""
+    def _settle(self, running) -> None:
+        """Cancelled and expired batches finished, new ones validated; ``running``: the ids of the batches a run is
+        computing now (those its loop settles). While a run computes, batches created since are validated (they run
+        next) and the others cancelled or expired are finished at once."""
         for b in self.store.batches_with("validating", "in_progress", "cancelling"):
-            if b["id"] in plans:
+            if b["id"] in running:
                 continue
             if b["status"] == "cancelling":
                 self._finish(b, "cancelled", "cancelled_at")
