@@ -19,7 +19,7 @@ import yaml
 from pipeline.io.openai_batch import read_output
 from pipeline.job.job_file import load_job
 from pipeline.run.runner import RunOptions, run_jobs
-from tests.test_openai_batch import ENGINE, chat_model, req, sys_user
+from tests.test_openai_batch import ENGINE, chat_model, req, sys_user, write_job
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -128,13 +128,7 @@ def jsonl(client, file_id) -> list[dict]:
 
 def direct(tmp_path, model, lines) -> dict[str, dict]:
     """`batchgen submit` of the same lines (in process), by custom_id."""
-    data = tmp_path / "direct.jsonl"
-    data.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "direct-out.jsonl"
-    job = tmp_path / "direct.yaml"
-    job.write_text(f"name: direct\nmodel: {model}\ninput:\n  path: {data}\n  format: openai_batch\nprompt:\n  "
-                   f"on_too_long: truncate_document\ngeneration:\n  max_tokens: 8\n  temperature: 0\noutput:\n  path: "
-                   f"{out}\n  format: openai_batch\n" + ENGINE)
+    job, out = write_job(tmp_path, model, name="direct", lines=lines)
     run_jobs([load_job(job)], options=RunOptions(quiet=True))
     return {x["custom_id"]: x for x in read_output(out)}
 
@@ -240,13 +234,19 @@ def test_completions_endpoint_gives_text_completions(server_for, tmp_path, chat_
     assert err[0]["custom_id"] == "bad" and "body.messages" in err[0]["error"]["message"]
 
 
-def test_cancel_mid_run_keeps_the_finished_lines(server_for, tmp_path, chat_model):
+def slow_batch(server_for, tmp_path, committed: int):
+    """A server whose engine steps are slowed, and a 24-line batch on it with ``committed`` lines done."""
     s = server_for({"BATCHGEN_FAULT": "step-delay:0.1"})
     c = s.client()
     lines = lines_for(24)
-    f = upload(c, tmp_path, lines)
-    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    wait_for(c, b.id, until=lambda x: x.request_counts.completed >= 1)
+    b = c.batches.create(input_file_id=upload(c, tmp_path, lines).id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    wait_for(c, b.id, until=lambda x: x.request_counts.completed >= committed)
+    return s, c, lines, b
+
+
+def test_cancel_mid_run_keeps_the_finished_lines(server_for, tmp_path, chat_model):
+    s, c, lines, b = slow_batch(server_for, tmp_path, committed=1)
     # a batch created while another computes is validated at once, and runs next
     later = c.batches.create(input_file_id=upload(c, tmp_path, lines_for(2), "later.jsonl").id,
                              endpoint="/v1/chat/completions", completion_window="24h")
@@ -275,12 +275,7 @@ def test_expired_batch_returns_what_finished(server_for, tmp_path):
 
 
 def test_a_sigkilled_server_restarted_finishes_every_line_once(server_for, tmp_path, chat_model):
-    s = server_for({"BATCHGEN_FAULT": "step-delay:0.1"})
-    c = s.client()
-    lines = lines_for(24)
-    f = upload(c, tmp_path, lines)
-    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    wait_for(c, b.id, until=lambda x: x.request_counts.completed >= 2)
+    s, c, lines, b = slow_batch(server_for, tmp_path, committed=2)
     s.kill()                                          # the server and (PR_SET_PDEATHSIG) its run
     s.env.pop("BATCHGEN_FAULT")
     s.start()

@@ -20,7 +20,6 @@ from pathlib import Path
 
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
-TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -179,4 +178,4 @@ def batch_object(row: sqlite3.Row) -> dict:
             "metadata": json.loads(row["metadata"]) if row["metadata"] else None}
 
 
-__all__ = ["Store", "FILE_ID", "BATCH_ID", "TERMINAL", "file_object", "batch_object"]
+__all__ = ["Store", "FILE_ID", "BATCH_ID", "file_object", "batch_object"]

@@ -28,8 +28,9 @@ import pyarrow.parquet as pq
 import yaml
 
 from pipeline.io.openai_batch import read_output, response_line
+from pipeline.io.tables import write_bytes_atomic
 from pipeline.job.state import job_dir_for
-from pipeline.serve.store import TERMINAL, Store
+from pipeline.serve.store import Store
 
 log = logging.getLogger("batchgen.serve")
 
@@ -117,6 +118,7 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen | None = None
+        self._part_rows: dict[str, int] = {}          # committed part file -> its rows (``_committed``)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -222,19 +224,30 @@ class Worker:
                     stopped = True
             self._proc = None
         rc = proc.returncode
+        self._settle(running=())                  # this run's batches cancelled or expired meanwhile too
         for bid in plans:
-            b = self.store.get_batch(bid, None)
-            if b["status"] == "cancelling":
-                self._finish(b, "cancelled", "cancelled_at")
-            elif time.time() > b["expires_at"]:
-                self._finish(b, "expired", "expired_at")
-            elif rc == 0:
+            if self.store.get_batch(bid, None)["status"] != "in_progress":
+                continue
+            if rc == 0:
                 self._finalize(bid, "completed", "completed_at", partial=False)
             elif not stopped:
-                tail = (self.store.dir / "runs.log").read_bytes()[-600:].decode(errors="replace")
                 self.store.update_batch(bid, "failed", "failed_at", errors=[{
-                    "code": "batchgen_error", "message": f"the run exited with code {rc}: {tail}", "line": None,
-                    "param": None}])
+                    "code": "batchgen_error", "message": f"the run exited with code {rc}: {self._log_tail()}",
+                    "line": None, "param": None}])
+
+    def _log_tail(self, n: int = 600) -> str:
+        with open(self.store.dir / "runs.log", "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - n))
+            return fh.read().decode(errors="replace")
+
+    @staticmethod
+    def _ending(b: dict) -> tuple[str, str] | None:
+        """(status, its time field) a batch ends in now: cancelled once cancelling, expired past its window."""
+        if b["status"] == "cancelling":
+            return "cancelled", "cancelled_at"
+        if time.time() > b["expires_at"]:
+            return "expired", "expired_at"
+        return None
 
     def _settle(self, running) -> None:
         """Cancelled and expired batches finished, new ones validated; ``running``: the ids of the batches a run is
@@ -243,31 +256,28 @@ class Worker:
         for b in self.store.batches_with("validating", "in_progress", "cancelling"):
             if b["id"] in running:
                 continue
-            if b["status"] == "cancelling":
-                self._finish(b, "cancelled", "cancelled_at")
-            elif time.time() > b["expires_at"]:
-                self._finish(b, "expired", "expired_at")
+            ending = self._ending(b)
+            if ending is not None:
+                self._finish(b, *ending)
             elif b["status"] == "validating":
                 self._validate(b)
 
     def _should_stop(self, plans: dict) -> bool:
-        for bid in plans:
-            b = self.store.get_batch(bid, None)
-            if b["status"] == "cancelling" or time.time() > b["expires_at"]:
-                return True
-        return False
+        return any(self._ending(self.store.get_batch(bid, None)) is not None for bid in plans)
 
-    @staticmethod
-    def _committed(plan: dict) -> int:
+    def _committed(self, plan: dict) -> int:
+        """Rows committed so far: the parts' row counts, each part read once (a part never changes once there)."""
         n = 0
         for j in plan["jobs"]:
             parts = job_dir_for(j["out"]) / "parts"
-            if parts.is_dir():
-                for f in parts.glob("*.parquet"):
+            for f in parts.glob("*.parquet") if parts.is_dir() else ():
+                rows = self._part_rows.get(str(f))
+                if rows is None:
                     try:
-                        n += pq.ParquetFile(f).metadata.num_rows
+                        rows = self._part_rows[str(f)] = pq.ParquetFile(f).metadata.num_rows
                     except Exception:      # NOTE: a part being renamed into place; counted next time
-                        pass
+                        rows = 0
+                n += rows
         return n
 
     # ---- finishing ----------------------------------------------------------------------------------------------
@@ -311,18 +321,11 @@ class Worker:
             if not lines:
                 continue
             fid = self.store.new_file_id()
-            path = self.store.file_path(fid)
             data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            write_bytes_atomic(data, self.store.file_path(fid))
             self.store.add_file(fid, owner, f"{batch_id}_{name}.jsonl", len(data), f"batch_{name}")
             ids[f"{name}_file_id"] = fid
         self.store.update_batch(batch_id, status, when, completed=len(good), failed=len(bad), **ids)
 
 
-def terminal(status: str) -> bool:
-    return status in TERMINAL
-
-
-__all__ = ["ServeConfig", "Worker", "validate_lines", "MAX_LINES", "MAX_BYTES", "ENDPOINTS", "terminal"]
+__all__ = ["ServeConfig", "Worker", "validate_lines", "MAX_LINES", "MAX_BYTES", "ENDPOINTS"]
