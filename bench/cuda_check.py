@@ -84,17 +84,6 @@ def machine(dev: torch.device, quick: bool) -> dict:
 
 # -- correctness ---------------------------------------------------------------------------------------------------
 
-def _hf_greedy(hf, ids: list[int], n: int, dev) -> list[int]:
-    out, past, x = [], None, torch.tensor([ids], device=dev)
-    with torch.no_grad():
-        for _ in range(n):
-            r = hf(x, past_key_values=past, use_cache=True)
-            past = r.past_key_values
-            out.append(int(r.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]], device=dev)
-    return out
-
-
 def _engine(src, dev, dtype="float32", **kw):
     from engine.llm import LLM
     return LLM(str(src), dtype=dtype, device=str(dev), speculative_config=None, num_gpu_blocks_override=256,
@@ -127,14 +116,14 @@ def _sampled_logits(llm, prompt: list[int], n: int) -> tuple[list[int], torch.Te
 
 
 def correctness(arch: str, dev: torch.device, workdir: Path) -> None:
-    from tests.model_utils import VOCAB, save_tiny, tiny_hf_model
+    from tests.model_utils import VOCAB, hf_greedy, save_tiny, tiny_hf_model
     hf = tiny_hf_model(arch)
     src = save_tiny(hf, workdir / arch)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 33, 64, 9, 120)]
     n = 12
     hf_dev = hf.to(dev)
-    ref = [_hf_greedy(hf_dev, p, n, dev) for p in prompts]
+    ref = [hf_greedy(hf_dev, p, n, dev) for p in prompts]
     ours = _engine(src.path, dev)
     got = _tokens(ours, prompts, n)
     alone = [_tokens(ours, [p], n)[0] for p in prompts]

@@ -94,17 +94,17 @@ bind_cache = quality.bind_cache
 run_chunks = quality.sequence_logits
 
 
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+def hf_greedy(hf, ids: list[int], n: int, device="cpu") -> list[int]:
     """transformers' ``n`` greedy tokens after ``ids``, by a plain KV-cached loop (the reference; the engine never
-    calls ``generate``)."""
-    ref, past, x = [], None, torch.tensor([ids])
+    calls ``generate``), on ``device`` (the model's)."""
+    ref, past, x = [], None, torch.tensor([ids], device=device)
     with torch.no_grad():
         for _ in range(n):
             out = hf(x, past_key_values=past, use_cache=True)
             past = out.past_key_values
             nxt = int(out.logits[0, -1].argmax())
             ref.append(nxt)
-            x = torch.tensor([[nxt]])
+            x = torch.tensor([[nxt]], device=device)
     return ref
 
 

@@ -28,6 +28,11 @@ from pipeline.execute.feeder import Feeder
 from pipeline.plan.batch import Batch
 
 
+def step_delay(faults: list[str]) -> float:
+    """The seconds a fault list's ``step-delay:S`` entries ask to sleep after each engine step (test hook)."""
+    return sum(float(f.strip().partition(":")[2]) for f in faults if f.strip().startswith("step-delay:"))
+
+
 class Execution(Protocol):
     """Computes batches; ``Runner`` calls ``start`` once, then per batch ``begin`` and ``poll`` until ``done``."""
 
@@ -62,8 +67,7 @@ class LocalExecution:
         self.feeder: Feeder | None = None
         self._exhausted = False
         self._steps: list[StepStats] = []       # taken since the last steps()
-        faults = os.environ.get("BATCHGEN_FAULT", "").split(",")
-        self._step_delay = sum(float(f.partition(":")[2]) for f in faults if f.strip().startswith("step-delay:"))
+        self._step_delay = step_delay(os.environ.get("BATCHGEN_FAULT", "").split(","))
 
     def start(self) -> None:
         pass

@@ -223,9 +223,9 @@ class Runner:
             mask = pjob == j
             jr.predicted_cached = int(plan.cached[mask].sum())
             jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
-        prediction = self._predict(llm, runs, plan, pjob)
-        self._priced = (plan, prediction, np.asarray([jr.prompts.params.max_tokens for jr in runs],
-                                                     dtype=np.int64)[pjob])
+        max_tokens = np.asarray([jr.prompts.params.max_tokens for jr in runs], dtype=np.int64)[pjob]
+        prediction = self._predict(llm, runs, plan, pjob, max_tokens)
+        self._priced = (plan, prediction, max_tokens)
         return batch, RunReport(runs, plan, 0.0, llm.info, prediction=prediction)
 
     def _execution(self, llm: Engine, config: EngineConfig, states: list[RunState], work: bool) -> Execution:
@@ -300,9 +300,10 @@ class Runner:
         rec.set_phase("computing", round(queued, 3))
         return machine
 
-    def _predict(self, llm: Engine, runs: list[JobRun], plan: Plan, pjob: np.ndarray) -> Prediction | None:
-        """Predicted engine time of the plan; per job too (as if it ran alone), in ``jr.predicted_engine_s``."""
-        max_tokens = np.asarray([jr.prompts.params.max_tokens for jr in runs], dtype=np.int64)[pjob]
+    def _predict(self, llm: Engine, runs: list[JobRun], plan: Plan, pjob: np.ndarray,
+                 max_tokens: np.ndarray) -> Prediction | None:
+        """Predicted engine time of the plan (``max_tokens``: each position's); per job too (as if it ran alone),
+        in ``jr.predicted_engine_s``."""
         try:
             price = plan_pricer(llm.info, llm.model_config)
             whole = price(plan, max_tokens) if price is not None else None

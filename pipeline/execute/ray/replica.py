@@ -20,6 +20,7 @@ import socket
 import time
 
 from engine import EngineConfig
+from pipeline.execute.execution import step_delay
 
 
 class Replica:
@@ -32,7 +33,7 @@ class Replica:
         self.load_s = time.monotonic() - t0
         self.index, self.incarnation, self.threads = index, incarnation, threads
         self.faults = [f.strip() for f in fault.split(",") if f.strip()]
-        self.step_delay = sum(float(f.partition(":")[2]) for f in self.faults if f.startswith("step-delay:"))
+        self.step_delay = step_delay(self.faults)
         self.calls = 0
         self._unit_left: dict[int, int] = {}          # unit id -> requests not finished
         self._unit_pin: dict[int, int | None] = {}
