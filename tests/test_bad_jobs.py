@@ -131,16 +131,16 @@ def test_disk_full_while_writing_then_resume(good_output, monkeypatch):
         + "engine:\n  max_num_seqs: 2\n"
     c["job"].write_text(changed)                                   # every row must be computed again
     before = _snapshot(c["tmp"] / "out")
-    real = pq_mod.write_table
+    real = pq_mod.ParquetWriter.write_table          # every Parquet write goes through it
     calls = [0]
 
-    def full_disk(table, where, *a, **kw):
+    def full_disk(self, table, *a, **kw):
         calls[0] += 1
         if calls[0] >= 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(table, where, *a, **kw)
+        return real(self, table, *a, **kw)
 
-    monkeypatch.setattr(pq_mod, "write_table", full_disk)
+    monkeypatch.setattr(pq_mod.ParquetWriter, "write_table", full_disk)
     res = CliRunner().invoke(main, ["submit", "-q", "--commit-every", "0", str(c["job"])])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "No space left on device" in res.output and "run the same command again" in res.output
@@ -151,7 +151,7 @@ def test_disk_full_while_writing_then_resume(good_output, monkeypatch):
     committed = RunState(c["out"], "good").load_done().num_rows
     assert 0 < committed < 16                                       # some new rows made it (plus the old 8)
 
-    monkeypatch.setattr(pq_mod, "write_table", real)                # space freed
+    monkeypatch.setattr(pq_mod.ParquetWriter, "write_table", real)  # space freed
     res = CliRunner().invoke(main, ["submit", "-q", str(c["job"])])
     assert res.exit_code == 0, res.output
     assert "reused from earlier runs" in res.output

@@ -13,12 +13,14 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import EngineInfo
+from pipeline.assemble.join import JOINED_SCHEMA, JoinCounts, KeyedResults
 from pipeline.io.openai_batch import write_output as write_jsonl
 from pipeline.io.publish import publish_output, remote_exists
 from pipeline.io.tables import iter_batches, iter_output_batches, write_bytes_atomic, write_output
@@ -27,6 +29,8 @@ from pipeline.job.state import manifest_path_for
 from pipeline.job.structured_output import JSON_KINDS, typed_columns
 from pipeline.prepare.job_run import JobRun
 from pipeline.problems import RunError
+
+RESULTS_OUT = [c for c in RESULT_COLUMNS if c != "row_key"] + ["row_key"]     # the output's result columns
 
 
 def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace_dir: Path | None = None,
@@ -42,8 +46,13 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
               "keep_deleted_rows": job.output.keep_deleted_rows}
     if _up_to_date(jr, out_path, mpath, uri, layout):
         return
-    results, joined = _write_job_output(jr, info, out_path)
-    jr.state.compact(results)
+    keyed = KeyedResults(jr.state.scratch("keys.arrow"), jr.state.done_parts(), jr.state.scratch("assemble"),
+                         jr.num_rows)
+    try:
+        counts = _write_job_output(jr, info, out_path, keyed)
+        jr.state.compact(keyed.results())
+    finally:
+        keyed.close()
     for name in ("spill.arrow", "keys.arrow"):
         jr.state.scratch(name).unlink(missing_ok=True)
     manifest = {
@@ -51,10 +60,10 @@ def assemble(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, trace
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": info.to_dict(),      # the engine: identity, resolved dtype/device/blocks, config, load
         "generation": dataclasses.asdict(jr.prompts.params), "versions": _versions(),
-        **_row_counts(jr, joined),
+        **_row_counts(jr, counts),
         "this_run": _this_run(jr, info, wall_s, engine_s, prediction, distributed),
-        "structured": _structured(jr, joined),
-        "totals": _totals(joined),
+        "structured": _structured(jr, counts),
+        "totals": _totals(counts),
         "keys_digest": jr.keys_digest, "layout": layout,
         "trace": None if trace_dir is None else str(trace_dir),
     }
@@ -83,31 +92,29 @@ def _up_to_date(jr: JobRun, out_path: Path, mpath: Path, uri: str | None, layout
     return True
 
 
-def _write_job_output(jr: JobRun, info: EngineInfo, out_path: Path) -> tuple[pa.Table, pa.Table]:
-    """Join the row keys with the committed results and write the output; returns (results, joined)."""
+def _write_job_output(jr: JobRun, info: EngineInfo, out_path: Path, keyed: KeyedResults) -> JoinCounts:
+    """Join the row keys with the committed results (``join``: in bounded memory) and write the output; returns the
+    counts over its rows."""
     job = jr.job
     openai = job.output.format == "openai_batch"
-    keys = pa.ipc.open_file(pa.memory_map(str(jr.state.scratch("keys.arrow")))).read_all()
-    kept = None if openai else _deleted_rows(jr, out_path, keys.column("row_key"))
-    results = jr.state.load_done()
-    joined = keys.join(results, "row_key", join_type="left outer").sort_by("row_idx")
-    if joined.num_rows != jr.num_rows:
-        raise RunError(f"job {job.name!r}: internal error assembling output ({joined.num_rows} rows for "
+    kept = None if openai else _deleted_rows(jr, out_path, keyed.keys_path)
+    counts = keyed.prepare()
+    if counts.rows != jr.num_rows:
+        raise RunError(f"job {job.name!r}: internal error assembling output ({counts.rows} rows for "
                        f"{jr.num_rows} inputs)")
-    missing = joined.column("finish_reason").null_count
-    results_cols = joined.select([c for c in RESULT_COLUMNS if c != "row_key"] + ["row_key"])
+    if counts.missing > 0 and jr.num_rows:
+        raise RunError(f"job {job.name!r}: {counts.missing} rows have no result; run again to resume")
     fields = [] if openai else jr.prompts.fields
-    if missing > 0 and jr.num_rows:
-        raise RunError(f"job {job.name!r}: {missing} rows have no result; run again to resume")
     directory = not str(out_path).endswith(".parquet")
+    results = (t.select(RESULTS_OUT) for t in keyed.rows_in_order())
     if openai:
-        write_jsonl(_output_tables(jr, results_cols, fields, kept), out_path, job.input.id_column or "", info.name)
+        write_jsonl(_output_tables(jr, results, fields, kept), out_path, job.input.id_column or "", info.name)
     elif jr.num_rows == 0:
-        empty = _with_typed(results_cols.slice(0, 0), fields)
+        empty = _with_typed(JOINED_SCHEMA.empty_table().select(RESULTS_OUT), fields)
         write_output(iter([kept if kept is not None and kept.num_rows else empty]), out_path, directory)
     else:
-        write_output(_output_tables(jr, results_cols, fields, kept), out_path, directory)
-    return results, joined
+        write_output(_output_tables(jr, results, fields, kept), out_path, directory)
+    return counts
 
 
 def _with_typed(part: pa.Table, fields: list) -> pa.Table:
@@ -120,44 +127,49 @@ def _with_typed(part: pa.Table, fields: list) -> pa.Table:
     return pa.Table.from_arrays(typed + part.columns, schema=pa.schema(fields + list(part.schema)))
 
 
-def _output_tables(jr: JobRun, results_cols: pa.Table, fields: list, kept: pa.Table | None):
-    """The output's shards in input order: the passthrough columns streamed from the input again beside the
-    results, then the deleted rows kept (conformed to the output's schema)."""
+def _output_tables(jr: JobRun, results: Iterator[pa.Table], fields: list, kept: pa.Table | None):
+    """The output's shards in input order: the results (``results``: consecutive chunks of rows) with the
+    passthrough columns streamed from the input again beside them, then the deleted rows kept (conformed to the
+    output's schema)."""
     job = jr.job
     include = list(job.passthrough_columns)
-    offset = 0
     rows_per = job.output.rows_per_shard
     source = iter_batches(job.input.path, job.input.format, include, job.input.batch_size,
                           job.input.split, job.input.limit) if include else None
-    buf: list[pa.Table] = []
-    buffered = 0
-    while offset < jr.num_rows:
-        size = min(rows_per, jr.num_rows - offset)
-        part = _with_typed(results_cols.slice(offset, size), fields)
-        if source is not None:
-            while buffered < size:
-                b = next(source)
-                buf.append(pa.Table.from_batches([b]))
-                buffered += b.num_rows
-            passthrough = pa.concat_tables(buf)
-            buf = [passthrough.slice(size)]
-            buffered -= size
-            passthrough = passthrough.slice(0, size)
-            part = pa.Table.from_arrays(passthrough.columns + part.columns,     # (field metadata kept)
-                                        schema=pa.schema(list(passthrough.schema) + list(part.schema)))
+    passthrough = _resized((pa.Table.from_batches([b]) for b in source), rows_per) if source is not None else None
+    schema = None
+    for part in _resized(results, rows_per):
+        part = _with_typed(part, fields)
+        if passthrough is not None:
+            through = next(passthrough)
+            part = pa.Table.from_arrays(through.columns + part.columns,     # (field metadata kept)
+                                        schema=pa.schema(list(through.schema) + list(part.schema)))
         yield part.combine_chunks()
         schema = part.schema
-        offset += size
-    if kept is not None and kept.num_rows:
+    if kept is not None and kept.num_rows and schema is not None:
         kept_rows = _conform(kept, schema)
         for start in range(0, kept_rows.num_rows, rows_per):
             yield kept_rows.slice(start, rows_per).combine_chunks()
 
 
-def _row_counts(jr: JobRun, joined: pa.Table) -> dict:
+def _resized(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.Table]:
+    """Consecutive tables cut and joined into tables of exactly ``rows`` rows (the last may be shorter)."""
+    buf: list[pa.Table] = []
+    buffered = 0
+    for t in tables:
+        buf.append(t)
+        buffered += t.num_rows
+        while buffered >= rows:
+            whole = pa.concat_tables(buf)
+            yield whole.slice(0, rows)
+            buf, buffered = [whole.slice(rows)], buffered - rows
+    if buffered:
+        yield pa.concat_tables(buf)
+
+
+def _row_counts(jr: JobRun, counts: JoinCounts) -> dict:
     """The manifest's rows, rows_with_error and deleted_rows."""
-    return {"rows": jr.num_rows + jr.deleted_kept,
-            "rows_with_error": joined.column("error").is_valid().to_pylist().count(True),
+    return {"rows": jr.num_rows + jr.deleted_kept, "rows_with_error": counts.rows_with_error,
             "deleted_rows": {"kept": jr.deleted_kept, "dropped": jr.deleted_dropped}}
 
 
@@ -187,11 +199,10 @@ def _this_run(jr: JobRun, info: EngineInfo, wall_s: float, engine_s: float, pred
             "distributed": distributed}     # a Ray run (pipeline.execute.ray.driver): replicas, prefills
 
 
-def _totals(joined: pa.Table) -> dict:
+def _totals(counts: JoinCounts) -> dict:
     """The manifest's ``totals``: prompt and cached tokens over every row of the output."""
-    all_prompt = pc.sum(joined.column("prompt_tokens")).as_py() or 0
-    all_cached = pc.sum(joined.column("cached_tokens")).as_py() or 0
-    return {"prompt_tokens": all_prompt, "cached_tokens": all_cached, "hit_rate": hit_rate(all_cached, all_prompt)}
+    return {"prompt_tokens": counts.prompt_tokens, "cached_tokens": counts.cached_tokens,
+            "hit_rate": hit_rate(counts.cached_tokens, counts.prompt_tokens)}
 
 
 def _invariance(job_name: str, info: EngineInfo, mpath: Path, reused: int) -> dict:
@@ -218,7 +229,7 @@ def _invariance(job_name: str, info: EngineInfo, mpath: Path, reused: int) -> di
     return out
 
 
-def _structured(jr: JobRun, joined: pa.Table) -> dict | None:
+def _structured(jr: JobRun, counts: JoinCounts) -> dict | None:
     """The manifest's count of structured results: rows valid against the schema (the whole output), and this
     run's forced tokens and grammar masks (None when the job asks for no structure)."""
     so = jr.prompts.params.structured_outputs
@@ -226,21 +237,20 @@ def _structured(jr: JobRun, joined: pa.Table) -> dict | None:
         return None
     out = {"kind": so.kind if so else "per request", "columns": [f.name for f in jr.prompts.fields]}
     if so is not None and so.kind in JSON_KINDS:          # per-request schemas (OpenAI lines): this run only
-        answered = pc.and_(joined.column("summary").is_valid(), joined.column("error").is_null())
-        valid = pc.and_(answered, joined.column("json_error").is_null())
-        out.update(valid_rows=int(pc.sum(valid).as_py() or 0),
-                   invalid_rows=int(pc.sum(pc.and_(answered, joined.column("json_error").is_valid())).as_py() or 0))
+        out.update(valid_rows=counts.json_valid, invalid_rows=counts.json_invalid)
     out["this_run"] = {"rows_checked": jr.json_rows, "valid_rows": jr.json_valid, "forced_tokens": jr.forced_tokens,
                        "masks_applied": jr.masks_applied, "mask_time_s": round(jr.mask_s, 4)}
     return out
 
 
-def _deleted_rows(jr: JobRun, out_path: Path, current_keys: pa.ChunkedArray) -> pa.Table | None:
-    """Rows of the previous output whose id is no longer in the input (its row keys: ``current_keys``): counted,
+def _deleted_rows(jr: JobRun, out_path: Path, keys_path: Path) -> pa.Table | None:
+    """Rows of the previous output whose id is no longer in the input (its row keys: ``keys_path``): counted,
     and returned when the job keeps them (``output.keep_deleted_rows``); None when there are none or they are
     dropped."""
     if not out_path.exists():
         return None
+    with pa.OSFile(str(keys_path)) as f:
+        current_keys = pa.ipc.open_file(f).read_all().column("row_key")
     try:
         prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
     except (pa.ArrowException, OSError, KeyError):

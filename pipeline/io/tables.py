@@ -8,6 +8,7 @@ Parquet files), always read in record batches (memory stays bounded). Output: Pa
 from __future__ import annotations
 
 import glob as globlib
+import itertools
 import os
 import shutil
 import uuid
@@ -173,12 +174,22 @@ def write_parquet_atomic(table: pa.Table, path: str | Path) -> None:
 
     Raises ``RunError`` on a full disk (the temp file is removed; the old file is untouched).
     """
+    write_parquet_stream_atomic(iter([table]), table.schema, path)
+
+
+def write_parquet_stream_atomic(tables: Iterator[pa.Table], schema: pa.Schema, path: str | Path) -> int:
+    """``write_parquet_atomic`` of tables as they come (each one row group or more; ``schema`` all of theirs), so
+    the file's rows are never all in memory. Returns the rows written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    rows = 0
     try:
         with open(tmp, "wb") as fh:
-            pq.write_table(table, fh, compression="zstd")
+            with pq.ParquetWriter(fh, schema, compression="zstd") as w:
+                for t in tables:
+                    w.write_table(t if t.schema.equals(schema) else t.cast(schema))
+                    rows += t.num_rows
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -187,6 +198,10 @@ def write_parquet_atomic(table: pa.Table, path: str | Path) -> None:
         tmp.unlink(missing_ok=True)
         raise RunError(f"cannot write {path}: {e.strerror or e}. What was committed before is intact; "
                        "free space / fix permissions and run the same command again to resume.") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return rows
 
 
 def write_bytes_atomic(data: bytes, path: str | Path) -> None:
@@ -212,12 +227,10 @@ def write_output(batches: Iterator[pa.Table], path: str | Path, directory: bool)
     """
     path = Path(path)
     if not directory:
-        tables = list(batches)
-        table = pa.concat_tables(tables) if tables else None
-        if table is None:
+        first = next(batches, None)
+        if first is None:
             raise ValueError("no output tables")
-        write_parquet_atomic(table, path)
-        return table.num_rows
+        return write_parquet_stream_atomic(itertools.chain([first], batches), first.schema, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()

@@ -81,6 +81,8 @@ class ResultRow:
 _ARROW_TYPES = {"str": pa.string(), "int": pa.int64(), "float": pa.float64()}
 RESULT_SCHEMA = pa.schema([(f.name, _ARROW_TYPES[f.type.split(" | ")[0]]) for f in dataclasses.fields(ResultRow)])
 RESULT_COLUMNS = RESULT_SCHEMA.names
+# a job dir's keys.arrow (``prepare`` writes it, ``assemble`` joins results onto it): row keys in input order
+KEYS_SCHEMA = pa.schema([("row_idx", pa.int64()), ("row_key", pa.string())])
 
 
 def results_table(rows: list[ResultRow]) -> pa.Table:
@@ -94,4 +96,5 @@ def hit_rate(a: int, b: int) -> float | None:
     return round(a / b, 6) if b else None
 
 
-__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "Copy", "RowRequest", "ResultRow", "results_table", "hit_rate"]
+__all__ = ["RESULT_SCHEMA", "RESULT_COLUMNS", "KEYS_SCHEMA", "Copy", "RowRequest", "ResultRow", "results_table",
+           "hit_rate"]

@@ -25,11 +25,12 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.io.tables import write_parquet_atomic
+from pipeline.io.tables import write_parquet_atomic, write_parquet_stream_atomic
 from pipeline.job.rows import RESULT_SCHEMA, ResultRow, results_table
 from pipeline.problems import RunError
 
@@ -145,20 +146,26 @@ class RunState:
     def part_files(self) -> list[Path]:
         return sorted(p for p in self.parts.glob("part-*.parquet")) if self.parts.is_dir() else []
 
-    def load_done(self) -> pa.Table:
-        """All committed results, one row per ``row_key`` (the first committed wins)."""
+    def done_parts(self) -> Iterator[pa.Table]:
+        """Each committed part's results, in commit order (a part being written when a run died is removed, an
+        unreadable one moved aside: its rows are computed again)."""
         for tmp in self.parts.glob(".*.tmp-*") if self.parts.is_dir() else ():
             tmp.unlink(missing_ok=True)                 # a part whose write was interrupted
-        tables = []
         for p in self.part_files():
             try:
-                tables.append(pq.read_table(p, schema=RESULT_SCHEMA))
+                table = pq.read_table(p, schema=RESULT_SCHEMA)
             except (pa.ArrowException, OSError) as e:
                 # NOTE: parts are renamed into place only when whole; an unreadable one was damaged later
                 # (disk fault). Its rows are simply computed again.
                 log.warning("committed part %s is unreadable (%s); moved aside as .corrupt, its rows are computed "
                             "again", p, str(e)[:200])
                 p.rename(p.with_suffix(".corrupt"))
+                continue
+            yield table
+
+    def load_done(self) -> pa.Table:
+        """All committed results, one row per ``row_key`` (the first committed wins)."""
+        tables = list(self.done_parts())
         if not tables:
             return RESULT_SCHEMA.empty_table()
         table = pa.concat_tables(tables)
@@ -180,12 +187,13 @@ class RunState:
         table = results_table(rows)
         write_parquet_atomic(table, self.parts / f"part-{time.time_ns():020d}-{self._seq:06d}.parquet")
 
-    def compact(self, table: pa.Table) -> None:
-        """Replace all parts by one holding ``table`` (whole parts first, then the old ones go)."""
+    def compact(self, tables: Iterator[pa.Table]) -> None:
+        """Replace all parts by one holding ``tables`` (every committed result once; the whole part is written
+        first, then the old ones go)."""
         old = self.part_files()
         if len(old) <= 1:
             return
-        write_parquet_atomic(table, self.parts / f"part-{time.time_ns():020d}-compact.parquet")
+        write_parquet_stream_atomic(tables, RESULT_SCHEMA, self.parts / f"part-{time.time_ns():020d}-compact.parquet")
         for p in old:
             p.unlink(missing_ok=True)
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 from engine import EngineInfo
 from pipeline.io.tables import iter_batches
 from pipeline.job.prompts import RowError, RowKeyer, needed_columns, row_key
-from pipeline.job.rows import RowRequest
+from pipeline.job.rows import KEYS_SCHEMA, RowRequest
 from pipeline.plan.batch import Batch
 from pipeline.plan.planner import make_plan, unplanned
 from pipeline.prepare.dedup import Copy, Dedup, content_digest
@@ -35,7 +35,6 @@ from pipeline.problems import RunError
 
 SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
                           ("tail", pa.int64()), ("params", pa.int32())])
-KEYS_SCHEMA = pa.schema([("row_idx", pa.int64()), ("row_key", pa.string())])
 
 
 @dataclass(frozen=True)
