@@ -12,7 +12,6 @@ request is assumed to generate ``max_tokens``; other processes on the cores make
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,17 +93,17 @@ class _Replay:
         self.c, self.price = c, price
         self.prompt_len, self.cached, self.max_tokens = prompt_len, cached, max_tokens
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.waiting = deque(range(len(prompt_len)))
+        self.next, self.total = 0, len(prompt_len)      # requests enter in plan order: the next one's position
         self.running: list[_Seq] = []
         self.t_pre = self.t_dec = 0.0
         self.steps = 0
 
     def replay(self, fast_forward: bool) -> None:
-        while self.waiting or self.running:
+        while self.next < self.total or self.running:
             running = self.running
             if (fast_forward and running and all(r.decoding for r in running)
                     and len(running) <= self.max_num_batched_tokens
-                    and (not self.waiting or len(running) >= self.max_num_seqs)):
+                    and (self.next == self.total or len(running) >= self.max_num_seqs)):
                 self._decode_stretch()
             else:
                 self._step()
@@ -138,8 +137,9 @@ class _Replay:
                 n = min(r.prompt - r.pos, budget)
                 chunks.append((r, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
-            i = self.waiting.popleft()
+        while self.next < self.total and budget > 0 and len(running) < self.max_num_seqs:
+            i = self.next
+            self.next += 1
             r = _Seq(pos=int(min(self.cached[i], self.prompt_len[i] - 1)), prompt=int(self.prompt_len[i]),
                      left=int(self.max_tokens[i]))
             running.append(r)

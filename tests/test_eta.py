@@ -17,12 +17,18 @@ def test_shares_follow_computed_prompt_tokens_and_output_budget():
     plan = _plan([1000, 1000, 100], [0, 900, 0])              # computed: 1000, 100, 100
     pred = types.SimpleNamespace(prefill_s=12.0, decode_s=6.0)
     eta = PlanEta.of(plan, pred, np.array([10, 10, 40]), t_start=0.0)
-    assert eta.seconds.tolist() == pytest.approx([10 + 1, 1 + 1, 1 + 4])
+    assert [eta.seconds_at(p) for p in range(3)] == pytest.approx([10 + 1, 1 + 1, 1 + 4])
     assert eta.total == pytest.approx(18.0)
 
 
+def _eta(seconds, t_start):
+    """An ETA whose positions take ``seconds`` (as prompt tokens at 1 s each)."""
+    n = len(seconds)
+    return PlanEta(np.array(seconds), np.zeros(n), np.zeros(n), 1.0, 0.0, t_start)
+
+
 def test_before_any_row_the_prediction_less_elapsed_then_the_achieved_pace():
-    eta = PlanEta(np.array([2.0, 2.0, 4.0, 8.0]), t_start=100.0)
+    eta = _eta([2, 2, 4, 8], t_start=100.0)
     assert eta.left_s(103.0) == pytest.approx(13.0)
     eta.finished(2)                                  # 4 of 16 predicted seconds done, in 8 s: half the pace
     assert eta.left_s(108.0) == pytest.approx(12.0 * 2)
@@ -30,8 +36,8 @@ def test_before_any_row_the_prediction_less_elapsed_then_the_achieved_pace():
     eta.finished(1)
     eta.finished(3)
     assert eta.left_s(130.0) == 0.0
-    assert PlanEta(np.array([3725.0]), 0.0).text(0.0) == "ETA 1h02m"
-    assert PlanEta(np.array([65.0]), 0.0).text(0.0) == "ETA 1m05s"
+    assert _eta([3725], 0.0).text(0.0) == "ETA 1h02m"
+    assert _eta([65], 0.0).text(0.0) == "ETA 1m05s"
 
 
 def test_no_prediction_no_eta():

@@ -15,6 +15,7 @@ from engine import EngineConfig, SamplingParams
 from engine.tuning.candidates import Format, KernelFacts, format_candidates
 
 F32, BF16, F32_KV16 = "none/float32/kv-float32", "none/bfloat16/kv-bfloat16", "none/float32/kv-bfloat16"
+I8, I8_KV16 = "int8/float32/kv-float32", "int8/float32/kv-bfloat16"
 
 
 class FakeClock:
@@ -75,15 +76,15 @@ def test_rounds_end_the_probe_before_the_budget_and_slow_formats_are_dropped():
 
 def test_candidates_keep_explicit_fields_and_the_quality_bar():
     zen5 = KernelFacts("avx512_vnni", True, "avx512_bf16", True)
-    names = {f.name for f in format_candidates("auto", "auto", "auto", True, zen5)}
-    assert names == {BF16, F32, F32_KV16, "int8/float32/kv-float32", "int8/float32/kv-bfloat16"}   # no int8 + bf16
-    assert {f.name for f in format_candidates("auto", "auto", "auto", False, zen5)} == {BF16, F32, F32_KV16}
-    assert {f.name for f in format_candidates("int8", "auto", "auto", True, zen5)} == {
-        "int8/float32/kv-float32", "int8/float32/kv-bfloat16"}
-    assert {f.name for f in format_candidates("auto", "float32", "float32", True, zen5)} == {
-        F32, "int8/float32/kv-float32"}
+    names = {f.name for f in format_candidates("auto", "auto", "auto", zen5)}
+    assert names == {BF16, F32, F32_KV16, I8, I8_KV16}          # no int8 + bf16 activations: it fails the bar
+    assert {f.name for f in format_candidates("none", "auto", "auto", zen5)} == {BF16, F32, F32_KV16}
+    assert {f.name for f in format_candidates("int8", "auto", "auto", zen5)} == {I8, I8_KV16}
+    assert {f.name for f in format_candidates("auto", "float32", "float32", zen5)} == {F32, I8}
     no_bf16 = KernelFacts("avx2", False, "avx2", False)
-    assert {f.name for f in format_candidates("auto", "auto", "auto", False, no_bf16)} == {F32, F32_KV16}
+    assert {f.name for f in format_candidates("auto", "auto", "auto", no_bf16)} == {F32, F32_KV16, I8, I8_KV16}
+    no_kernels = KernelFacts()
+    assert {f.name for f in format_candidates("auto", "float32", "auto", no_kernels)} == {F32, F32_KV16}
 
 
 # ---- through setup_engine / LLM on a tiny model, with a fake probe.measure -----------------------------------
@@ -104,7 +105,9 @@ def tuning(tmp_path, monkeypatch):
         m = probe.Measurement(times={}, rounds=1)
         for t in tasks:
             t.fn()
-            m.times[(t.candidate, t.shape)] = [state.times.get(t.candidate, 1.0)]
+            # int8 formats (a candidate for these float checkpoints too) lose unless a test times them
+            m.times[(t.candidate, t.shape)] = [state.times.get(t.candidate, 9.0 if t.candidate.startswith("int8/")
+                                                                else 1.0)]
         return m
 
     monkeypatch.setattr(probe, "measure", fake_measure)
@@ -134,6 +137,21 @@ def test_the_decision_follows_the_timings_and_is_cached_and_recorded(tiny_llama_
     assert again.config.dtype == "float32"
     planning = _setup(tiny_llama_dir, tune=False)       # planning reads the cached decision too
     assert planning.config.dtype == "float32" and len(tuning.calls) == 1
+
+
+def test_a_float_checkpoint_is_quantized_when_int8_measures_fastest(tiny_llama_dir, tuning):
+    """int8 weights are auto's candidate for a float checkpoint too (quantized at load): the fastest format that
+    passes the quality bar wins, whatever the weights' source; quantization: none keeps it float."""
+    from engine.quant.policy import kernel_q8_isa
+    if kernel_q8_isa() is None:
+        pytest.skip("no int8 kernels in this build")
+    tuning.times = {F32: 2.0, BF16: 3.0, F32_KV16: 2.0, I8: 1.5, I8_KV16: 1.0}
+    s = _setup(tiny_llama_dir)
+    assert I8_KV16 in tuning.calls[0] and I8 in tuning.calls[0]
+    assert (s.config.quantization, s.config.dtype, s.config.kv_cache_dtype) == ("int8", "float32", "bfloat16")
+    assert s.quant_choice.reason.startswith("tuned")
+    kept = _setup(tiny_llama_dir, quantization="none")
+    assert kept.config.quantization == "none" and not any(n.startswith("int8/") for n in tuning.calls[-1])
 
 
 def test_setup_never_measures_an_engines_load_does(tiny_llama_dir, tuning):
@@ -323,7 +341,7 @@ def test_measured_steps_are_found_for_the_running_format(tiny_llama_dir, tuning,
     found = decision.measured_steps(explicit, ident, Format("none", "bfloat16", "bfloat16"))
     assert found is not None and set(found["shapes"]) == {sh.name for sh in probe.probe_shapes(256, 8, 32768)}
     assert set(found["shapes"].values()) == {3.0} and found["context"] == probe.DECODE_CONTEXT
-    assert decision.measured_steps(explicit, ident, Format("int8", "float32", "float32")) is None
+    assert decision.measured_steps(explicit, ident, Format("none", "float32", "int8")) is None      # not measured
     monkeypatch.setattr(decision, "cpu_signature", lambda: "flags : another CPU")
     assert decision.measured_steps(explicit, ident, Format("none", "bfloat16", "bfloat16")) is None
 

@@ -5,7 +5,8 @@ A candidate is a *format* (weights none | int8, the activation dtype, the KV cac
 where both exist, C or torch (``engine.kernels.families``). ``auto`` fields vary, explicit ones do not:
 
     field            auto's candidates
-    quantization     none; int8 too where the weights come quantized (GGUF) and the int8 kernels load
+    quantization     none; int8 too where the int8 kernels load (weights that come quantized, GGUF, or float
+                     ones quantized at load: docs/design/quantization.md says why)
     dtype            float32; bfloat16 too where the CPU has bf16 matmul units (AMX-BF16 or AVX512-BF16)
     kv_cache_dtype   the activation dtype, and bfloat16
     kernel families  c and torch, where the kernel library loads (lm_head, linears: float weights only; attention:
@@ -92,12 +93,13 @@ def table_choice(requested_quant: str, requested_dtype: str, requested_kv: str, 
     return quant, choice, kv
 
 
-def format_candidates(requested_quant: str, requested_dtype: str, requested_kv: str, quantized_source: bool,
+def format_candidates(requested_quant: str, requested_dtype: str, requested_kv: str,
                       facts: KernelFacts) -> list[Format]:
     """Every format the tuner may measure for these requests on this CPU: explicit fields fixed, auto ones varied,
-    a format that fails the quality bar left out unless every field of it was asked for by name."""
+    a format that fails the quality bar left out unless every field of it was asked for by name. int8 weights are
+    a candidate for any source, GGUF or float (quantized at load)."""
     quants = ([requested_quant] if requested_quant != "auto" else
-              ["none", "int8"] if quantized_source and facts.q8_isa is not None else ["none"])
+              ["none", "int8"] if facts.q8_isa is not None else ["none"])
     dtypes = ([requested_dtype] if requested_dtype != "auto" else
               ["bfloat16", "float32"] if facts.bf16_units else ["float32"])
     explicit = "auto" not in (requested_quant, requested_dtype, requested_kv)

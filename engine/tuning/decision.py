@@ -39,7 +39,8 @@ from engine.tuning.candidates import Format, KernelFacts, family_options, format
 
 log = logging.getLogger("batchgen.engine")
 
-FORMAT = 3        # 2: the attention family joined the measured kernel families; 3: the linears family
+FORMAT = 4        # 2: the attention family joined the measured kernel families; 3: the linears family;
+# 4: int8 weights a candidate for float checkpoints too (decisions measured without it are measured again)
 REQUESTED = PINNABLE          # the fields the tuner decides where they are auto (engine.config)
 _FIELD_TYPES = {"key": (dict,), "choice": (dict,), "reason": (str,), "candidates": (list,), "kernels": (dict,),
                 "shapes": (list,), "rounds": (int,), "stopped": (str,), "pruned": (list,), "elapsed_s": (int, float),
@@ -250,7 +251,7 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
                  "the machine is quieter now: measuring again", dec.load_average, os.cpu_count() or 1)
     if not measure:
         return None
-    formats = format_candidates(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype, quantized_source, facts)
+    formats = format_candidates(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype, facts)
     if table not in formats:            # the table's choice is always measured against the rest
         formats.insert(0, table)
     families = {f: family_options(f, facts) for f in formats}

@@ -5,7 +5,8 @@ computes (not cached), of the decode seconds by the tokens it may generate (``ma
 the predicted seconds done so far against the seconds taken give the pace; the time left is the predicted
 seconds not done at that pace. Before anything finishes it is the prediction less the time since the start. A
 row-count ETA (tqdm's) misleads when rows differ in size — a long document in a batch of short ones, a shared
-prefix computed once for thousands of rows — which the plan knows. Memory: one float64 per position.
+prefix computed once for thousands of rows — which the plan knows. Memory: nothing per position beyond the
+plan's own arrays.
 """
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ import numpy as np
 
 
 class PlanEta:
-    def __init__(self, seconds: np.ndarray, t_start: float):
-        self.seconds = np.asarray(seconds, dtype=np.float64)      # predicted seconds, by plan position
-        self.total = float(self.seconds.sum())
+    """``prompt_len`` and ``cached`` by plan position (the plan's own arrays, not copied), ``max_tokens`` by
+    position; a position's predicted seconds are ``prefill_rate`` per prompt token it computes plus
+    ``decode_rate`` per token it may generate, worked out when it finishes (no array of its own)."""
+
+    def __init__(self, prompt_len: np.ndarray, cached: np.ndarray, max_tokens: np.ndarray, prefill_rate: float,
+                 decode_rate: float, t_start: float):
+        self.prompt_len, self.cached, self.max_tokens = prompt_len, cached, max_tokens
+        self.prefill_rate, self.decode_rate = prefill_rate, decode_rate
+        self.total = prefill_rate * _computed_sum(prompt_len, cached) + decode_rate * float(np.sum(max_tokens))
         self.done_s = 0.0
         self.t_start = t_start
 
@@ -25,17 +32,17 @@ class PlanEta:
         position's ``max_tokens``; None without a prediction."""
         if prediction is None or plan.num_requests == 0:
             return None
-        computed = np.maximum(plan.prompt_len - plan.cached, 0).astype(np.float64)
-        out = np.asarray(max_tokens, dtype=np.float64)
-        sec = np.zeros(plan.num_requests)
-        if computed.sum() > 0:
-            sec += prediction.prefill_s * computed / computed.sum()
-        if out.sum() > 0:
-            sec += prediction.decode_s * out / out.sum()
-        return cls(sec, t_start)
+        computed, out = _computed_sum(plan.prompt_len, plan.cached), float(np.sum(max_tokens))
+        return cls(plan.prompt_len, plan.cached, max_tokens, prediction.prefill_s / computed if computed else 0.0,
+                   prediction.decode_s / out if out else 0.0, t_start)
+
+    def seconds_at(self, position: int) -> float:
+        """The predicted seconds of plan position ``position``."""
+        computed = max(int(self.prompt_len[position]) - int(self.cached[position]), 0)
+        return self.prefill_rate * computed + self.decode_rate * float(self.max_tokens[position])
 
     def finished(self, position: int) -> None:
-        self.done_s += float(self.seconds[position])
+        self.done_s += self.seconds_at(position)
 
     def left_s(self, now: float) -> float:
         elapsed = max(now - self.t_start, 0.0)
@@ -47,6 +54,13 @@ class PlanEta:
         s = int(round(self.left_s(now)))
         h, m = divmod(s // 60, 60)
         return f"ETA {h}h{m:02d}m" if h else f"ETA {m}m{s % 60:02d}s"
+
+
+def _computed_sum(prompt_len: np.ndarray, cached: np.ndarray) -> float:
+    """Prompt tokens to compute over all positions, a slice at a time (no temporary the size of the plan)."""
+    step = 1 << 20
+    return float(sum(int(np.maximum(prompt_len[a:a + step] - cached[a:a + step], 0).sum())
+                     for a in range(0, len(prompt_len), step)))
 
 
 __all__ = ["PlanEta"]
