@@ -217,11 +217,13 @@ class _Costs:
 
 def _scales(c: _Costs, measured: dict | None) -> tuple[Callable[[int], float], Callable[[int], float]]:
     """(prefill steps' factor, decode-only steps' factor), each by the step's row count: measured / priced at the
-    probe's shapes; 1 without a measurement. The prefill factor holds up to the probe's chunk and goes to 1 at
+    probe's shapes; 1 without a measurement. A prefill chunk slower than priced (factor > 1) goes to 1 at
     ``CALIBRATED_ROWS`` (log-interpolated): the probe's chunk is small for larger models (95 rows at 1.5B), where
     per-call costs (float32 weights unpacked for torch, small-matmul efficiency) weigh far more than in an engine
     step of thousands of rows, whose rate the calibration measured (at 1B the chunk's factor alone priced runs
-    46 % high)."""
+    46 % high). A chunk faster than priced (factor < 1) keeps its factor: the calibration's rate is low for this
+    model's shapes (it times one small matrix; int8 kernels run wider models' rows faster), and more rows are never
+    slower per row (Zen 4, Qwen2.5-0.5B shape, int8: the decay to 1 priced runs 46 % high)."""
     pre, dec = None, []
     for name, seconds in ((measured or {}).get("shapes") or {}).items():
         kind, _, n = name.partition(" ")
@@ -234,7 +236,7 @@ def _scales(c: _Costs, measured: dict | None) -> tuple[Callable[[int], float], C
         if pre is None:
             return 1.0
         n, f = pre
-        if n >= CALIBRATED_ROWS:
+        if n >= CALIBRATED_ROWS or f <= 1.0:
             return f
         return float(np.interp(np.log(max(rows, 1)), [np.log(n), np.log(CALIBRATED_ROWS)], [f, 1.0]))
     dec.sort()

@@ -380,7 +380,7 @@ def test_choose_quantization():
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, dtype="bfloat16").name == "none"
     assert choose_quantization("auto", "cuda", None).name == "none"
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, amx=True).name == "none"    # AMX: the table
-    # a float checkpoint: auto keeps float weights (int8's bar was measured on GGUF-quantized weights)
+    # a float checkpoint without a measurement: auto keeps float weights (the tuner measures int8 for it)
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, quantized_source=False).name == "none"
     assert choose_quantization("int8", "cpu", "avx512_vnni", True, quantized_source=False).name == "int8"
     with pytest.raises(ConfigError, match="CPU only"):
@@ -470,7 +470,7 @@ def test_greedy_tokens_are_the_argmax_of_the_logits(tiny_dir, monkeypatch, tmp_p
 def test_auto_quantization_on_this_cpu(tiny_dir):
     """quantization: auto (the default) resolves from this machine's kernel build and the weights' source: a GGUF
     file (the default model) gets int8 with float32 activations and a bf16 KV cache where that was measured faster
-    within the bar; a float checkpoint keeps float weights. The reason says which."""
+    within the bar; without a measurement a float checkpoint keeps float weights. The reason says which."""
     from engine.quant.policy import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
     assert EngineConfig().quantization == "auto"

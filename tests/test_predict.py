@@ -110,6 +110,10 @@ def test_measured_steps_scale_the_roofline_to_this_machine():
     assert dec(1) == pytest.approx(2) and dec(128) == pytest.approx(4)               # held at the ends
     mid = 2 + 2 * (np.log(20) - np.log(8)) / (np.log(48) - np.log(8))
     assert dec(20) == pytest.approx(mid)
+    # a probe chunk faster than priced (the calibration's rate too low for this model): its factor holds for all rows
+    faster = {**measured, "shapes": {**measured["shapes"], "prefill 1024": 0.5 * c.prefill_chunk(1024)}}
+    pre_fast, _ = P._scales(c, faster)
+    assert pre_fast(64) == pre_fast(1024) == pre_fast(P.CALIBRATED_ROWS) == pre_fast(8192) == pytest.approx(0.5)
     # a whole run's decode-only steps are scaled too: more than the roofline, less than 4x it
     base = _run([512] * 48, [0] * 48, [32] * 48, **kw)
     scaled = _run([512] * 48, [0] * 48, [32] * 48, measured=measured, **kw)

@@ -13,9 +13,9 @@ and validates explicit requests.
     auto       cuda    -                                                    none
     auto       any     a float checkpoint (HF directory), any build         none
 
-``auto`` is the default. It considers int8 only for weights that come quantized (GGUF): the quality bar was
-measured on the default model's GGUF weights, and a float checkpoint's user asked for float weights unless they
-say ``int8``.
+``auto`` is the default. This table is what it falls back to without a measurement (``BATCHGEN_TUNE=off``, CUDA),
+and there it keeps a float checkpoint's weights float; the tuner (``engine.tuning``) measures int8 for float
+checkpoints too and takes it where it is the fastest format within the quality bar (docs/design/quantization.md).
 
 ``auto`` may choose int8 only where it was measured faster end to end *and* passes the quality bar (top-1
 agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). The builds
@@ -49,8 +49,8 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
     amx: the CPU has AMX tiles (the table's auto keeps float weights there).
     dtype: the requested activation dtype (int8 under bf16 activations fails the bar).
     kernel_isa: the build's vector ISA (``engine.kernels.library.isa``): avx2 means no AVX-512 at all.
-    quantized_source: the weights come quantized (a GGUF file), which is where int8's quality was measured;
-    ``auto`` keeps a float checkpoint's weights in float."""
+    quantized_source: the weights come quantized (a GGUF file); without a measurement ``auto`` keeps a float
+    checkpoint's weights in float (the tuner measures int8 for it)."""
     if requested == "none":
         return QuantChoice("none", "quantization: none")
     if device_type != "cpu":
@@ -69,8 +69,8 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                                        "faster here and within the quality bar)", kv_cache_dtype="bfloat16")
         return QuantChoice("int8", f"quantization: int8 ({q8_isa} dot products)")
     if not quantized_source:
-        return QuantChoice("none", "auto: a float checkpoint keeps float weights (int8's quality bar was measured on "
-                                   "GGUF-quantized weights; quantization: int8 quantizes at load)")
+        return QuantChoice("none", "auto without a measurement: a float checkpoint keeps float weights (the tuner "
+                                   "measures int8 for it; quantization: int8 quantizes at load)")
     if dtype == "bfloat16":
         return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quant.policy)")
     if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa) and not amx:

@@ -146,14 +146,14 @@ class RunState:
     def part_files(self) -> list[Path]:
         return sorted(p for p in self.parts.glob("part-*.parquet")) if self.parts.is_dir() else []
 
-    def done_parts(self) -> Iterator[pa.Table]:
-        """Each committed part's results, in commit order (a part being written when a run died is removed, an
-        unreadable one moved aside: its rows are computed again)."""
+    def _read_parts(self, **read) -> Iterator[pa.Table]:
+        """Each committed part (``pq.read_table(part, **read)``), in commit order. A part being written when a run
+        died is removed, an unreadable one moved aside: its rows are computed again."""
         for tmp in self.parts.glob(".*.tmp-*") if self.parts.is_dir() else ():
             tmp.unlink(missing_ok=True)                 # a part whose write was interrupted
         for p in self.part_files():
             try:
-                table = pq.read_table(p, schema=RESULT_SCHEMA)
+                table = pq.read_table(p, **read)
             except (pa.ArrowException, OSError) as e:
                 # NOTE: parts are renamed into place only when whole; an unreadable one was damaged later
                 # (disk fault). Its rows are simply computed again.
@@ -162,6 +162,15 @@ class RunState:
                 p.rename(p.with_suffix(".corrupt"))
                 continue
             yield table
+
+    def done_parts(self) -> Iterator[pa.Table]:
+        """Each committed part's results, in commit order."""
+        return self._read_parts(schema=RESULT_SCHEMA)
+
+    def done_keys(self) -> Iterator[list[str]]:
+        """Each committed part's row keys (only that column read), in commit order."""
+        for t in self._read_parts(columns=["row_key"]):
+            yield t.column("row_key").to_pylist()
 
     def load_done(self) -> pa.Table:
         """All committed results, one row per ``row_key`` (the first committed wins)."""

@@ -29,6 +29,7 @@ from pipeline.plan.batch import Batch
 from pipeline.plan.planner import make_plan, unplanned
 from pipeline.prepare.dedup import Copy, Dedup, content_digest
 from pipeline.prepare.job_run import JobRun
+from pipeline.prepare.key_set import KeySet, digests
 from pipeline.prepare.long_docs import chunks_of
 from pipeline.prepare.unique_ids import UniqueIds
 from pipeline.problems import RunError
@@ -93,9 +94,8 @@ class _JobPreparer:
         self.r = self.prompts.renderer
         self.id_col = self.job.input.id_column
         self.max_len = self.prompts.max_model_len
-        done = jr.state.load_done() if jr.state.dir.exists() else None
-        self.done_keys = set(done.column("row_key").to_pylist()) if done is not None else set()
-        self.done_ids = {k.rpartition("#")[0] for k in self.done_keys}
+        # committed rows (an incremental run, a resume): their keys and ids as digests, not Python strings
+        self.done_keys, self.done_ids = _done_sets(jr.state)
         self.ids = UniqueIds() if self.id_col and not self.job.input.allow_duplicate_ids else None
         # keys are unique when ids are (a key is its row id + a hash): only repeated ids need them remembered
         self.seen_keys: set[str] | None = set() if self.job.input.allow_duplicate_ids else None
@@ -151,12 +151,13 @@ class _JobPreparer:
                                              job.input.split, job.input.limit):
                 rows = record_batch.to_pylist()
                 rendered = self._render_rows(rows, row_idx)
+                done = self.done_keys.contains_all([key for _, _, key, _ in rendered])
                 todo = [k for k, (_, rr, key, _) in enumerate(rendered)
-                        if not isinstance(rr, RowError) and key not in self.done_keys and not self._seen(key)]
+                        if not isinstance(rr, RowError) and not done[k] and not self._seen(key)]
                 future = pool.submit(self._tokenize, [rendered[k][1].document for k in todo])
                 if inflight is not None:
                     self._finish(*inflight)
-                inflight = (rows, row_idx, rendered, todo, future)
+                inflight = (rows, row_idx, rendered, done, todo, future)
                 row_idx += len(rows)
             if inflight is not None:
                 self._finish(*inflight)
@@ -213,20 +214,25 @@ class _JobPreparer:
         # NOTE: a dry run needs only lengths: range(n) stands in for n ids (len and slicing behave alike)
         return [range(n) for n in self.r.document_lengths(docs)] if self.dry_run else self.r.document_ids(docs)
 
-    def _finish(self, rows: list[dict], row_idx: int, rendered: list, todo: list[int], tokenized) -> None:
-        """One batch's keys, and the spill of its rows still to compute (rows seen or done before are skipped)."""
+    def _finish(self, rows: list[dict], row_idx: int, rendered: list, done: np.ndarray, todo: list[int],
+                tokenized) -> None:
+        """One batch's keys, and the spill of its rows still to compute (rows seen or done before are skipped);
+        ``done``: per row, its key is committed."""
         jr = self.jr
         doc_ids = dict(zip(todo, tokenized.result()))
         keys, spill = [], {"row_key": [], "group": [], "doc_ids": [], "tail": [], "params": []}
+        new = [k for k in range(len(rendered)) if not done[k]]
+        # rows whose id was committed under another key: changed since (ids hashed only for rows not done)
+        changed = {k for k, c in zip(new, self.done_ids.contains_all([rendered[k][0] for k in new])) if c}
         for k, (rid, rr, key, pidx) in enumerate(rendered):
             keys.append(key)
             self.digest.update(key.encode() + b"\n")
-            if key in self.done_keys or self._seen(key):
-                jr.reused += key in self.done_keys
+            if done[k] or self._seen(key):
+                jr.reused += bool(done[k])
                 continue
             if self.seen_keys is not None:
                 self.seen_keys.add(key)
-            if rid in self.done_ids:
+            if k in changed:
                 jr.changed += 1
             self._spill_row(rr, key, pidx, doc_ids, k, row_idx + k, spill)
         self._write(rows, row_idx, keys, spill)
@@ -307,6 +313,16 @@ def _row_id(row: dict, row_no: int, id_col: str | None) -> str:
     if not id_col:
         return str(row_no)
     return str(row[id_col]) if row[id_col] is not None else f"<null id at row {row_no}>"
+
+
+def _done_sets(state) -> tuple[KeySet, KeySet]:
+    """The committed row keys and their row ids, read part by part."""
+    keys: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
+    for batch in state.done_keys() if state.dir.exists() else ():
+        keys.append(digests(batch))
+        ids.append(digests(k.rpartition("#")[0] for k in batch))
+    return KeySet.of_digests(keys), KeySet.of_digests(ids)
 
 
 def _row_error(jr: JobRun, key: str, message: str, row_idx: int, fail_fast: bool) -> None:
