@@ -66,9 +66,9 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     ratio up to its rows, going to 1 at ``CALIBRATED_ROWS``; decode-only steps by the ratio at their row count;
     both log-interpolated)."""
 
-    prompt_len = np.asarray(prompt_len, dtype=np.int64)
-    cached = np.asarray(cached, dtype=np.int64)
-    max_tokens = np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), prompt_len.shape)
+    # NOTE: the plan's own int arrays, not int64 copies (read one request at a time; sums accumulate in int64)
+    prompt_len, cached = _ints(prompt_len), _ints(cached)
+    max_tokens = np.broadcast_to(_ints(max_tokens), prompt_len.shape)
     c = _Costs(config, dtype_bytes, kv_dtype_bytes, weight_dtype_bytes, matmul_flops, small_m_flops,
                memory_bandwidth)
     scale_prefill, scale_decode = _scales(c, measured)
@@ -83,6 +83,11 @@ def predict(prompt_len, cached, max_tokens, config, dtype_bytes: int, max_num_ba
     basis = f"measured steps ({measured['source']})" if shapes else "roofline"
     return Prediction(float(run.t_pre + run.t_dec), float(run.t_pre), float(run.t_dec), run.steps,
                       int(max_tokens.sum()), basis, shapes)
+
+
+def _ints(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a if a.dtype.kind in "iu" else a.astype(np.int64)
 
 
 class _Replay:

@@ -78,7 +78,8 @@ class Feeder:
     def __post_init__(self) -> None:
         provider = np.asarray(self.plan.provider)
         followers = np.nonzero(provider >= 0)[0]
-        by_provider = followers[np.argsort(provider[followers], kind="stable")]   # each provider's, in plan order
+        # each provider's followers, in plan order (int32 positions: 4 bytes a follower)
+        by_provider = followers[np.argsort(provider[followers], kind="stable")].astype(np.int32)
         providers, starts = np.unique(provider[by_provider], return_index=True)
         ends = np.append(starts[1:], len(by_provider))
         self._waiters = {int(p): by_provider[a:b] for p, a, b in zip(providers, starts, ends)}   # views, no copies

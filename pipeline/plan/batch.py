@@ -48,7 +48,7 @@ class Batch:
 
     def max_tokens(self) -> np.ndarray:
         """Per position: its job's ``generation.max_tokens`` (the Ray assignment's cost estimate)."""
-        per_job = np.asarray([jp.params.max_tokens for jp in self.prompts], dtype=np.int64)
+        per_job = np.asarray([jp.params.max_tokens for jp in self.prompts], dtype=np.int32)
         return per_job[self.job[self.plan.order]]
 
     def close(self) -> None:

@@ -19,13 +19,16 @@ than its provider: the engine schedules by priority (plan position), so the prov
 the shared blocks first, even when both join the same step. Hits inside documents (two documents opening with
 the same 16+ tokens) are not predicted.
 
-Memory: per request only a few integers (numpy arrays); token ids are held once per group.
+Memory: per request only a few integers (int32 numpy arrays: ~20 bytes a request in the plan); token ids are held
+once per group.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+INDEX = np.int32          # request indices, positions, group ids and token counts: 4 bytes each (< 2^31)
 
 
 @dataclass
@@ -107,20 +110,21 @@ def make_plan(heads: list[tuple[int, ...]], request_group: np.ndarray, prompt_le
 
     Within a group, requests keep their given (input) order.
     """
-    request_group = np.asarray(request_group, dtype=np.int64)
-    prompt_len = np.asarray(prompt_len, dtype=np.int64)
+    request_group = np.asarray(request_group, dtype=INDEX)
+    prompt_len = np.asarray(prompt_len, dtype=INDEX)
     n = request_group.shape[0]
     sizes = np.bincount(request_group, minlength=len(heads)).tolist() if n else [0] * len(heads)
     group_order = [g for g in order_groups(heads, sizes, block_size) if sizes[g]]
 
-    by_group = np.argsort(request_group, kind="stable")            # request ids grouped, input order kept
-    starts = np.searchsorted(request_group[by_group], np.arange(len(heads) + 1))
+    by_group = np.argsort(request_group, kind="stable").astype(INDEX)   # request ids grouped, input order kept
+    starts = np.concatenate([[0], np.cumsum(sizes)])                    # group g's requests in by_group
     order = np.concatenate([by_group[starts[g]:starts[g + 1]] for g in group_order]) if n else \
-        np.zeros(0, dtype=np.int64)
+        np.zeros(0, dtype=INDEX)
+    del by_group
 
     plen = prompt_len[order]
-    cached = np.zeros(n, dtype=np.int64)
-    provider = np.full(n, -1, dtype=np.int64)
+    cached = np.zeros(n, dtype=INDEX)
+    provider = np.full(n, -1, dtype=INDEX)
     node_ids: dict[tuple[int, tuple], int] = {}   # (parent node id, block's tokens) -> node id: a block chain
     computed_by: dict[int, int] = {}               # node id -> plan position of the request computing it
     pos = 0
@@ -141,14 +145,14 @@ def make_plan(heads: list[tuple[int, ...]], request_group: np.ndarray, prompt_le
             computed_by[path[b]] = pos
         # ... and every request (leader included) gets min(blocks available, cap) blocks.
         caps = (plen[pos:pos + count] - 1) // block_size
-        avail = np.full(count, k, dtype=np.int64)
+        avail = np.full(count, k, dtype=INDEX)
         avail[0] = depth
         hits = np.minimum(avail, np.maximum(caps, 0))
         cached[pos:pos + count] = hits * block_size
-        along_arr = np.asarray(along + [-1], dtype=np.int64)
+        along_arr = np.asarray(along + [-1], dtype=INDEX)
         provider[pos:pos + count] = np.where(hits > 0, along_arr[np.maximum(hits - 1, 0)], -1)
         pos += count
-    group = request_group[order] if n else np.zeros(0, dtype=np.int64)
+    group = request_group[order] if n else np.zeros(0, dtype=INDEX)
     return Plan(order=order, cached=cached, provider=provider, prompt_len=plen, group=group,
                 group_order=group_order, block_size=block_size)
 
@@ -157,9 +161,9 @@ def unplanned(request_group: np.ndarray, prompt_len: np.ndarray, block_size: int
               seed: int = 0) -> Plan:
     """Baselines for benchmarking the planner: rows fed as given ("input") or shuffled ("shuffled"), with
     no grouping, gating or pinning (what a script around an engine would do). Hits are not predicted."""
-    request_group = np.asarray(request_group, dtype=np.int64)
+    request_group = np.asarray(request_group, dtype=INDEX)
     n = request_group.shape[0]
-    order = np.arange(n) if how == "input" else np.random.default_rng(seed).permutation(n)
-    return Plan(order=order, cached=np.zeros(n, dtype=np.int64), provider=np.full(n, -1, dtype=np.int64),
-                prompt_len=np.asarray(prompt_len, dtype=np.int64)[order], group=request_group[order],
+    order = (np.arange(n) if how == "input" else np.random.default_rng(seed).permutation(n)).astype(INDEX)
+    return Plan(order=order, cached=np.zeros(n, dtype=INDEX), provider=np.full(n, -1, dtype=INDEX),
+                prompt_len=np.asarray(prompt_len, dtype=INDEX)[order], group=request_group[order],
                 group_order=sorted(set(request_group.tolist())), block_size=block_size)

@@ -41,7 +41,7 @@ SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc
 @dataclass(frozen=True)
 class PreparedJob:
     """What the planner needs of a prepared job: per row to compute (spill order), its head group and length."""
-    groups: array           # int64 ("q"): a compact buffer, not a list of Python ints
+    groups: array           # int32 ("i"): a compact buffer, not a list of Python ints
     prompt_lens: array
 
 
@@ -52,22 +52,25 @@ def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: b
     heads: list[tuple[int, ...]] = []
     head_index: dict[str, int] = {}
     dedup = Dedup()
-    req_job, req_local, req_group, req_len = [], [], [], []
+    req_group, req_len = [], []
+    prepared = None
     for j, jr in enumerate(runs):
         prepared = prepare(jr, info, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
                            fail_fast=fail_fast, dedup=dedup, job_index=j)
-        g, ln = prepared.groups, prepared.prompt_lens
-        req_job.append(np.full(len(g), j, dtype=np.int64))
-        req_local.append(np.arange(len(g), dtype=np.int64))
-        req_group.append(np.asarray(g, dtype=np.int64))
-        req_len.append(np.asarray(ln, dtype=np.int64))
-    job_a, local_a = np.concatenate(req_job), np.concatenate(req_local)
+        req_group.append(np.frombuffer(prepared.groups, dtype=np.int32) if len(prepared.groups) else
+                         np.zeros(0, np.int32))
+        req_len.append(np.frombuffer(prepared.prompt_lens, dtype=np.int32) if len(prepared.prompt_lens) else
+                       np.zeros(0, np.int32))
+    sizes = [len(g) for g in req_group]
+    offsets = np.cumsum([0] + sizes)                                  # job j's requests: offsets[j]..offsets[j+1]
+    job_a = np.repeat(np.arange(len(runs), dtype=np.int32), sizes)    # by request index: its job
     groups, lens = np.concatenate(req_group), np.concatenate(req_len)
+    del req_group, req_len, prepared          # the prepared buffers: their rows are in groups / lens now
     plan = (make_plan(heads, groups, lens, info.config.block_size) if order == "planned"
             else unplanned(groups, lens, info.config.block_size, order))
-    offsets = np.cumsum([0] + [len(g) for g in req_group]).tolist()
-    return Batch(plan, heads, SpilledRequests(runs, job_a, local_a), job_a, [jr.prompts for jr in runs],
-                 copies=dedup.by_request(offsets))
+    del groups, lens
+    return Batch(plan, heads, SpilledRequests(runs, job_a, offsets), job_a, [jr.prompts for jr in runs],
+                 copies=dedup.by_request(offsets.tolist()))
 
 
 def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
@@ -100,8 +103,8 @@ class _JobPreparer:
         # keys are unique when ids are (a key is its row id + a hash): only repeated ids need them remembered
         self.seen_keys: set[str] | None = set() if self.job.input.allow_duplicate_ids else None
         self.digest = hashlib.sha256()
-        self.groups = array("q")
-        self.lens = array("q")
+        self.groups = array("i")
+        self.lens = array("i")
         self.keyer = RowKeyer(self.prompts.fingerprint)          # = row_key(rid, rendered text, fingerprint)
         self.keys_w = self.spill_w = None
 
@@ -362,8 +365,8 @@ class SpilledRequests:
     """The requests of a planned Batch, by request index (job, row in its spill file); spill files are opened
     when first read (after ``prepare`` has closed them) and closed by ``close``."""
 
-    def __init__(self, runs: list[JobRun], job: np.ndarray, local: np.ndarray):
-        self._runs, self._job, self._local = runs, job, local
+    def __init__(self, runs: list[JobRun], job: np.ndarray, offsets: np.ndarray):
+        self._runs, self._job, self._offsets = runs, job, offsets
         self._spills: dict[int, Spill] = {}
 
     def __len__(self) -> int:
@@ -374,7 +377,7 @@ class SpilledRequests:
         spill = self._spills.get(j)
         if spill is None:
             spill = self._spills[j] = Spill(self._runs[j].state.scratch("spill.arrow"), j)
-        return spill.row(int(self._local[i]))
+        return spill.row(i - int(self._offsets[j]))
 
     def close(self) -> None:
         spills, self._spills = self._spills, {}

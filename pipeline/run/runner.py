@@ -223,7 +223,7 @@ class Runner:
             mask = pjob == j
             jr.predicted_cached = int(plan.cached[mask].sum())
             jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
-        max_tokens = np.asarray([jr.prompts.params.max_tokens for jr in runs], dtype=np.int64)[pjob]
+        max_tokens = np.asarray([jr.prompts.params.max_tokens for jr in runs], dtype=np.int32)[pjob]
         prediction = self._predict(llm, runs, plan, pjob, max_tokens)
         self._priced = (plan, prediction, max_tokens)
         return batch, RunReport(runs, plan, 0.0, llm.info, prediction=prediction)
