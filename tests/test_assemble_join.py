@@ -82,3 +82,16 @@ def test_key_buckets_are_a_function_of_the_key_and_spread_evenly():
     counts = np.bincount(b[:40_000], minlength=16)
     assert counts.min() > 0.9 * 2500 and counts.max() < 1.1 * 2500
     assert not key_buckets(pa.array(keys), 1).any()
+
+
+def test_a_keys_file_that_does_not_cover_every_row_once_is_refused(tmp_path):
+    from pipeline.problems import RunError
+    keys = [_key(i) for i in range(3)]
+    path = tmp_path / "keys.arrow"
+    with pa.ipc.new_file(str(path), KEYS_SCHEMA) as w:
+        w.write_batch(pa.record_batch([pa.array([0, 0, 2], pa.int64()), pa.array(keys, pa.string())],
+                                      schema=KEYS_SCHEMA))
+    kr = KeyedResults(path, _parts(keys, seed=4), tmp_path / "s", 3)
+    assert kr.prepare().missing == 0
+    with pytest.raises(RunError, match="not each keyed once"):
+        list(kr.rows_in_order())

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.job.rows import KEYS_SCHEMA, RESULT_SCHEMA
+from pipeline.problems import RunError
 
 CHUNK_ROWS = 131_072          # rows of one bucket (join) and of one merged chunk: the assembly's memory bound
 _READ_ROWS = 65_536           # rows of one record batch in the bucket files
@@ -156,7 +157,8 @@ class KeyedResults:
                 hi = min(lo + self.chunk_rows, self.num_rows)
                 chunk = pa.concat_tables([r.take_below(hi) for r in runs]).sort_by("row_idx")
                 if not np.array_equal(chunk.column("row_idx").to_numpy(), np.arange(lo, hi)):
-                    raise RuntimeError(f"internal error: rows {lo}..{hi - 1} of the output are not all keyed once")
+                    raise RunError(f"internal error assembling the output: rows {lo}..{hi - 1} are not each keyed "
+                                   "once; the committed results are intact, run again")
                 yield chunk
         finally:
             for r in runs:
