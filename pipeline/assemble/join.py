@@ -1,7 +1,8 @@
 """The output's rows in input order, in memory bounded by a chunk, not by the rows.
 
 The row keys (``keys.arrow``: row_idx, row_key in input order) are joined with the committed results (every part
-file; the first committed result of a key wins, as in ``RunState.load_done``) by a partitioned hash join:
+file; the first committed result of a key wins: ``state.first_of_each_key``, as in ``RunState.load_done``) by a
+partitioned hash join:
 
     1. partition   keys and results go to P bucket files by a hash of the key (P = rows / ``chunk_rows``, at
                    least 1), so each bucket holds every result its keys can match
@@ -25,7 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.io.tables import resized
 from pipeline.job.rows import KEYS_SCHEMA, RESULT_SCHEMA
+from pipeline.job.state import first_of_each_key
 from pipeline.problems import RunError
 
 CHUNK_ROWS = 131_072          # rows of one bucket (join) and of one merged chunk: the assembly's memory bound
@@ -135,12 +138,12 @@ class KeyedResults:
             keys.close()
         self._results = results = _Buckets(self.scratch, "results", RESULT_SCHEMA, n)
         try:
-            for table in _batched(iter(self.parts), _READ_ROWS):
+            for table in resized(self.parts, _READ_ROWS):
                 results.add(table)
         finally:
             results.close()
         for b in range(n):
-            joined = _join_bucket(keys.read(b), _first_of_each_key(results.read(b)))
+            joined = _join_bucket(keys.read(b), first_of_each_key(results.read(b)))
             self.counts.add(joined)
             path = self.scratch / f"joined-{b:04d}.arrow"
             with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, JOINED_SCHEMA) as w:
@@ -167,7 +170,7 @@ class KeyedResults:
     def results(self) -> Iterator[pa.Table]:
         """Every committed result once (the first of each key), bucket by bucket: ``RunState.compact``'s tables."""
         for b in range(self.num_buckets):
-            yield _first_of_each_key(self._results.read(b))
+            yield first_of_each_key(self._results.read(b))
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)
@@ -198,30 +201,6 @@ class _SortedRun:
 
     def close(self) -> None:
         self._file.close()
-
-
-def _batched(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.Table]:
-    """Small tables gathered into tables of about ``rows`` rows (order kept)."""
-    buf, n = [], 0
-    for t in tables:
-        buf.append(t)
-        n += t.num_rows
-        if n >= rows:
-            yield pa.concat_tables(buf)
-            buf, n = [], 0
-    if buf:
-        yield pa.concat_tables(buf)
-
-
-def _first_of_each_key(results: pa.Table) -> pa.Table:
-    """One row per row_key, the first in commit order (a result committed twice: a resume raced a commit)."""
-    keys = results.column("row_key")
-    if pc.count_distinct(keys).as_py() == results.num_rows:
-        return results
-    pos = pa.array(np.arange(results.num_rows, dtype=np.int64))
-    first = (pa.table({"row_key": keys, "pos": pos}).group_by("row_key", use_threads=False)
-             .aggregate([("pos", "min")]).column("pos_min").to_numpy())
-    return results.take(np.sort(first))
 
 
 def _join_bucket(keys: pa.Table, results: pa.Table) -> pa.Table:

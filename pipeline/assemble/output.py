@@ -23,7 +23,7 @@ from engine import EngineInfo
 from pipeline.assemble.join import JOINED_SCHEMA, JoinCounts, KeyedResults
 from pipeline.io.openai_batch import write_output as write_jsonl
 from pipeline.io.publish import publish_output, remote_exists
-from pipeline.io.tables import iter_batches, iter_output_batches, write_bytes_atomic, write_output
+from pipeline.io.tables import iter_batches, iter_output_batches, resized, write_bytes_atomic, write_output
 from pipeline.job.rows import RESULT_COLUMNS, hit_rate
 from pipeline.job.state import manifest_path_for
 from pipeline.job.structured_output import JSON_KINDS, typed_columns
@@ -136,9 +136,9 @@ def _output_tables(jr: JobRun, results: Iterator[pa.Table], fields: list, kept: 
     rows_per = job.output.rows_per_shard
     source = iter_batches(job.input.path, job.input.format, include, job.input.batch_size,
                           job.input.split, job.input.limit) if include else None
-    passthrough = _resized((pa.Table.from_batches([b]) for b in source), rows_per) if source is not None else None
+    passthrough = resized((pa.Table.from_batches([b]) for b in source), rows_per) if source is not None else None
     schema = None
-    for part in _resized(results, rows_per):
+    for part in resized(results, rows_per):
         part = _with_typed(part, fields)
         if passthrough is not None:
             through = next(passthrough)
@@ -150,21 +150,6 @@ def _output_tables(jr: JobRun, results: Iterator[pa.Table], fields: list, kept: 
         kept_rows = _conform(kept, schema)
         for start in range(0, kept_rows.num_rows, rows_per):
             yield kept_rows.slice(start, rows_per).combine_chunks()
-
-
-def _resized(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.Table]:
-    """Consecutive tables cut and joined into tables of exactly ``rows`` rows (the last may be shorter)."""
-    buf: list[pa.Table] = []
-    buffered = 0
-    for t in tables:
-        buf.append(t)
-        buffered += t.num_rows
-        while buffered >= rows:
-            whole = pa.concat_tables(buf)
-            yield whole.slice(0, rows)
-            buf, buffered = [whole.slice(rows)], buffered - rows
-    if buffered:
-        yield pa.concat_tables(buf)
 
 
 def _row_counts(jr: JobRun, counts: JoinCounts) -> dict:

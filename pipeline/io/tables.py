@@ -13,7 +13,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -167,6 +167,21 @@ def _fsync_dir(d: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def resized(tables: Iterable[pa.Table], rows: int) -> Iterator[pa.Table]:
+    """Consecutive tables cut and joined into tables of exactly ``rows`` rows (the last may be shorter)."""
+    buf: list[pa.Table] = []
+    buffered = 0
+    for t in tables:
+        buf.append(t)
+        buffered += t.num_rows
+        while buffered >= rows:
+            whole = pa.concat_tables(buf)
+            yield whole.slice(0, rows)
+            buf, buffered = [whole.slice(rows)], buffered - rows
+    if buffered:
+        yield pa.concat_tables(buf)
 
 
 def write_parquet_atomic(table: pa.Table, path: str | Path) -> None:

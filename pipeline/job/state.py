@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.io.tables import write_parquet_atomic, write_parquet_stream_atomic
@@ -75,6 +77,17 @@ def _same_file(fd: int, path: Path) -> bool:
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
+def first_of_each_key(results: pa.Table) -> pa.Table:
+    """One row per row_key, the first in commit order (a result committed twice: a resume raced a commit)."""
+    keys = results.column("row_key")
+    if pc.count_distinct(keys).as_py() == results.num_rows:
+        return results
+    pos = pa.array(np.arange(results.num_rows, dtype=np.int64))
+    first = (pa.table({"row_key": keys, "pos": pos}).group_by("row_key", use_threads=False)
+             .aggregate([("pos", "min")]).column("pos_min").to_numpy())
+    return results.take(np.sort(first))
 
 
 class RunState:
@@ -175,18 +188,7 @@ class RunState:
     def load_done(self) -> pa.Table:
         """All committed results, one row per ``row_key`` (the first committed wins)."""
         tables = list(self.done_parts())
-        if not tables:
-            return RESULT_SCHEMA.empty_table()
-        table = pa.concat_tables(tables)
-        keys = table.column("row_key").to_pylist()
-        if len(set(keys)) != len(keys):
-            seen, keep = set(), []
-            for i, k in enumerate(keys):
-                if k not in seen:
-                    seen.add(k)
-                    keep.append(i)
-            table = table.take(keep)
-        return table
+        return first_of_each_key(pa.concat_tables(tables)) if tables else RESULT_SCHEMA.empty_table()
 
     def commit(self, rows: list[ResultRow]) -> None:
         """Make ``rows`` durable as one part file."""

@@ -19,21 +19,12 @@ def digests(strings: Iterable[str]) -> np.ndarray:
 
 
 class KeySet:
-    def __init__(self, strings: Iterable[str] = ()):
-        self._hi, self._lo = self._sorted(digests(strings))
-
-    @classmethod
-    def of_digests(cls, parts: list[np.ndarray]) -> KeySet:
+    def __init__(self, parts: Iterable[np.ndarray] = ()):
         """From digests made batch by batch (``digests``), so only they are ever held."""
-        out = cls()
-        if parts:
-            out._hi, out._lo = cls._sorted(np.concatenate(parts))
-        return out
-
-    @staticmethod
-    def _sorted(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        parts = list(parts)
+        d = np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.uint64)
         order = np.lexsort((d[:, 1], d[:, 0]))
-        return d[order, 0].copy(), d[order, 1].copy()
+        self._hi, self._lo = d[order, 0].copy(), d[order, 1].copy()
 
     def __len__(self) -> int:
         return len(self._hi)

@@ -325,7 +325,7 @@ def _done_sets(state) -> tuple[KeySet, KeySet]:
     for batch in state.done_keys() if state.dir.exists() else ():
         keys.append(digests(batch))
         ids.append(digests(k.rpartition("#")[0] for k in batch))
-    return KeySet.of_digests(keys), KeySet.of_digests(ids)
+    return KeySet(keys), KeySet(ids)
 
 
 def _row_error(jr: JobRun, key: str, message: str, row_idx: int, fail_fast: bool) -> None:
