@@ -96,7 +96,7 @@ def _panel_ops(args, kwargs) -> float:
 
 
 def _linear_ops(args, kwargs) -> float:
-    """F.linear(x, w) / q8_linear(x, w, sw, cw, n, ...): 2·M·K·N."""
+    """F.linear(x, w) / q8_linear(x, w, sw, ws, n, ...): 2·M·K·N."""
     x = args[0]
     k = x.shape[-1]
     m = x.numel() // k if k else 0

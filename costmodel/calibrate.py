@@ -227,9 +227,9 @@ def _timed(dev: torch.device, fn, reps: int) -> float:
 def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
     import engine.kernels.qlinear as qlinear
     import engine.quant.int8 as int8
-    w, sw, cw = int8.pack(*int8.quantize_rows(torch.randn(n, k)))
+    w, sw, ws = int8.pack(*int8.quantize_rows(torch.randn(n, k)))
     x = torch.randn(m, k)
-    secs = _timed(dev, lambda: qlinear.q8_linear(x, w, sw, cw, n), reps)
+    secs = _timed(dev, lambda: qlinear.q8_linear(x, w, sw, ws, n), reps)
     return 2.0 * m * k * n / secs
 
 

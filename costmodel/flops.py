@@ -14,7 +14,7 @@ Conventions (all counts are exact closed forms, no sampling):
   the K and V it attends to (window-limited on sliding layers) and writes one token of K/V.
 - Byte counts take an element size per kind: the weights' (``dtype_bytes``; int8 weights with their per-group
   scales: ``costmodel.roofline.INT8_WEIGHT_BYTES``) and the KV cache's (``kv_dtype_bytes``, ``kv_cache_dtype``;
-  default: the weights'). Sizes may be fractional (1.25, 1.125): the counts are then floats.
+  default: the weights'). Sizes may be fractional (1.0625, 1.125): the counts are then floats.
 
         context_len          num_new_tokens
     [ cached / computed | q q q q q q q q q ]   query i (0-based) sits at position context_len + i

@@ -30,8 +30,10 @@ import numpy as np
 from costmodel import flops as F
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# engine.quant.int8's packed weights: per 32 weights, 32 int8 quants and two float32 (scale, scale x sum)
-INT8_WEIGHT_BYTES = 1.25
+# engine.quant.int8's packed weights: per 32 weights, 32 int8 quants and one fp16 scale (llama.cpp's Q8_0), the bytes a
+# step must read; the int16 group sums stored beside them (1.125 in all) are derivable, and a decode step of an
+# AVX512-VNNI build does not read them
+INT8_WEIGHT_BYTES = 1.0625
 # engine.quant.int8_kv's KV rows: per 32 values, 32 int8 quants and one float32 scale
 INT8_KV_BYTES = 1.125
 KV_BYTES = {**DTYPE_BYTES, "int8": INT8_KV_BYTES}     # kv_cache_dtype -> bytes per cached element

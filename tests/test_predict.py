@@ -80,7 +80,7 @@ def test_kv_cache_dtype_bytes_price_the_kv_reads():
 
 
 def test_int8_weight_bytes_price_the_weight_reads():
-    """int8 weights (1.25 bytes per parameter with their scales) shorten memory-bound decode steps; the default
+    """int8 weights (1.0625 bytes per parameter with their scales) shorten memory-bound decode steps; the default
     is the activation dtype's bytes."""
     args = ([64] * 2, [0] * 2, [32] * 2, gemma_270m(), 4, 4096, 16)
     kw = dict(matmul_flops=1e15, memory_bandwidth=1e10)                 # memory-bound: weights dominate

@@ -29,12 +29,12 @@ def test_decode_bytes_split_weights_and_kv():
 
 
 def test_format_maps_to_its_peak_and_bytes():
-    """int8 weights + bf16 KV: the int8 peak, 1.25 bytes per weight (int8 and its per-32 scales), 2 per KV element;
+    """int8 weights + bf16 KV: the int8 peak, 1.0625 bytes per weight (int8, its per-32 fp16 scale), 2 per KV element;
     a float format: its own dtype for all three; an int8 KV cache: 1.125 (int8 and a per-32 float32 scale)."""
     info = {"quantization": "int8", "dtype": "float32", "config": {"kv_cache_dtype": "bfloat16"}}
     q8 = RunFormat.of(info)
     assert (q8.calibration_dtype, q8.weight_bytes_per_param, q8.kv_bytes) == ("int8", INT8_WEIGHT_BYTES, 2)
-    assert q8.label == "int8/float32/kv-bfloat16" and INT8_WEIGHT_BYTES == 1.25
+    assert q8.label == "int8/float32/kv-bfloat16" and INT8_WEIGHT_BYTES == 1.0625
     bf = RunFormat.of({"quantization": "none", "dtype": "bfloat16", "config": {}})
     assert (bf.calibration_dtype, bf.weight_bytes_per_param, bf.kv_bytes, bf.label) == \
         ("bfloat16", 2, 2, "bfloat16/bfloat16/kv-bfloat16")
@@ -49,8 +49,8 @@ def test_format_maps_to_its_peak_and_bytes():
 
     cfg = tiny(window=4, layers=WINDOWED)
     roof = Roofline.for_format(cfg, q8, cal=None)
-    assert (roof.dtype_bytes, roof.kv_bytes) == (1.25, 2)
-    assert roof.decode_bytes([10]) == WEIGHT_PARAMS * 1.25 + 2 * (PER_TOKEN_LAYER * (4 + 10) + PER_TOKEN_LAYER * 2)
+    assert (roof.dtype_bytes, roof.kv_bytes) == (1.0625, 2)
+    assert roof.decode_bytes([10]) == WEIGHT_PARAMS * 1.0625 + 2 * (PER_TOKEN_LAYER * (4 + 10) + PER_TOKEN_LAYER * 2)
     assert Roofline.of_format(cfg, 4, 1.125, None).decode_bytes([10]) == flops.decode_step_bytes(cfg, [10], 4, 1.125)
     assert Roofline(cfg, 2, None).kv_bytes == 2                           # the old constructor: KV as the weights
 
@@ -141,33 +141,33 @@ def _hand_run():
     steps = [_step(0, 0.0, 1.0, 10, 0), _step(1, 1.0, 1.5, 0, 2), _step(2, 1.5, 1.75, 0, 1),
              _step(3, 1.75, 2.0, 0, 1)]
     fmt = RunFormat.of({"quantization": "int8", "dtype": "float32", "config": {"kv_cache_dtype": "bfloat16"}})
-    cal = {"matmul_flops": 57088.0, "memory_bandwidth": 16400.0, "peak_kernel": "torch._int_mm", "quick": False}
+    cal = {"matmul_flops": 57088.0, "memory_bandwidth": 14204.0, "peak_kernel": "torch._int_mm", "quick": False}
     return outs, steps, fmt, Roofline.for_format(tiny(window=4, layers=WINDOWED), fmt, cal)
 
 
 def test_fractions_arithmetic_on_hand_made_steps():
     """Prefill FLOPs (per token 2 x 1152 linear + 32 per attended key; LM head 1600 per sampled row):
-    16672 + 11872 = 28544 in 1 s, of a 57088 peak: 50 %. Decode-only bytes (weights 1952 x 1.25 = 2440; a context
-    c reads min(c, 4) + c bf16 tokens of 16 bytes and writes 2 x 16): 2856 + 2664 + 2680 = 8200 in 1 s of 16400
-    B/s: 50 %; 1-row steps 5344 in 0.5 s: 10688 B/s, 10688 / 16400."""
+    16672 + 11872 = 28544 in 1 s, of a 57088 peak: 50 %. Decode-only bytes (weights 1952 x 1.0625 = 2074; a context
+    c reads min(c, 4) + c bf16 tokens of 16 bytes and writes 2 x 16): 2490 + 2298 + 2314 = 7102 in 1 s of 14204
+    B/s: 50 %; 1-row steps 4612 in 0.5 s: 9224 B/s, 9224 / 14204."""
     from bench.result import SystemResult
     from bench.systems.batchgen import _batchgen_roofline, stage_sums, step_contexts
     outs, steps, fmt, roof = _hand_run()
     assert step_contexts(outs, steps) == {1: [7, 7], 2: [8], 3: [9]}
     sums = stage_sums(outs, steps, roof)
-    assert sums == {"prefill_flops": 28544, "prefill_s": 1.0, "decode_bytes": 8200.0, "decode_s": 1.0,
-                    "decode1_bytes": 5344.0, "decode1_s": 0.5, "decode1_steps": 2,
+    assert sums == {"prefill_flops": 28544, "prefill_s": 1.0, "decode_bytes": 7102.0, "decode_s": 1.0,
+                    "decode1_bytes": 4612.0, "decode1_s": 0.5, "decode1_steps": 2,
                     "flops": 28544 + 8512 + 4288 + 4320}
     res = SystemResult("batchgen-int8-bf16kv", "batchgen-int8-bf16kv", wall_s=2.0)
     _batchgen_roofline(res, outs, steps, roof, fmt)
     assert res.prefill_peak_fraction == res.prefill_mfu == 0.5
     assert res.decode_bound_fraction == res.decode_mbu == 0.5
-    assert res.decode1_bound_fraction == pytest.approx(10688 / 16400, rel=1e-12)
+    assert res.decode1_bound_fraction == pytest.approx(9224 / 14204, rel=1e-12)
     assert res.mfu == pytest.approx(45664 / 2.0 / 57088, rel=1e-12)
     assert res.limits == {"format": "int8/float32/kv-bfloat16", "calibration_dtype": "int8", "matmul_flops": 57088.0,
-                          "memory_bandwidth": 16400.0, "peak_kernel": "torch._int_mm", "quick": False,
-                          "prefill_flops_per_s": 28544.0, "decode_bytes_per_s": 8200.0,
-                          "decode1_bytes_per_s": 10688.0, "decode1_steps": 2}
+                          "memory_bandwidth": 14204.0, "peak_kernel": "torch._int_mm", "quick": False,
+                          "prefill_flops_per_s": 28544.0, "decode_bytes_per_s": 7102.0,
+                          "decode1_bytes_per_s": 9224.0, "decode1_steps": 2}
 
 
 def test_fractions_are_none_without_a_calibration_or_steps():

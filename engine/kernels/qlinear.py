@@ -17,6 +17,20 @@ def _q8_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x, m, k, -(-k // 32) * 32
 
 
+def _fp16(sw: torch.Tensor) -> int:
+    """The packed scales' address; they must be the format's fp16 (a float32 tensor here would be read as garbage)."""
+    if sw.dtype != torch.float16 or not sw.is_contiguous():
+        raise TypeError(f"int8 kernels take the packed fp16 scales (engine.quant.int8.pack), got {sw.dtype}")
+    return sw.data_ptr()
+
+
+def _int16(ws: torch.Tensor) -> int:
+    """The packed group sums' address (int16, ``engine.quant.int8.pack``)."""
+    if ws.dtype != torch.int16 or not ws.is_contiguous():
+        raise TypeError(f"int8 kernels take the packed int16 group sums (engine.quant.int8.pack), got {ws.dtype}")
+    return ws.data_ptr()
+
+
 def _q8_activations(lib: KernelLibrary, x: torch.Tensor):
     """x [M, K] quantized per token and group of 32 into the kernel's scratch: (q, sa, mn, K padded)."""
     x, m, k, kp = _q8_rows(x)
@@ -29,9 +43,10 @@ def _q8_activations(lib: KernelLibrary, x: torch.Tensor):
     return q, sa, mn, kp
 
 
-def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, wmax: int = 127,
+def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tensor, n: int, wmax: int = 127,
               lib: KernelLibrary | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp32) @ W^T for packed int8 W (``engine.quant.int8.pack``) -> [M, n] in x's dtype.
+    """x [M, K] (bf16/fp32) @ W^T for packed int8 W, its fp16 scales and int16 group sums (``engine.quant.int8.pack``)
+    -> [M, n] in x's dtype.
 
     x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
     integer dot products. wmax: a bound on max|w| (``Int8Linear.wmax``); the avx2 build has a faster path for
@@ -41,8 +56,8 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     x, m, k, kp = _q8_rows(x)
     y = torch.empty(m, n, dtype=x.dtype)
     # one call: the kernel quantizes x into its own scratch (the same quants as _q8_activations), then multiplies
-    getattr(lib, f"q8_linear_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
-                                                  cw.data_ptr(), w.numel() // kp, n, wmax, y.data_ptr(), n,
+    getattr(lib, f"q8_linear_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw),
+                                                  _int16(ws), w.numel() // kp, n, wmax, y.data_ptr(), n,
                                                   torch.get_num_threads())
     return y
 
@@ -50,7 +65,7 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
 _Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # csrc/qlinear/driver.h's GLU_GELU_TANH, GLU_SILU
 
 
-def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, act: str,
+def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tensor, n: int, act: str,
                   wmax: int = 127, lib: KernelLibrary | None = None) -> torch.Tensor:
     """act(gate) * up from one int8 matmul: W packed from gate_up rows interleaved in blocks of 16
     (``engine.quant.int8.glu_interleave``), n = 2I rows, I a multiple of 16 -> [M, I] in x's dtype. The same bits
@@ -60,13 +75,13 @@ def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.
     lib = lib or library.load()
     x, m, k, kp = _q8_rows(x)
     y = torch.empty(m, n // 2, dtype=x.dtype)
-    getattr(lib, f"q8_linear_glu_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), sw.data_ptr(),
-                                                      cw.data_ptr(), w.numel() // kp, n, wmax, _Q8_GLU_ACT[act],
+    getattr(lib, f"q8_linear_glu_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw),
+                                                      _int16(ws), w.numel() // kp, n, wmax, _Q8_GLU_ACT[act],
                                                       y.data_ptr(), n // 2, torch.get_num_threads())
     return y
 
 
-def q8_argmax(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor, n: int, wmax: int = 127,
+def q8_argmax(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tensor, n: int, wmax: int = 127,
               lib: KernelLibrary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """argmax over n of ``q8_linear(x, ...)`` without materializing it: (indices int64 [M], values float32 [M]).
     The values compared are exactly q8_linear's (float32); ties go to the lower index."""
@@ -75,9 +90,8 @@ def q8_argmax(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tens
     q, sa, mn, kp = _q8_activations(lib, x)
     idx = torch.empty(m, dtype=torch.int64)
     val = torch.empty(m, dtype=torch.float32)
-    lib.q8_gemm_argmax(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(), sw.data_ptr(),
-                       cw.data_ptr(), w.numel() // kp, n, wmax, idx.data_ptr(), val.data_ptr(),
-                       torch.get_num_threads())
+    lib.q8_gemm_argmax(q.data_ptr(), sa.data_ptr(), mn.data_ptr(), m, kp, w.data_ptr(), _fp16(sw), _int16(ws),
+                       w.numel() // kp, n, wmax, idx.data_ptr(), val.data_ptr(), torch.get_num_threads())
     return idx, val
 
 
@@ -88,6 +102,6 @@ def q8_embed(ids: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, k: int, dtype
     ids = ids.to(torch.int64).contiguous()
     kp = -(-k // 32) * 32
     y = torch.empty(ids.numel(), k, dtype=dtype)
-    getattr(lib, f"q8_embed_{SUFFIX[dtype]}")(w.data_ptr(), sw.data_ptr(), kp, ids.data_ptr(), ids.numel(), k,
+    getattr(lib, f"q8_embed_{SUFFIX[dtype]}")(w.data_ptr(), _fp16(sw), kp, ids.data_ptr(), ids.numel(), k,
                                                y.data_ptr(), torch.get_num_threads())
     return y

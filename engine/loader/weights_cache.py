@@ -4,7 +4,7 @@ The first load of a GGUF file dequantizes every tensor and fuses q/k/v and gate/
 result so later loads map the file instead (``safe_open`` is mmap-backed: a page-in, no conversion, no copy).
 
 * Key: the model's identity (``model_identity``: header + size + a sample of the data), the dtype, the
-  torch version and a hash of the code that produces the tensors (engine/loader, engine/models): a new
+  torch version and a hash of the code that produces the tensors (engine/loader, engine/models, engine/quant): a new
   engine version never trusts an old layout.
 * Integrity: a crc32 of every tensor's bytes, and a digest of the header's names, dtypes and shapes (``layout``),
   are stored in the file's metadata and checked on load (~4 GB/s a thread, two threads, and it pages the weights
@@ -37,7 +37,7 @@ log = logging.getLogger("batchgen.engine")
 
 FORMAT = "2"       # 2: the header's layout digest (names, dtypes, shapes)
 MAX_ENTRIES = 4
-_CODE_DIRS = ("loader", "models")
+_CODE_DIRS = ("loader", "models", "quant")
 
 
 def enabled() -> bool:
@@ -121,7 +121,8 @@ def load(path: Path) -> dict[str, torch.Tensor] | None:
 
 _ALIGN = 64
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
 _PAD = "__pad"
 
 

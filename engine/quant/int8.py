@@ -1,12 +1,14 @@
 """Int8 weights, executed with integer dot products (``quantization: int8``).
 
 Format (the kernel's, ``engine/kernels/csrc/qlinear/``): each weight row is split into groups of 32 along K with one
-float32 scale per group (llama.cpp's Q8_0 grouping; ``scale = max|w| / 127``, values in [-127, 127]).
+fp16 scale per group (llama.cpp's Q8_0: ``scale = max|w| / 127`` rounded to fp16, values in [-127, 127]) and the
+group's sum of quants as int16 (the correction the asymmetric activations need): 1.125 bytes a weight stored; a
+decode step on an AVX512-VNNI build reads 1.0625 (its few-row tiles sum the quants themselves).
 Activations are quantized per token and group of 32 on the fly, asymmetric uint8 (scale and minimum).
 
-- ``quantize_rows``: float [N, K] -> (int8 [N, Kp], scales [N, Kp/32]), K zero-padded to a multiple of 32.
-- ``pack``: that pair -> the kernel's packed layout (16-column blocks, N padded to a multiple of 32) plus the
-  per-group correction ``cw = scale * sum(w)`` the asymmetric activations need.
+- ``quantize_rows``: float [N, K] -> (int8 [N, Kp], fp16 scales [N, Kp/32]), K zero-padded to a multiple of 32.
+- ``pack``: that pair -> the kernel's packed layout (16-column blocks, N padded to a multiple of 32) with the
+  per-group sums of quants.
 - ``Int8Linear`` replaces ``nn.Linear``; ``Int8GluLinear`` a gated MLP's gate_up (rows interleaved in blocks of
   16 so that the GLU runs inside the matmul's store); ``Int8Embedding`` replaces a (tied) embedding: lookups dequantize
   only the rows they read, and as the LM head it multiplies in int8.
@@ -31,32 +33,40 @@ def padded(n: int, multiple: int) -> int:
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row and group of 32: (q int8 [N, Kp], scale float32 [N, Kp // 32])."""
+    """Symmetric int8 per row and group of 32: (q int8 [N, Kp], scale float16 [N, Kp // 32]). The quants are taken
+    against the fp16 scale the kernel reads (not the float32 one before rounding), so dequantizing is exact."""
     n, k = w.shape
     kp = padded(k, QK)
     w = w.float()
     if kp != k:
         w = torch.nn.functional.pad(w, (0, kp - k))
     g = w.view(n, kp // QK, QK)
-    scale = g.abs().amax(-1) / 127.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    scale = (g.abs().amax(-1) / 127.0).to(torch.float16)
+    if not torch.isfinite(scale).all():
+        raise ValueError(f"int8 quantization: a group's largest weight is beyond fp16 scales (max |w| "
+                         f"{float(g.abs().max()):.3g}) or not finite; use quantization: none for this model")
+    f = scale.float()
+    inv = torch.where(f > 0, 1.0 / f, torch.zeros_like(f))
     q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8).view(n, kp)
     return q, scale
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [N, Kp] int8, scale [N, G]) -> packed (w int8 [Np * Kp], sw float32 [Np * G], cw float32 [Np * G])."""
+    """(q [N, Kp] int8, scale [N, G] fp16 values) -> packed (w int8 [Np * Kp], sw float16 [Np * G], ws int16
+    [Np * G]: each group's sum of quants). A float32 scale is rounded to fp16 (exact for the GGUF formats' scales,
+    which are fp16 already)."""
     n, kp = q.shape
     g = kp // QK
     np_ = padded(n, 2 * 16)
+    scale = scale.to(torch.float16)
     if np_ != n:
         q = torch.nn.functional.pad(q, (0, 0, 0, np_ - n))
         scale = torch.nn.functional.pad(scale, (0, 0, 0, np_ - n))
-    wsum = q.view(np_, g, QK).sum(-1, dtype=torch.int32).float()
     w = q.view(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
-    sw = scale.float().view(np_ // 16, 16, g).permute(0, 2, 1).contiguous().view(-1)
-    cw = (scale.float() * wsum).view(np_ // 16, 16, g).permute(0, 2, 1).contiguous().view(-1)
-    return w, sw, cw
+    sw = scale.view(np_ // 16, 16, g).permute(0, 2, 1).contiguous().view(-1)
+    wsum = q.view(np_, g, QK).sum(-1, dtype=torch.int32).to(torch.int16)      # |sum| <= 32 * 127: exact
+    ws = wsum.view(np_ // 16, 16, g).permute(0, 2, 1).contiguous().view(-1)
+    return w, sw, ws
 
 
 def unpack(w: torch.Tensor, sw: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -65,7 +75,7 @@ def unpack(w: torch.Tensor, sw: torch.Tensor, n: int, k: int) -> torch.Tensor:
     np_ = w.numel() // kp
     g = kp // QK
     q = w.view(np_ // 16, kp // 4, 16, 4).permute(0, 2, 1, 3).reshape(np_, kp).float()
-    s = sw.view(np_ // 16, g, 16).permute(0, 2, 1).reshape(np_, g)
+    s = sw.float().view(np_ // 16, g, 16).permute(0, 2, 1).reshape(np_, g)
     return (q.view(np_, g, QK) * s[..., None]).view(np_, kp)[:n, :k]
 
 
@@ -77,8 +87,8 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         kp, np_ = padded(in_features, QK), padded(out_features, 32)
         self.register_buffer("qweight", torch.empty(np_ * kp, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.empty(np_ * kp // QK, dtype=torch.float32, device=device))
-        self.register_buffer("corrections", torch.empty(np_ * kp // QK, dtype=torch.float32, device=device))
+        self.register_buffer("scales", torch.empty(np_ * kp // QK, dtype=torch.float16, device=device))
+        self.register_buffer("sums", torch.empty(np_ * kp // QK, dtype=torch.int16, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
 
     @classmethod
@@ -89,8 +99,8 @@ class Int8Linear(nn.Module):
             mod.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return mod
 
-    def set_packed(self, w: torch.Tensor, sw: torch.Tensor, cw: torch.Tensor) -> None:
-        self.qweight, self.scales, self.corrections = w, sw, cw
+    def set_packed(self, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tensor) -> None:
+        self.qweight, self.scales, self.sums = w, sw, ws
         self._wmax = None
 
     @property
@@ -103,8 +113,8 @@ class Int8Linear(nn.Module):
         return self._wmax
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = qlinear.q8_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
-                                  self.out_features, self.wmax)
+        y = qlinear.q8_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.sums, self.out_features,
+                              self.wmax)
         if self.bias is not None:
             y += self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -117,7 +127,7 @@ class Int8Linear(nn.Module):
         tokens out of a 262k-row LM head for a fraction of the whole head's read."""
         tiles_total = self.qweight.numel() // padded(self.in_features, QK) // 32
         tiles, inverse = torch.unique(ids // 32, return_inverse=True)
-        pick = [t.view(tiles_total, -1)[tiles].reshape(-1) for t in (self.qweight, self.scales, self.corrections)]
+        pick = [t.view(tiles_total, -1)[tiles].reshape(-1) for t in (self.qweight, self.scales, self.sums)]
         y = qlinear.q8_linear(x.reshape(-1, x.shape[-1]), *pick, len(tiles) * 32, self.wmax)
         y = y[:, inverse * 32 + ids % 32]
         return y + self.bias[ids].to(y.dtype) if self.bias is not None else y
@@ -151,8 +161,8 @@ class Int8GluLinear(Int8Linear):
     forward = linear
 
     def glu(self, x: torch.Tensor, act: str) -> torch.Tensor:
-        y = qlinear.q8_linear_glu(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
-                                      self.out_features, act, self.wmax)
+        y = qlinear.q8_linear_glu(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.sums,
+                                  self.out_features, act, self.wmax)
         return y.view(*x.shape[:-1], self.out_features // 2)
 
 
@@ -169,8 +179,8 @@ class Int8Embedding(Int8Linear):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head's greedy tokens: the index of each row's largest logit, no [rows, vocab] logits written."""
-        return qlinear.q8_argmax(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.corrections,
-                                     self.out_features, self.wmax)[0]
+        return qlinear.q8_argmax(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.sums, self.out_features,
+                                 self.wmax)[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return qlinear.q8_embed(ids.reshape(-1), self.qweight, self.scales, self.embedding_dim,
@@ -216,7 +226,7 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
             else:
                 q, s = quantize_rows(w[start:start + n])
             qs.append(q)
-            ss.append(s)
+            ss.append(s.to(torch.float16))
             start += n
         return torch.cat(qs), torch.cat(ss)
 

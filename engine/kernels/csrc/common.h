@@ -1,4 +1,4 @@
-/* Helpers shared by the kernels in this folder: bf16 <-> float32 and a vectorizable exp. */
+/* Helpers shared by the kernels in this folder: bf16 <-> float32, fp16 -> float32 and a vectorizable exp. */
 #ifndef BATCHGEN_COMMON_H
 #define BATCHGEN_COMMON_H
 
@@ -22,6 +22,18 @@ static inline uint16_t f32_to_bf16(float f) {       /* round to nearest even, as
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* IEEE half -> float32, exact for every finite half (normal or subnormal), vectorizable: the exponent and
+ * mantissa bits shifted into place are a float 2^-112 times the value, so one multiply by 2^112 finishes it (a
+ * subnormal half becomes a normal float on the way). Inf and NaN become huge finite values: the int8 weights'
+ * scales (engine/quant/int8.py) are finite by construction. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t bits = ((uint32_t)h & 0x7fffu) << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    f *= 0x1p112f;
+    return (h & 0x8000u) ? -f : f;
 }
 
 /* exp(x), vectorizable: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial; relative error ~2e-7, below

@@ -95,25 +95,26 @@ int kv_write_bf16_i8(const void *k, const void *v, int64_t tokens, int64_t hkv, 
                      const int64_t *slots, int64_t num_slots, int64_t bs, int8_t *k_cache, int8_t *v_cache,
                      int32_t num_threads);
 
-/* ---- int8 linear (qlinear/, q8_embed.c); activations quantized to uint8 per token and group of 32 ---- */
+/* ---- int8 linear (qlinear/, q8_embed.c); weights int8 with an fp16 scale (sw) and the int16 sum of quants (ws) per
+ * group of 32; activations quantized to uint8 per token and group of 32 ---- */
 void q8_quant_act_f32(const float *x, int M, int K, int ldx, int Kp, uint8_t *q, float *sa, float *mn, int nt);
 void q8_quant_act_bf16(const uint16_t *x, int M, int K, int ldx, int Kp, uint8_t *q, float *sa, float *mn, int nt);
-void q8_gemm_f32(const uint8_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w, const float *sw,
-                 const float *cw, int Np, int N, int wmax, float *y, int ldy, int nt);
+void q8_gemm_f32(const uint8_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
+                 const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, float *y, int ldy, int nt);
 void q8_gemm_bf16(const uint8_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                  const float *sw, const float *cw, int Np, int N, int wmax, uint16_t *y, int ldy, int nt);
-void q8_linear_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw, int Np,
-                   int N, int wmax, float *y, int ldy, int nt);
-void q8_linear_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+                  const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, uint16_t *y, int ldy, int nt);
+void q8_linear_f32(const float *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, const int16_t *ws,
+                   int Np, int N, int wmax, float *y, int ldy, int nt);
+void q8_linear_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, const int16_t *ws,
                     int Np, int N, int wmax, uint16_t *y, int ldy, int nt);
-void q8_linear_glu_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
-                       int Np, int N, int wmax, int act, float *y, int ldy, int nt);
-void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
-                        int Np, int N, int wmax, int act, uint16_t *y, int ldy, int nt);
+void q8_linear_glu_f32(const float *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
+                       const int16_t *ws, int Np, int N, int wmax, int act, float *y, int ldy, int nt);
+void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
+                        const int16_t *ws, int Np, int N, int wmax, int act, uint16_t *y, int ldy, int nt);
 void q8_gemm_argmax(const uint8_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                    const float *sw, const float *cw, int Np, int N, int wmax, int64_t *idx, float *val, int nt);
-void q8_embed_f32(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt);
-void q8_embed_bf16(const int8_t *w, const float *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt);
+                    const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, int64_t *idx, float *val, int nt);
+void q8_embed_f32(const int8_t *w, const uint16_t *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt);
+void q8_embed_bf16(const int8_t *w, const uint16_t *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt);
 
 /* ---- matmuls (bf16_gemm/, small_m/, panel/) ---- */
 void bf16_gemm(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc, int M, int N,

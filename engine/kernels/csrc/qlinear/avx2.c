@@ -66,13 +66,30 @@ static inline void load_k4(const int8_t *w, int k4, __m256i *b0, __m256i *b1) {
     *b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
 }
 
-/* One group's float epilogue for R rows x 16 columns: f += dot * sw * sa + cw * mn, with the minimum folded to
- * mn + 128 * sa for WIDE's centred quants (shared by block16 and block16_short). */
+/* The group's 16 fp16 scales as float32: vcvtph2ps where the build has F16C, else f16_to_f32 (the same values) */
+static inline void scales16(const uint16_t *sw, __m256 *s0, __m256 *s1) {
+#ifdef __F16C__
+    *s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sw));
+    *s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sw + 8)));
+#else
+    float f[16];
+    for (int lane = 0; lane < 16; lane++) f[lane] = f16_to_f32(sw[lane]);
+    *s0 = _mm256_loadu_ps(f);
+    *s1 = _mm256_loadu_ps(f + 8);
+#endif
+}
+
+/* One group's float epilogue for R rows x 16 columns: f += dot * sw * sa + cw * mn (cw = sw * ws), with the minimum
+ * folded to mn + 128 * sa for WIDE's centred quants (shared by block16 and block16_short). */
 static inline __attribute__((always_inline)) void group_epilogue(const int R, const int WIDE, __m256i ia[][2],
-                                                                 __m256 f[][2], const float *sw, const float *cw,
+                                                                 __m256 f[][2], const uint16_t *sw, const int16_t *ws,
                                                                  const float *sa, const float *mn, int G, int g) {
-    const __m256 s0 = _mm256_loadu_ps(sw + (size_t)g * 16), s1 = _mm256_loadu_ps(sw + (size_t)g * 16 + 8);
-    const __m256 c0 = _mm256_loadu_ps(cw + (size_t)g * 16), c1 = _mm256_loadu_ps(cw + (size_t)g * 16 + 8);
+    __m256 s0, s1;
+    scales16(sw + (size_t)g * 16, &s0, &s1);
+    const __m128i w0 = _mm_loadu_si128((const __m128i *)(ws + (size_t)g * 16));
+    const __m128i w1 = _mm_loadu_si128((const __m128i *)(ws + (size_t)g * 16 + 8));
+    const __m256 c0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(w0)));
+    const __m256 c1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(w1)));
     for (int r = 0; r < R; r++) {
         const float sr = sa[(size_t)r * G + g], mr = mn[(size_t)r * G + g];
         const __m256 a = _mm256_set1_ps(sr), m = _mm256_set1_ps(WIDE ? fmaf(128.0f, sr, mr) : mr);
@@ -100,7 +117,7 @@ static inline __attribute__((always_inline)) void store16(const int R, __m256 f[
  * Both are below int16's 32767: exact. WIDE 1 costs a vpsignb per product (measured ~1.5x slower on Zen 4). */
 static inline __attribute__((always_inline)) void block16(const int R, const int WIDE, const qact_t *q, int ldq,
                                                           int Kp, const float *sa, const float *mn, const int8_t *w,
-                                                          const float *sw, const float *cw, float acc[MR][32],
+                                                          const uint16_t *sw, const int16_t *ws, float acc[MR][32],
                                                           int col) {
     const int G = Kp / QK;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -127,7 +144,7 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
                 ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_madd_epi16(p1, ones));
             }
         }
-        group_epilogue(R, WIDE, ia, f, sw, cw, sa, mn, G, g);
+        group_epilogue(R, WIDE, ia, f, sw, ws, sa, mn, G, g);
     }
     store16(R, f, acc, 0, col);
 }
@@ -138,7 +155,7 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
  * per pass (6 x 2 + two weight vectors + the activation = 15 ymm; the ones are a memory operand). */
 static inline __attribute__((always_inline)) void block16_short(const int R, const qact_t *q, int ldq, int Kp,
                                                                 const float *sa, const float *mn, const int8_t *w,
-                                                                const float *sw, const float *cw, float acc[MR][32],
+                                                                const uint16_t *sw, const int16_t *ws, float acc[MR][32],
                                                                 int row, int col) {
     static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     const int G = Kp / QK;
@@ -166,31 +183,35 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
                     ia[r][j] = half ? _mm256_add_epi32(ia[r][j], wide) : wide;
                 }
         }
-        group_epilogue(R, 0, ia, f, sw, cw, sa, mn, G, g);
+        group_epilogue(R, 0, ia, f, sw, ws, sa, mn, G, g);
     }
     store16(R, f, acc, row, col);
 }
 
-/* WIDE: PATH_DIRECT, PATH_SIGN (the sign trick) or PATH_SHORT (int16 sums over four k4 steps, two rows at a time) */
-static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const qact_t *q, int ldq,
-                                                       int Kp, const float *sa, const float *mn, const int8_t *w,
-                                                       const float *sw, const float *cw, float acc[MR][32]) {
+/* WIDE: PATH_DIRECT, PATH_SIGN (the sign trick) or PATH_SHORT (int16 sums over four k4 steps, two rows at a time);
+ * FUSED is always 0 here (no HAVE_FUSED: the group sums come from ws) */
+static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const int FUSED, const qact_t *q,
+                                                       int ldq, int Kp, const float *sa, const float *mn,
+                                                       const int8_t *w, const uint16_t *sw, const int16_t *ws,
+                                                       float acc[MR][32]) {
+    (void)FUSED;
     const int K4 = Kp / 4, G = Kp / QK;
     if (WIDE == PATH_SHORT) {
         for (int c = 0; c < 2; c++) {
             const int8_t *wc = w + (size_t)c * K4 * 64;
-            const float *swc = sw + (size_t)c * G * 16, *cwc = cw + (size_t)c * G * 16;
+            const uint16_t *swc = sw + (size_t)c * G * 16;
+            const int16_t *wsc = ws + (size_t)c * G * 16;
             for (int r0 = 0; r0 < R; r0 += 2) {
                 const qact_t *qr = q + (size_t)r0 * ldq;
                 const float *sar = sa + (size_t)r0 * G, *mnr = mn + (size_t)r0 * G;
-                if (R - r0 >= 2) block16_short(2, qr, ldq, Kp, sar, mnr, wc, swc, cwc, acc, r0, 16 * c);
-                else block16_short(1, qr, ldq, Kp, sar, mnr, wc, swc, cwc, acc, r0, 16 * c);
+                if (R - r0 >= 2) block16_short(2, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
+                else block16_short(1, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
             }
         }
         return;
     }
-    block16(R, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc, 0);
-    block16(R, WIDE, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, cw + (size_t)G * 16, acc, 16);
+    block16(R, WIDE, q, ldq, Kp, sa, mn, w, sw, ws, acc, 0);
+    block16(R, WIDE, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, ws + (size_t)G * 16, acc, 16);
 }
 
 /* WIDE's activation rows: [|q - 128| (Kp bytes) | q - 128 as int8 (Kp bytes)] per row; malloc'd, caller frees. */

@@ -8,6 +8,12 @@
 /* rows per micro-tile: 12 int32 + 12 float accumulators + operands = 27 of 32 zmm */
 #define MR 6
 #define HAVE_QUANT_GROUP 1
+#define HAVE_FUSED 1
+#ifndef FUSED_MAX_ROWS
+/* one tile a work item (decode of a few rows): at 8-12 rows the two extra vpdpbusd a step cost more than reading ws
+ * saves (docs/perf/code-notes-kernels.md); -DFUSED_MAX_ROWS=N overrides it to measure */
+#define FUSED_MAX_ROWS MR
+#endif
 #include "driver.h"
 
 static inline __m512 load16(const void *x, int is_bf16, size_t i) {
@@ -34,15 +40,18 @@ static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, 
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
 }
 
-static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const qact_t *q, int ldq,
-                                                       int Kp, const float *sa, const float *mn, const int8_t *w,
-                                                       const float *sw, const float *cw, float acc[MR][32]) {
+/* FUSED: the group sums from two more vpdpbusd (ones x quants) on the weight vectors already loaded, ws unread */
+static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const int FUSED, const qact_t *q,
+                                                       int ldq, int Kp, const float *sa, const float *mn,
+                                                       const int8_t *w, const uint16_t *sw, const int16_t *ws,
+                                                       float acc[MR][32]) {
     (void)WIDE;                                   /* vpdpbusd's int32 sums never saturate */
     const int K4 = Kp / 4, G = Kp / QK;
+    const __m512i ones = _mm512_set1_epi8(1);
     __m512 f[MR][2];
     for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m512i ia[MR][2];
+        __m512i ia[MR][2], ws0 = _mm512_setzero_si512(), ws1 = _mm512_setzero_si512();
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
         /* a constant trip count, unrolled: as a loop from g * 8 GCC copied all twelve int32 accumulators at every
          * step (24 register moves per 12 vpdpbusd); unrolled, the VNNI tile ran faster
@@ -52,6 +61,10 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
             const int k4 = g * (QK / 4) + u;
             const __m512i b0 = _mm512_loadu_si512(w + (size_t)k4 * 64);
             const __m512i b1 = _mm512_loadu_si512(w + ((size_t)K4 + k4) * 64);
+            if (FUSED) {
+                ws0 = _mm512_dpbusd_epi32(ws0, ones, b0);
+                ws1 = _mm512_dpbusd_epi32(ws1, ones, b1);
+            }
             for (int r = 0; r < R; r++) {
                 int32_t a4;
                 memcpy(&a4, q + (size_t)r * ldq + k4 * 4, 4);
@@ -60,8 +73,13 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
                 ia[r][1] = _mm512_dpbusd_epi32(ia[r][1], a, b1);
             }
         }
-        const __m512 s0 = _mm512_loadu_ps(sw + (size_t)g * 16), s1 = _mm512_loadu_ps(sw + ((size_t)G + g) * 16);
-        const __m512 c0 = _mm512_loadu_ps(cw + (size_t)g * 16), c1 = _mm512_loadu_ps(cw + ((size_t)G + g) * 16);
+        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sw + (size_t)g * 16)));
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sw + ((size_t)G + g) * 16)));
+        if (!FUSED) {
+            ws0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(ws + (size_t)g * 16)));
+            ws1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(ws + ((size_t)G + g) * 16)));
+        }
+        const __m512 c0 = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(ws0)), c1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(ws1));
         for (int r = 0; r < R; r++) {
             const __m512 a = _mm512_set1_ps(sa[(size_t)r * G + g]), m = _mm512_set1_ps(mn[(size_t)r * G + g]);
             f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0]), _mm512_mul_ps(s0, a), f[r][0]);

@@ -1,12 +1,16 @@
-/* Int8 linear layers: y = x @ W^T with W in int8 (per row, per group of 32 along K, one float32 scale:
- * llama.cpp's Q8_0 grouping) and x quantized on the fly to uint8 per token and group of 32, asymmetric
- * (a scale and the group minimum: x ~= sa * q + mn). Asymmetric activations matter: GeGLU outputs are
- * skewed, and symmetric int8 doubled the model's KL divergence against float32 (measured on gemma-3-270m).
+/* Int8 linear layers: y = x @ W^T with W in int8 (per row, per group of 32 along K, one fp16 scale: llama.cpp's
+ * Q8_0 grouping; with each group's int16 sum of quants, 1.125 bytes a weight) and x quantized on the fly to uint8
+ * per token and group of 32, asymmetric (a scale and the group minimum: x ~= sa * q + mn). Asymmetric activations
+ * matter: GeGLU outputs are skewed, and symmetric int8 doubled the model's KL divergence against float32 (measured
+ * on gemma-3-270m).
  *
  * Per output (m, n):  y = sum_g  sw[n,g] * sa[m,g] * dot_g(q[m], W[n])  +  mn[m,g] * cw[n,g]
- * where dot_g is an exact int32 dot product over the group and cw[n,g] = sw[n,g] * sum_k W[n,k] (precomputed
- * at packing). The integer dot products run on the best unit the build has, one implementation file each
- * (dispatch.h picks one; batchgen_q8_isa() names it):
+ * where dot_g is an exact int32 dot product over the group and cw[n,g] = sw[n,g] * ws[n,g], ws[n,g] = sum_k W[n,k]
+ * over the group (exact, stored as int16 beside the scales; cw is one float32 rounding, the same in every path).
+ * Where a build has HAVE_FUSED, its tiles of few rows (decode) sum the group's quants themselves with two more
+ * integer dot products on the weight vectors already loaded and never read ws: those memory-bound calls read 1.0625
+ * bytes a weight (docs/perf/code-notes-kernels.md). The integer dot products run on the best unit the build has, one
+ * implementation file each (dispatch.h picks one; batchgen_q8_isa() names it):
  *
  *   avx512_vnni.c  vpdpbusd: u8 x s8, four products summed into each int32 lane, 16 lanes
  *   avx2.c         vpmaddubsw (u8 x s8, pairs summed into int16) with vpmaddwd by ones into int32, llama.cpp's
@@ -20,14 +24,14 @@
  *
  * Packed weight layout (Np = N rounded up to 32, Kp = K rounded up to 32, K4 = Kp / 4, G = Kp / 32):
  *   w [(nb * K4 + k4) * 64 + lane * 4 + j] = W[nb * 16 + lane][k4 * 4 + j]       (int8, zero padding)
- *   sw[(nb * G + g) * 16 + lane], cw[(nb * G + g) * 16 + lane]                      (float32)
+ *   sw[(nb * G + g) * 16 + lane] (fp16), ws[(nb * G + g) * 16 + lane] (int16)
  * so one 64-byte load gives 16 output columns x 4 consecutive k, the operand shape of vpdpbusd.
  * Activations: q[m * Kp + k] (uint8, every build), sa/mn[m * G + g].
  *
  * This header is what the implementations share: the activation quantization's scalar loop, the work split, the
  * stores (GLU fused) and the exported functions. An implementation file defines MR (rows per micro-tile) and, where
- * it has them, HAVE_QUANT_GROUP (a vector quant_group) and HAVE_WIDE (the wide-weight tile paths); includes this
- * header; then defines the functions declared below under "each implementation defines".
+ * it has them, HAVE_QUANT_GROUP (a vector quant_group), HAVE_WIDE (the wide-weight tile paths) and HAVE_FUSED with
+ * FUSED_MAX_ROWS (tiles that sum the quants themselves); includes this header; then defines the functions declared below under "each implementation defines".
  */
 #ifndef BATCHGEN_QLINEAR_DRIVER_H
 #define BATCHGEN_QLINEAR_DRIVER_H
@@ -58,10 +62,14 @@ enum { PATH_DIRECT = 0, PATH_SIGN = 1, PATH_SHORT = 2 };
  * the default rounding mode); tests compare every build's quants with the portable build's. */
 static void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *sa, float *mn);
 #endif
-/* R (<= MR) rows x 32 columns (two 16-column weight blocks), all of K, into acc; WIDE one of the PATH_* (a
- * compile-time constant at every call: tile_rows) */
-static void tile(const int R, const int WIDE, const qact_t *q, int ldq, int Kp, const float *sa, const float *mn,
-                 const int8_t *w, const float *sw, const float *cw, float acc[MR][32]);
+/* R (<= MR) rows x 32 columns (two 16-column weight blocks), all of K, into acc; WIDE one of the PATH_* and FUSED
+ * (0, or 1 with HAVE_FUSED: the group sums from the quants, ws unread) compile-time constants at every call
+ * (tile_rows). sw, ws: the pair's fp16 scales and int16 group sums. */
+static void tile(const int R, const int WIDE, const int FUSED, const qact_t *q, int ldq, int Kp, const float *sa,
+                 const float *mn, const int8_t *w, const uint16_t *sw, const int16_t *ws, float acc[MR][32]);
+#ifndef HAVE_FUSED
+#define FUSED_MAX_ROWS 0   /* the rows of a work item up to which its tiles sum the quants themselves */
+#endif
 /* The activations as the tiles read them (row stride *ldq) and the path for weights bounded by wmax (*wide). Where
  * they are a copy of q's rows made for the path, *owned is set and the caller frees it. */
 static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt, int *wide, int *ldq,
@@ -155,76 +163,87 @@ static inline void store_glu(const float *acc, void *out, int is_bf16, size_t of
     store_row(o, out, is_bf16, off, 16);
 }
 
-/* R (1..MR) rows of a tile: a constant R (and WIDE) per case, so the compiler unrolls each case's row loops. */
-#define TILE_CASES(WIDE)                                                                          \
+/* R (1..MR) rows of a tile: constant R, WIDE and FUSED per case, so the compiler unrolls each case's row loops. */
+#define TILE(R_, WIDE, FUSED) tile(R_, WIDE, FUSED, q, ldq, Kp, sa, mn, w, sw, ws, acc)
+#define TILE_CASES(WIDE, FUSED)                                                                   \
     switch (R) {                                                                                  \
-    ROWS_6_5(WIDE) ROWS_4(WIDE) ROWS_3(WIDE)                                                      \
-    case 2: tile(2, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;                             \
-    default: tile(1, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;                            \
+    ROWS_6_5(WIDE, FUSED) ROWS_4(WIDE, FUSED) ROWS_3(WIDE, FUSED)                                 \
+    case 2: TILE(2, WIDE, FUSED); break;                                                          \
+    default: TILE(1, WIDE, FUSED); break;                                                         \
     }
 #if MR >= 6
-#define ROWS_6_5(WIDE) case 6: tile(6, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;          \
-                       case 5: tile(5, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#define ROWS_6_5(WIDE, FUSED) case 6: TILE(6, WIDE, FUSED); break; case 5: TILE(5, WIDE, FUSED); break;
 #else
-#define ROWS_6_5(WIDE)
+#define ROWS_6_5(WIDE, FUSED)
 #endif
 #if MR >= 4
-#define ROWS_4(WIDE) case 4: tile(4, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#define ROWS_4(WIDE, FUSED) case 4: TILE(4, WIDE, FUSED); break;
 #else
-#define ROWS_4(WIDE)
+#define ROWS_4(WIDE, FUSED)
 #endif
 #if MR >= 3
-#define ROWS_3(WIDE) case 3: tile(3, WIDE, q, ldq, Kp, sa, mn, w, sw, cw, acc); break;
+#define ROWS_3(WIDE, FUSED) case 3: TILE(3, WIDE, FUSED); break;
 #else
-#define ROWS_3(WIDE)
+#define ROWS_3(WIDE, FUSED)
+#endif
+#ifdef HAVE_FUSED
+#define PATH_CASES(WIDE)                                                                          \
+    if (fused) TILE_CASES(WIDE, 1) else TILE_CASES(WIDE, 0)
+#else
+#define PATH_CASES(WIDE) TILE_CASES(WIDE, 0)
 #endif
 
-static inline __attribute__((always_inline)) void tile_rows(const int R, const int wide, const qact_t *q, int ldq,
-                                                            int Kp, const float *sa, const float *mn,
-                                                            const int8_t *w, const float *sw, const float *cw,
-                                                            float acc[MR][32]) {
+/* One tile of R rows by the path for the weights' bound (wide), fused (the group sums from the quants) or not. */
+static inline __attribute__((always_inline)) void tile_rows(const int R, const int wide, const int fused,
+                                                            const qact_t *q, int ldq, int Kp, const float *sa,
+                                                            const float *mn, const int8_t *w, const uint16_t *sw,
+                                                            const int16_t *ws, float acc[MR][32]) {
+    (void)fused;
 #ifdef HAVE_WIDE
     if (wide == PATH_SIGN) {
-        TILE_CASES(PATH_SIGN)
+        PATH_CASES(PATH_SIGN)
         return;
     }
     if (wide == PATH_SHORT) {
-        TILE_CASES(PATH_SHORT)
+        PATH_CASES(PATH_SHORT)
         return;
     }
 #else
     (void)wide;
 #endif
-    TILE_CASES(PATH_DIRECT)
+    PATH_CASES(PATH_DIRECT)
 }
 
-/* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (row chunk, 32-column pair of
- * weight blocks), split over the OpenMP threads; each weight pair (Kp x 32 bytes) is reused by every MR-row
- * tile of its chunk while it sits in L1/L2. */
+/* y[M, N] (row stride ldy, float32 or bf16) = dequant(q) @ W^T. Work items: (32-column pair of weight blocks, row
+ * chunk), split over the OpenMP threads pair-major: a thread keeps its pair (Kp x 32 bytes) in L1/L2 while every
+ * chunk's MR-row tiles stream past it (the activations are the smaller operand: 6 rows a tile against 32 columns).
+ * Pair-major measured ~10 % faster than chunk-major at prefill sizes on Zen 4 (docs/perf/code-notes-kernels.md);
+ * the values are the same either way (each output is one tile's, whatever the order). */
 static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                 const float *sw, const float *cw, int Np, int N, int wmax, void *y, int ldy, int is_bf16, int glu,
-                 int nt) {
+                 const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, void *y, int ldy, int is_bf16,
+                 int glu, int nt) {
     if (M <= 0) return;
     const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
-    /* chunks of at most MC rows, of equal size (in whole tiles): with 48 rows and MC 30 a 30 + 18 split left one
-     * of two threads idle for part of each decode-step linear (docs/perf/code-notes-kernels.md) */
+    /* chunks of at most MC rows, of equal size (in whole tiles) */
     const int chunks = (M + MC - 1) / MC, even = (M + chunks - 1) / chunks;
     const int mcr = (even + MR - 1) / MR * MR, nmc = (M + mcr - 1) / mcr;
+    const int fused = mcr <= FUSED_MAX_ROWS;
     int wide, ldq;
     qact_t *owned;
     const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
-    for (int mc = 0; mc < nmc; mc++)
-        for (int np = 0; np < npair; np++) {
+    for (int np = 0; np < npair; np++)
+        for (int mc = 0; mc < nmc; mc++) {
             const int8_t *wp = w + (size_t)np * 2 * K4 * 64;
-            const float *swp = sw + (size_t)np * 2 * G * 16, *cwp = cw + (size_t)np * 2 * G * 16;
+            const uint16_t *swp = sw + (size_t)np * 2 * G * 16;
+            const int16_t *wsp = ws + (size_t)np * 2 * G * 16;
             const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
             const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
             float acc[MR][32];
             for (int m = mc * mcr; m < m_end; m += MR) {
                 const int R = m_end - m < MR ? m_end - m : MR;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
+                tile_rows(R, wide, fused, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, wsp, acc);
                 if (glu)   /* N = 2I, I a multiple of 16 (the caller checks): every pair is whole */
                     for (int r = 0; r < R; r++) store_glu(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 16, glu);
                 else
@@ -237,46 +256,46 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
 /* wmax: max|w| of the packed weights (a bound: larger is always correct; the avx2 build takes its faster path
  * only for wmax <= 64) */
 void q8_gemm_f32(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                 const float *sw, const float *cw, int Np, int N, int wmax, float *y, int ldy, int nt) {
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 0, GLU_NONE, nt);
+                 const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, float *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, ws, Np, N, wmax, y, ldy, 0, GLU_NONE, nt);
 }
 void q8_gemm_bf16(const qact_t *q, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                  const float *sw, const float *cw, int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, 1, GLU_NONE, nt);
+                  const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
+    gemm(q, sa, mn, M, Kp, w, sw, ws, Np, N, wmax, y, ldy, 1, GLU_NONE, nt);
 }
 
 /* x [M, K] (row stride ldx, float32 or bf16) @ W^T in one call: the activations quantized into scratch of this
  * call's own, then gemm. The same quants and products as q8_quant_act_* + q8_gemm_*, without the two extra
  * calls and three scratch tensors per linear on the Python side (72 linears per decode step of gemma-3-270m). */
-static void linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const float *sw,
-                   const float *cw, int Np, int N, int wmax, void *y, int ldy, int glu, int nt) {
+static void linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
+                   const int16_t *ws, int Np, int N, int wmax, void *y, int ldy, int glu, int nt) {
     if (M <= 0) return;
     const int Kp = (K + QK - 1) / QK * QK, G = Kp / QK;
     qact_t *q = (qact_t *)malloc((size_t)M * Kp + sizeof(float) * 2 * (size_t)M * G);
     float *sa = (float *)(q + (size_t)M * Kp), *mn = sa + (size_t)M * G;   /* Kp is a multiple of 32: aligned */
     quant_act(x, is_bf16, M, K, ldx, Kp, q, sa, mn, nt);
-    gemm(q, sa, mn, M, Kp, w, sw, cw, Np, N, wmax, y, ldy, is_bf16, glu, nt);
+    gemm(q, sa, mn, M, Kp, w, sw, ws, Np, N, wmax, y, ldy, is_bf16, glu, nt);
     free(q);
 }
 
-void q8_linear_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw, int Np,
-                   int N, int wmax, float *y, int ldy, int nt) {
-    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, GLU_NONE, nt);
+void q8_linear_f32(const float *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, const int16_t *ws,
+                   int Np, int N, int wmax, float *y, int ldy, int nt) {
+    linear(x, 0, M, K, ldx, w, sw, ws, Np, N, wmax, y, ldy, GLU_NONE, nt);
 }
-void q8_linear_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
+void q8_linear_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, const int16_t *ws,
                     int Np, int N, int wmax, uint16_t *y, int ldy, int nt) {
-    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, GLU_NONE, nt);
+    linear(x, 1, M, K, ldx, w, sw, ws, Np, N, wmax, y, ldy, GLU_NONE, nt);
 }
 
 /* x @ W^T for a gate_up weight interleaved in 16-row blocks (see store_glu), then the GLU: y [M, N / 2] (row
  * stride ldy). act: GLU_GELU_TANH or GLU_SILU; N a multiple of 32. */
-void q8_linear_glu_f32(const float *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
-                       int Np, int N, int wmax, int act, float *y, int ldy, int nt) {
-    linear(x, 0, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
+void q8_linear_glu_f32(const float *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
+                       const int16_t *ws, int Np, int N, int wmax, int act, float *y, int ldy, int nt) {
+    linear(x, 0, M, K, ldx, w, sw, ws, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
 }
-void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const float *sw, const float *cw,
-                        int Np, int N, int wmax, int act, uint16_t *y, int ldy, int nt) {
-    linear(x, 1, M, K, ldx, w, sw, cw, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
+void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
+                        const int16_t *ws, int Np, int N, int wmax, int act, uint16_t *y, int ldy, int nt) {
+    linear(x, 1, M, K, ldx, w, sw, ws, Np, N, wmax, y, ldy, act == GLU_SILU ? GLU_SILU : GLU_GELU_TANH, nt);
 }
 
 /* Greedy decoding's LM head: per row, the largest y[m, n] = dequant(q) @ W^T and its index (the first on ties,
@@ -284,7 +303,7 @@ void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *
  * contiguous range of 32-column pairs in order with the same tiles as gemm (so the values compared are gemm's,
  * bit for bit); the ranges are merged in order. A NaN never wins. */
 void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
-                    const float *sw, const float *cw, int Np, int N, int wmax, int64_t *idx, float *val, int nt) {
+                    const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, int64_t *idx, float *val, int nt) {
     const int G = Kp / QK, K4 = Kp / 4, npair = Np / 32;
     nt = nt < 1 ? 1 : nt;
     int wide, ldq;
@@ -309,14 +328,16 @@ void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, i
         for (int i = 0; i < M * 32; i++) { v[i] = -INFINITY; ix[i] = 0; }
         const int p0 = (int)((int64_t)npair * tid / nth), p1 = (int)((int64_t)npair * (tid + 1) / nth);
         float acc[MR][32];
+        const int fused = M <= FUSED_MAX_ROWS;
         for (int np = p0; np < p1; np++) {
             const int8_t *wp = w + (size_t)np * 2 * K4 * 64;
-            const float *swp = sw + (size_t)np * 2 * G * 16, *cwp = cw + (size_t)np * 2 * G * 16;
+            const uint16_t *swp = sw + (size_t)np * 2 * G * 16;
+            const int16_t *wsp = ws + (size_t)np * 2 * G * 16;
             const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
             for (int m = 0; m < M; m += MR) {
                 const int R = M - m < MR ? M - m : MR;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                tile_rows(R, wide, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, cwp, acc);
+                tile_rows(R, wide, fused, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, wsp, acc);
                 for (int r = 0; r < R; r++) {
                     float *vr = v + (size_t)(m + r) * 32;
                     int32_t *ir = ix + (size_t)(m + r) * 32;

@@ -8,22 +8,25 @@
 #define MR 4   /* rows per tile: the scalar loops keep no accumulators in registers */
 #include "driver.h"
 
-static void tile(const int R, const int WIDE, const qact_t *q, int ldq, int Kp, const float *sa, const float *mn,
-                 const int8_t *w, const float *sw, const float *cw, float acc[MR][32]) {
+static void tile(const int R, const int WIDE, const int FUSED, const qact_t *q, int ldq, int Kp, const float *sa,
+                 const float *mn, const int8_t *w, const uint16_t *sw, const int16_t *ws, float acc[MR][32]) {
     (void)WIDE;
+    (void)FUSED;
     const int K4 = Kp / 4, G = Kp / QK;
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 32; j++) {
             const int blk = j / 16, lane = j % 16;
             const int8_t *wb = w + (size_t)blk * K4 * 64 + lane * 4;
-            const float *s = sw + (size_t)blk * G * 16 + lane, *c = cw + (size_t)blk * G * 16 + lane;
+            const uint16_t *s = sw + (size_t)blk * G * 16 + lane;
+            const int16_t *c = ws + (size_t)blk * G * 16 + lane;
             float y = 0.0f;
             for (int g = 0; g < G; g++) {
                 int32_t dot = 0;
                 for (int k = g * QK; k < (g + 1) * QK; k++)
                     dot += (int32_t)q[(size_t)r * ldq + k] * wb[(size_t)(k / 4) * 64 + k % 4];
-                y = fmaf((float)dot, s[(size_t)g * 16] * sa[(size_t)r * G + g], y);
-                y = fmaf(c[(size_t)g * 16], mn[(size_t)r * G + g], y);
+                const float sg = f16_to_f32(s[(size_t)g * 16]);
+                y = fmaf((float)dot, sg * sa[(size_t)r * G + g], y);
+                y = fmaf(sg * (float)c[(size_t)g * 16], mn[(size_t)r * G + g], y);
             }
             acc[r][j] = y;
         }
