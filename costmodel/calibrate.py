@@ -195,8 +195,13 @@ def _measure_kernel(dev: torch.device, measure, shapes, reps: int) -> dict | Non
 
 def get_calibration(device: str | torch.device, dtype: str, cache_dir: str | Path | None = None,
                     quick: bool = False) -> Calibration:
-    """The cached calibration, measuring (and caching) it first if there is none."""
-    return load_calibration(device, dtype, cache_dir) or calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
+    """The cached calibration, measuring (and caching) it first if there is none — or if the cached one is a quick
+    one and a full one is asked for: a quick int8 calibration times one small matrix (370 GOP/s on a Zen 4 whose
+    full peak is 795), and fractions of it read over 100 % (docs/perf/zen4-epyc.md, 2026-12-04)."""
+    cal = load_calibration(device, dtype, cache_dir)
+    if cal is None or (cal.quick and not quick):
+        cal = calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
+    return cal
 
 
 # ---- measurements -------------------------------------------------------------------------------------

@@ -35,3 +35,18 @@ def test_load_calibration_missing_or_corrupt(tmp_path):
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     assert cal_mod.cache_path("cpu", "bfloat16").parent == tmp_path
+
+
+def test_a_quick_calibration_never_stands_in_for_a_full_one(tmp_path, monkeypatch):
+    """get_calibration: a cached quick calibration serves quick callers; a full caller measures (and caches) the full
+    one, which then serves both."""
+    quick = cal_mod.calibrate("cpu", "float32", quick=True, cache_dir=tmp_path)
+    assert cal_mod.get_calibration("cpu", "float32", tmp_path, quick=True) == quick
+    calls = []
+    full = cal_mod.Calibration.from_dict({**quick.to_dict(), "quick": False, "matmul_flops": 2 * quick.matmul_flops})
+    monkeypatch.setattr(cal_mod, "calibrate",
+                        lambda device, dtype, quick=False, cache_dir=None: calls.append(quick) or
+                        (cal_mod.save_calibration(full, cache_dir), full)[1])
+    assert cal_mod.get_calibration("cpu", "float32", tmp_path) == full and calls == [False]
+    assert cal_mod.get_calibration("cpu", "float32", tmp_path) == full and calls == [False]
+    assert cal_mod.get_calibration("cpu", "float32", tmp_path, quick=True) == full
