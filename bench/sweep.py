@@ -4,6 +4,8 @@ peer at its best side by side in each, as one table of same-run ratios.
 The shapes are sized for the model so that one system takes roughly one to three minutes on 2 cores: the
 prefill-heavy shapes scale their document count with the model's parameters (``SWEEP_REFERENCE_PARAMS`` is the size
 they are written for), the decode shapes keep theirs (a step's cost grows with the model, the step count does not).
+The decode shapes are short (seconds), and a VM's memory bandwidth drifts by ±15-25 % over minutes: they run
+``repeats`` rounds (every system once a round, so the systems interleave) and each system's median counts.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class SweepShape:
     sizes: dict                       # at SWEEP_REFERENCE_PARAMS
     systems: tuple[str, ...]          # batchgen's first: the ratios are against it
     scale_n: bool = True              # fewer documents for a larger model
+    repeats: int = 1                  # rounds; each system's median round counts (median_result)
 
 
 # llama.cpp runs in this process (a skipped row when llama-cpp-python is not installed); the venv peers are left
@@ -43,11 +46,14 @@ SWEEP = (
     SweepShape("long-output", "long-output",
                dict(n=4, groups=4, prefix_tokens=0, doc_tokens=300, output_tokens=256), _CACHE_ON, scale_n=False),
     SweepShape("decode 1 row", "short-prompt",
-               dict(n=1, groups=1, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False),
+               dict(n=1, groups=1, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False,
+               repeats=3),
     SweepShape("decode 8 rows", "short-prompt",
-               dict(n=8, groups=8, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False),
+               dict(n=8, groups=8, prefix_tokens=0, doc_tokens=64, output_tokens=128), _CACHE_ON, scale_n=False,
+               repeats=3),
     SweepShape("decode 48 rows", "short-prompt",
-               dict(n=48, groups=48, prefix_tokens=0, doc_tokens=64, output_tokens=64), _CACHE_ON, scale_n=False),
+               dict(n=48, groups=48, prefix_tokens=0, doc_tokens=64, output_tokens=64), _CACHE_ON, scale_n=False,
+               repeats=3),
 )
 
 
@@ -75,11 +81,31 @@ def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str,
         o = dataclasses.replace(opts, workload=make_workload(s.shape, **sizes), systems=systems)
         say(opts, f"sweep: {s.label} {sizes} -> {', '.join(systems)}")
         t = time.monotonic()
-        result = run_bench(o)
-        rows.append(sweep_row(s, sizes, result, time.monotonic() - t))
+        results = [run_bench(o) for _ in range(1 if opts.quick else s.repeats)]
+        rows.append(sweep_row(s, sizes, median_result(results), time.monotonic() - t))
         if on_result is not None:
             on_result(rows)
     return rows
+
+
+def median_result(results: list[dict]) -> dict:
+    """Rounds of one shape as one result: per system, its median round (the lower of the middle two for an even
+    count; that round's entry whole, so its format and limits stay its own) with every round's seconds in
+    ``runs_s``. Skipped rounds do not count; a system skipped in every round keeps its first round's entry."""
+    if len(results) == 1:
+        return results[0]
+    by: dict[str, list[dict]] = {}
+    for res in results:
+        for r in res["systems"]:
+            by.setdefault(r["system"], []).append(r)
+    systems = []
+    for rounds in by.values():
+        ran = sorted((r for r in rounds if not r["skipped"] and r["wall_s"]), key=lambda r: r["wall_s"])
+        if not ran:
+            systems.append(rounds[0])
+            continue
+        systems.append({**ran[(len(ran) - 1) // 2], "runs_s": [round(r["wall_s"], 2) for r in ran]})
+    return {**results[0], "systems": systems}
 
 
 def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dict:
@@ -91,6 +117,7 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
         row["systems"][name] = {"wall_s": r["wall_s"], "label": r["label"], "skipped": r["skipped"],
                                 "dtype": r["extra"].get("dtype"), "platform": r["extra"].get("platform"),
                                 "load_s": r["extra"].get("load_s"), "match_rate": r.get("match_rate"),
+                                "runs_s": r.get("runs_s"),
                                 "limit": limit_line(r) if not r["skipped"] and r.get("limits") else None,
                                 "predicted_engine_s": r["extra"].get("predicted_engine_s"),
                                 # roofline, or scaled to the tuner's timed steps of this format (costmodel.predict)
@@ -116,8 +143,7 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
         cells = [r["label"], f"{z['n']}, {z['groups']}, {z['prefix_tokens']}, {z['doc_tokens']}, {z['output_tokens']}"]
         for n in names:
             s = r["systems"].get(n)
-            cells.append("–" if s is None else ("skipped" if s["skipped"] else
-                                                f"{s['wall_s']:.1f} s" + (f" ({s['dtype']})" if s["dtype"] else "")))
+            cells.append("–" if s is None else "skipped" if s["skipped"] else _seconds_cell(s))
         cells += [f"{r['ratios'][n]:.2f}×" if n in r["ratios"] else "–" for n in compared]
         cells.append(_plan_cell(r["systems"].get(r.get("ours"))))
         out.append("| " + " | ".join(cells) + " |")
@@ -125,6 +151,15 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
     limits = [f"- {r['label']}: {s['limit']}" for r in rows for s in r["systems"].values() if s.get("limit")]
     return "\n".join(out + ([""] + skipped if skipped else [])
                      + (["", "How close to the limit (docs/guide/reports.md):"] + limits if limits else []))
+
+
+def _seconds_cell(s: dict) -> str:
+    """``8.4 s (q8_0)``; for repeated rounds the median with the spread: ``8.4 s (q8_0; 3 runs 7.1-9.3)``."""
+    notes = [s["dtype"]] if s["dtype"] else []
+    runs = s.get("runs_s") or []
+    if len(runs) > 1:
+        notes.append(f"{len(runs)} runs {min(runs):.1f}-{max(runs):.1f}")
+    return f"{s['wall_s']:.1f} s" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _plan_cell(ours: dict | None) -> str:
@@ -135,4 +170,4 @@ def _plan_cell(ours: dict | None) -> str:
     return f"{pred:.2f} s / {wall:.2f} s ({percent_over(pred, wall):+.0f} %)"
 
 
-__all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "sweep_row", "format_sweep"]
+__all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "median_result", "sweep_row", "format_sweep"]

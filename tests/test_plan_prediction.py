@@ -9,7 +9,7 @@ import pytest
 from bench.options import options_from
 from bench.plan_prediction import bench_plan, percent_over, prediction_line
 from bench.run import run_bench
-from bench.sweep import SweepShape, format_sweep, sweep_row
+from bench.sweep import SweepShape, format_sweep, median_result, sweep_row
 from bench.table import format_table
 from bench.workloads import build_prompts, make_workload
 from costmodel.predict import plan_pricer
@@ -114,3 +114,26 @@ def test_sweep_row_and_table_show_plan_against_achieved():
     assert table[4].endswith("| 2.00× | 4.00 s / 5.00 s (+25 %) |")
     assert table[5].endswith("| 2.00× | – |")                  # no prediction: nothing to compare
     assert table[6].endswith("| – | – |")                      # ours skipped
+
+
+def test_repeated_rounds_count_each_systems_median():
+    """Three rounds of a short shape: each system's median round (its whole entry: its own dtype), every round's
+    seconds kept and shown as the spread; a round a system skipped does not count; the ratio is median over median."""
+    def round_(ours, vllm, vllm_dtype="float32", skipped=None):
+        return {"systems": [{"system": "batchgen-default", "label": "batchgen-default", "wall_s": ours,
+                             "skipped": None, "extra": {}},
+                            {"system": "vllm", "label": "vllm", "wall_s": vllm, "skipped": skipped,
+                             "extra": {"dtype": vllm_dtype}}]}
+    merged = median_result([round_(9.3, 12.5), round_(7.1, 10.5, "bfloat16"), round_(8.4, None, skipped="died"),
+                            round_(8.0, 11.1)])
+    ours, vllm = merged["systems"]
+    assert (ours["wall_s"], ours["runs_s"]) == (8.0, [7.1, 8.0, 8.4, 9.3])          # lower of the middle two
+    assert (vllm["wall_s"], vllm["runs_s"], vllm["extra"]["dtype"]) == (11.1, [10.5, 11.1, 12.5], "float32")
+    assert median_result([round_(9.3, 12.5)]) == round_(9.3, 12.5)                  # one round: as it was
+    shape = SweepShape("decode 1 row", "short-prompt", dict(n=1, groups=1, prefix_tokens=0, doc_tokens=64,
+                                                            output_tokens=128), ("batchgen-default", "vllm"),
+                       scale_n=False, repeats=4)
+    row = sweep_row(shape, dict(shape.sizes), merged, 1.0)
+    assert row["ratios"] == {"vllm": round(11.1 / 8.0, 3)}
+    line = format_sweep("tiny", "a CPU", [row]).splitlines()[4]
+    assert "| 8.0 s (4 runs 7.1-9.3) | 11.1 s (float32; 3 runs 10.5-12.5) |" in line
