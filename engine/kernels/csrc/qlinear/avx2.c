@@ -12,6 +12,11 @@
 #define MR 3
 #define HAVE_QUANT_GROUP 1
 #define HAVE_WIDE 1
+#define HAVE_FUSED 1
+#ifndef FUSED_MAX_ROWS
+/* one row (decode of one sequence): the sums' int16 accumulators and ones fit beside one row's registers, not three */
+#define FUSED_MAX_ROWS 1
+#endif
 #include "driver.h"
 
 static inline __m256 load8(const void *x, int is_bf16, size_t i) {
@@ -66,30 +71,54 @@ static inline void load_k4(const int8_t *w, int k4, __m256i *b0, __m256i *b1) {
     *b1 = _mm256_loadu_si256((const __m256i *)(w + (size_t)k4 * 64 + 32));
 }
 
-/* The group's 16 fp16 scales as float32: vcvtph2ps where the build has F16C, else f16_to_f32 (the same values) */
+/* 8 fp16 values as float32 without F16C: f16_to_f32's arithmetic in vector lanes (exact for finite halves) */
+static inline __m256 half8(__m128i h) {
+    const __m256i x = _mm256_cvtepu16_epi32(h);
+    const __m256i bits = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fff)), 13);
+    const __m256 mag = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p112f));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x8000)), 16);
+    return _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+/* The group's 16 fp16 scales as float32: vcvtph2ps where the build has F16C, else half8 (the same values) */
 static inline void scales16(const uint16_t *sw, __m256 *s0, __m256 *s1) {
+    const __m128i h0 = _mm_loadu_si128((const __m128i *)sw), h1 = _mm_loadu_si128((const __m128i *)(sw + 8));
 #ifdef __F16C__
-    *s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sw));
-    *s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sw + 8)));
+    *s0 = _mm256_cvtph_ps(h0);
+    *s1 = _mm256_cvtph_ps(h1);
 #else
-    float f[16];
-    for (int lane = 0; lane < 16; lane++) f[lane] = f16_to_f32(sw[lane]);
-    *s0 = _mm256_loadu_ps(f);
-    *s1 = _mm256_loadu_ps(f + 8);
+    *s0 = half8(h0);
+    *s1 = half8(h1);
 #endif
 }
 
+/* The group sums of a fused tile: vpmaddubsw of ones (u8) with the quants (s8) adds k pairs into int16 over the
+ * group's eight k4 steps (|sum| <= 8 * 2 * 127, exact); the epilogue's vpmaddwd by ones finishes each column's sum */
+static inline void sum_quants(const __m256i b0, const __m256i b1, __m256i z[2]) {
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    z[0] = _mm256_add_epi16(z[0], _mm256_maddubs_epi16(ones8, b0));
+    z[1] = _mm256_add_epi16(z[1], _mm256_maddubs_epi16(ones8, b1));
+}
+
 /* One group's float epilogue for R rows x 16 columns: f += dot * sw * sa + cw * mn (cw = sw * ws), with the minimum
- * folded to mn + 128 * sa for WIDE's centred quants (shared by block16 and block16_short). */
-static inline __attribute__((always_inline)) void group_epilogue(const int R, const int WIDE, __m256i ia[][2],
-                                                                 __m256 f[][2], const uint16_t *sw, const int16_t *ws,
+ * folded to mn + 128 * sa for WIDE's centred quants (shared by block16 and block16_short). FUSED: the group sums are
+ * z's (sum_quants), ws is not read. */
+static inline __attribute__((always_inline)) void group_epilogue(const int R, const int WIDE, const int FUSED,
+                                                                 __m256i ia[][2], __m256 f[][2], const uint16_t *sw,
+                                                                 const int16_t *ws, const __m256i z[2],
                                                                  const float *sa, const float *mn, int G, int g) {
     __m256 s0, s1;
     scales16(sw + (size_t)g * 16, &s0, &s1);
-    const __m128i w0 = _mm_loadu_si128((const __m128i *)(ws + (size_t)g * 16));
-    const __m128i w1 = _mm_loadu_si128((const __m128i *)(ws + (size_t)g * 16 + 8));
-    const __m256 c0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(w0)));
-    const __m256 c1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(w1)));
+    __m256i i0, i1;
+    if (FUSED) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        i0 = _mm256_madd_epi16(z[0], ones);
+        i1 = _mm256_madd_epi16(z[1], ones);
+    } else {
+        i0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)g * 16)));
+        i1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(ws + (size_t)g * 16 + 8)));
+    }
+    const __m256 c0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(i0)), c1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(i1));
     for (int r = 0; r < R; r++) {
         const float sr = sa[(size_t)r * G + g], mr = mn[(size_t)r * G + g];
         const __m256 a = _mm256_set1_ps(sr), m = _mm256_set1_ps(WIDE ? fmaf(128.0f, sr, mr) : mr);
@@ -115,20 +144,21 @@ static inline __attribute__((always_inline)) void store16(const int R, __m256 f[
  *   WIDE 1 (any weights): q holds per row |c| then c for the centred quants c = q - 128 (centre_rows), and
  *          vpmaddubsw(|c|, sign(c) * w) keeps pair sums <= 2 * 128 * 127; the minimum becomes mn + 128 * sa.
  * Both are below int16's 32767: exact. WIDE 1 costs a vpsignb per product (measured ~1.5x slower on Zen 4). */
-static inline __attribute__((always_inline)) void block16(const int R, const int WIDE, const qact_t *q, int ldq,
-                                                          int Kp, const float *sa, const float *mn, const int8_t *w,
-                                                          const uint16_t *sw, const int16_t *ws, float acc[MR][32],
-                                                          int col) {
+static inline __attribute__((always_inline)) void block16(const int R, const int WIDE, const int FUSED,
+                                                          const qact_t *q, int ldq, int Kp, const float *sa,
+                                                          const float *mn, const int8_t *w, const uint16_t *sw,
+                                                          const int16_t *ws, float acc[MR][32], int col) {
     const int G = Kp / QK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[MR][2];
     for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256i ia[MR][2];
+        __m256i ia[MR][2], z[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int r = 0; r < R; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
         for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
             __m256i b0, b1;
             load_k4(w, k4, &b0, &b1);
+            if (FUSED) sum_quants(b0, b1, z);
             for (int r = 0; r < R; r++) {
                 const __m256i a = bcast4(q + (size_t)r * ldq + k4 * 4);
                 __m256i p0, p1;
@@ -144,7 +174,7 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
                 ia[r][1] = _mm256_add_epi32(ia[r][1], _mm256_madd_epi16(p1, ones));
             }
         }
-        group_epilogue(R, WIDE, ia, f, sw, ws, sa, mn, G, g);
+        group_epilogue(R, WIDE, FUSED, ia, f, sw, ws, z, sa, mn, G, g);
     }
     store16(R, f, acc, 0, col);
 }
@@ -153,16 +183,17 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
  * = 8160, so four k4 steps add up in int16 (<= 32640, exact) before one vpmaddwd widens them: a quarter of WIDE 0's
  * vpmaddwd + vpaddd. Each output vector then needs three registers (float, int32, int16 sums), so at most two rows
  * per pass (6 x 2 + two weight vectors + the activation = 15 ymm; the ones are a memory operand). */
-static inline __attribute__((always_inline)) void block16_short(const int R, const qact_t *q, int ldq, int Kp,
-                                                                const float *sa, const float *mn, const int8_t *w,
-                                                                const uint16_t *sw, const int16_t *ws, float acc[MR][32],
-                                                                int row, int col) {
+static inline __attribute__((always_inline)) void block16_short(const int R, const int FUSED, const qact_t *q,
+                                                                int ldq, int Kp, const float *sa, const float *mn,
+                                                                const int8_t *w, const uint16_t *sw,
+                                                                const int16_t *ws, float acc[MR][32], int row,
+                                                                int col) {
     static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     const int G = Kp / QK;
     __m256 f[2][2];
     for (int r = 0; r < R; r++) f[r][0] = f[r][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256i ia[2][2];
+        __m256i ia[2][2], z[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int half = 0; half < 2; half++) {
             __m256i s[2][2];
             for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
@@ -170,6 +201,7 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
             for (int k4 = k0; k4 < k0 + 4; k4++) {
                 __m256i b0, b1;
                 load_k4(w, k4, &b0, &b1);
+                if (FUSED) sum_quants(b0, b1, z);
                 for (int r = 0; r < R; r++) {
                     const __m256i a = bcast4(q + (size_t)r * ldq + k4 * 4);
                     s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(a, b0));
@@ -183,18 +215,17 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
                     ia[r][j] = half ? _mm256_add_epi32(ia[r][j], wide) : wide;
                 }
         }
-        group_epilogue(R, 0, ia, f, sw, ws, sa, mn, G, g);
+        group_epilogue(R, 0, FUSED, ia, f, sw, ws, z, sa, mn, G, g);
     }
     store16(R, f, acc, row, col);
 }
 
 /* WIDE: PATH_DIRECT, PATH_SIGN (the sign trick) or PATH_SHORT (int16 sums over four k4 steps, two rows at a time);
- * FUSED is always 0 here (no HAVE_FUSED: the group sums come from ws) */
+ * FUSED: the group sums from the quants (sum_quants), ws unread */
 static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const int FUSED, const qact_t *q,
                                                        int ldq, int Kp, const float *sa, const float *mn,
                                                        const int8_t *w, const uint16_t *sw, const int16_t *ws,
                                                        float acc[MR][32]) {
-    (void)FUSED;
     const int K4 = Kp / 4, G = Kp / QK;
     if (WIDE == PATH_SHORT) {
         for (int c = 0; c < 2; c++) {
@@ -204,14 +235,15 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
             for (int r0 = 0; r0 < R; r0 += 2) {
                 const qact_t *qr = q + (size_t)r0 * ldq;
                 const float *sar = sa + (size_t)r0 * G, *mnr = mn + (size_t)r0 * G;
-                if (R - r0 >= 2) block16_short(2, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
-                else block16_short(1, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
+                if (R - r0 >= 2) block16_short(2, FUSED, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
+                else block16_short(1, FUSED, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
             }
         }
         return;
     }
-    block16(R, WIDE, q, ldq, Kp, sa, mn, w, sw, ws, acc, 0);
-    block16(R, WIDE, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, ws + (size_t)G * 16, acc, 16);
+    block16(R, WIDE, FUSED, q, ldq, Kp, sa, mn, w, sw, ws, acc, 0);
+    block16(R, WIDE, FUSED, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, ws + (size_t)G * 16, acc,
+            16);
 }
 
 /* WIDE's activation rows: [|q - 128| (Kp bytes) | q - 128 as int8 (Kp bytes)] per row; malloc'd, caller frees. */

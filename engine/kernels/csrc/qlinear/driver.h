@@ -31,7 +31,8 @@
  * This header is what the implementations share: the activation quantization's scalar loop, the work split, the
  * stores (GLU fused) and the exported functions. An implementation file defines MR (rows per micro-tile) and, where
  * it has them, HAVE_QUANT_GROUP (a vector quant_group), HAVE_WIDE (the wide-weight tile paths) and HAVE_FUSED with
- * FUSED_MAX_ROWS (tiles that sum the quants themselves); includes this header; then defines the functions declared below under "each implementation defines".
+ * FUSED_MAX_ROWS (tiles of calls with at most that many rows sum the quants themselves); includes this header; then
+ * defines the functions declared below under "each implementation defines".
  */
 #ifndef BATCHGEN_QLINEAR_DRIVER_H
 #define BATCHGEN_QLINEAR_DRIVER_H
@@ -227,7 +228,7 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
     /* chunks of at most MC rows, of equal size (in whole tiles) */
     const int chunks = (M + MC - 1) / MC, even = (M + chunks - 1) / chunks;
     const int mcr = (even + MR - 1) / MR * MR, nmc = (M + mcr - 1) / mcr;
-    const int fused = mcr <= FUSED_MAX_ROWS;
+    const int fused = M <= FUSED_MAX_ROWS;
     int wide, ldq;
     qact_t *owned;
     const qact_t *q = tile_input(q0, M, Kp, wmax, nt, &wide, &ldq, &owned);
