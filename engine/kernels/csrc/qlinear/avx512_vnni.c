@@ -10,7 +10,7 @@
 #define HAVE_QUANT_GROUP 1
 #define HAVE_FUSED 1
 #ifndef FUSED_MAX_ROWS
-/* one tile a work item (decode of a few rows): at 8-12 rows the two extra vpdpbusd a step cost more than reading ws
+/* calls of at most one tile's rows (decode of a few sequences): at 8-12 rows the two extra vpdpbusd a step cost more than reading ws
  * saves (docs/perf/code-notes-kernels.md); -DFUSED_MAX_ROWS=N overrides it to measure */
 #define FUSED_MAX_ROWS MR
 #endif

@@ -69,7 +69,7 @@ static void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *
 static void tile(const int R, const int WIDE, const int FUSED, const qact_t *q, int ldq, int Kp, const float *sa,
                  const float *mn, const int8_t *w, const uint16_t *sw, const int16_t *ws, float acc[MR][32]);
 #ifndef HAVE_FUSED
-#define FUSED_MAX_ROWS 0   /* the rows of a work item up to which its tiles sum the quants themselves */
+#define FUSED_MAX_ROWS 0   /* the rows of a call up to which its tiles sum the quants themselves */
 #endif
 /* The activations as the tiles read them (row stride *ldq) and the path for weights bounded by wmax (*wide). Where
  * they are a copy of q's rows made for the path, *owned is set and the caller frees it. */
