@@ -1,6 +1,8 @@
 """The pipeline's own memory against rows, with an engine **test double** (no model computes).
 
     python -m bench.pipeline_double DIR/job.yaml          # a bench/make_rows.py job; prints peak RSS at the end
+    python -m bench.pipeline_double DIR/job.yaml --ray    # on Ray: 2 replicas, each with the double; the driver's
+                                                          # peak RSS (this process: plans, feeds, commits)
 
 ``EngineDouble`` answers every request in the step after it is added with a fixed short text ("summary-<len>"),
 keeps nothing per request once answered, and takes its tokenizer, settings and model shape from the job's real
@@ -63,14 +65,31 @@ class EngineDouble:
 
 
 def main(argv=None) -> int:
+    import argparse
+    import os
+
+    from pipeline.execute.ray.driver import RayOptions
     from pipeline.job.job_file import load_job
     from pipeline.run.runner import RunOptions, run_jobs
-    job = load_job((argv or sys.argv[1:])[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("job")
+    ap.add_argument("--ray", action="store_true", help="two local Ray replicas, each with the double")
+    a = ap.parse_args(argv)
+    job = load_job(a.job)
+    ray = None
+    if a.ray:
+        os.environ["BATCHGEN_RAY_ENGINE"] = "bench.pipeline_double:EngineDouble"
+        ray = RayOptions(address="local", replicas=2, num_cpus=1)
     t = time.monotonic()
-    [report] = run_jobs([job], llm_factory=EngineDouble, options=RunOptions(quiet=True, record_history=False))
+    [report] = run_jobs([job], llm_factory=EngineDouble, options=RunOptions(quiet=True, record_history=False, ray=ray))
     print(f"{report.jobs[0].num_rows} rows in {time.monotonic() - t:.1f} s through the pipeline with the engine "
-          f"double; peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
+          f"double{' on 2 Ray replicas' if a.ray else ''}; peak RSS {_peak_mb():.0f} MB"
+          f"{' (the driver)' if a.ray else ''}")
     return 0
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 once and each gets the result; the output equals the one computed without merging, row for row."""
 from __future__ import annotations
 
+import hashlib
 import json
 
+import numpy as np
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from batchgen.cli import main
 from engine import SamplingParams
-from pipeline.prepare.dedup import Copy, Dedup, content_digest
+from pipeline.prepare.dedup import Dedup, content_digest
 from tests.conftest import make_docs
 from tests.test_cli import fake_engine  # noqa: F401  (fixture)
 from tests.test_pipeline import run, write_job
@@ -29,12 +31,38 @@ def test_the_index_knows_each_contents_first_request():
     assert a not in others and len(others) == 5
     assert content_digest(0, "a document", "", SamplingParams(temperature=0.7, seed=1)) is None   # sampled
     d = Dedup()
-    assert d.claim(a, 0, 3) is None and d.claim(a, 0, 3) is None        # the first, asked again
-    assert d.claim(a, 2, 9) == (0, 3)
-    d.add((0, 3), Copy(2, "k", 0))
-    assert d.by_request([0, 10, 20]) == {3: [Copy(2, "k", 0)]}
-    assert d.claim(content_digest(0, "x", "", greedy), 1, 2 ** 35) is None
-    assert d.claim(content_digest(0, "x", "", greedy), 2, 0) == (1, 2 ** 35)
+    d.add(a, 0, 3)
+    d.add(a, 2, 9)                                                     # job 2's row 9: a copy of job 0's row 3
+    x = content_digest(0, "x", "", greedy)
+    d.add(x, 2, 0)
+    d.add(x, 1, 2 ** 35)                                               # added later, but the earlier request
+    copies = d.resolve([0, 10, 2 ** 36, 2 ** 36 + 20])
+    assert len(copies) == 2
+    assert copies.of(3).tolist() == [2 ** 36 + 9] and copies.of(10 + 2 ** 35).tolist() == [2 ** 36]
+    assert copies.of(2 ** 36 + 9).tolist() == [] and copies.among(2 ** 36, 2 ** 36 + 10).tolist() == \
+        [True] + [False] * 8 + [True]
+
+
+def test_resolving_finds_every_repeat_across_the_disk_parts():
+    """Many contents (more than the memory buffer, over every on-disk part): each repeat names the content's
+    lowest request, whatever order the digests came in."""
+    import pipeline.prepare.dedup as dedup
+    rng = np.random.default_rng(0)
+    n = 3 * dedup._BUFFER
+    content = rng.integers(0, n // 2, size=n)                          # about half the requests repeat one
+    digests = [hashlib.blake2b(str(c).encode(), digest_size=16).digest() for c in range(n // 2)]
+    d = Dedup()
+    for r in rng.permutation(n).tolist():
+        d.add(digests[content[r]], 0, r)
+    copies = d.resolve([0, n])
+    first_of = {}
+    for r, c in enumerate(content.tolist()):
+        first_of.setdefault(c, r)
+    expected = {r: first_of[c] for r, c in enumerate(content.tolist()) if first_of[c] != r}
+    assert len(copies) == len(expected)
+    assert dict(zip(copies.copy.tolist(), copies.first.tolist())) == expected
+    mask = copies.among(0, n)
+    assert mask.sum() == len(expected) and all(mask[r] for r in expected)
 
 
 def _rows_with_copies(n_unique=14, n_copies=6):
@@ -131,18 +159,3 @@ def test_on_the_real_engine_the_copies_equal_computed_rows(tmp_path, make_docs_d
     assert _manifest(tmp_path, "merged")["this_run"]["deduplicated"]["rows"] == 3
     merged, alone = _table(tmp_path, "merged"), _table(tmp_path, "alone")
     assert merged == alone and all(r["summary"] for r in merged)
-
-
-def test_the_digest_table_keeps_the_first_value_of_each_digest_through_growth():
-    """The compact index (pipeline/prepare/dedup.DigestTable): setdefault semantics, digests equal in their first 8
-    bytes kept apart, every entry found after the table grew."""
-    import hashlib
-
-    from pipeline.prepare.dedup import DigestTable
-    t = DigestTable(capacity=4)
-    digests = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(5000)]
-    assert [t.setdefault(d, i) for i, d in enumerate(digests)] == list(range(5000))
-    assert [t.setdefault(d, 10**9) for d in digests] == list(range(5000)) and len(t) == 5000
-    same_lo = [b"\x01" * 8 + bytes([i]) * 8 for i in range(3)]          # same probe start, different digests
-    assert [t.setdefault(d, 7000 + i) for i, d in enumerate(same_lo)] == [7000, 7001, 7002]
-    assert t.setdefault(same_lo[1], 0) == 7001 and t.mask + 1 == 8192

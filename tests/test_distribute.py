@@ -19,7 +19,7 @@ def plan_of(group_sizes: list[int], prompt_len=100, head_cached=80) -> Plan:
 
 def test_units_cut_groups_in_plan_order_and_cost_compute_tokens():
     units = make_units(plan_of([5, 2]), np.full(7, 10), chunk_rows=2)
-    assert [(u.group, u.positions) for u in units] == [(0, [0, 1]), (0, [2, 3]), (0, [4]), (1, [5, 6])]
+    assert [(u.group, list(u.positions)) for u in units] == [(0, [0, 1]), (0, [2, 3]), (0, [4]), (1, [5, 6])]
     assert [u.cost for u in units] == [100 + 10 + 20 + 10, 2 * 30, 30, 110 + 30]
 
 
@@ -44,7 +44,7 @@ def test_cuts_fall_where_neighbouring_groups_share_the_least_prefix():
 def test_take_fills_the_room_and_sticks_to_own_queue():
     a = Assigner(make_units(plan_of([8, 8]), np.zeros(16, dtype=int), chunk_rows=2), 2)
     got = a.take(0, room=5)
-    assert [u.positions for u in got] == [[0, 1], [2, 3]]    # a third unit would overflow 5
+    assert [list(u.positions) for u in got] == [[0, 1], [2, 3]]    # a third unit would overflow 5
     assert a.rows_in_flight(0) == 4 and a.take(0, room=1) == []
     for p in (0, 1):
         a.finished(0, p)
@@ -82,7 +82,7 @@ def test_stealing_a_chunk_of_a_started_group_counts_a_second_prefill():
     a = Assigner(make_units(plan_of([6]), np.zeros(6, dtype=int), chunk_rows=2), 2)
     a.take(0, room=2)
     got = a.take(1, room=2)                            # replica 1 has no queue: the last chunk of group 0
-    assert [u.positions for u in got] == [[4, 5]]
+    assert [list(u.positions) for u in got] == [[4, 5]]
     assert a.prefills() == {0: 2} and a.split == {0}
 
 
@@ -93,10 +93,10 @@ def test_dead_replica_requeues_unfinished_rows_which_then_run_alone():
     assert a.lost(0, retire=False) == []
     assert [(u.positions, u.tries) for u in a.orphans] == [([1], 1), ([2, 3], 1)]
     busy = a.take(1, room=4)                           # replica 1 is idle: takes one suspect, alone
-    assert [u.positions for u in busy] == [[1]]
+    assert [list(u.positions) for u in busy] == [[1]]
     assert a.take(1, room=4) == []                     # nothing next to a suspect while it runs
     a.finished(1, 1)
-    assert [u.positions for u in a.take(1, room=4)] == [[2, 3]]
+    assert [list(u.positions) for u in a.take(1, room=4)] == [[2, 3]]
     assert a.incarnation == [1, 0]
 
 

@@ -1,7 +1,8 @@
 """Planner: depth-first, larger subtrees first; predicted hits follow the engine's rules; providers."""
 import numpy as np
+import pytest
 
-from pipeline.plan.planner import make_plan, order_groups
+from pipeline.plan.planner import make_plan, make_plan_streamed, order_groups
 
 BS = 4
 
@@ -42,3 +43,28 @@ def test_order_independent_of_input_order():
     perm = rng.permutation(50)
     b = make_plan(heads, groups[perm], lens[perm], BS)
     assert a.group_order == b.group_order and a.cached_tokens == b.cached_tokens
+
+
+def test_streamed_plan_equals_the_whole_plan_however_chunked():
+    """``make_plan_streamed`` (a counting sort over chunks, copies left out) gives the plan ``make_plan`` gives
+    the kept requests, and its per-position group and provider (from segments) equal the arrays."""
+    rng = np.random.default_rng(1)
+    heads = [tuple([1] * 8 + [g + 2] * (4 * (g % 3))) for g in range(6)]
+    n = 200
+    groups = rng.integers(0, 6, size=n).astype(np.int32)
+    lens = rng.integers(2, 40, size=n).astype(np.int32)
+    keep = rng.random(n) > 0.2
+    whole = make_plan(heads, groups[keep], lens[keep], BS)
+    kept_index = np.flatnonzero(keep)
+    for rows in (1, 7, 64, n):
+        sizes = np.bincount(groups[keep], minlength=6).tolist()
+        chunks = [(a, groups[a:a + rows], lens[a:a + rows], keep[a:a + rows]) for a in range(0, n, rows)]
+        plan = make_plan_streamed(heads, sizes, lambda: iter(chunks), BS)
+        assert plan.order.tolist() == kept_index[whole.order].tolist()
+        assert plan.cached.tolist() == whole.cached.tolist() and plan.group_order == whole.group_order
+        assert plan.provider.tolist() == whole.provider.tolist() and plan.group.tolist() == whole.group.tolist()
+        assert [plan.provider_at(p) for p in range(plan.num_requests)] == whole.provider.tolist()
+        assert [plan.group_at(p) for p in range(plan.num_requests)] == whole.group.tolist()
+    bad = [(0, groups, lens, None)]                                  # the sizes say copies were left out
+    with pytest.raises(ValueError, match="group sizes"):
+        make_plan_streamed(heads, np.bincount(groups[keep], minlength=6).tolist(), lambda: iter(bad), BS)

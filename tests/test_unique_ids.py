@@ -30,3 +30,10 @@ def test_ids_are_read_again_only_when_a_hash_repeats():
     u = UniqueIds()
     u.add("only")
     assert u.first_repeat(lambda: (_ for _ in ()).throw(AssertionError("read again"))) is None
+
+
+def test_ids_past_the_memory_buffer_are_checked_on_disk():
+    """More ids than the in-memory buffer holds (they go to the on-disk parts): a repeat is still found."""
+    ids = [f"id-{i}" for i in range(3 * unique_ids._BUFFER)] + ["id-5"]
+    assert _check(ids) == ("id-5", len(ids) - 1)
+    assert _check(ids[:-1]) is None

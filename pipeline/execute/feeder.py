@@ -100,7 +100,7 @@ class Feeder:
         added = 0
         while self._ready and len(self.in_flight) < self.window:
             p = self._ready.peek()
-            g = int(self.plan.group[p])
+            g = self.plan.group_at(p)
             if p in self._dependents and g not in self._open_groups and self.in_flight \
                     and len(self._open_groups) >= self.max_open_groups:
                 break
@@ -124,14 +124,14 @@ class Feeder:
         """Position ``position`` finished: release its provider's pin when it was the last follower."""
         self.in_flight.discard(position)
         self.finished += 1
-        prov = int(self.plan.provider[position])
+        prov = self.plan.provider_at(position)
         if prov < 0:
             return
         self._dependents[prov] -= 1
         if self._dependents[prov] == 0:
             if prov in self.pins:
                 engine.unpin_prefix(self.pins.pop(prov))
-            self._open_groups.discard(int(self.plan.group[prov]))
+            self._open_groups.discard(self.plan.group_at(prov))
 
 
 __all__ = ["Feeder"]

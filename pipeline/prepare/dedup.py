@@ -7,86 +7,74 @@ merged: a sampled row draws from a seed mixed with its own row key (``plan.batch
 never share a stream. A map_reduce part is never merged (its parts are planned as they come). A job with
 ``generation.dedup: false`` neither merges its rows nor lends them to another job's.
 
-The index holds a 16-byte digest and one int per distinct row to compute (not the rows), in an open-addressing
-table of numpy arrays (``DigestTable``): 24 bytes a slot, at most 3/4 full (a dict of bytes to int took ~110 bytes
-a row: 112 MB of a 1M-row plan's 1,009 MB).
+Nothing per row stays in memory while the input streams: each mergeable row's 16-byte digest and request go to
+disk in parts by digest (``spool.Partitions``); once every job is read, ``resolve`` sorts one part at a time and
+names each repeated content's first request (the lowest: earlier job, earlier row) and its copies. Every row is
+spilled (a copy too: its key and parameters are read back when its result is written); the plan leaves copies
+out. What stays is 16 bytes a copy (``Copies``).
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from pipeline.job.rows import Copy
+from pipeline.plan.copies import NO_COPIES, Copies
+from pipeline.prepare.spool import Partitions
 
 _LOCAL_BITS = 40
-_LOCAL_MASK = (1 << _LOCAL_BITS) - 1
+_BUFFER = 1 << 16
+RECORD = np.dtype([("lo", "<u8"), ("hi", "<u8"), ("req", "<i8")])
 
 
-class DigestTable:
-    """``setdefault`` for 16-byte digests -> non-negative ints, in three flat arrays probed linearly (``array``, not
-    numpy: its element access from Python is several times faster)."""
-
-    def __init__(self, capacity: int = 1024):
-        self._alloc(capacity)
-        self.size = 0
-
-    def _alloc(self, capacity: int) -> None:
-        self.lo = array("Q", bytes(8 * capacity))
-        self.hi = array("Q", bytes(8 * capacity))
-        self.val = array("q", b"\xff" * (8 * capacity))            # -1: empty
-        self.mask = capacity - 1
-
-    def __len__(self) -> int:
-        return self.size
-
-    def setdefault(self, digest: bytes, value: int) -> int:
-        """The value stored for ``digest``, storing ``value`` first if there is none."""
-        return self._put(int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little"), value)
-
-    def _put(self, lo: int, hi: int, value: int) -> int:
-        mask, keys, val = self.mask, self.lo, self.val
-        i = lo & mask
-        while True:
-            v = val[i]
-            if v < 0:
-                keys[i], self.hi[i], val[i] = lo, hi, value
-                self.size += 1
-                if self.size * 4 > 3 * (mask + 1):
-                    self._grow()
-                return value
-            if keys[i] == lo and self.hi[i] == hi:
-                return v
-            i = (i + 1) & mask
-
-    def _grow(self) -> None:
-        old = (self.lo, self.hi, self.val)
-        self._alloc(2 * (self.mask + 1))
-        self.size = 0
-        for a, b, v in zip(*old):
-            if v >= 0:
-                self._put(a, b, v)
-
-
-@dataclass
 class Dedup:
-    """The first request of each distinct content (job, index in the job's spill file; packed in one int) and the
-    copies of each."""
-    first: DigestTable = field(default_factory=DigestTable)
-    copies: dict[tuple[int, int], list[Copy]] = field(default_factory=dict)
+    """The digests of every mergeable request of the jobs on the model (``add``), on disk; ``resolve`` once all
+    are in."""
 
-    def claim(self, digest: bytes, job: int, local: int) -> tuple[int, int] | None:
-        """The request that already has this content (None: this one is the first, and is recorded as such)."""
-        packed = job << _LOCAL_BITS | local
-        first = self.first.setdefault(digest, packed)
-        return None if first == packed else (first >> _LOCAL_BITS, first & _LOCAL_MASK)
+    def __init__(self):
+        self._parts = Partitions(RECORD)
+        self._lo, self._hi, self._req = array("Q"), array("Q"), array("q")
 
-    def add(self, first: tuple[int, int], copy: Copy) -> None:
-        self.copies.setdefault(first, []).append(copy)
+    def add(self, digest: bytes, job: int, local: int) -> None:
+        """Request ``local`` of job ``job``'s spill file has this content."""
+        self._lo.append(int.from_bytes(digest[:8], "little"))
+        self._hi.append(int.from_bytes(digest[8:16], "little"))
+        self._req.append(job << _LOCAL_BITS | local)
+        if len(self._req) >= _BUFFER:
+            self._flush()
 
-    def by_request(self, offsets: list[int]) -> dict[int, list[Copy]]:
-        """The copies keyed by the batch's request index (``offsets[job]`` + index in the job's spill file)."""
-        return {offsets[j] + local: cs for (j, local), cs in self.copies.items()}
+    def _flush(self) -> None:
+        records = np.empty(len(self._req), dtype=RECORD)
+        records["lo"], records["hi"] = np.frombuffer(self._lo, np.uint64), np.frombuffer(self._hi, np.uint64)
+        records["req"] = np.frombuffer(self._req, np.int64)
+        self._parts.add(records, records["lo"])
+        self._lo, self._hi, self._req = array("Q"), array("Q"), array("q")
+
+    def resolve(self, offsets) -> Copies:
+        """The copies, by the batch's request index (``offsets[job]`` + index in the job's spill file)."""
+        self._flush()
+        offsets = np.asarray(offsets, dtype=np.int64)
+        firsts, copies = [], []
+        for part in self._parts.parts():
+            part = part[np.lexsort((part["req"], part["hi"], part["lo"]))]
+            same = (part["lo"][1:] == part["lo"][:-1]) & (part["hi"][1:] == part["hi"][:-1])
+            if not same.any():
+                continue
+            run = np.concatenate([[0], np.cumsum(~same)])            # which content each record is
+            leader = np.flatnonzero(np.concatenate([[True], ~same]))  # each content's first record
+            req = offsets[part["req"] >> _LOCAL_BITS] + (part["req"] & ((1 << _LOCAL_BITS) - 1))
+            is_copy = np.concatenate([[False], same])
+            firsts.append(req[leader[run[is_copy]]])
+            copies.append(req[is_copy])
+        self.close()
+        if not firsts:
+            return NO_COPIES
+        return Copies(np.concatenate(firsts), np.concatenate(copies))
+
+    def close(self) -> None:
+        self._parts.close()
 
 
 def content_digest(group: int, document: str, tail: str, params) -> bytes | None:
@@ -101,4 +89,4 @@ def content_digest(group: int, document: str, tail: str, params) -> bytes | None
     return h.digest()
 
 
-__all__ = ["Copy", "Dedup", "content_digest"]
+__all__ = ["Copies", "Copy", "Dedup", "NO_COPIES", "content_digest"]

@@ -15,8 +15,8 @@ import gc
 import hashlib
 from array import array
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -25,62 +25,102 @@ from engine import EngineInfo
 from pipeline.io.tables import iter_batches
 from pipeline.job.prompts import RowError, RowKeyer, needed_columns, row_key
 from pipeline.job.rows import KEYS_SCHEMA, RowRequest
-from pipeline.plan.batch import Batch
-from pipeline.plan.planner import make_plan, unplanned
-from pipeline.prepare.dedup import Copy, Dedup, content_digest
+from pipeline.plan.batch import Batch, JobOffsets
+from pipeline.plan.planner import INDEX, Chunk, Plan, make_plan_streamed, unplanned
+from pipeline.prepare.dedup import Copies, Dedup, content_digest
 from pipeline.prepare.job_run import JobRun
 from pipeline.prepare.key_set import KeySet, digests
 from pipeline.prepare.long_docs import chunks_of
+from pipeline.prepare.spool import Spool
 from pipeline.prepare.unique_ids import UniqueIds
 from pipeline.problems import RunError
 
 SPILL_SCHEMA = pa.schema([("row_key", pa.string()), ("group", pa.int64()), ("doc_ids", pa.list_(pa.int32())),
                           ("tail", pa.int64()), ("params", pa.int32())])
-
-
-@dataclass(frozen=True)
-class PreparedJob:
-    """What the planner needs of a prepared job: per row to compute (spill order), its head group and length."""
-    groups: array           # int32 ("i"): a compact buffer, not a list of Python ints
-    prompt_lens: array
+# what the planner needs of each spilled request, kept on disk (``spool.Spool``) in request order
+REQUEST = np.dtype([("group", "<i4"), ("len", "<i4")])
 
 
 def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: bool, commit_rows: int,
                  fail_fast: bool) -> Batch:
     """Prepare every job on the model (``prepare``) and plan their rows together: one batch over the spill files.
-    ``order``: planned (``planner.make_plan``), or input / shuffled (``planner.unplanned``, benchmark baselines)."""
+    ``order``: planned (``planner.make_plan_streamed``), or input / shuffled (``planner.unplanned``, benchmark
+    baselines). Memory: the plan's 12 bytes a request and 16 bytes a copy; everything else per row is on disk
+    (the spill files, the request log, the dedup and id parts)."""
     heads: list[tuple[int, ...]] = []
     head_index: dict[str, int] = {}
     dedup = Dedup()
-    req_group, req_len = [], []
-    prepared = None
+    log = Spool(REQUEST)
+    try:
+        sizes = [prepare(jr, info, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
+                         fail_fast=fail_fast, dedup=dedup, job_index=j, log=log) for j, jr in enumerate(runs)]
+        offsets = np.cumsum([0] + sizes)                           # job j's requests: offsets[j]..offsets[j+1]
+        copies = dedup.resolve(offsets)
+        job = JobOffsets(offsets)
+        group_sizes = _count(log, copies, job, runs, len(heads))
+        block_size = info.config.block_size
+        if order == "planned":
+            plan = make_plan_streamed(heads, group_sizes, lambda: _chunks(log, copies), block_size)
+        else:
+            plan = _baseline(log, copies, block_size, order)
+    finally:
+        log.close()
+        dedup.close()
+    return Batch(plan, heads, SpilledRequests(runs, job, offsets), job, [jr.prompts for jr in runs], copies=copies)
+
+
+def _chunks(log: Spool, copies: Copies) -> Iterator[Chunk]:
+    """The request log as the planner's chunks: copies are not planned."""
+    first = 0
+    for c in log.chunks():
+        yield first, c["group"], c["len"], ~copies.among(first, first + len(c)) if len(copies) else None
+        first += len(c)
+
+
+def _count(log: Spool, copies: Copies, job: JobOffsets, runs: list[JobRun], num_groups: int) -> list[int]:
+    """Requests to compute by group (the planner's sizes); each job's copies and their prompt tokens, and its
+    requests to compute (``spill_rows``: copies not counted)."""
+    sizes = np.zeros(num_groups, dtype=np.int64)
+    n_copies = np.zeros(len(runs), dtype=np.int64)
+    copy_tokens = np.zeros(len(runs), dtype=np.int64)
+    for first, groups, lens, keep in _chunks(log, copies):
+        if keep is None:
+            sizes += np.bincount(groups, minlength=num_groups)
+            continue
+        sizes += np.bincount(groups[keep], minlength=num_groups)
+        jobs = job[np.flatnonzero(~keep) + first]
+        n_copies += np.bincount(jobs, minlength=len(runs))
+        copy_tokens += np.bincount(jobs, weights=lens[~keep], minlength=len(runs)).astype(np.int64)
     for j, jr in enumerate(runs):
-        prepared = prepare(jr, info, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
-                           fail_fast=fail_fast, dedup=dedup, job_index=j)
-        req_group.append(np.frombuffer(prepared.groups, dtype=np.int32) if len(prepared.groups) else
-                         np.zeros(0, np.int32))
-        req_len.append(np.frombuffer(prepared.prompt_lens, dtype=np.int32) if len(prepared.prompt_lens) else
-                       np.zeros(0, np.int32))
-    sizes = [len(g) for g in req_group]
-    offsets = np.cumsum([0] + sizes)                                  # job j's requests: offsets[j]..offsets[j+1]
-    job_a = np.repeat(np.arange(len(runs), dtype=np.int32), sizes)    # by request index: its job
-    groups, lens = np.concatenate(req_group), np.concatenate(req_len)
-    del req_group, req_len, prepared          # the prepared buffers: their rows are in groups / lens now
-    plan = (make_plan(heads, groups, lens, info.config.block_size) if order == "planned"
-            else unplanned(groups, lens, info.config.block_size, order))
-    del groups, lens
-    return Batch(plan, heads, SpilledRequests(runs, job_a, offsets), job_a, [jr.prompts for jr in runs],
-                 copies=dedup.by_request(offsets.tolist()))
+        jr.planned_copies, jr.planned_copy_tokens = int(n_copies[j]), int(copy_tokens[j])
+        jr.spill_rows -= jr.planned_copies
+    return sizes.tolist()
+
+
+def _baseline(log: Spool, copies: Copies, block_size: int, how: str) -> Plan:
+    """The benchmark baselines (``planner.unplanned``) over the requests to compute (held in memory)."""
+    index, groups, lens = [], [], []
+    for first, g, n, keep in _chunks(log, copies):
+        take = np.ones(len(g), dtype=bool) if keep is None else keep
+        index.append(np.flatnonzero(take) + first)
+        groups.append(g[take])
+        lens.append(n[take])
+
+    def whole(parts: list) -> np.ndarray:
+        return np.concatenate(parts).astype(INDEX) if parts else np.zeros(0, INDEX)
+    plan = unplanned(whole(groups), whole(lens), block_size, how)
+    plan.order = whole(index)[plan.order]
+    return plan
 
 
 def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
-            fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0) -> PreparedJob:
-    """Stream the job's input; write keys (+ spill of rows to compute). Rows already committed are reused, bad
-    rows are committed as error rows at once. ``heads`` / ``head_index`` collect the distinct prompt heads of
-    every job on the model (the planner's groups); ``dedup`` the distinct requests of every job on the model
-    (``job_index``: this job's): a row equal to one already spilled is recorded as its copy, not spilled."""
+            fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0, log: Spool | None = None) -> int:
+    """Stream the job's input; write keys (+ spill of rows to compute); returns the rows spilled. Rows already
+    committed are reused, bad rows are committed as error rows at once. ``heads`` / ``head_index`` collect the
+    distinct prompt heads of every job on the model (the planner's groups); ``dedup`` the contents of every job's
+    requests on the model (``job_index``: this job's); ``log`` each spilled request's group and length."""
     return _JobPreparer(jr, heads, head_index, dry_run=dry_run, commit_rows=commit_rows,
-                        fail_fast=fail_fast, dedup=dedup, job_index=job_index).run()
+                        fail_fast=fail_fast, dedup=dedup, job_index=job_index, log=log).run()
 
 
 class _JobPreparer:
@@ -88,7 +128,7 @@ class _JobPreparer:
     lengths of the rows to compute, and the keys / spill writers (none in a dry run)."""
 
     def __init__(self, jr: JobRun, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
-                 fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0):
+                 fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0, log: Spool | None = None):
         self.jr, self.heads, self.head_index = jr, heads, head_index
         self.dedup = dedup if jr.job.dedup else None
         self.job_index = job_index
@@ -103,12 +143,14 @@ class _JobPreparer:
         # keys are unique when ids are (a key is its row id + a hash): only repeated ids need them remembered
         self.seen_keys: set[str] | None = set() if self.job.input.allow_duplicate_ids else None
         self.digest = hashlib.sha256()
-        self.groups = array("i")
+        self.log = log if log is not None else Spool(REQUEST)
+        self.spilled = 0
+        self.groups = array("i")            # this record batch's spilled requests (to the log at its end)
         self.lens = array("i")
         self.keyer = RowKeyer(self.prompts.fingerprint)          # = row_key(rid, rendered text, fingerprint)
         self.keys_w = self.spill_w = None
 
-    def run(self) -> PreparedJob:
+    def run(self) -> int:
         jr = self.jr
         self._open_writers()
         gc_was_on = gc.isenabled()
@@ -118,6 +160,8 @@ class _JobPreparer:
             num_rows = self._stream()
             self._check_ids()
         finally:
+            if self.ids is not None:
+                self.ids.close()
             if gc_was_on:
                 gc.enable()
             if self.keys_w is not None:
@@ -126,9 +170,9 @@ class _JobPreparer:
         if not self.dry_run:
             jr.commit()
         jr.num_rows = num_rows
-        jr.spill_rows = len(self.groups)
+        jr.spill_rows = self.spilled
         jr.keys_digest = self.digest.hexdigest()
-        return PreparedJob(self.groups, self.lens)
+        return self.spilled
 
     def _open_writers(self) -> None:
         if self.dry_run:
@@ -239,6 +283,7 @@ class _JobPreparer:
                 jr.changed += 1
             self._spill_row(rr, key, pidx, doc_ids, k, row_idx + k, spill)
         self._write(rows, row_idx, keys, spill)
+        self._log()
         if not self.dry_run and len(jr.pending) >= self.commit_rows:
             jr.commit()
 
@@ -267,11 +312,11 @@ class _JobPreparer:
             parts = self.jr.long_docs.add(key, chunks, gid, tail_id, pidx, head_len=len(head), tail_len=len(tail))
             todo_chunks = [(ck, c) for ck, c in parts if ck not in self.done_keys]
         else:
-            if self._is_copy(gid, rr, pidx, key, len(head) + len(ids) + len(tail)):
-                return
+            self._note_content(gid, rr, pidx)
             todo_chunks = [(key, ids)]
         part_params = pidx if chunks is None else prompts.unconstrained_index(pidx)   # parts: no schema
         for ck, c in todo_chunks:
+            self.spilled += 1
             self.groups.append(gid)
             self.lens.append(len(head) + len(c) + len(tail))
             spill["row_key"].append(ck)
@@ -280,21 +325,21 @@ class _JobPreparer:
             spill["tail"].append(tail_id)
             spill["params"].append(part_params)
 
-    def _is_copy(self, gid: int, rr, pidx: int, key: str, prompt_len: int) -> bool:
-        """Whether a row equals a request already spilled (this job's or an earlier one's): then it is recorded as
-        that request's copy (``dedup``) instead of being spilled itself (its ``prompt_len`` tokens saved)."""
+    def _note_content(self, gid: int, rr, pidx: int) -> None:
+        """A mergeable row's content, for ``dedup`` (it is spilled as ``self.spilled``, its index in this job)."""
         if self.dedup is None:
-            return False
+            return
         digest = content_digest(gid, rr.document, rr.tail, self.prompts.param_sets[pidx])
-        if digest is None:
-            return False
-        first = self.dedup.claim(digest, self.job_index, len(self.groups))
-        if first is None:
-            return False
-        self.dedup.add(first, Copy(self.job_index, key, pidx))
-        self.jr.planned_copies += 1
-        self.jr.planned_copy_tokens += prompt_len
-        return True
+        if digest is not None:
+            self.dedup.add(digest, self.job_index, self.spilled)
+
+    def _log(self) -> None:
+        """This record batch's spilled requests (group, length) to the request log."""
+        if len(self.groups):
+            records = np.empty(len(self.groups), dtype=REQUEST)
+            records["group"], records["len"] = np.frombuffer(self.groups, np.int32), np.frombuffer(self.lens, np.int32)
+            self.log.append(records)
+            self.groups, self.lens = array("i"), array("i")
 
     def _head_group(self, head_text: str, head: list) -> int:
         """The planner's group of a prompt head (and chat template), shared by every job on the model."""

@@ -54,7 +54,7 @@ from pipeline.job.job_file import Job
 from pipeline.job.rows import ResultRow, RowRequest
 from pipeline.job.state import RunState
 from pipeline.plan.batch import Batch
-from pipeline.plan.planner import Plan, make_plan
+from pipeline.plan.planner import Plan, make_plan, plan_sum
 from pipeline.prepare.job_run import JobRun, new_job_run
 from pipeline.prepare.prepare_jobs import prepare_jobs
 from pipeline.problems import Interrupted, RunError
@@ -218,12 +218,13 @@ class Runner:
         """Steps 1 and 2: prepare every job's rows and plan them as one batch, priced (``costmodel.predict``)."""
         batch = prepare_jobs(runs, llm.info, self.opts.order, dry_run=dry_run, commit_rows=self.opts.commit_rows,
                              fail_fast=self.opts.fail_fast)
-        plan, pjob = batch.plan, batch.job[batch.plan.order]
+        plan = batch.plan
+        pjob = batch.job_by_position() if len(runs) > 1 else None      # one job: nothing per position
         for j, jr in enumerate(runs):
-            mask = pjob == j
-            jr.predicted_cached = int(plan.cached[mask].sum())
-            jr.planned_prompt_tokens = int(plan.prompt_len[mask].sum())
-        max_tokens = np.asarray([jr.prompts.params.max_tokens for jr in runs], dtype=np.int32)[pjob]
+            mask = slice(None) if pjob is None else pjob == j
+            jr.predicted_cached = plan_sum(plan.cached, mask)
+            jr.planned_prompt_tokens = plan_sum(plan.prompt_len, mask)
+        max_tokens = batch.max_tokens()
         prediction = self._predict(llm, runs, plan, pjob, max_tokens)
         self._priced = (plan, prediction, max_tokens)
         return batch, RunReport(runs, plan, 0.0, llm.info, prediction=prediction)
@@ -300,14 +301,14 @@ class Runner:
         rec.set_phase("computing", round(queued, 3))
         return machine
 
-    def _predict(self, llm: Engine, runs: list[JobRun], plan: Plan, pjob: np.ndarray,
+    def _predict(self, llm: Engine, runs: list[JobRun], plan: Plan, pjob: np.ndarray | None,
                  max_tokens: np.ndarray) -> Prediction | None:
         """Predicted engine time of the plan (``max_tokens``: each position's); per job too (as if it ran alone),
         in ``jr.predicted_engine_s``."""
         try:
             price = plan_pricer(llm.info, llm.model_config)
             whole = price(plan, max_tokens) if price is not None else None
-            if whole is not None and len(runs) > 1:
+            if whole is not None and pjob is not None:
                 for j, jr in enumerate(runs):
                     m = pjob == j
                     if m.any():
@@ -417,11 +418,11 @@ def reduce_batches(runs: list[JobRun], heads: list, block_size: int) -> Iterator
                 stage += jr.reduce_requests(j)
         if not stage:
             return
-        groups = np.asarray([q.group for q in stage], dtype=np.int64)
+        groups = np.asarray([q.group for q in stage], dtype=np.int32)
         lens = np.asarray([len(heads[q.group]) + len(q.doc_ids) + len(runs[q.job].prompts.tail_ids[q.tail])
-                           for q in stage], dtype=np.int64)
+                           for q in stage], dtype=np.int32)
         yield Batch(make_plan(heads, groups, lens, block_size), heads, stage,
-                    np.asarray([q.job for q in stage], dtype=np.int64), [jr.prompts for jr in runs])
+                    np.asarray([q.job for q in stage], dtype=np.int32), [jr.prompts for jr in runs])
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from pipeline.plan.planner import Plan
 class Unit:
     uid: int
     group: int
-    positions: list[int]                 # plan positions, ascending
+    positions: Sequence[int]             # plan positions, ascending (a range until a lost unit is cut up)
     cost: int                            # predicted compute tokens
     tries: int = 0                       # times a replica died while it was in flight
     left: set[int] = field(default_factory=set)   # positions not finished yet (filled when dispatched)
@@ -45,18 +45,25 @@ class Unit:
 
 
 def make_units(plan: Plan, max_tokens: np.ndarray, chunk_rows: int) -> list[Unit]:
-    """Every group's plan positions, in plan order, cut into units of at most ``chunk_rows``."""
+    """Every group's plan positions, in plan order, cut into units of at most ``chunk_rows`` (nothing per position
+    but the units' ranges)."""
     n = plan.num_requests
     if n == 0:
         return []
-    cost = (plan.prompt_len - plan.cached + np.asarray(max_tokens)).astype(np.int64)
-    g = plan.group
-    starts = np.concatenate([[0], np.nonzero(g[1:] != g[:-1])[0] + 1, [n]])
+    if plan.segments is not None:
+        spans = zip(plan.segments[:-1].tolist(), plan.segments[1:].tolist(), plan.group_order)
+    else:
+        g = plan.group
+        starts = np.concatenate([[0], np.nonzero(g[1:] != g[:-1])[0] + 1, [n]]).tolist()
+        spans = ((a, b, int(g[a])) for a, b in zip(starts[:-1], starts[1:]))
     units: list[Unit] = []
-    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
-        for s in range(a, b, max(1, chunk_rows)):
-            e = min(s + chunk_rows, b)
-            units.append(Unit(len(units), int(g[a]), list(range(s, e)), int(cost[s:e].sum())))
+    step = max(1, chunk_rows)
+    for a, b, group in spans:
+        for s in range(a, b, step):
+            e = min(s + step, b)
+            cost = int(plan.prompt_len[s:e].sum(dtype=np.int64) - plan.cached[s:e].sum(dtype=np.int64)
+                       + np.sum(max_tokens[s:e], dtype=np.int64))
+            units.append(Unit(len(units), int(group), range(s, e), cost))
     return units
 
 

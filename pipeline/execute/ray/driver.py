@@ -178,7 +178,7 @@ class RayExecution:
         actor = cls.options(num_cpus=self.num_cpus, num_gpus=self.opts.num_gpus or 0, max_restarts=0,
                             max_task_retries=0, name=replica_name(index, incarnation, self.run), **extra)
         actor = actor.remote(index, incarnation, self.config, self.threads,
-                             os.environ.get("BATCHGEN_RAY_FAULT", ""))
+                             os.environ.get("BATCHGEN_RAY_FAULT", ""), os.environ.get("BATCHGEN_RAY_ENGINE", ""))
         slot = _Slot(index, incarnation, actor, ReplicaStats(index, incarnation))
         slot.busy = actor.hello.remote()
         self.history.append(slot.stats)

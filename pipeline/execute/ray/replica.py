@@ -11,10 +11,15 @@ Test hook ``BATCHGEN_RAY_FAULT`` (read by the driver, passed here; several joine
     ``exit-on:P``         any replica exits when it is handed plan position P (a request that kills its engine)
     ``exit-once-on:P:F``  the first replica handed position P exits, creating file F (so only one ever does)
     ``step-delay:S``      sleep S seconds after every engine step (a tiny model's run lasts long enough to kill)
+
+Bench hook ``BATCHGEN_RAY_ENGINE=module:name`` (read by the driver, passed here): each replica builds
+``name(config)`` instead of ``engine.LLM`` (``bench/pipeline_double.py --ray``: the driver's memory against rows
+with an engine test double in the replicas).
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import socket
 import time
@@ -24,12 +29,18 @@ from pipeline.execute.execution import step_delay
 
 
 class Replica:
-    def __init__(self, index: int, incarnation: int, config: EngineConfig, threads: int, fault: str = ""):
+    def __init__(self, index: int, incarnation: int, config: EngineConfig, threads: int, fault: str = "",
+                 engine: str = ""):
         import torch  # NOTE: in the actor only: the driver's process never needs torch for this module
         torch.set_num_threads(max(1, threads))          # before any torch op in this process
         t0 = time.monotonic()
-        from engine import LLM
-        self.llm = LLM(config=dataclasses.replace(config, num_threads=max(1, threads)))
+        config = dataclasses.replace(config, num_threads=max(1, threads))
+        if engine:                                      # the bench hook above
+            module, _, name = engine.partition(":")
+            self.llm = getattr(importlib.import_module(module), name)(config)
+        else:
+            from engine import LLM
+            self.llm = LLM(config=config)
         self.load_s = time.monotonic() - t0
         self.index, self.incarnation, self.threads = index, incarnation, threads
         self.faults = [f.strip() for f in fault.split(",") if f.strip()]
