@@ -114,8 +114,10 @@ class FakeLLM:
     same step (lower priority) already hits them.
     """
 
-    def __init__(self, tokenizer, block_size=16, max_num_seqs=8, max_model_len=4096, structured=None, **_):
+    def __init__(self, tokenizer, block_size=16, max_num_seqs=8, max_model_len=4096, structured=None,
+                 enable_prefix_caching=True, **_):
         self.tokenizer = tokenizer
+        self.enable_prefix_caching = enable_prefix_caching
         # A request with ``structured_outputs``: ``structured(params, ids) -> text | (text, finish_reason)``
         # answers it (default ``example_output``: a valid instance of a JSON schema, the first choice, ...).
         self.structured = structured or example_output
@@ -139,7 +141,7 @@ class FakeLLM:
         from engine.interface import EngineInfo
         config = EngineConfig("fake", dtype="float32", device="cpu", max_model_len=self.max_model_len,
                               block_size=self.block_size, max_num_seqs=self.config.max_num_seqs, quantization="none",
-                              kv_cache_dtype="float32")
+                              kv_cache_dtype="float32", enable_prefix_caching=self.enable_prefix_caching)
         return EngineInfo(name="fake", identity="fake-identity", architecture="Fake", config=config, load_time_s=0.01)
 
     def _chain(self, ids):
@@ -181,7 +183,8 @@ class FakeLLM:
             hit = 0
             while hit < min(len(chain), (len(ids) - 1) // self.block_size) and chain[hit] in self.cache:
                 hit += 1
-            self.cache.update(chain)
+            if self.enable_prefix_caching:
+                self.cache.update(chain)
             queries, hits = queries + len(ids), hits + hit * self.block_size
             m = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, prefill_start_time=0.1,
                                prefill_end_time=0.2, first_token_time=0.2, token_times=[0.2, 0.3], finish_time=0.3)

@@ -105,3 +105,16 @@ def test_real_engine_shuffled_equals_sorted(tmp_path, make_docs_dataset, tiny_ll
     by_id_b = dict(zip(tb.column("id").to_pylist(), tb.column("summary").to_pylist()))
     assert by_id_a == by_id_b                                      # greedy: same text whatever the order
     assert sum(ta.column("cached_tokens").to_pylist()) == sum(tb.column("cached_tokens").to_pylist())
+
+
+def test_prefix_caching_off_plans_no_hits(tmp_path, make_docs_dataset, fake_engine):
+    """A job with the engine's prefix cache off: the plan predicts no cached token (none is achieved), and no
+    request waits for a provider."""
+    data = make_docs_dataset(n=12)
+    job = write_job(tmp_path, "nocache", data, extra="engine:\n  enable_prefix_caching: false\n")
+    res = CliRunner().invoke(main, ["plan", str(job)])
+    assert res.exit_code == 0, res.output
+    assert "predicted cache hit rate 0.0%" in res.output
+    res = CliRunner().invoke(main, ["submit", "--quiet", str(job)])
+    assert res.exit_code == 0, res.output
+    assert "0.0% achieved vs 0.0% predicted" in res.output

@@ -65,6 +65,10 @@ def test_streamed_plan_equals_the_whole_plan_however_chunked():
         assert plan.provider.tolist() == whole.provider.tolist() and plan.group.tolist() == whole.group.tolist()
         assert [plan.provider_at(p) for p in range(plan.num_requests)] == whole.provider.tolist()
         assert [plan.group_at(p) for p in range(plan.num_requests)] == whole.group.tolist()
+        fresh = make_plan_streamed(heads, sizes, lambda: iter(chunks), BS)      # providers(): no array made
+        m = plan.num_requests
+        assert all(fresh.providers(a, b).tolist() == whole.provider[a:b].tolist()
+                   for a, b in ((0, 0), (0, 5), (3, 90), (17, m), (m, m)))
     bad = [(0, groups, lens, None)]                                  # the sizes say copies were left out
     with pytest.raises(ValueError, match="group sizes"):
         make_plan_streamed(heads, np.bincount(groups[keep], minlength=6).tolist(), lambda: iter(bad), BS)

@@ -15,9 +15,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from engine import EngineInfo
 from pipeline.assemble.join import JOINED_SCHEMA, JoinCounts, KeyedResults
@@ -28,6 +28,8 @@ from pipeline.job.rows import RESULT_COLUMNS, hit_rate
 from pipeline.job.state import manifest_path_for
 from pipeline.job.structured_output import JSON_KINDS, typed_columns
 from pipeline.prepare.job_run import JobRun
+from pipeline.prepare.key_set import KeySet, digests
+from pipeline.prepare.spool import Partitions
 from pipeline.problems import RunError
 
 RESULTS_OUT = [c for c in RESULT_COLUMNS if c != "row_key"] + ["row_key"]     # the output's result columns
@@ -231,33 +233,63 @@ def _structured(jr: JobRun, counts: JoinCounts) -> dict | None:
 def _deleted_rows(jr: JobRun, out_path: Path, keys_path: Path) -> pa.Table | None:
     """Rows of the previous output whose id is no longer in the input (its row keys: ``keys_path``): counted,
     and returned when the job keeps them (``output.keep_deleted_rows``); None when there are none or they are
-    dropped."""
+    dropped. Memory: the ids of both sides go to disk as 16-byte digests in parts by hash (``spool.Partitions``),
+    compared a part at a time; only the deleted ids' digests are held."""
     if not out_path.exists():
         return None
     with pa.OSFile(str(keys_path)) as f:
-        current_keys = pa.ipc.open_file(f).read_all().column("row_key")
+        current = _id_parts(b.column("row_key") for b in _ipc_batches(pa.ipc.open_file(f)))
     try:
-        prev_keys = pq.read_table(out_path, columns=["row_key"]).column("row_key")
+        prev = _id_parts(b.column("row_key") for b in iter_output_batches(out_path, columns=["row_key"]))
     except (pa.ArrowException, OSError, KeyError):
+        current.close()
         return None                  # not an output of ours (or unreadable): nothing to carry over
-    def ids_of(keys):
-        return pc.replace_substring_regex(keys, pattern="#[0-9a-f]{20}$", replacement="")
-    current = pc.unique(ids_of(current_keys).combine_chunks())
-
-    def gone_mask(keys):
-        return pc.invert(pc.is_in(ids_of(keys), value_set=current))
-
-    n = int(pc.sum(gone_mask(prev_keys)).as_py() or 0)
+    try:
+        gone_parts, n = [], 0
+        for cur, old in zip(current.parts_by_index(), prev.parts_by_index()):
+            if len(old):
+                old = np.stack([old["hi"], old["lo"]], axis=1)
+                out = ~KeySet([np.stack([cur["hi"], cur["lo"]], axis=1)]).contains(old)
+                n += int(out.sum())
+                gone_parts.append(old[out])
+    finally:
+        current.close()
+        prev.close()
     if not n:
         return None
     if not jr.job.output.keep_deleted_rows:
         jr.deleted_dropped = n
         return None
     jr.deleted_kept = n
+    gone = KeySet(gone_parts)
     # Batch by batch: only the kept rows are held, not the whole previous output.
-    kept = [pa.Table.from_batches([b]).filter(gone_mask(b.column("row_key")))
+    kept = [pa.Table.from_batches([b]).filter(pa.array(gone.contains(_id_digests(b.column("row_key")))))
             for b in iter_output_batches(out_path)]
     return pa.concat_tables([t for t in kept if t.num_rows] or kept[:1])
+
+
+_DIGEST = np.dtype([("hi", "<u8"), ("lo", "<u8")])
+
+
+def _ipc_batches(reader) -> Iterator[pa.RecordBatch]:
+    for i in range(reader.num_record_batches):
+        yield reader.get_batch(i)
+
+
+def _id_digests(keys: pa.Array) -> np.ndarray:
+    """The row ids' digests (``key_set.digests``) of row keys (``<id>#<20 hex digits>``)."""
+    return digests(pc.replace_substring_regex(keys, pattern="#[0-9a-f]{20}$", replacement="").to_pylist())
+
+
+def _id_parts(columns) -> Partitions:
+    """Every row id's digest, on disk in parts by digest."""
+    parts = Partitions(_DIGEST)
+    for keys in columns:
+        d = _id_digests(keys)
+        records = np.empty(len(d), dtype=_DIGEST)
+        records["hi"], records["lo"] = d[:, 0], d[:, 1]
+        parts.add(records, records["lo"])
+    return parts
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -76,16 +76,22 @@ class Feeder:
     _open_groups: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        provider = np.asarray(self.plan.provider)
-        followers = np.nonzero(provider >= 0)[0]
-        # each provider's followers, in plan order (int32 positions: 4 bytes a follower)
-        by_provider = followers[np.argsort(provider[followers], kind="stable")].astype(np.int32)
-        providers, starts = np.unique(provider[by_provider], return_index=True)
-        ends = np.append(starts[1:], len(by_provider))
-        self._waiters = {int(p): by_provider[a:b] for p, a, b in zip(providers, starts, ends)}   # views, no copies
-        self._dependents = {p: len(w) for p, w in self._waiters.items()}
+        # each provider's followers, in plan order (int32 positions: 4 bytes a follower), and the positions with
+        # no provider; the plan's providers are made a slice at a time (nothing else the size of the plan)
         self._ready = _Sorted()
-        self._ready.add(np.nonzero(provider < 0)[0])
+        parts: dict[int, list[np.ndarray]] = {}
+        n, step = self.plan.num_requests, 1 << 20
+        for a in range(0, n, step):
+            provider = self.plan.providers(a, min(a + step, n))
+            self._ready.add((np.flatnonzero(provider < 0) + a).astype(np.int32))
+            followers = np.flatnonzero(provider >= 0)
+            by_provider = followers[np.argsort(provider[followers], kind="stable")]
+            providers, starts = np.unique(provider[by_provider], return_index=True)
+            ends = np.append(starts[1:], len(by_provider))
+            for p, s, e in zip(providers.tolist(), starts.tolist(), ends.tolist()):
+                parts.setdefault(p, []).append((by_provider[s:e] + a).astype(np.int32))
+        self._waiters = {p: w[0] if len(w) == 1 else np.concatenate(w) for p, w in parts.items()}
+        self._dependents = {p: len(w) for p, w in self._waiters.items()}
 
     @property
     def done(self) -> bool:

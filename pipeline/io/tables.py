@@ -279,8 +279,11 @@ def read_output(path: str | Path) -> pa.Table:
     return pq.read_table(path)
 
 
-def iter_output_batches(path: str | Path, batch_size: int = 65_536):
-    """Record batches of an output written by ``write_output``, in order, without reading it whole."""
+def iter_output_batches(path: str | Path, batch_size: int = 65_536, columns: list[str] | None = None):
+    """Record batches of an output written by ``write_output`` (``columns``: only those), in order, without
+    reading it whole (a row group at a time, as ``_parquet_batches``)."""
     path = Path(path)
     for f in sorted(path.glob("part-*.parquet")) if path.is_dir() else [path]:
-        yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size)
+        pf = pq.ParquetFile(f)
+        for rg in range(pf.metadata.num_row_groups):
+            yield from pf.iter_batches(batch_size=batch_size, columns=columns, row_groups=[rg])

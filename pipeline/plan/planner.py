@@ -84,14 +84,22 @@ class Plan:
     def provider(self) -> np.ndarray:
         """Provider position by position, -1 for none (made on first use: 4 bytes a request)."""
         if self._provider is None:
-            out = np.full(self.num_requests, -1, dtype=INDEX)
-            for i, along in enumerate(self.along):
-                a, b = int(self.segments[i]), int(self.segments[i + 1])
-                hits = self.cached[a:b] // self.block_size
-                table = np.append(along, -1).astype(INDEX)
-                out[a:b] = np.where(hits > 0, table[np.maximum(hits - 1, 0)], -1)
-            self._provider = out
+            self._provider = self.providers(0, self.num_requests)
         return self._provider
+
+    def providers(self, start: int, stop: int) -> np.ndarray:
+        """The provider positions of positions ``start``..``stop``-1 (-1: none), made for that slice alone."""
+        if self._provider is not None:
+            return self._provider[start:stop]
+        out = np.full(stop - start, -1, dtype=INDEX)
+        i = self._segment(start) if stop > start else len(self.along)
+        while i < len(self.along) and self.segments[i] < stop:
+            a, b = max(int(self.segments[i]), start), min(int(self.segments[i + 1]), stop)
+            hits = self.cached[a:b] // self.block_size
+            table = np.append(self.along[i], -1).astype(INDEX)
+            out[a - start:b - start] = np.where(hits > 0, table[np.maximum(hits - 1, 0)], -1)
+            i += 1
+        return out
 
     def subset(self, mask: np.ndarray) -> "Plan":
         """The plan positions where ``mask`` is true, in plan order (providers are not remapped: -1 kept only)."""

@@ -61,6 +61,8 @@ def prepare_jobs(runs: list[JobRun], info: EngineInfo, order: str, *, dry_run: b
         block_size = info.config.block_size
         if order == "planned":
             plan = make_plan_streamed(heads, group_sizes, lambda: _chunks(log, copies), block_size)
+            if not info.config.enable_prefix_caching:
+                plan.cached[:] = 0          # nothing is reused: no hits predicted, no provider to wait for
         else:
             plan = _baseline(log, copies, block_size, order)
     finally:
