@@ -246,10 +246,10 @@ def _deleted_rows(jr: JobRun, out_path: Path, keys_path: Path) -> pa.Table | Non
         return None                  # not an output of ours (or unreadable): nothing to carry over
     try:
         gone_parts, n = [], 0
-        for cur, old in zip(current.parts_by_index(), prev.parts_by_index()):
+        for cur, old in zip(current.parts(), prev.parts()):
             if len(old):
-                old = np.stack([old["hi"], old["lo"]], axis=1)
-                out = ~KeySet([np.stack([cur["hi"], cur["lo"]], axis=1)]).contains(old)
+                old = old.view(np.uint64).reshape(-1, 2)          # the [n, 2] digests of key_set.digests
+                out = ~KeySet([cur.view(np.uint64).reshape(-1, 2)]).contains(old)
                 n += int(out.sum())
                 gone_parts.append(old[out])
     finally:
@@ -268,7 +268,7 @@ def _deleted_rows(jr: JobRun, out_path: Path, keys_path: Path) -> pa.Table | Non
     return pa.concat_tables([t for t in kept if t.num_rows] or kept[:1])
 
 
-_DIGEST = np.dtype([("hi", "<u8"), ("lo", "<u8")])
+_DIGEST = np.dtype([("hi", np.uint64), ("lo", np.uint64)])     # a row of key_set.digests, as one record
 
 
 def _ipc_batches(reader) -> Iterator[pa.RecordBatch]:
@@ -286,9 +286,7 @@ def _id_parts(columns) -> Partitions:
     parts = Partitions(_DIGEST)
     for keys in columns:
         d = _id_digests(keys)
-        records = np.empty(len(d), dtype=_DIGEST)
-        records["hi"], records["lo"] = d[:, 0], d[:, 1]
-        parts.add(records, records["lo"])
+        parts.add(np.ascontiguousarray(d).view(_DIGEST).reshape(-1), d[:, 1])
     return parts
 
 

@@ -154,11 +154,14 @@ def _parquet_batches(f: Path | str, columns: list[str], batch_size: int) -> Iter
     row group read (pyarrow 26: 150 MB after 2M rows; docs/perf/plan-memory.md); one reader per row group
     keeps Arrow's memory flat."""
     try:
-        pf = pq.ParquetFile(f)
-        for rg in range(pf.metadata.num_row_groups):
-            yield from pf.iter_batches(batch_size=batch_size, columns=columns, row_groups=[rg])
+        yield from _by_row_group(pq.ParquetFile(f), batch_size, columns)
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{f}: cannot read Parquet ({e})") from None
+
+
+def _by_row_group(pf: pq.ParquetFile, batch_size: int, columns: list[str] | None) -> Iterator[pa.RecordBatch]:
+    for rg in range(pf.metadata.num_row_groups):
+        yield from pf.iter_batches(batch_size=batch_size, columns=columns, row_groups=[rg])
 
 
 def _fsync_dir(d: Path) -> None:
@@ -284,6 +287,4 @@ def iter_output_batches(path: str | Path, batch_size: int = 65_536, columns: lis
     reading it whole (a row group at a time, as ``_parquet_batches``)."""
     path = Path(path)
     for f in sorted(path.glob("part-*.parquet")) if path.is_dir() else [path]:
-        pf = pq.ParquetFile(f)
-        for rg in range(pf.metadata.num_row_groups):
-            yield from pf.iter_batches(batch_size=batch_size, columns=columns, row_groups=[rg])
+        yield from _by_row_group(pq.ParquetFile(f), batch_size, columns)

@@ -178,7 +178,8 @@ def make_plan(heads: list[tuple[int, ...]], request_group: np.ndarray, prompt_le
     """
     request_group = np.asarray(request_group, dtype=INDEX)
     prompt_len = np.asarray(prompt_len, dtype=INDEX)
-    sizes = np.bincount(request_group, minlength=len(heads)) if len(request_group) else np.zeros(len(heads))
+    sizes = np.bincount(request_group, minlength=len(heads)) if len(request_group) else \
+        np.zeros(len(heads), dtype=np.int64)
     return make_plan_streamed(heads, sizes.tolist(), lambda: iter([(0, request_group, prompt_len, None)]),
                               block_size)
 
@@ -194,8 +195,8 @@ def make_plan_streamed(heads: list[tuple[int, ...]], sizes: list[int], chunks: C
     starts[1:] = np.cumsum([sizes[g] for g in group_order])
     fill = np.zeros(len(heads), dtype=np.int64)         # by group id: its next free position
     fill[group_order] = starts[:-1]
-    end = np.zeros(len(heads), dtype=np.int64)          # by group id: its end (0 for a group with no request)
-    end[group_order] = starts[1:]
+    stop = np.zeros(len(heads), dtype=np.int64)         # by group id: its end (0 for a group with no request)
+    stop[group_order] = starts[1:]
     order = np.empty(n, dtype=INDEX)
     plen = np.empty(n, dtype=INDEX)
     for first, groups, lens, keep in chunks():
@@ -205,7 +206,7 @@ def make_plan_streamed(heads: list[tuple[int, ...]], sizes: list[int], chunks: C
         s = np.argsort(groups, kind="stable")
         gs = groups[s]
         ids, at, counts = np.unique(gs, return_index=True, return_counts=True)
-        if (fill[ids] + counts > end[ids]).any():
+        if (fill[ids] + counts > stop[ids]).any():
             raise ValueError("the chunks' requests do not match the group sizes")
         pos = fill[gs] + (np.arange(len(gs)) - np.repeat(at, counts))
         order[pos] = index[s]
@@ -251,4 +252,3 @@ def unplanned(request_group: np.ndarray, prompt_len: np.ndarray, block_size: int
     return Plan(order, np.zeros(n, dtype=INDEX), np.asarray(prompt_len, dtype=INDEX)[order],
                 sorted(set(request_group.tolist())), block_size, provider=np.full(n, -1, dtype=INDEX),
                 group=request_group[order])
-

@@ -89,4 +89,4 @@ def content_digest(group: int, document: str, tail: str, params) -> bytes | None
     return h.digest()
 
 
-__all__ = ["Copies", "Copy", "Dedup", "NO_COPIES", "content_digest"]
+__all__ = ["Copy", "Dedup", "content_digest"]

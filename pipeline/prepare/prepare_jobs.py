@@ -26,8 +26,9 @@ from pipeline.io.tables import iter_batches
 from pipeline.job.prompts import RowError, RowKeyer, needed_columns, row_key
 from pipeline.job.rows import KEYS_SCHEMA, RowRequest
 from pipeline.plan.batch import Batch, JobOffsets
+from pipeline.plan.copies import Copies
 from pipeline.plan.planner import INDEX, Chunk, Plan, make_plan_streamed, unplanned
-from pipeline.prepare.dedup import Copies, Dedup, content_digest
+from pipeline.prepare.dedup import Dedup, content_digest
 from pipeline.prepare.job_run import JobRun
 from pipeline.prepare.key_set import KeySet, digests
 from pipeline.prepare.long_docs import chunks_of
@@ -116,7 +117,7 @@ def _baseline(log: Spool, copies: Copies, block_size: int, how: str) -> Plan:
 
 
 def prepare(jr: JobRun, info: EngineInfo, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
-            fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0, log: Spool | None = None) -> int:
+            log: Spool, fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0) -> int:
     """Stream the job's input; write keys (+ spill of rows to compute); returns the rows spilled. Rows already
     committed are reused, bad rows are committed as error rows at once. ``heads`` / ``head_index`` collect the
     distinct prompt heads of every job on the model (the planner's groups); ``dedup`` the contents of every job's
@@ -130,7 +131,7 @@ class _JobPreparer:
     lengths of the rows to compute, and the keys / spill writers (none in a dry run)."""
 
     def __init__(self, jr: JobRun, heads: list, head_index: dict, *, dry_run: bool, commit_rows: int,
-                 fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0, log: Spool | None = None):
+                 log: Spool, fail_fast: bool, dedup: Dedup | None = None, job_index: int = 0):
         self.jr, self.heads, self.head_index = jr, heads, head_index
         self.dedup = dedup if jr.job.dedup else None
         self.job_index = job_index
@@ -145,7 +146,7 @@ class _JobPreparer:
         # keys are unique when ids are (a key is its row id + a hash): only repeated ids need them remembered
         self.seen_keys: set[str] | None = set() if self.job.input.allow_duplicate_ids else None
         self.digest = hashlib.sha256()
-        self.log = log if log is not None else Spool(REQUEST)
+        self.log = log
         self.spilled = 0
         self.groups = array("i")            # this record batch's spilled requests (to the log at its end)
         self.lens = array("i")

@@ -88,14 +88,8 @@ class Partitions:
             self._spools[p].append(records[by[a:b]])
 
     def parts(self) -> Iterator[np.ndarray]:
-        """Each part's records (in the order added), one part at a time."""
-        for s in self._spools:
-            if s.rows:
-                yield s.read_all()
-
-    def parts_by_index(self) -> Iterator[np.ndarray]:
-        """Every part's records, part 0 first, an empty array for an empty part (two ``Partitions`` of the same
-        count, hashed alike, line up part by part)."""
+        """Every part's records (in the order added), one part at a time, part 0 first, an empty array for an empty
+        part (two ``Partitions`` of the same count, hashed alike, line up part by part)."""
         for s in self._spools:
             yield s.read_all()
 
