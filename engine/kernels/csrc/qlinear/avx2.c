@@ -147,7 +147,8 @@ static inline __attribute__((always_inline)) void store16(const int R, __m256 f[
 static inline __attribute__((always_inline)) void block16(const int R, const int WIDE, const int FUSED,
                                                           const qact_t *q, int ldq, int Kp, const float *sa,
                                                           const float *mn, const int8_t *w, const uint16_t *sw,
-                                                          const int16_t *ws, float acc[MR][32], int col) {
+                                                          const int16_t *ws, const int8_t *pf, float acc[MR][32],
+                                                          int col) {
     const int G = Kp / QK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[MR][2];
@@ -158,6 +159,7 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
         for (int k4 = g * (QK / 4); k4 < (g + 1) * (QK / 4); k4++) {
             __m256i b0, b1;
             load_k4(w, k4, &b0, &b1);
+            prefetch_line(pf, (size_t)k4 * 64);
             if (FUSED) sum_quants(b0, b1, z);
             for (int r = 0; r < R; r++) {
                 const __m256i a = bcast4(q + (size_t)r * ldq + k4 * 4);
@@ -186,8 +188,8 @@ static inline __attribute__((always_inline)) void block16(const int R, const int
 static inline __attribute__((always_inline)) void block16_short(const int R, const int FUSED, const qact_t *q,
                                                                 int ldq, int Kp, const float *sa, const float *mn,
                                                                 const int8_t *w, const uint16_t *sw,
-                                                                const int16_t *ws, float acc[MR][32], int row,
-                                                                int col) {
+                                                                const int16_t *ws, const int8_t *pf,
+                                                                float acc[MR][32], int row, int col) {
     static const int16_t ONES[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     const int G = Kp / QK;
     __m256 f[2][2];
@@ -201,6 +203,7 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
             for (int k4 = k0; k4 < k0 + 4; k4++) {
                 __m256i b0, b1;
                 load_k4(w, k4, &b0, &b1);
+                prefetch_line(pf, (size_t)k4 * 64);
                 if (FUSED) sum_quants(b0, b1, z);
                 for (int r = 0; r < R; r++) {
                     const __m256i a = bcast4(q + (size_t)r * ldq + k4 * 4);
@@ -225,25 +228,26 @@ static inline __attribute__((always_inline)) void block16_short(const int R, con
 static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const int FUSED, const qact_t *q,
                                                        int ldq, int Kp, const float *sa, const float *mn,
                                                        const int8_t *w, const uint16_t *sw, const int16_t *ws,
-                                                       float acc[MR][32]) {
+                                                       const int8_t *pf, float acc[MR][32]) {
     const int K4 = Kp / 4, G = Kp / QK;
     if (WIDE == PATH_SHORT) {
         for (int c = 0; c < 2; c++) {
-            const int8_t *wc = w + (size_t)c * K4 * 64;
+            const int8_t *wc = w + (size_t)c * K4 * 64, *pfc = pf ? pf + (size_t)c * K4 * 64 : NULL;
             const uint16_t *swc = sw + (size_t)c * G * 16;
             const int16_t *wsc = ws + (size_t)c * G * 16;
             for (int r0 = 0; r0 < R; r0 += 2) {
                 const qact_t *qr = q + (size_t)r0 * ldq;
                 const float *sar = sa + (size_t)r0 * G, *mnr = mn + (size_t)r0 * G;
-                if (R - r0 >= 2) block16_short(2, FUSED, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
-                else block16_short(1, FUSED, qr, ldq, Kp, sar, mnr, wc, swc, wsc, acc, r0, 16 * c);
+                const int8_t *p = r0 == 0 ? pfc : NULL;   /* the block's first pass fetches the next one's */
+                if (R - r0 >= 2) block16_short(2, FUSED, qr, ldq, Kp, sar, mnr, wc, swc, wsc, p, acc, r0, 16 * c);
+                else block16_short(1, FUSED, qr, ldq, Kp, sar, mnr, wc, swc, wsc, p, acc, r0, 16 * c);
             }
         }
         return;
     }
-    block16(R, WIDE, FUSED, q, ldq, Kp, sa, mn, w, sw, ws, acc, 0);
-    block16(R, WIDE, FUSED, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, ws + (size_t)G * 16, acc,
-            16);
+    block16(R, WIDE, FUSED, q, ldq, Kp, sa, mn, w, sw, ws, pf, acc, 0);
+    block16(R, WIDE, FUSED, q, ldq, Kp, sa, mn, w + (size_t)K4 * 64, sw + (size_t)G * 16, ws + (size_t)G * 16,
+            pf ? pf + (size_t)K4 * 64 : NULL, acc, 16);
 }
 
 /* WIDE's activation rows: [|q - 128| (Kp bytes) | q - 128 as int8 (Kp bytes)] per row; malloc'd, caller frees. */

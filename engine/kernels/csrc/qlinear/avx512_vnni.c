@@ -44,7 +44,7 @@ static inline void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, 
 static inline __attribute__((always_inline)) void tile(const int R, const int WIDE, const int FUSED, const qact_t *q,
                                                        int ldq, int Kp, const float *sa, const float *mn,
                                                        const int8_t *w, const uint16_t *sw, const int16_t *ws,
-                                                       float acc[MR][32]) {
+                                                       const int8_t *pf, float acc[MR][32]) {
     (void)WIDE;                                   /* vpdpbusd's int32 sums never saturate */
     const int K4 = Kp / 4, G = Kp / QK;
     const __m512i ones = _mm512_set1_epi8(1);
@@ -61,6 +61,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
             const int k4 = g * (QK / 4) + u;
             const __m512i b0 = _mm512_loadu_si512(w + (size_t)k4 * 64);
             const __m512i b1 = _mm512_loadu_si512(w + ((size_t)K4 + k4) * 64);
+            prefetch_line(pf, (size_t)k4 * 64);
+            prefetch_line(pf, ((size_t)K4 + k4) * 64);
             if (FUSED) {
                 ws0 = _mm512_dpbusd_epi32(ws0, ones, b0);
                 ws1 = _mm512_dpbusd_epi32(ws1, ones, b1);

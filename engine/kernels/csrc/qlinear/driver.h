@@ -65,9 +65,11 @@ static void quant_group(const void *x, int is_bf16, size_t i, qact_t *q, float *
 #endif
 /* R (<= MR) rows x 32 columns (two 16-column weight blocks), all of K, into acc; WIDE one of the PATH_* and FUSED
  * (0, or 1 with HAVE_FUSED: the group sums from the quants, ws unread) compile-time constants at every call
- * (tile_rows). sw, ws: the pair's fp16 scales and int16 group sums. */
+ * (tile_rows). sw, ws: the pair's fp16 scales and int16 group sums. pf: NULL, or the weights of the pair the
+ * thread takes next, which the tile prefetches into L2 line by line (prefetch_line) as it reads its own. */
 static void tile(const int R, const int WIDE, const int FUSED, const qact_t *q, int ldq, int Kp, const float *sa,
-                 const float *mn, const int8_t *w, const uint16_t *sw, const int16_t *ws, float acc[MR][32]);
+                 const float *mn, const int8_t *w, const uint16_t *sw, const int16_t *ws, const int8_t *pf,
+                 float acc[MR][32]);
 #ifndef HAVE_FUSED
 #define FUSED_MAX_ROWS 0   /* the rows of a call up to which its tiles sum the quants themselves */
 #endif
@@ -75,6 +77,16 @@ static void tile(const int R, const int WIDE, const int FUSED, const qact_t *q, 
  * they are a copy of q's rows made for the path, *owned is set and the caller frees it. */
 static const qact_t *tile_input(const qact_t *q, int M, int Kp, int wmax, int nt, int *wide, int *ldq,
                                 qact_t **owned);
+
+/* ---- prefetching the next weight pair ------------------------------------------------------------------
+ * A tile reads its pair's weights once from memory; the hardware prefetchers alone left the memory stream and the
+ * integer products overlapping poorly at 8-16 rows (the next pair's lines were fetched only when touched). So the
+ * first tile a thread runs over its last row chunk of a pair prefetches the thread's next pair, one 64-byte line
+ * for each line it reads, into L2 (prefetcht1: a pair is Kp x 32 bytes, up to ~300 KB for the widest K, where L1
+ * would evict the pair in use). Measured in docs/perf/code-notes-kernels.md. */
+static inline __attribute__((always_inline)) void prefetch_line(const int8_t *pf, size_t off) {
+    if (pf) __builtin_prefetch(pf + off, 0, 2);
+}
 
 /* ---- activation quantization: one row, asymmetric, per group of 32 --------------------------------- */
 
@@ -165,7 +177,7 @@ static inline void store_glu(const float *acc, void *out, int is_bf16, size_t of
 }
 
 /* R (1..MR) rows of a tile: constant R, WIDE and FUSED per case, so the compiler unrolls each case's row loops. */
-#define TILE(R_, WIDE, FUSED) tile(R_, WIDE, FUSED, q, ldq, Kp, sa, mn, w, sw, ws, acc)
+#define TILE(R_, WIDE, FUSED) tile(R_, WIDE, FUSED, q, ldq, Kp, sa, mn, w, sw, ws, pf, acc)
 #define TILE_CASES(WIDE, FUSED)                                                                   \
     switch (R) {                                                                                  \
     ROWS_6_5(WIDE, FUSED) ROWS_4(WIDE, FUSED) ROWS_3(WIDE, FUSED)                                 \
@@ -198,7 +210,7 @@ static inline void store_glu(const float *acc, void *out, int is_bf16, size_t of
 static inline __attribute__((always_inline)) void tile_rows(const int R, const int wide, const int fused,
                                                             const qact_t *q, int ldq, int Kp, const float *sa,
                                                             const float *mn, const int8_t *w, const uint16_t *sw,
-                                                            const int16_t *ws, float acc[MR][32]) {
+                                                            const int16_t *ws, const int8_t *pf, float acc[MR][32]) {
     (void)fused;
 #ifdef HAVE_WIDE
     if (wide == PATH_SIGN) {
@@ -240,11 +252,14 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
             const int16_t *wsp = ws + (size_t)np * 2 * G * 16;
             const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
             const int m_end = (mc + 1) * mcr < M ? (mc + 1) * mcr : M;
+            /* the next pair's weights, fetched while this pair's last chunk runs (prefetch_line) */
+            const int8_t *next = mc == nmc - 1 && np + 1 < npair ? wp + (size_t)2 * K4 * 64 : NULL;
             float acc[MR][32];
             for (int m = mc * mcr; m < m_end; m += MR) {
                 const int R = m_end - m < MR ? m_end - m : MR;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                tile_rows(R, wide, fused, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, wsp, acc);
+                tile_rows(R, wide, fused, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, wsp,
+                          m == mc * mcr ? next : NULL, acc);
                 if (glu)   /* N = 2I, I a multiple of 16 (the caller checks): every pair is whole */
                     for (int r = 0; r < R; r++) store_glu(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 16, glu);
                 else
@@ -338,7 +353,8 @@ void q8_gemm_argmax(const qact_t *q0, const float *sa, const float *mn, int M, i
             for (int m = 0; m < M; m += MR) {
                 const int R = M - m < MR ? M - m : MR;
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
-                tile_rows(R, wide, fused, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, wsp, acc);
+                const int8_t *next = m == 0 && np + 1 < p1 ? wp + (size_t)2 * K4 * 64 : NULL;
+                tile_rows(R, wide, fused, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, wsp, next, acc);
                 for (int r = 0; r < R; r++) {
                     float *vr = v + (size_t)(m + r) * 32;
                     int32_t *ir = ix + (size_t)(m + r) * 32;

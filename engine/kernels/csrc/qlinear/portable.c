@@ -9,8 +9,10 @@
 #include "driver.h"
 
 static void tile(const int R, const int WIDE, const int FUSED, const qact_t *q, int ldq, int Kp, const float *sa,
-                 const float *mn, const int8_t *w, const uint16_t *sw, const int16_t *ws, float acc[MR][32]) {
+                 const float *mn, const int8_t *w, const uint16_t *sw, const int16_t *ws, const int8_t *pf,
+                 float acc[MR][32]) {
     (void)WIDE;
+    (void)pf;   /* the reference prefetches nothing */
     (void)FUSED;
     const int K4 = Kp / 4, G = Kp / QK;
     for (int r = 0; r < R; r++)
