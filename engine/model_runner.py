@@ -117,19 +117,45 @@ class ModelRunner:
 
     def _tokens(self, hidden: torch.Tensor, reqs: list[Request], drafts: dict[str, list[int]]) -> dict:
         """The sampled rows' hidden states -> {request id: token} (a speculating request: its verified tokens).
-        A batch of plain greedy rows takes the argmax without logits or sampler."""
-        if not drafts and all(_plain_greedy(r) for r in reqs):
-            tokens = self.model.greedy_tokens(hidden).tolist()
-            if any(r.grammar is not None for r in reqs):      # logits only for rows the grammar rejects
+        A batch of greedy rows without penalties takes the argmax without logits or sampler, drafts or not
+        (``_greedy_tokens``)."""
+        grammar = any(r.grammar is not None for r in reqs)
+        if all(_plain_greedy(r) for r in reqs) and not (drafts and grammar):
+            tokens = self._greedy_tokens(hidden, reqs, drafts)
+            if grammar:                                        # logits only for rows the grammar rejects
                 constrain.constrain(tokens, reqs, lambda rows: self.model.compute_logits(hidden[rows]),
                                     self._metadata, self.check_first,
                                     values_at=lambda i, ids: self.model.logits_at(hidden[i:i + 1], ids))
-            return {r.request_id: t for r, t in zip(reqs, tokens)}
+            if not drafts:
+                return {r.request_id: t for r, t in zip(reqs, tokens)}
+            out, row = {}, 0
+            for r in reqs:
+                d = drafts.get(r.request_id, ())
+                out[r.request_id] = verify_greedy(d, tokens[row:row + len(d) + 1]) if d else tokens[row]
+                row += len(d) + 1
+            return out
         logits = self.model.compute_logits(hidden)              # [N, vocab], sampled rows only
         if drafts:
             return self._verify(logits, reqs, drafts)
         tokens = self._sample(logits, reqs)
         return {r.request_id: t for r, t in zip(reqs, tokens)}
+
+    def _greedy_tokens(self, hidden: torch.Tensor, reqs: list[Request], drafts: dict[str, list[int]]) -> list[int]:
+        """Each sampled row's greedy token, in the head's row order (a speculating request: k + 1 rows, the j-th
+        seeing j drafts). The head's argmax (``greedy_tokens``: an int8 head never writes the [N, vocab] logits);
+        a row whose argmax is a token banned there (EOS or a stop id before min_tokens) is taken again from its
+        logits with the bans applied, as the sampler would: the argmax of the allowed tokens."""
+        tokens = self.model.greedy_tokens(hidden).tolist()
+        row = 0
+        for r in reqs:
+            for j in range(len(drafts.get(r.request_id, ())) + 1):
+                banned = _banned(r, j)
+                if banned and tokens[row] in banned:
+                    logits = self.model.compute_logits(hidden[row:row + 1]).float()
+                    logits[0, banned] = -math.inf
+                    tokens[row] = int(greedy(logits)[0])
+                row += 1
+        return tokens
 
     def _metadata(self, reqs: list[Request]) -> SamplingMetadata:
         return SamplingMetadata.build(
@@ -307,15 +333,15 @@ def bind_kv_caches(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, t
 
 
 def _plain_greedy(req: Request) -> bool:
-    """Greedy with nothing that changes the logits first (penalties, banned EOS before min_tokens)."""
+    """Greedy with no penalty changing the logits first (banned ids before min_tokens are ``_greedy_tokens``')."""
     p = req.sampling_params
-    return (p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and _banned(req) is None)
+    return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
 def _banned(req: Request, ahead: int = 0) -> list[int] | None:
-    """Before min_tokens, EOS and stop token ids may not be sampled (``ahead``: tokens drafted before this one)."""
+    """Before min_tokens, EOS and stop token ids may not be sampled (``ahead``: tokens drafted before this one);
+    None when nothing is banned."""
     p = req.sampling_params
     if req.num_output_tokens + ahead >= p.min_tokens:
         return None
-    return list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))) or None

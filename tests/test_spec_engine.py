@@ -152,3 +152,23 @@ def test_penalties_and_min_tokens_apply_at_every_draft_position(model_dir):
     plain = _run(model_dir, prompts, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[eos_like]),
                  None)[1]
     assert [o.token_ids for o in plain] != [o.token_ids for o in off]     # the penalties / bans do change tokens
+
+
+def test_greedy_drafts_and_bans_take_the_argmax(model_dir, monkeypatch):
+    """Greedy without penalties takes the head's argmax (no [N, vocab] logits) with drafts to verify and with
+    min_tokens bans: the same tokens as the sampler's path; logits only for single rows whose argmax is banned."""
+    prompts = _prompts(4)
+    eos_like = _run(model_dir, prompts[:1], GREEDY, None)[1][0].token_ids[2]    # greedy's 3rd token of prompt 0
+    params = SamplingParams(max_tokens=20, temperature=0.0, min_tokens=6, stop_token_ids=[eos_like])
+    from engine.models.layers import CausalLM
+    rows = []
+    real = CausalLM.compute_logits
+    monkeypatch.setattr(CausalLM, "compute_logits", lambda self, h: rows.append(h.shape[0]) or real(self, h))
+    _, fast = _run(model_dir, prompts, params, ALWAYS)
+    assert sum(o.metrics.num_draft_tokens for o in fast) > 0
+    assert rows and set(rows) == {1}                   # the banned argmax taken again, one row at a time
+    monkeypatch.setattr("engine.model_runner._plain_greedy", lambda req: False)
+    _, slow = _run(model_dir, prompts, params, ALWAYS)
+    _, off = _run(model_dir, prompts, params, None)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow] == [o.token_ids for o in off]
+    assert all(len(o.token_ids) >= 6 for o in fast)
