@@ -115,8 +115,9 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     progress = (lambda partial: save_json(partial, json_path)) if json_path else None
-    if size_sweep:
-        return _size_sweep(opts, progress, _csv(sweep_only))
+    if size_sweep:    # --systems, when given, picks among each shape's systems (its batchgen one always runs)
+        named = click.get_current_context().get_parameter_source("systems") != click.core.ParameterSource.DEFAULT
+        return _size_sweep(opts, progress, _csv(sweep_only), tuple(chosen) if named else None)
     try:
         result = run_bench(opts, progress)
     except PeerMissing as e:            # a peer named in --systems that is not set up: before anything ran
@@ -126,9 +127,10 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
         click.echo(f"saved {save_json(result, json_path)}")
 
 
-def _size_sweep(opts, progress, only: list[str] | None) -> None:
+def _size_sweep(opts, progress, only: list[str] | None, systems: tuple[str, ...] | None = None) -> None:
     """``--size-sweep``: bench.sweep on the model, the venv peers that are set up (the others are named as missing;
-    llama.cpp always runs, a skipped row when it is not installed)."""
+    llama.cpp always runs, a skipped row when it is not installed); ``systems``: only those of each shape's
+    systems (``--systems`` given), beside the shape's batchgen system."""
     from bench.sweep import SWEEP, format_sweep, run_sweep
     from bench.systems.peer import PeerMissing, check_peer
     from bench.systems.registry import PEER_SYSTEMS
@@ -147,7 +149,7 @@ def _size_sweep(opts, progress, only: list[str] | None) -> None:
     shapes = tuple(s for s in SWEEP if not only or s.label in only)
     if only and len(shapes) != len(only):
         raise click.BadParameter(f"choose from {', '.join(s.label for s in SWEEP)}", param_hint="--sweep-only")
-    rows = run_sweep(opts, params, shapes, peers=tuple(peers),
+    rows = run_sweep(opts, params, shapes, peers=tuple(peers), only=systems,
                      on_result=(lambda rows: progress({"sweep": rows})) if progress else None)
     click.echo(format_sweep(opts.model, cpu_description(), rows))
 

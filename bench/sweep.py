@@ -69,15 +69,18 @@ def sized(s: SweepShape, params: float, quick: bool = False) -> dict:
 
 
 def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str, ...] = PEER_SYSTEMS,
-              on_result=None) -> list[dict]:
-    """Each shape through ``bench.run.run_bench`` with its systems (venv peers not in ``peers`` left out); one row
-    per shape: its sizes, each system's seconds (or why it was skipped), and batchgen's ratio against each peer."""
+              on_result=None, only: tuple[str, ...] | None = None) -> list[dict]:
+    """Each shape through ``bench.run.run_bench`` with its systems (venv peers not in ``peers`` left out; with
+    ``only``, the systems not named there too, except the shape's own batchgen system, which the ratios are
+    against); one row per shape: its sizes, each system's seconds (or why it was skipped), and batchgen's ratio
+    against each peer."""
     from bench.run import run_bench
 
     rows = []
     for s in shapes:
         sizes = sized(s, params, opts.quick)
-        systems = tuple(n for n in s.systems if n not in PEER_SYSTEMS or n in peers)
+        systems = tuple(n for i, n in enumerate(s.systems) if (n not in PEER_SYSTEMS or n in peers)
+                        and (only is None or i == 0 or n in only))
         o = dataclasses.replace(opts, workload=make_workload(s.shape, **sizes), systems=systems)
         say(opts, f"sweep: {s.label} {sizes} -> {', '.join(systems)}")
         t = time.monotonic()

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 import engine.attention.key_shift as key_shift
+import engine.huge_pages as huge_pages
 import engine.kernels.library as library
 import engine.omp_wait as omp_wait
 from engine.config import DEFAULT_MODEL, EngineConfig
@@ -72,6 +73,9 @@ class LLM:
                                                        self._identity, cfg.quantization, setup.kernels,
                                                        cfg.deterministic)
             marks("weights_s")
+            if self.device.type == "cpu":
+                huge_pages.move_weights(self.model)    # streamed every decode step: no 4 KiB page walks
+                marks("huge_pages_s")
             self.tokenizer = tokenizer.result()
         self.eos_token_ids = _eos_ids(self.model_config, self.tokenizer)
         marks("tokenizer_wait_s")

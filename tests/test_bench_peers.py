@@ -333,6 +333,8 @@ def test_size_sweep_rows_ratios_and_table(peers, tiny_llama_dir):
     assert table.startswith("Model tiny; CPU a CPU;")
     assert "| shared-prefix | 2, 2, 32, 8, 4 |" in table                     # quick: a smoke size
     assert "2.0 s (float32)" in table and "vllm / ours" in table
+    only = run_sweep(_opts(tiny_llama_dir, ()), 0.5e9, shapes=shapes[:1], peers=("vllm",), only=("hf-generate",))
+    assert list(only[0]["systems"]) == ["batchgen"]          # --systems: the shape's batchgen system always runs
 
 
 def test_a_dtype_probe_is_short(peers, tiny_llama_dir):

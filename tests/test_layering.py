@@ -25,7 +25,7 @@ MAX_LINES = 500
 # engine/'s parts (a top-level module, or a subpackage with all its modules), lowest first: a part imports only
 # itself and parts listed before it. "__init__" is the package's own door (engine/__init__.py).
 ENGINE_ORDER = (
-    "errors", "cache_root", "outputs", "scheduler_output", "omp_wait", "malloc",        # plain records, no deps
+    "errors", "cache_root", "outputs", "scheduler_output", "omp_wait", "malloc", "huge_pages",  # no engine deps
     "kernels", "dtype_policy", "invariance",                                              # the machine
     "config", "structured", "sampling_params", "request", "detokenizer", "interface",     # what is asked
     "block_pool", "kv_cache_manager", "scheduler",                                        # who computes what
