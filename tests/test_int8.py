@@ -457,11 +457,13 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     from engine.quant.policy import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
     assert EngineConfig().quantization == "auto"
+    from engine.kernels.cpu_features import has_amx
     vnni, avx2 = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention(), kernel_q8_isa() == kernel_isa() == "avx2"
     s = setup_engine(EngineConfig("gemma-3-270m", kv_cache_memory=8 << 20))
-    assert s.config.quantization == ("int8" if vnni or avx2 else "none")
+    table_int8 = (vnni and not has_amx()) or avx2       # the table keeps float weights on AMX CPUs
+    assert s.config.quantization == ("int8" if table_int8 else "none")
     assert s.quant_choice.reason.startswith("auto")
-    if vnni or avx2:      # both: float32 activations, a bf16 KV cache (engine.quant.policy's measurements)
+    if table_int8:      # both: float32 activations, a bf16 KV cache (engine.quant.policy's measurements)
         assert s.config.dtype == "float32" and s.config.kv_cache_dtype == "bfloat16"
     explicit = setup_engine(EngineConfig("gemma-3-270m", kv_cache_dtype="float32", kv_cache_memory=8 << 20))
     assert explicit.config.kv_cache_dtype == "float32"                 # an explicit cache dtype wins
