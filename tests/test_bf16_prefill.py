@@ -91,7 +91,7 @@ def _composed(qs, kp, vp, q_start, k_start, window, tile=128):
         for t0 in range(0, n, tile):
             ts, te = q_start + t0, min(q_start + t0 + tile, q_start + n)
             lo = max(k_start, ts - window + 1) if window else k_start
-            j0 = (lo - k_start) & ~1
+            j0 = (lo - k_start) // 32 * 32        # csrc/prefill/driver.h PREFILL_BF16_ALIGN
             j1 = te - k_start + ((te - k_start - j0) & 1)
             qt = qs[t0:t0 + te - ts, h * g:(h + 1) * g].reshape(-1, d)
             scores = gemm.bf16_gemm(qt, kp[h][:, j0:j1])

@@ -90,6 +90,9 @@ TARGETS = {
     "avx2": ["-mavx2", "-mfma"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
     "avx512-bf16-vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-mavx512bf16"],
+    # AMX-BF16: the avx512_bf16 bf16_gemm file with its tile path (bf16_gemm/amx_tiles.h) compiled in
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx512vnni", "-mavx512bf16", "-mamx-tile",
+            "-mamx-bf16"],
 }
 CHOSEN = {   # target -> family -> implementation file (csrc/<family>/<name>.c)
     "portable": {"bf16_gemm": "portable", "paged_decode": "portable", "prefill": "portable", "qlinear": "portable",
@@ -101,6 +104,7 @@ CHOSEN = {   # target -> family -> implementation file (csrc/<family>/<name>.c)
     "avx512-bf16-vnni": {"bf16_gemm": "avx512_bf16", "paged_decode": "avx512_bf16", "prefill": "avx512",
                          "qlinear": "avx512_vnni", "small_m": "avx512_bf16", "panel": "avx2"},
 }
+CHOSEN["amx"] = CHOSEN["avx512-bf16-vnni"]
 
 
 # global functions one family calls in another, declared in that family's header instead of kernels.h

@@ -246,10 +246,11 @@ def _prefill_wide(q, k_cache, v_cache, table, seq_len: int, window: int | None, 
     at an even offset (value pairs) with the extra key at either end masked like any invisible one."""
     n = q.shape[0]
     start = seq_len - n
-    # value pairs at even positions whatever the chunk: vdpbf16ps sums each pair before the running total, so a pair
-    # boundary that moved with the chunk's start changed a query's rounding (the same prompt chunked otherwise
-    # gave other greedy tokens); the key before an odd first one is masked like any invisible key
-    base = _first_key(start, window) // 2 * 2
+    # keys from a multiple of 32 whatever the chunk (csrc/prefill/driver.h PREFILL_BF16_ALIGN): vdpbf16ps sums each
+    # value pair before the running total and AMX's TDPBF16PS sums 16 pairs in its own order, so a pair or chunk
+    # boundary that moved with the chunk's start changed a query's rounding (the same prompt chunked otherwise gave
+    # other greedy tokens); the keys before the first visible one are masked like any invisible key
+    base = _first_key(start, window) // 32 * 32
     kp, vp = pack(k_cache, v_cache, table, base, seq_len)
     qs = (q * scale).to(torch.bfloat16).contiguous()
     return kernel_attention.prefill_attention(qs, kp, vp, start, base, window, q.dtype, out=out)

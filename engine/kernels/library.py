@@ -44,6 +44,7 @@ def load() -> KernelLibrary | None:
         try:
             _lib = load_checked(cc)
             _path = Path(_lib.path).name
+            _lib.bf16_gemm_amx(int(amx_wanted()))
         except OSError as e:
             _error = f"build failed: {e}"
         fix = f"make `{cc}` build the kernels (or set CC to a C compiler that does) and run again"
@@ -51,6 +52,17 @@ def load() -> KernelLibrary | None:
         log.warning("CPU kernels unavailable (%s); the slower torch path runs instead. To fix: %s (the library is "
                     "built into %s)", _error, fix, build.cache_dir())
     return _lib
+
+
+def amx_wanted() -> bool:
+    """``BATCHGEN_AMX=0`` keeps the kernels off AMX tiles (bf16_gemm: prefill attention over a bf16 cache); on by
+    default where the build, the CPU and the kernel allow them."""
+    return os.environ.get("BATCHGEN_AMX", "1").lower() not in ("0", "false", "no", "off")
+
+
+def amx_tiles(lib: KernelLibrary) -> bool:
+    """Whether this process's bf16_gemm runs on AMX tiles."""
+    return bool(lib.bf16_gemm_amx(int(amx_wanted())))
 
 
 def unavailable_reason() -> str | None:
@@ -76,4 +88,6 @@ def build_id() -> str:
 def describe() -> str:
     """One line for logs, manifests and the report: which kernel build runs here, or why none does."""
     lib = load()
-    return f"{isa(lib)} build, int8 {q8_isa(lib)}" if lib is not None else f"unavailable ({_error}); torch path"
+    if lib is None:
+        return f"unavailable ({_error}); torch path"
+    return f"{isa(lib)} build, int8 {q8_isa(lib)}{', bf16 attention on AMX tiles' if amx_tiles(lib) else ''}"

@@ -12,7 +12,8 @@
  *   small_m        avx512_bf16 (AVX512-BF16), avx512 (AVX-512F), avx2 (AVX2 + FMA), else portable
  *   prefill        avx512 (AVX-512F), avx2 (AVX2 + FMA), else portable
  *   panel          avx2 (AVX2 + FMA: an AVX-512 build too), else portable
- *   bf16_gemm      avx512_bf16 (AVX512-BF16), else portable
+ *   bf16_gemm      avx512_bf16 (AVX512-BF16; with AMX-BF16 its tiles where the process may use them:
+ *                  amx_tiles.h), else portable
  *   qlinear        avx512_vnni (AVX512-VNNI + AVX512-BW), avx2 (AVX2: an AVX-512 build without VNNI too),
  *                  else portable
  *
@@ -58,6 +59,12 @@
 #define BF16_GEMM_ISA ISA_AVX512_BF16
 #else
 #define BF16_GEMM_ISA ISA_PORTABLE
+#endif
+/* AMX-BF16 tiles inside the avx512_bf16 build (bf16_gemm/amx_tiles.h), where the process may use them */
+#if BF16_GEMM_ISA == ISA_AVX512_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define BF16_GEMM_AMX 1
+#else
+#define BF16_GEMM_AMX 0
 #endif
 
 /* int8 dot products: vpdpbusd (u8 x s8 summed four at a time into int32) or AVX2's vpmaddubsw */

@@ -8,6 +8,10 @@
 
 #define GR 8     /* rows per micro-tile */
 #define GC 32    /* columns per micro-tile: two 16-lane vectors */
+#if BF16_GEMM_AMX
+#define HAVE_AMX_TILES 1
+#include "amx_tiles.h"
+#endif
 #include "driver.h"
 
 static inline __attribute__((always_inline)) void micro(const int R, const uint16_t *a, int64_t lda,

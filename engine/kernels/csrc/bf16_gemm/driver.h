@@ -12,19 +12,57 @@
 /* Output tile (rt, ct) (GR rows x GC columns, fewer at the edges) of c = a @ b. Each implementation inlines it
  * into both callers: as a plain static function GCC kept it out of line and the whole matmul ran 2.7x slower
  * (measured). */
+#ifdef HAVE_AMX_TILES
+/* this process's choice, made once when the library loads (bf16_gemm_amx): tiles or the vector micro-kernel */
+static int amx_on = 0;
+#endif
+
 static void tiles(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc, int M,
                   int N, int K2, int rt, int ct);
 
 void bf16_gemm_serial(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc,
                       int M, int N, int K2) {
+#ifdef HAVE_AMX_TILES
+    if (amx_on) {
+        amx_begin();
+        for (int ct = 0; ct < (N + AMX_GC - 1) / AMX_GC; ct++)
+            for (int rt = 0; rt < (M + AMX_GR - 1) / AMX_GR; rt++) amx_tile(a, lda, bp, ldb, c, ldc, M, N, K2, rt, ct);
+        _tile_release();
+        return;
+    }
+#endif
     for (int ct = 0; ct < (N + GC - 1) / GC; ct++)
         for (int rt = 0; rt < (M + GR - 1) / GR; rt++) tiles(a, lda, bp, ldb, c, ldc, M, N, K2, rt, ct);
 }
 
+int bf16_gemm_amx(int enable) {
+#ifdef HAVE_AMX_TILES
+    amx_on = enable && amx_available();
+    return amx_on;
+#else
+    (void)enable;
+    return 0;
+#endif
+}
+
 void bf16_gemm(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc, int M,
                int N, int K2, int nt) {
-    const int row_tiles = (M + GR - 1) / GR, col_tiles = (N + GC - 1) / GC;
     (void)nt;
+#ifdef HAVE_AMX_TILES
+    if (amx_on) {
+        const int amx_rows = (M + AMX_GR - 1) / AMX_GR, amx_cols = (N + AMX_GC - 1) / AMX_GC;
+#pragma omp parallel num_threads(nt) if ((int64_t)M * N * K2 > 65536)
+        {
+            amx_begin();
+#pragma omp for collapse(2) schedule(static)
+            for (int ct = 0; ct < amx_cols; ct++)
+                for (int rt = 0; rt < amx_rows; rt++) amx_tile(a, lda, bp, ldb, c, ldc, M, N, K2, rt, ct);
+            _tile_release();
+        }
+        return;
+    }
+#endif
+    const int row_tiles = (M + GR - 1) / GR, col_tiles = (N + GC - 1) / GC;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nt) if ((int64_t)M * N * K2 > 65536)
     for (int ct = 0; ct < col_tiles; ct++)
         for (int rt = 0; rt < row_tiles; rt++) tiles(a, lda, bp, ldb, c, ldc, M, N, K2, rt, ct);

@@ -33,6 +33,8 @@
 #include <stdlib.h>
 
 #include "../bf16_gemm/bf16_gemm.h"
+
+#define PREFILL_BF16_ALIGN 32   /* keys; engine/attention/torch_backend.py _prefill_wide aligns its base the same */
 #include "../common.h"
 #include "../kernels.h"
 
@@ -59,7 +61,10 @@ static void f32_gemm_serial(const float *a, int64_t lda, const float *b, int64_t
 static inline __attribute__((always_inline)) void prefill(
         const int F32, const void *q, const void *kop, int64_t ldk, const void *vop, int n, int Hq, int Hkv, int D,
         int S, int64_t q_start, int64_t k_start, int64_t window, void *out, int out_bf16, int nt) {
-    const int G = Hq / Hkv, qsize = F32 ? 4 : 2, align = F32 ? F32_COLS : 2;
+    /* a tile's first key at a multiple of align from k_start (the caller aligns k_start to absolute positions): the
+     * float32 kernel's column tiles, and for bf16 32 keys, AMX's 16 pairs per TDPBF16PS (its sums within an
+     * instruction are not in pair order: a chunk boundary that moved with the tile changed the bits) */
+    const int G = Hq / Hkv, qsize = F32 ? 4 : 2, align = F32 ? F32_COLS : PREFILL_BF16_ALIGN;
     /* query tokens per item: TILE_ROWS rows, fewer (down to 16) while there are under four items per thread, so
      * a short chunk still keeps every thread busy (two items for 37 tokens ran at 0.85x the Python-composed
      * tiles' speed) */
