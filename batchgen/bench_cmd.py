@@ -80,7 +80,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
             import torch
             torch.set_num_threads(threads)
         res = q.measure(model, positions=positions, log=click.echo)
-        for name in (n for n in res if n.startswith("int8 (fp32")):
+        for name in (n for n in res if n.startswith(("int8 (fp32", "int8 (bf16 prompt"))):
             verdict = "meets" if q.meets_bar(res, name) else "FAILS"
             click.echo(f"{name} {verdict} the bar: top-1 >= bf16's and KL <= 2x bf16's")
         if formats:

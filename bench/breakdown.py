@@ -96,12 +96,14 @@ def _panel_ops(args, kwargs) -> float:
 
 
 def _linear_ops(args, kwargs) -> float:
-    """F.linear(x, w) / q8_linear(x, w, sw, ws, n, ...): 2·M·K·N."""
+    """F.linear(x, w) / q8_linear(x, w, sw, ws, n, ...) / q8_linear_amx(x, w, sw, n, ...): 2·M·K·N."""
     x = args[0]
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if len(args) >= 5 and isinstance(args[4], int):         # qlinear.q8_linear*: n is the fifth argument
         n = args[4]
+    elif len(args) >= 4 and isinstance(args[3], int):       # qlinear.q8_linear_amx: the fourth
+        n = args[3]
     else:
         w = args[1] if len(args) > 1 else kwargs["weight"]
         n = w.shape[0]
@@ -177,7 +179,7 @@ def kernel_breakdown() -> Iterator[Breakdown]:
 
     try:
         patch(ModelRunner, "execute", clock.step(ModelRunner.execute))
-        for name in ("q8_linear", "q8_linear_glu"):
+        for name in ("q8_linear", "q8_linear_glu", "q8_linear_amx"):
             patch(qlinear, name, clock.timed(getattr(qlinear, name), "linears", _linear_ops))
         patch(F, "linear", clock.timed(F.linear, "linears", _linear_ops))
         patch(linear, "small_m_linear", clock.timed(linear.small_m_linear, "linears", _linear_ops))

@@ -25,12 +25,23 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import bind_kv_caches
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "documents.parquet"
-# (name, dtype, quantization, kv_cache_dtype)
+# (name, dtype, quantization, kv_cache_dtype[, kernels]); the int8 variants' prompt rows (every position here: the
+# sequences are teacher-forced) through the int8 dot products unless a variant names the int8_prompts family
+_DOT = {"int8_prompts": "int8"}
 VARIANTS = (("float32", "float32", "none", "auto"), ("bfloat16", "bfloat16", "none", "auto"),
-            ("int8 (fp32 act.)", "float32", "int8", "float32"),
-            ("int8 (fp32 act., bf16 KV)", "float32", "int8", "bfloat16"),
-            ("int8 (fp32 act., int8 KV)", "float32", "int8", "int8"),
-            ("int8 (bf16 act.)", "bfloat16", "int8", "auto"))
+            ("int8 (fp32 act.)", "float32", "int8", "float32", _DOT),
+            ("int8 (fp32 act., bf16 KV)", "float32", "int8", "bfloat16", _DOT),
+            ("int8 (fp32 act., int8 KV)", "float32", "int8", "int8", _DOT),
+            ("int8 (bf16 act.)", "bfloat16", "int8", "auto", _DOT))
+# where the CPU has AMX-BF16: int8 weights whose prompt rows multiply bf16 activations by the bf16-dequantized
+# weights (engine.kernels.families int8_prompts "bf16"); teacher-forced, every position is a prompt row
+AMX_PROMPTS = ("int8 (bf16 prompt rows, bf16 KV)", "float32", "int8", "bfloat16", {"int8_prompts": "bf16"})
+
+
+def variants_here() -> tuple:
+    """VARIANTS, plus the AMX prompt rows' where they run."""
+    from engine.kernels.qlinear import prompt_amx_ok
+    return VARIANTS + ((AMX_PROMPTS,) if prompt_amx_ok() else ())
 
 
 def bind_cache(model, num_blocks: int, block_size: int, dtype=torch.float32, native: bool | None = None,
@@ -88,14 +99,16 @@ def sample_sequences(tokenizer, positions: int, max_len: int = 700) -> list[list
     return seqs
 
 
-def measure(model: str = "gemma-3-270m", positions: int = 2000, variants=VARIANTS, log=print) -> dict:
+def measure(model: str = "gemma-3-270m", positions: int = 2000, variants=None, log=print) -> dict:
     """{variant: {"top1": ..., "kl": ..., "positions": ...}}; the first variant (float32) is the reference.
 
     Every variant's engine is loaded at once and each sequence goes through all of them before the next, so
     memory holds one sequence's distributions (~0.7 GB at 700 positions of a 262k vocabulary), not all of them
     (~1 GB per 1,000 positions): 20,000+ positions fit."""
-    llms = [LLM(model, dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_memory=64 << 20)
-            for _, dtype, quant, kv in variants]
+    variants = variants if variants is not None else variants_here()
+    llms = [LLM(model, dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_memory=64 << 20,
+                kernels=dict(kernels[0]) if kernels else None)
+            for _, dtype, quant, kv, *kernels in variants]
     seqs = sample_sequences(llms[0].get_tokenizer(), positions)
     stats = {name: [0, 0.0, 0] for name, *_ in variants[1:]}          # agree, KL sum, positions
 

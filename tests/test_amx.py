@@ -63,3 +63,39 @@ def test_leading_zero_chunks_of_32_keys_change_nothing(amx, lead):
     padded = bf16_gemm(torch.cat([torch.zeros(48, lead, dtype=torch.bfloat16), p], 1),
                        pack_pairs(torch.cat([torch.randn(lead, 64, generator=g).bfloat16(), v])))
     assert torch.equal(padded, base)
+
+
+# ---- the int8 linear's prompt rows on AMX-BF16 tiles (csrc/qlinear/amx_prompt.h) ----
+
+needs_prompt_amx = pytest.mark.skipif(lib is None or not lib.q8_prompt_amx(),
+                                      reason="no AMX-BF16 tiles here for the int8 prompt rows")
+
+
+@needs_prompt_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (33, 100, 70), (47, 896, 160), (100, 640, 96)])
+def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, k, n):
+    """y = bf16(x) @ bf16(q * scale)^T with float32 sums: against that product in float64, within float32
+    summation; each row's bits as computed alone; the fused GLU is the unfused product's act(gate) * up."""
+    from engine.kernels.qlinear import q8_linear_amx
+    from engine.quant import int8
+    g = torch.Generator().manual_seed(m + k + n)
+    x = (torch.randn(m, k, generator=g) + 0.3).to(dtype)
+    q, s = int8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    pw, sw, _ = int8.pack(q, s)
+    wd = int8.unpack(pw, sw, n, -(-k // 32) * 32)[:, :k].float().bfloat16().double()   # bf16(q * scale)
+    xb = x.bfloat16().double()
+    ref = xb @ wd.t()
+    got = q8_linear_amx(x, pw, sw, n)
+    assert got.dtype == dtype
+    bound = (xb.abs() @ wd.abs().t()) * 2 ** -22 * k + (ref.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
+    assert ((got.double() - ref).abs() <= bound + 1e-30).all()
+    rows = list(range(0, m, max(1, m // 5)))
+    assert torch.equal(torch.cat([q8_linear_amx(x[i:i + 1], pw, sw, n) for i in rows]), got[rows])
+    if n % 32 == 0:
+        from engine.kernels.elementwise import glu
+        qi, si = int8.glu_interleave(q, s)
+        gw, gsw, _ = int8.pack(qi, si)
+        fused = q8_linear_amx(x, gw, gsw, n, "silu")
+        gate_up = q8_linear_amx(x, pw, sw, n)
+        assert torch.allclose(fused.float(), glu(gate_up, "silu").float(), rtol=1e-5, atol=1e-6)

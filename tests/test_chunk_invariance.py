@@ -12,6 +12,7 @@ import torch
 import engine.kernels.library as library
 from bench.quality import sequence_logits
 from engine import LLM, SamplingParams
+from engine.kernels.qlinear import prompt_amx_ok
 from engine.model_runner import ModelRunner
 from engine.models.layers import CausalLM
 from tests.model_utils import save_tiny, tiny_hf_model
@@ -71,9 +72,14 @@ def first_hidden(monkeypatch):
 # the float32 kernel over the converted cache on other builds). Our int8 matmul computes each row alone; float32
 # and bf16 weights go through torch's matmul, whose rows can depend on how many there are (float32 did here on
 # the tiny model: other bits for the same prompt chunked otherwise), so only int8 is held to the bit.
+# int8 with its prompt rows on AMX-BF16 tiles (the int8_prompts family's "bf16"): a prompt position is always that
+# path's, an output position the int8 dot products', however the steps are cut
+AMX_PROMPTS = pytest.mark.skipif(not prompt_amx_ok(), reason="no AMX-BF16 tiles here for the int8 prompt rows")
 ENGINES = [dict(quantization="int8", kv_cache_dtype="bfloat16"),
-           dict(quantization="int8", kv_cache_dtype="int8")]        # the opt-in int8 cache: the same kernels' pairs
-IDS = ["int8", "int8-int8kv"]
+           dict(quantization="int8", kv_cache_dtype="int8"),        # the opt-in int8 cache: the same kernels' pairs
+           pytest.param(dict(quantization="int8", kv_cache_dtype="bfloat16", kernels={"int8_prompts": "bf16"}),
+                        marks=AMX_PROMPTS)]
+IDS = ["int8", "int8-int8kv", "int8-amx-prompts"]
 
 
 @pytest.mark.parametrize("engine", ENGINES, ids=IDS)

@@ -362,7 +362,6 @@ def test_choose_quantization():
     assert choose_quantization("auto", "cpu", "avx2", False, dtype="bfloat16", kernel_isa="avx2").name == "none"
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, dtype="bfloat16").name == "none"
     assert choose_quantization("auto", "cuda", None).name == "none"
-    assert choose_quantization("auto", "cpu", "avx512_vnni", True, amx=True).name == "none"    # AMX: the table
     # a float checkpoint without a measurement: auto keeps float weights (the tuner measures int8 for it)
     assert choose_quantization("auto", "cpu", "avx512_vnni", True, quantized_source=False).name == "none"
     assert choose_quantization("int8", "cpu", "avx512_vnni", True, quantized_source=False).name == "int8"
@@ -457,10 +456,9 @@ def test_auto_quantization_on_this_cpu(tiny_dir):
     from engine.quant.policy import kernel_bf16_attention, kernel_isa, kernel_q8_isa
     from engine.setup import setup_engine
     assert EngineConfig().quantization == "auto"
-    from engine.kernels.cpu_features import has_amx
     vnni, avx2 = kernel_q8_isa() == "avx512_vnni" and kernel_bf16_attention(), kernel_q8_isa() == kernel_isa() == "avx2"
     s = setup_engine(EngineConfig("gemma-3-270m", kv_cache_memory=8 << 20))
-    table_int8 = (vnni and not has_amx()) or avx2       # the table keeps float weights on AMX CPUs
+    table_int8 = vnni or avx2
     assert s.config.quantization == ("int8" if table_int8 else "none")
     assert s.quant_choice.reason.startswith("auto")
     if table_int8:      # both: float32 activations, a bf16 KV cache (engine.quant.policy's measurements)

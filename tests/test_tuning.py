@@ -87,6 +87,16 @@ def test_candidates_keep_explicit_fields_and_the_quality_bar():
     assert {f.name for f in format_candidates("auto", "float32", "auto", no_kernels)} == {F32, F32_KV16}
 
 
+def test_int8_prompts_are_measured_only_for_int8_where_amx_prompt_rows_run():
+    from engine.tuning.candidates import family_options
+    amx = KernelFacts("avx512_vnni", True, "avx512_bf16", True, True, True)
+    no_amx = KernelFacts("avx512_vnni", True, "avx512_bf16", True, True, False)
+    int8 = Format("int8", "float32", "bfloat16")
+    assert family_options(int8, amx)["int8_prompts"] == ("int8", "bf16")
+    assert "int8_prompts" not in family_options(int8, no_amx)
+    assert "int8_prompts" not in family_options(Format("none", "bfloat16", "bfloat16"), amx)
+
+
 # ---- through setup_engine / LLM on a tiny model, with a fake probe.measure -----------------------------------
 @pytest.fixture
 def tuning(tmp_path, monkeypatch):
@@ -175,7 +185,8 @@ def test_kernel_families_follow_their_timings(tiny_llama_dir, tuning):
                     "prefill_linears:c@float32": 0.001, "prefill_linears:torch@float32": 0.006}
     s = _setup(tiny_llama_dir)
     assert s.kernels == {"elementwise": "torch", "lm_head": "c", "attention": "c", "linears": "c",
-                         "prefill_linears": "torch"}                  # not measured: a prompt's rows stay torch's
+                         "prefill_linears": "torch",                  # not measured: a prompt's rows stay torch's
+                         "int8_prompts": "int8"}                      # a float format: the table's
     assert s.config.kernels == s.kernels                 # the resolved families: recorded, and what a pin repeats
     assert s.format.record()["kernels"]["linears"]["calls_ms"]["c"]       # timed at the decode shapes
     assert "prefill_linears" not in s.format.record()["kernels"]
@@ -184,7 +195,7 @@ def test_kernel_families_follow_their_timings(tiny_llama_dir, tuning):
                          "linears:c@float32": 0.009, "linears:torch@float32": 0.003})
     s = setup_retuned(tiny_llama_dir)
     assert s.kernels == {"elementwise": "c", "lm_head": "torch", "attention": "c", "linears": "torch",
-                         "prefill_linears": "torch"}
+                         "prefill_linears": "torch", "int8_prompts": "int8"}
 
 
 def test_the_attention_family_follows_its_timings_and_explicit_kernels_win(tiny_llama_dir, tuning):
@@ -294,7 +305,8 @@ def test_tokens_are_unchanged_by_the_tuner(tiny_llama_dir, tuning, monkeypatch):
     tuned = LLM(tiny_llama_dir, **opts)
     assert tuned.info.format.record()["source"] == "measured" and tuned.config.dtype == "float32"
     assert tuned.model.model.layers[0].ops.kernels == {"elementwise": "c", "lm_head": "c", "attention": "c",
-                                                       "linears": "c", "prefill_linears": "torch"}
+                                                       "linears": "c", "prefill_linears": "torch",
+                                                       "int8_prompts": "int8"}
     monkeypatch.setenv("BATCHGEN_TUNE", "off")
     named = LLM(tiny_llama_dir, dtype="float32", quantization="none", kv_cache_dtype="float32", **opts)
     assert named.info.format.record()["mode"] == "table"

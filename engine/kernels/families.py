@@ -13,6 +13,11 @@ for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfi
                  unless a config names "c". One layer's calls alone time "c" faster at a few hundred rows, while
                  whole engine steps of thousands of rows over every layer's weights run slower with it
                  (docs/perf/avx2.md), so the probe's one-layer calls would choose it wrongly.
+    int8_prompts the prompt rows of int8 linears: "int8" (the int8 dot products, as every output row) | "bf16"
+                 (AMX-BF16 tiles over the weights dequantized to bf16, bf16 activations, float32 sums:
+                 csrc/qlinear/amx_prompt.h; only where the build and the CPU have AMX-BF16). A prompt position is
+                 always computed by the one and an output position by the other, so a row's bits never depend on
+                 its step's other rows.
     attention    prefill over a bf16 or int8 KV cache: "c" (bf16 multiplied into float32, csrc/bf16_gemm/, where the
                  build has bf16 dot products) | "torch" (torch's matmuls in the activation dtype; float32 queries
                  read the cache as float32). Decode attention is the C kernel wherever it builds.
@@ -20,8 +25,9 @@ for prefill and decode alike (measured by engine.tuning, or set by ``EngineConfi
 Kept free of torch so that a config can be checked without loading it.
 """
 KERNEL_FAMILIES = {"elementwise": ("c", "torch"), "lm_head": ("c", "torch", "table"), "attention": ("c", "torch"),
-                   "linears": ("c", "torch"), "prefill_linears": ("c", "torch")}
-TABLE_KERNELS = {"elementwise": "c", "lm_head": "table", "attention": "c", "linears": "c", "prefill_linears": "torch"}
+                   "linears": ("c", "torch"), "prefill_linears": ("c", "torch"), "int8_prompts": ("int8", "bf16")}
+TABLE_KERNELS = {"elementwise": "c", "lm_head": "table", "attention": "c", "linears": "c", "prefill_linears": "torch",
+                 "int8_prompts": "int8"}
 
 
 def check_kernels(kernels: dict) -> None:

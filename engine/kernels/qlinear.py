@@ -65,6 +65,29 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tens
 _Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # csrc/qlinear/driver.h's GLU_GELU_TANH, GLU_SILU
 
 
+def prompt_amx_ok() -> bool:
+    """True where ``q8_linear_amx`` runs: a build with AMX-BF16 on a CPU and kernel that grant the tiles."""
+    lib = library.load()
+    return lib is not None and bool(lib.q8_prompt_amx())
+
+
+def q8_linear_amx(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, n: int, act: str | None = None,
+                  lib: KernelLibrary | None = None) -> torch.Tensor:
+    """Prompt rows of an int8 linear on AMX-BF16 tiles (csrc/qlinear/amx_prompt.h): bf16(x) @ bf16(W)^T with float32
+    sums, W's values dequantized (quant x scale, rounded once to bf16) as the call runs -> [M, n] in x's dtype (with
+    ``act``, a ``glu_interleave``d gate_up weight: act(gate) * up, [M, n / 2]). Another arithmetic than
+    ``q8_linear``'s: each row's bits depend on the row alone. RuntimeError where ``prompt_amx_ok()`` is False."""
+    lib = lib or library.load()
+    x, m, k, kp = _q8_rows(x)
+    y = torch.empty(m, n // 2 if act else n, dtype=x.dtype)
+    done = getattr(lib, f"q8_linear_amx_{SUFFIX[x.dtype]}")(
+        x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw), w.numel() // kp, n, _Q8_GLU_ACT[act] if act else 0,
+        y.data_ptr(), y.shape[1], torch.get_num_threads())
+    if not done:
+        raise RuntimeError("q8_linear_amx: no AMX-BF16 tiles here (the build, the CPU or the kernel)")
+    return y
+
+
 def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tensor, n: int, act: str,
                   wmax: int = 127, lib: KernelLibrary | None = None) -> torch.Tensor:
     """act(gate) * up from one int8 matmul: W packed from gate_up rows interleaved in blocks of 16

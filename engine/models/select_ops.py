@@ -6,8 +6,9 @@ from torch import nn
 
 import engine.kernels.library as library
 from engine.errors import ModelLoadError
+from engine.kernels.qlinear import prompt_amx_ok
 from engine.models.layers import Embedding, GatedMLP, OpsModule
-from engine.models.linear import bf16_exact, kernel_weight, make_row_invariant, use_c_linears
+from engine.models.linear import StepRows, bf16_exact, kernel_weight, make_row_invariant, use_c_linears
 from engine.models.ops import CpuKernelOps, TorchOps
 from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
 
@@ -43,6 +44,8 @@ def bind_ops(model: nn.Module, device=None, ops: TorchOps | None = None,
     model.step_rows = use_c_linears(model, kernels.get("linears") == "c")
     if model.step_rows is not None:
         model.step_rows.prompts_too = kernels.get("prefill_linears") == "c"
+    amx_rows = use_amx_prompts(model, kernels.get("int8_prompts") == "bf16")
+    model.step_rows = model.step_rows or amx_rows
     head = kernels.get("lm_head")
     pack_head(model, head == "c" or (head == "table" and deterministic))
     for mod in model.modules():
@@ -69,3 +72,16 @@ def pack_head(model: nn.Module, enabled: bool) -> None:
         head.weight, head.packed = nn.Parameter(kernel_weight(w), requires_grad=False), True
     elif not isinstance(head, Embedding) and (packed := bf16_exact(w)) is not None:
         head.weight, head.packed = nn.Parameter(packed, requires_grad=False), True
+
+
+def use_amx_prompts(model: nn.Module, enabled: bool):
+    """Give the decoder's int8 linears (not the LM head or the embedding) one shared ``StepRows`` when ``enabled``
+    (the ``int8_prompts`` family's "bf16", where ``prompt_amx_ok()``): their prompt rows then take AMX-BF16
+    tiles. Returns it, or None (every row through the int8 dot products)."""
+    rows = StepRows() if enabled and prompt_amx_ok() else None
+    taken = False
+    for mod in model.model.layers.modules():
+        if type(mod) in (Int8Linear, Int8GluLinear):
+            mod.step_rows = rows
+            taken = True
+    return rows if taken else None

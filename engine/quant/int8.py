@@ -112,9 +112,20 @@ class Int8Linear(nn.Module):
             self._wmax = max(-int(lo), int(hi))
         return self._wmax
 
+    # The model's StepRows (engine.models.linear) when the ``int8_prompts`` kernel family is "bf16": its prompt rows
+    # go through AMX-BF16 tiles over the weights dequantized to bf16 (qlinear.q8_linear_amx), its output rows through
+    # the int8 dot products. None: every row through the int8 dot products.
+    step_rows = None
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = qlinear.q8_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.sums, self.out_features,
-                              self.wmax)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.step_rows is not None:
+            y = split_rows(x2, self.step_rows.spec, self.out_features,
+                           lambda r: qlinear.q8_linear(r, self.qweight, self.scales, self.sums, self.out_features,
+                                                       self.wmax),
+                           lambda r: qlinear.q8_linear_amx(r, self.qweight, self.scales, self.out_features))
+        else:
+            y = qlinear.q8_linear(x2, self.qweight, self.scales, self.sums, self.out_features, self.wmax)
         if self.bias is not None:
             y += self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -161,9 +172,37 @@ class Int8GluLinear(Int8Linear):
     forward = linear
 
     def glu(self, x: torch.Tensor, act: str) -> torch.Tensor:
-        y = qlinear.q8_linear_glu(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.sums,
-                                  self.out_features, act, self.wmax)
+        x2 = x.reshape(-1, x.shape[-1])
+
+        def int8_rows(r: torch.Tensor) -> torch.Tensor:
+            return qlinear.q8_linear_glu(r, self.qweight, self.scales, self.sums, self.out_features, act, self.wmax)
+        if self.step_rows is not None:
+            y = split_rows(x2, self.step_rows.spec, self.out_features // 2, int8_rows,
+                           lambda r: qlinear.q8_linear_amx(r, self.qweight, self.scales, self.out_features, act))
+        else:
+            y = int8_rows(x2)
         return y.view(*x.shape[:-1], self.out_features // 2)
+
+
+def split_rows(x: torch.Tensor, out_rows, n: int, output_fn, prompt_fn) -> torch.Tensor:
+    """x [M, K]'s output rows (``StepRows.spec``: the first ``out_rows`` rows, or where a bool mask is True) through
+    ``output_fn``, the others (prompt positions) through ``prompt_fn``: [M, n]."""
+    m = x.shape[0]
+    if isinstance(out_rows, int):
+        k = min(out_rows, m)
+        if k == m:
+            return output_fn(x)
+        if k == 0:
+            return prompt_fn(x)
+        return torch.cat([output_fn(x[:k]), prompt_fn(x[k:])])
+    y = x.new_empty(m, n)
+    if bool(out_rows.any()):
+        y[out_rows] = output_fn(x[out_rows])
+    rest = ~out_rows
+    if bool(rest.any()):
+        y[rest] = prompt_fn(x[rest])
+    return y
+
 
 
 def _is_gate_up(name: str, lin: nn.Linear) -> bool:

@@ -7,7 +7,7 @@ and validates explicit requests.
     int8       cpu     avx512_vnni + bf16 attention kernel, or AVX2-only    int8, KV cache auto: bf16 (as auto's)
     int8       cpu     any other int8 path (portable, ...)                  int8 (KV cache: the activation dtype)
     int8       cuda    -                                                    ConfigError (CPU kernels only)
-    auto       cpu     avx512_vnni + bf16 attention kernel, no AMX          int8, float32 activations, bf16 KV
+    auto       cpu     avx512_vnni + bf16 attention kernel (AMX or not)     int8, float32 activations, bf16 KV
     auto       cpu     AVX2-only build (isa avx2, int8 path avx2)           int8, float32 activations, bf16 KV
     auto       cpu     anything else, or dtype: bfloat16                    none
     auto       cuda    -                                                    none
@@ -20,9 +20,10 @@ checkpoints too and takes it where it is the fastest format within the quality b
 ``auto`` may choose int8 only where it was measured faster end to end *and* passes the quality bar (top-1
 agreement with float32 at least bf16's, mean KL at most twice bf16's; ``batchgen bench --quality``). The builds
 above are those where it was (AVX512-VNNI with the bf16 attention kernel; AVX2-only builds); the measurements
-behind each row: docs/design/quantization.md and docs/perf/code-notes-engine.md. On AMX CPUs the table keeps float
-weights (torch's bf16 matmul runs on AMX tiles; int8 was never measured faster there): the tuner measures both.
-AVX-512 without VNNI is not measured.
+behind each row: docs/design/quantization.md and docs/perf/code-notes-engine.md. On AMX CPUs too (until 2026-12-05
+the table kept float weights there): on a 2-core Xeon with AMX the tuner measured int8 faster than bf16 on
+gemma-3-270m and the Qwen2.5-0.5B shape (docs/perf/xeon-amx.md), and bf16 prompt rows through torch's AMX matmul
+change bits with the token budget there (docs/guide/determinism.md). AVX-512 without VNNI is not measured.
 """
 from __future__ import annotations
 
@@ -42,11 +43,9 @@ class QuantChoice:
 
 def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                         bf16_attention: bool = False, dtype: str = "auto",
-                        kernel_isa: str | None = None, quantized_source: bool = True,
-                        amx: bool = False) -> QuantChoice:
+                        kernel_isa: str | None = None, quantized_source: bool = True) -> QuantChoice:
     """q8_isa: the loaded kernel build's int8 path, or None when no kernel library is available.
     bf16_attention: the build multiplies bf16 into float32 for attention (``engine.kernels.gemm.bf16_gemm_ok``).
-    amx: the CPU has AMX tiles (the table's auto keeps float weights there).
     dtype: the requested activation dtype (int8 under bf16 activations fails the bar).
     kernel_isa: the build's vector ISA (``engine.kernels.library.isa``): avx2 means no AVX-512 at all.
     quantized_source: the weights come quantized (a GGUF file); without a measurement ``auto`` keeps a float
@@ -73,9 +72,9 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
                                    "measures int8 for it; quantization: int8 quantizes at load)")
     if dtype == "bfloat16":
         return QuantChoice("none", "auto: int8 under bf16 activations fails the quality bar (engine.quant.policy)")
-    if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa) and not amx:
+    if _bf16_kv_measured(q8_isa, bf16_attention, kernel_isa):
         reason = ("auto: int8 weights (avx512_vnni) with a bf16 KV cache: measured faster than bf16 end to end and "
-                  "within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs without AMX (engine.quant.policy)"
+                  "within the quality bar on AVX512-VNNI + AVX512-BF16 CPUs (engine.quant.policy)"
                   if q8_isa == "avx512_vnni" else
                   "auto: int8 weights (avx2 vpmaddubsw) with float32 activations and a bf16 KV cache: measured "
                   "faster than float32 end to end and within the quality bar on AVX2-only CPUs "
@@ -83,7 +82,7 @@ def choose_quantization(requested: str, device_type: str, q8_isa: str | None,
         return QuantChoice("int8", reason, kv_cache_dtype="bfloat16")
     return QuantChoice("none", f"auto: int8 not measured faster than float weights on this CPU (int8 path "
                                f"{q8_isa or 'unavailable'}{'' if bf16_attention else ', no bf16 attention kernel'}"
-                               f"{', AMX' if amx else ''}; engine.quant.policy)")
+                               f"; engine.quant.policy)")
 
 
 def _bf16_kv_measured(q8_isa: str | None, bf16_attention: bool, kernel_isa: str | None) -> bool:

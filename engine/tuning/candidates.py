@@ -61,7 +61,8 @@ class KernelFacts:
     bf16_attention: bool = False       # bf16 multiplied into float32 for attention (engine.kernels.gemm)
     isa: str | None = None             # the build's vector ISA
     bf16_units: bool = False           # the CPU has bf16 matmul units (engine.dtype_policy)
-    amx: bool = False                  # AMX tiles: the table keeps float weights (engine.quant.policy)
+    amx: bool = False                  # AMX tiles (reported; the table treats AMX CPUs as their VNNI build)
+    amx_prompts: bool = False          # int8 linears' prompt rows can run on AMX-BF16 tiles (qlinear.prompt_amx_ok)
 
     @property
     def kernels(self) -> bool:
@@ -75,14 +76,16 @@ def kernel_facts(device_type: str, load_kernels: bool) -> KernelFacts:
     bf16 = cpu_has_bf16_matmul()
     if not load_kernels:
         return KernelFacts(bf16_units=bf16)
-    return KernelFacts(kernel_q8_isa(), kernel_bf16_attention(), kernel_isa(), bf16, cpu_features.has_amx())
+    from engine.kernels.qlinear import prompt_amx_ok
+    return KernelFacts(kernel_q8_isa(), kernel_bf16_attention(), kernel_isa(), bf16, cpu_features.has_amx(),
+                       prompt_amx_ok())
 
 
 def table_choice(requested_quant: str, requested_dtype: str, requested_kv: str, device_type: str,
                  quantized_source: bool, facts: KernelFacts) -> tuple[QuantChoice, DtypeChoice, str]:
     """The table's choice (engine.quant.policy, engine.dtype_policy): quantization, dtype, KV cache dtype."""
     quant = choose_quantization(requested_quant, device_type, facts.q8_isa, facts.bf16_attention, requested_dtype,
-                                facts.isa, quantized_source=quantized_source, amx=facts.amx)
+                                facts.isa, quantized_source=quantized_source)
     if quant.name == "int8" and requested_dtype == "auto":
         # NOTE: int8 weights pass the quality bar with float32 activations and fail it with bf16 ones (QUALITY)
         choice = DtypeChoice("float32", "auto with int8 weights: float32 activations (bf16 activations fail "
@@ -120,6 +123,8 @@ def family_options(fmt: Format, facts: KernelFacts) -> dict[str, tuple[str, ...]
     if fmt.quantization == "none":
         families["lm_head"] = ("c", "torch")
         families["linears"] = ("c", "torch")           # float linears' decode rows
+    if fmt.quantization == "int8" and facts.amx_prompts:
+        families["int8_prompts"] = ("int8", "bf16")    # int8 linears' prompt rows: dot products or AMX bf16 tiles
     if fmt.kv_cache_dtype in ("bfloat16", "int8") and facts.bf16_attention:
         families["attention"] = ("c", "torch")        # prefill over a low-precision cache: bf16 kernel or torch
     return families

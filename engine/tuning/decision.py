@@ -39,8 +39,9 @@ from engine.tuning.candidates import Format, KernelFacts, family_options, format
 
 log = logging.getLogger("batchgen.engine")
 
-FORMAT = 4        # 2: the attention family joined the measured kernel families; 3: the linears family;
-# 4: int8 weights a candidate for float checkpoints too (decisions measured without it are measured again)
+FORMAT = 5        # 2: the attention family joined the measured kernel families; 3: the linears family;
+# 4: int8 weights a candidate for float checkpoints too; 5: the int8_prompts family (AMX-BF16 prompt rows)
+# (decisions measured without a change are measured again)
 REQUESTED = PINNABLE          # the fields the tuner decides where they are auto (engine.config)
 _FIELD_TYPES = {"key": (dict,), "choice": (dict,), "reason": (str,), "candidates": (list,), "kernels": (dict,),
                 "shapes": (list,), "rounds": (int,), "stopped": (str,), "pruned": (list,), "elapsed_s": (int, float),
@@ -209,8 +210,8 @@ def _family(family: str, impls: tuple[str, ...], fmt: Format, step_s: dict, shap
             rows = s.rows if s.kind == "decode" else 1
             impl = "c" if rows <= SMALL_M_MAX[getattr(torch, fmt.dtype)] else "torch"
         return m.best(f"{family}:{impl}@{fmt.dtype}", s.name)
-    base, calls = {"elementwise": ("c", num_layers), "attention": ("c", 1),
-                   "linears": ("c", num_layers)}.get(family, ("table", 1))
+    base, calls = {"elementwise": ("c", num_layers), "attention": ("c", 1), "linears": ("c", num_layers),
+                   "int8_prompts": ("int8", num_layers)}.get(family, ("table", 1))
     common = [s for s in shapes if s.name in step_s and all(t(i, s) is not None for i in (*impls, base))]
     if not common:
         return {"chosen": base, "why": "not timed within the budget: the table's"}

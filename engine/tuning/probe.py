@@ -267,6 +267,8 @@ def family_tasks(family: str, impls: tuple[str, ...], model, shapes: list[Shape]
 
     if family == "linears":
         return linears_tasks(impls, model, shapes)
+    if family == "int8_prompts":
+        return int8_prompts_tasks(impls, model, shapes)
 
     dtype = model.model.norm.weight.dtype             # the activations' (a packed head's weight is bf16)
     layer = model.model.layers[0]
@@ -347,6 +349,37 @@ def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Ta
     return tasks
 
 
+def int8_prompts_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Task]:
+    """The ``int8_prompts`` family: one layer's int8 linears (QKV, output, gate-up with its GLU, down) at each prefill
+    shape's rows, all of them prompt positions ("int8": the int8 dot products; "bf16": AMX-BF16 tiles). Output rows
+    take the int8 dot products under both, so decode shapes are not timed."""
+    from engine.models.linear import StepRows
+    from engine.quant.int8 import Int8GluLinear, Int8Linear
+
+    layer = model.model.layers[0]
+    linears = [m for m in layer.modules() if type(m) in (Int8Linear, Int8GluLinear)]
+    if not linears:
+        return []
+    g = torch.Generator().manual_seed(0)
+    tasks = []
+    for s in (s for s in shapes if s.kind == "prefill"):
+        xs = [torch.randn(s.rows, m.in_features, generator=g) for m in linears]
+        for impl in impls:
+            rows = StepRows() if impl == "bf16" else None        # spec 0: every row a prompt row
+
+            def fn(xs=xs, rows=rows):
+                saved = [m.step_rows for m in linears]
+                try:
+                    for m, x in zip(linears, xs):
+                        m.step_rows = rows
+                        m.glu(x, "silu") if isinstance(m, Int8GluLinear) else m.linear(x)
+                finally:
+                    for m, r in zip(linears, saved):
+                        m.step_rows = r
+            tasks.append(Task(f"int8_prompts:{impl}@float32", s.name, fn))
+    return tasks
+
+
 def attention_tasks(fmt: Format, impls: tuple[str, ...], model, mcfg, shapes: list[Shape],
                     block_size: int) -> list[Task]:
     """The ``attention`` family: ``fmt``'s whole prefill step with each prefill implementation (decode attention is
@@ -363,4 +396,5 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = ["BUDGET_S", "budget_for", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params",
-           "measure", "score", "format_tasks", "family_tasks", "linears_tasks", "attention_tasks"]
+           "measure", "score", "format_tasks", "family_tasks", "linears_tasks", "int8_prompts_tasks",
+           "attention_tasks"]

@@ -14,8 +14,8 @@
  *   panel          avx2 (AVX2 + FMA: an AVX-512 build too), else portable
  *   bf16_gemm      avx512_bf16 (AVX512-BF16; with AMX-BF16 its tiles where the process may use them:
  *                  amx_tiles.h), else portable
- *   qlinear        avx512_vnni (AVX512-VNNI + AVX512-BW), avx2 (AVX2: an AVX-512 build without VNNI too),
- *                  else portable
+ *   qlinear        avx512_vnni (AVX512-VNNI + AVX512-BW; with AMX-BF16 its prompt rows' path on tiles:
+ *                  amx_prompt.h), avx2 (AVX2: an AVX-512 build without VNNI too), else portable
  *
  * The families without instruction-set-specific code (elementwise.c, kv_write.c, masked_softmax.c, ngram.c,
  * q8_embed.c) are plain C that the compiler vectorizes for whatever the flags allow.
@@ -74,6 +74,12 @@
 #define QLINEAR_ISA ISA_AVX2
 #else
 #define QLINEAR_ISA ISA_PORTABLE
+#endif
+/* the int8 linear's prompt rows on AMX-BF16 tiles (qlinear/amx_prompt.h), inside the avx512_vnni build */
+#if QLINEAR_ISA == ISA_AVX512_VNNI && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QLINEAR_AMX_BF16 1
+#else
+#define QLINEAR_AMX_BF16 0
 #endif
 
 #endif

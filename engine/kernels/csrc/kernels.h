@@ -114,6 +114,11 @@ void q8_linear_glu_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *
                         const int16_t *ws, int Np, int N, int wmax, int act, uint16_t *y, int ldy, int nt);
 void q8_gemm_argmax(const uint8_t *q0, const float *sa, const float *mn, int M, int Kp, const int8_t *w,
                     const uint16_t *sw, const int16_t *ws, int Np, int N, int wmax, int64_t *idx, float *val, int nt);
+int q8_prompt_amx(void);   /* 1: q8_linear_amx_* run here (AMX-BF16 tiles) */
+int q8_linear_amx_f32(const float *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np, int N,
+                      int glu, float *y, int ldy, int nt);
+int q8_linear_amx_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np, int N,
+                       int glu, uint16_t *y, int ldy, int nt);
 void q8_embed_f32(const int8_t *w, const uint16_t *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt);
 void q8_embed_bf16(const int8_t *w, const uint16_t *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt);
 

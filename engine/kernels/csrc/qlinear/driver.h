@@ -176,6 +176,15 @@ static inline void store_glu(const float *acc, void *out, int is_bf16, size_t of
     store_row(o, out, is_bf16, off, 16);
 }
 
+/* Rows m..m+R-1 of the pair np's results (acc, R rows of 32): the GLU's 16 outputs, or up to 32 columns. */
+static inline void store_rows(float (*acc)[32], int R, int m, int np, int ncols, void *y, int ldy, int is_bf16,
+                              int glu) {
+    if (glu)   /* N = 2I, I a multiple of 16 (the caller checks): every pair is whole */
+        for (int r = 0; r < R; r++) store_glu(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 16, glu);
+    else
+        for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
+}
+
 /* R (1..MR) rows of a tile: constant R, WIDE and FUSED per case, so the compiler unrolls each case's row loops. */
 #define TILE(R_, WIDE, FUSED) tile(R_, WIDE, FUSED, q, ldq, Kp, sa, mn, w, sw, ws, pf, acc)
 #define TILE_CASES(WIDE, FUSED)                                                                   \
@@ -260,13 +269,44 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
                 const float *sam = sa + (size_t)m * G, *mnm = mn + (size_t)m * G;
                 tile_rows(R, wide, fused, q + (size_t)m * ldq, ldq, Kp, sam, mnm, wp, swp, wsp,
                           m == mc * mcr ? next : NULL, acc);
-                if (glu)   /* N = 2I, I a multiple of 16 (the caller checks): every pair is whole */
-                    for (int r = 0; r < R; r++) store_glu(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 16, glu);
-                else
-                    for (int r = 0; r < R; r++) store_row(acc[r], y, is_bf16, (size_t)(m + r) * ldy + np * 32, ncols);
+                store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
             }
         }
     free(owned);
+}
+
+#if QLINEAR_ISA == ISA_AVX512_VNNI && QLINEAR_AMX_BF16
+#include "amx_prompt.h"   /* prompt rows on AMX-BF16 tiles over the weights dequantized to bf16 */
+#endif
+
+/* Whether q8_linear_amx_* can run here (the build has AMX-BF16 and the process may use the tiles). */
+int q8_prompt_amx(void) {
+#if QLINEAR_ISA == ISA_AVX512_VNNI && QLINEAR_AMX_BF16
+    return amx_prompt_available();
+#else
+    return 0;
+#endif
+}
+
+/* y = bf16(x) @ bf16(W)^T (amx_prompt.h), float32 sums; glu 0 or driver.h's GLU_* (a gate_up weight interleaved as
+ * for q8_linear_glu_*: y [M, N / 2]). Returns 0, writing nothing, where q8_prompt_amx() is 0. */
+static int linear_amx(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np,
+                      int N, void *y, int ldy, int glu, int nt) {
+#if QLINEAR_ISA == ISA_AVX512_VNNI && QLINEAR_AMX_BF16
+    return amx_prompt_linear(x, is_bf16, M, K, ldx, w, sw, Np, N, y, ldy, glu, nt);
+#else
+    (void)x, (void)is_bf16, (void)M, (void)K, (void)ldx, (void)w, (void)sw, (void)Np, (void)N, (void)y, (void)ldy;
+    (void)glu, (void)nt;
+    return 0;
+#endif
+}
+int q8_linear_amx_f32(const float *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np, int N,
+                      int glu, float *y, int ldy, int nt) {
+    return linear_amx(x, 0, M, K, ldx, w, sw, Np, N, y, ldy, glu, nt);
+}
+int q8_linear_amx_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np, int N,
+                       int glu, uint16_t *y, int ldy, int nt) {
+    return linear_amx(x, 1, M, K, ldx, w, sw, Np, N, y, ldy, glu, nt);
 }
 
 /* wmax: max|w| of the packed weights (a bound: larger is always correct; the avx2 build takes its faster path
