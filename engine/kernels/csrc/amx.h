@@ -6,6 +6,7 @@
 #ifndef BATCHGEN_AMX_H
 #define BATCHGEN_AMX_H
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -20,6 +21,19 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } amx_tile_config;
+
+/* Tiles 0 .. n-1 as 16 rows of 64 bytes (palette 1), on the calling thread: every shape our kernels use. Needs the
+ * AMX-TILE flags (included only inside the blocks that have them). */
+static inline void amx_config_tiles(int n) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < n; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
 
 /* 1 where this process may run tile instructions (asked once; call it before any parallel region) */
 static inline int amx_available(void) {

@@ -18,16 +18,7 @@
 #define AMX_GC 32
 
 /* tiles 0: A (16 rows x 16 pairs), 1-2: B (16 pairs x 16 columns, two column halves), 3-4: C (16 x 16 float32) */
-static void amx_begin(void) {
-    amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 5; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+static void amx_begin(void) { amx_config_tiles(5); }
 
 static void amx_tile(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc, int M,
                      int N, int K2, int rt, int ct) {

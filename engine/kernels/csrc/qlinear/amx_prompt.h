@@ -30,16 +30,7 @@ static int amx_prompt_available(void) {
     return amx_prompt_ok;
 }
 
-static void amx_prompt_begin(void) {
-    amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+static void amx_prompt_begin(void) { amx_config_tiles(8); }   /* A0, A1, B0, B1, C00, C01, C10, C11 */
 
 /* the pair's weights (two 16-column blocks of the packed int8 layout, driver.h) as bf16 pairs: panel[j * 32 + c] =
  * (W[c][2j], W[c][2j+1]) for the pair's columns c, each value bf16(q * scale) */
