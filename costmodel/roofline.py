@@ -49,6 +49,7 @@ class RunFormat:
     dtype: str                         # activations (and float weights)
     kv_cache_dtype: str
     bf16_held: bool = False            # float32 weights held as their bf16 values (2 bytes each)
+    int8_prompts: str = "int8"         # int8 weights' prompt rows: "bf16" on AMX-BF16 tiles (engine.kernels.families)
 
     @classmethod
     def of(cls, info) -> "RunFormat":
@@ -56,8 +57,9 @@ class RunFormat:
         d = info if isinstance(info, Mapping) else info.to_dict()
         dtype = d.get("dtype") or "bfloat16"
         kv = (d.get("config") or {}).get("kv_cache_dtype")
+        kernels = (d.get("config") or {}).get("kernels") or {}
         return cls(d.get("quantization") or "none", dtype, kv if kv and kv != "auto" else dtype,
-                   bool(d.get("bf16_held_weights")))
+                   bool(d.get("bf16_held_weights")), kernels.get("int8_prompts") or "int8")
 
     @property
     def int8(self) -> bool:
@@ -65,8 +67,11 @@ class RunFormat:
 
     @property
     def calibration_dtype(self) -> str:
-        """The ``costmodel.calibrate`` dtype whose matmul peak this format's matmuls are held against."""
-        return "int8" if self.int8 else self.dtype
+        """The ``costmodel.calibrate`` dtype whose matmul peak this format's matmuls are held against: int8 weights'
+        the int8 peak, unless their prompt rows (prefill, the compute-bound part) run bf16 on AMX tiles: bf16's."""
+        if self.int8:
+            return "bfloat16" if self.int8_prompts == "bf16" else "int8"
+        return self.dtype
 
     @property
     def weight_bytes_per_param(self) -> float:

@@ -46,6 +46,8 @@ def test_format_maps_to_its_peak_and_bytes():
         ("float32", 2, 4, "bf16-held/float32/kv-float32")
     q8kv = RunFormat.of({"quantization": "int8", "dtype": "float32", "config": {"kv_cache_dtype": "int8"}})
     assert q8kv.kv_bytes == INT8_KV_BYTES == 1.125
+    amx = RunFormat.of({**info, "config": {"kv_cache_dtype": "bfloat16", "kernels": {"int8_prompts": "bf16"}}})
+    assert (amx.calibration_dtype, amx.weight_bytes_per_param) == ("bfloat16", INT8_WEIGHT_BYTES)  # prompts on AMX bf16
 
     cfg = tiny(window=4, layers=WINDOWED)
     roof = Roofline.for_format(cfg, q8, cal=None)
