@@ -71,6 +71,14 @@ needs_prompt_amx = pytest.mark.skipif(lib is None or not lib.q8_prompt_amx(),
                                       reason="no AMX-BF16 tiles here for the int8 prompt rows")
 
 
+@needs_lib
+def test_batchgen_amx_0_keeps_int8_prompt_rows_off_the_tiles(monkeypatch):
+    from engine.kernels.qlinear import prompt_amx_ok
+    assert prompt_amx_ok() == bool(lib.q8_prompt_amx())
+    monkeypatch.setenv("BATCHGEN_AMX", "0")
+    assert not prompt_amx_ok()
+
+
 @needs_prompt_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, k, n", [(1, 64, 32), (33, 100, 70), (47, 896, 160), (100, 640, 96)])

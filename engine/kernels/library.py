@@ -55,8 +55,9 @@ def load() -> KernelLibrary | None:
 
 
 def amx_wanted() -> bool:
-    """``BATCHGEN_AMX=0`` keeps the kernels off AMX tiles (bf16_gemm: prefill attention over a bf16 cache); on by
-    default where the build, the CPU and the kernel allow them."""
+    """``BATCHGEN_AMX=0`` keeps the kernels off AMX tiles (bf16_gemm: prefill attention over a bf16 cache; the int8
+    linears' prompt rows, ``qlinear.prompt_amx_ok``); on by default where the build, the CPU and the kernel allow
+    them."""
     return os.environ.get("BATCHGEN_AMX", "1").lower() not in ("0", "false", "no", "off")
 
 

@@ -66,9 +66,10 @@ _Q8_GLU_ACT = {"gelu_tanh": 1, "silu": 2}      # csrc/qlinear/driver.h's GLU_GEL
 
 
 def prompt_amx_ok() -> bool:
-    """True where ``q8_linear_amx`` runs: a build with AMX-BF16 on a CPU and kernel that grant the tiles."""
+    """True where ``q8_linear_amx`` runs and may: a build with AMX-BF16 on a CPU and kernel that grant the tiles, and
+    no ``BATCHGEN_AMX=0``."""
     lib = library.load()
-    return lib is not None and bool(lib.q8_prompt_amx())
+    return lib is not None and library.amx_wanted() and bool(lib.q8_prompt_amx())
 
 
 def q8_linear_amx(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, n: int, act: str | None = None,

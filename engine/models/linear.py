@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.gemm import panel_linear, panel_pack, panel_unpack, small_m_linear, small_m_ok
+from engine.quant.int8 import split_rows
 
 PROBE_ROWS = (*range(1, 33), 48, 64)
 TILE = 64
@@ -91,20 +92,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         w = weight if weight.dim() == 2 and weight.dtype == rows.dtype else widened(weight, rows.dtype, n_out)
         return invariant_linear(rows, w, bias, pad_to, tile)
 
-    m = x.shape[0]
-    if isinstance(out_rows, int):
-        n = min(out_rows, m)
-        if n == 0:
-            return torch_rows(x)
-        if n == m:
-            return kernel(x)
-        return torch.cat([kernel(x[:n]), torch_rows(x[n:])])
-    y = x.new_empty(m, n_out)
-    y[out_rows] = kernel(x[out_rows])
-    rest = ~out_rows
-    if bool(rest.any()):
-        y[rest] = torch_rows(x[rest])
-    return y
+    return split_rows(x, out_rows, n_out, kernel, torch_rows)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -186,7 +186,8 @@ class Int8GluLinear(Int8Linear):
 
 def split_rows(x: torch.Tensor, out_rows, n: int, output_fn, prompt_fn) -> torch.Tensor:
     """x [M, K]'s output rows (``StepRows.spec``: the first ``out_rows`` rows, or where a bool mask is True) through
-    ``output_fn``, the others (prompt positions) through ``prompt_fn``: [M, n]."""
+    ``output_fn``, the others (prompt positions) through ``prompt_fn``: [M, n]. The int8 linears' split here, the
+    float linears' too (engine.models.linear.split_linear)."""
     m = x.shape[0]
     if isinstance(out_rows, int):
         k = min(out_rows, m)
@@ -202,7 +203,6 @@ def split_rows(x: torch.Tensor, out_rows, n: int, output_fn, prompt_fn) -> torch
     if bool(rest.any()):
         y[rest] = prompt_fn(x[rest])
     return y
-
 
 
 def _is_gate_up(name: str, lin: nn.Linear) -> bool:

@@ -360,10 +360,11 @@ def int8_prompts_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> li
     linears = [m for m in layer.modules() if type(m) in (Int8Linear, Int8GluLinear)]
     if not linears:
         return []
+    dtype = model.model.norm.weight.dtype             # the activations'
     g = torch.Generator().manual_seed(0)
     tasks = []
     for s in (s for s in shapes if s.kind == "prefill"):
-        xs = [torch.randn(s.rows, m.in_features, generator=g) for m in linears]
+        xs = [torch.randn(s.rows, m.in_features, generator=g).to(dtype) for m in linears]
         for impl in impls:
             rows = StepRows() if impl == "bf16" else None        # spec 0: every row a prompt row
 
@@ -376,7 +377,7 @@ def int8_prompts_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> li
                 finally:
                     for m, r in zip(linears, saved):
                         m.step_rows = r
-            tasks.append(Task(f"int8_prompts:{impl}@float32", s.name, fn))
+            tasks.append(Task(f"int8_prompts:{impl}@{dtype_name(dtype)}", s.name, fn))
     return tasks
 
 

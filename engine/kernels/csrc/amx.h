@@ -1,7 +1,7 @@
 /* AMX tiles: the process's permission to use them and the tile configuration record. Linux hands out AMX tile
  * state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM); where it refuses, or the CPU lacks AMX though
  * the build has it, amx_available() is 0 and callers run their vector paths. The configuration is thread state:
- * a kernel loads its own (amx_config) before its tile instructions on each thread and releases the tiles after,
+ * a kernel loads its own (amx_config_tiles) before its tile instructions on each thread and releases the tiles after,
  * since other AMX code in the process (oneDNN, through torch) configures its own. */
 #ifndef BATCHGEN_AMX_H
 #define BATCHGEN_AMX_H

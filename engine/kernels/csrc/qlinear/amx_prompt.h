@@ -22,14 +22,6 @@
 
 #include "../amx.h"
 
-static int amx_prompt_ok = -1;
-
-/* 1 where the tiles may run (asked on the calling thread, before any parallel region) */
-static int amx_prompt_available(void) {
-    if (amx_prompt_ok < 0) amx_prompt_ok = amx_available();
-    return amx_prompt_ok;
-}
-
 static void amx_prompt_begin(void) { amx_config_tiles(8); }   /* A0, A1, B0, B1, C00, C01, C10, C11 */
 
 /* the pair's weights (two 16-column blocks of the packed int8 layout, driver.h) as bf16 pairs: panel[j * 32 + c] =
@@ -55,12 +47,12 @@ static void dequant_pair(const int8_t *w, const uint16_t *sw, int Kp, uint32_t *
         }
 }
 
-/* y[M, N] (row stride ldy, float32 or bf16; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T; x float32
- * [M, K] at row stride ldx. Returns 0 (nothing written) where the tiles may not run. */
+/* y[M, N] (row stride ldy, float32 or bf16; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T; x [M, K]
+ * (float32, or bf16 with is_bf16) at row stride ldx. Returns 0 (nothing written) where the tiles may not run. */
 static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
                              int Np, int N, void *y, int ldy, int glu, int nt) {
     if (M <= 0) return 1;
-    if (!amx_prompt_available()) return 0;
+    if (!amx_available()) return 0;
     const int Kp = (K + QK - 1) / QK * QK, K2 = Kp / 2, K4 = Kp / 4, G = Kp / QK, npair = Np / 32;
     const int Mp = (M + 31) / 32 * 32;
     /* x as bf16, rows padded to whole 32-row blocks and K to Kp with zeros */

@@ -282,7 +282,7 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
 /* Whether q8_linear_amx_* can run here (the build has AMX-BF16 and the process may use the tiles). */
 int q8_prompt_amx(void) {
 #if QLINEAR_ISA == ISA_AVX512_VNNI && QLINEAR_AMX_BF16
-    return amx_prompt_available();
+    return amx_available();
 #else
     return 0;
 #endif
