@@ -201,9 +201,8 @@ def decide(fields: dict, formats: list[Format], families: dict[Format, dict], sh
 
 
 # A family keeps the table's implementation unless another's estimated step score is lower by more than this: the
-# probe's shapes are short (a 95-token prefill at 1.5B), where two implementations can time within a VM's noise while
-# the longer contexts of real prompts set them apart (the attention family on a Xeon with AMX, 2026-12-05: torch
-# 1.7 % ahead at the probe's prefill, our AMX kernel ~2x faster over 1,500-token prefixes).
+# probe's shapes are short, where two implementations can time within a VM's noise while the longer contexts of real
+# prompts set them apart (the attention family at 1.5B shapes: docs/perf/xeon-amx.md).
 FAMILY_MARGIN = 0.05
 
 

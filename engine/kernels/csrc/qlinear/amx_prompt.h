@@ -3,8 +3,8 @@
  * values dequantized (quant x its fp16 scale: an exact float32 product, rounded once to bf16) pair by pair as the
  * call runs. No per-group epilogue: the scale is in the weight, so a tile's sums run over all of K. The int8 dot
  * products' path (the VNNI tiles) quantizes activations to 8 bits per group of 32 and scales every group's sum in
- * float, which holds it to ~700 GOP/s on 2 cores where AMX's bf16 tiles reach ~2 TFLOP/s; bf16 activations keep
- * more of x than the 8-bit quants do.
+ * float, and that epilogue bounds it far under AMX's bf16 tiles (measured: docs/perf/xeon-amx.md); bf16
+ * activations keep more of x than the 8-bit quants do.
  *
  * Which rows take it is the caller's (engine.quant.int8: the prompt rows when the `int8_prompts` family says "bf16");
  * it is another arithmetic than the int8 dot products', so a position is always computed by one of them (an output
