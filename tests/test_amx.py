@@ -81,10 +81,12 @@ def test_batchgen_amx_0_keeps_int8_prompt_rows_off_the_tiles(monkeypatch):
 
 @needs_prompt_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (33, 100, 70), (47, 896, 160), (100, 640, 96)])
+# (600, 96, 64): two passes of rows (over 512); (70, 17000, 32): passes of 32 rows (a long K fills the pass's bytes)
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (33, 100, 70), (47, 896, 160), (100, 640, 96), (600, 96, 64),
+                                     (70, 17000, 32)])
 def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, k, n):
     """y = bf16(x) @ bf16(q * scale)^T with float32 sums: against that product in float64, within float32
-    summation; each row's bits as computed alone; the fused GLU is the unfused product's act(gate) * up."""
+    summation; each row's bits as computed alone; the fused GLU is the unfused product's act(gate) * up, bit for bit."""
     from engine.kernels.qlinear import q8_linear_amx
     from engine.quant import int8
     g = torch.Generator().manual_seed(m + k + n)
@@ -106,4 +108,5 @@ def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, 
         gw, gsw, _ = int8.pack(qi, si)
         fused = q8_linear_amx(x, gw, gsw, n, "silu")
         gate_up = q8_linear_amx(x, pw, sw, n)
-        assert torch.allclose(fused.float(), glu(gate_up, "silu").float(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(fused, glu(gate_up, "silu"))      # the same bits as the unfused GLU
+        assert torch.equal(q8_linear_amx(x, gw, gsw, n, "gelu_tanh"), glu(gate_up, "gelu_tanh"))

@@ -12,9 +12,12 @@
  * same tile instructions wherever it sits (rows padded to 16 with zeros, K padded to 32 by the packing), and each
  * output's sum runs over K in the same order for every call.
  *
- * Work: a thread takes whole 32-column pairs; per pair it dequantizes the pair into a panel in the B operand's
- * layout (Kp/2 rows of 32 columns x a bf16 pair), then runs every 32-row block of x against it: 2 A tiles
- * (16 rows x 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles. */
+ * Work: x's rows are packed as bf16 A tiles in passes of up to AMX_PROMPT_PASS_BYTES (each tile's 1 KB contiguous,
+ * so a block's k-steps are one sequential stream). A thread takes whole 32-column pairs; per pair it dequantizes
+ * the pair into a panel of B tiles (in a one-pass call as it comes, into its thread's panel; in a call of several
+ * passes all pairs once, in the first pass), then runs every 32-row block of the pass against it: 2 A tiles
+ * (16 rows x 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles. Splitting rows into passes leaves each
+ * output's sum untouched (K is never split). */
 #ifndef BATCHGEN_QLINEAR_AMX_PROMPT_H
 #define BATCHGEN_QLINEAR_AMX_PROMPT_H
 
@@ -22,10 +25,17 @@
 
 #include "../amx.h"
 
+/* A pass packs up to this many bytes of x's rows as bf16 tiles (about half a core's L2, where they stay while every
+ * weight pair streams past them; at most AMX_PROMPT_MAX_ROWS rows); a call with more rows runs in passes over weights
+ * dequantized once for the whole call. */
+#define AMX_PROMPT_PASS_BYTES (1L << 20)
+#define AMX_PROMPT_MAX_ROWS 512
+
 static void amx_prompt_begin(void) { amx_config_tiles(8); }   /* A0, A1, B0, B1, C00, C01, C10, C11 */
 
-/* the pair's weights (two 16-column blocks of the packed int8 layout, driver.h) as bf16 pairs: panel[j * 32 + c] =
- * (W[c][2j], W[c][2j+1]) for the pair's columns c, each value bf16(q * scale) */
+/* the pair's weights (two 16-column blocks of the packed int8 layout, driver.h) as B tiles, each k-step's two tiles
+ * side by side (1 KB each, 16 bf16 pairs x 16 columns): panel[(s * 2 + nb) * 256 + r * 16 + c] = (W[col][2j],
+ * W[col][2j+1]) for pair-row j = 16 s + r and column col = 16 nb + c, each value bf16(q * scale) */
 static void dequant_pair(const int8_t *w, const uint16_t *sw, int Kp, uint32_t *panel) {
     const int K4 = Kp / 4, G = Kp / QK;
     for (int nb = 0; nb < 2; nb++)
@@ -41,10 +51,98 @@ static void dequant_pair(const int8_t *w, const uint16_t *sw, int Kp, uint32_t *
             const __m512i h1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f1));
             const __m512i h2 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f2));
             const __m512i h3 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f3));
-            _mm512_storeu_si512(panel + (size_t)(2 * k4) * 32 + nb * 16, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
-            _mm512_storeu_si512(panel + (size_t)(2 * k4 + 1) * 32 + nb * 16,
-                                _mm512_or_si512(h2, _mm512_slli_epi32(h3, 16)));
+            uint32_t *dst = panel + ((size_t)(k4 / 8) * 2 + nb) * 256 + (size_t)(2 * k4 % 16) * 16;
+            _mm512_store_si512(dst, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+            _mm512_store_si512(dst + 16, _mm512_or_si512(h2, _mm512_slli_epi32(h3, 16)));
         }
+}
+
+/* 16 float32 -> bf16 bits in the low halves of 16 lanes, rounded as f32_to_bf16 (nearest even, subnormals kept,
+ * NaN stays NaN) */
+static inline __m512i bf16_bits(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* exp_clamped, silu and gelu_tanh (common.h) on 16 lanes: the same operations in the same order (the build does not
+ * contract a * b + c into FMAs), so the same bits as the scalar forms the unfused GLU runs */
+static inline __m512 exp_clamped16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-06f)));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __m512 act16(__m512 g, int act) {
+    __m512 z = g;
+    if (act != GLU_SILU) {
+        const __m512 c = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), g), g);
+        z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f), _mm512_add_ps(g, c));
+    }
+    const __m512 e = exp_clamped16(_mm512_xor_ps(z, _mm512_set1_ps(-0.0f)));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+/* store_rows for the tiles' results: the GLU's 16 outputs a row on 16 lanes (driver.h's store_glu, same bits),
+ * everything else as store_rows */
+static inline void amx_store_rows(float (*acc)[32], int R, int m, int np, int ncols, void *y, int ldy, int is_bf16,
+                                  int glu) {
+    if (!glu) {
+        store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 g = _mm512_load_ps(acc[r]), u = _mm512_load_ps(acc[r] + 16);
+        const size_t off = (size_t)(m + r) * ldy + np * 16;
+        if (is_bf16) {   /* gate and up rounded to bf16 first, as the unfused path's bf16 product */
+            g = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(g), 16));
+            u = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(u), 16));
+            const __m512 o = _mm512_mul_ps(act16(g, glu), u);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + off), _mm512_cvtepi32_epi16(bf16_bits(o)));
+        } else {
+            _mm512_storeu_ps((float *)y + off, _mm512_mul_ps(act16(g, glu), u));
+        }
+    }
+}
+
+/* rows m0 .. m0 + rows of x as A tiles, each 32-row block's two 16-row tiles of a k-step side by side (1 KB each):
+ * xa[((b * S + s) * 2 + h) * 512 + r * 32 + c] = bf16(x[m0 + 32 b + 16 h + r][32 s + c]), zeros past M and K */
+static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0, int rows, int S, uint16_t *xa,
+                      int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt) if (rows > 8)
+    for (int i = 0; i < rows; i++) {
+        const int m = m0 + i;
+        uint16_t *dst = xa + ((size_t)(i / 32) * S * 2 + (i % 32) / 16) * 512 + (size_t)(i % 16) * 32;
+        for (int s = 0; s < S; s++, dst += 1024) {
+            const int k0 = s * 32, n = m >= M ? 0 : K - k0 < 32 ? K - k0 : 32;
+            const __mmask32 mask = n >= 32 ? 0xffffffffu : ((1u << n) - 1);
+            __m512i v;
+            if (is_bf16) {
+                v = _mm512_maskz_loadu_epi16(mask, (const uint16_t *)x + (size_t)m * ldx + k0);
+            } else {
+                const float *src = (const float *)x + (size_t)m * ldx + k0;
+                const __m512i lo = bf16_bits(_mm512_maskz_loadu_ps((__mmask16)mask, src));
+                const __m512i hi = bf16_bits(_mm512_maskz_loadu_ps((__mmask16)(mask >> 16), src + 16));
+                v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+            }
+            _mm512_store_si512(dst, v);
+        }
+    }
 }
 
 /* y[M, N] (row stride ldy, float32 or bf16; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T; x [M, K]
@@ -53,59 +151,57 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
                              int Np, int N, void *y, int ldy, int glu, int nt) {
     if (M <= 0) return 1;
     if (!amx_available()) return 0;
-    const int Kp = (K + QK - 1) / QK * QK, K2 = Kp / 2, K4 = Kp / 4, G = Kp / QK, npair = Np / 32;
-    const int Mp = (M + 31) / 32 * 32;
-    /* x as bf16, rows padded to whole 32-row blocks and K to Kp with zeros */
-    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)Mp * Kp * 2);
-#pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
-    for (int m = 0; m < Mp; m++) {
-        uint16_t *dst = xa + (size_t)m * Kp;
-        if (m >= M) {
-            memset(dst, 0, (size_t)Kp * 2);
-            continue;
-        }
-        for (int k = 0; k < Kp; k++)
-            dst[k] = k < K ? (is_bf16 ? ((const uint16_t *)x)[(size_t)m * ldx + k]
-                                      : f32_to_bf16(((const float *)x)[(size_t)m * ldx + k]))
-                           : 0;
-    }
+    const int Kp = (K + QK - 1) / QK * QK, K2 = Kp / 2, K4 = Kp / 4, G = Kp / QK, S = Kp / 32, npair = Np / 32;
+    int cap = (int)(AMX_PROMPT_PASS_BYTES / ((long)Kp * 2)) / 32 * 32;
+    cap = cap < 32 ? 32 : cap > AMX_PROMPT_MAX_ROWS ? AMX_PROMPT_MAX_ROWS : cap;
+    const int Mp = (M + 31) / 32 * 32, pass_rows = Mp < cap ? Mp : cap;
+    const size_t panel_words = (size_t)K2 * 32;
+    /* one pass: each pair dequantized into its thread's panel as it comes; several: all pairs dequantized once */
+    uint32_t *panels = Mp > pass_rows ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
+    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)pass_rows * Kp * 2);
+    for (int m0 = 0; m0 < Mp; m0 += pass_rows) {
+        const int rows = Mp - m0 < pass_rows ? Mp - m0 : pass_rows;
+        pack_rows(x, is_bf16, M, K, ldx, m0, rows, S, xa, nt);
 #pragma omp parallel num_threads(nt)
-    {
-        uint32_t *panel = (uint32_t *)aligned_alloc(64, (size_t)K2 * 32 * 4);
-        float acc[32][32] __attribute__((aligned(64)));
-        amx_prompt_begin();
+        {
+            uint32_t *own = panels ? NULL : (uint32_t *)aligned_alloc(64, panel_words * 4);
+            float acc[32][32] __attribute__((aligned(64)));
+            amx_prompt_begin();
 #pragma omp for schedule(static)
-        for (int np = 0; np < npair; np++) {
-            dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, panel);
-            const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
-            for (int m = 0; m < Mp; m += 32) {
-                _tile_zero(4);
-                _tile_zero(5);
-                _tile_zero(6);
-                _tile_zero(7);
-                const uint16_t *a = xa + (size_t)m * Kp;
-                for (int j0 = 0; j0 < K2; j0 += 16) {
-                    _tile_loadd(0, a + 2 * (size_t)j0, Kp * 2);
-                    _tile_loadd(1, a + (size_t)16 * Kp + 2 * (size_t)j0, Kp * 2);
-                    _tile_loadd(2, panel + (size_t)j0 * 32, 128);
-                    _tile_loadd(3, panel + (size_t)j0 * 32 + 16, 128);
-                    _tile_dpbf16ps(4, 0, 2);
-                    _tile_dpbf16ps(5, 0, 3);
-                    _tile_dpbf16ps(6, 1, 2);
-                    _tile_dpbf16ps(7, 1, 3);
+            for (int np = 0; np < npair; np++) {
+                uint32_t *panel = panels ? panels + (size_t)np * panel_words : own;
+                if (!panels || m0 == 0) dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, panel);
+                const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
+                for (int b = 0; b < rows / 32; b++) {
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    _tile_zero(7);
+                    const uint16_t *a = xa + (size_t)b * S * 1024;
+                    for (int s = 0; s < S; s++) {
+                        _tile_loadd(0, a + (size_t)s * 1024, 64);
+                        _tile_loadd(1, a + (size_t)s * 1024 + 512, 64);
+                        _tile_loadd(2, panel + (size_t)s * 512, 64);
+                        _tile_loadd(3, panel + (size_t)s * 512 + 256, 64);
+                        _tile_dpbf16ps(4, 0, 2);
+                        _tile_dpbf16ps(5, 0, 3);
+                        _tile_dpbf16ps(6, 1, 2);
+                        _tile_dpbf16ps(7, 1, 3);
+                    }
+                    _tile_stored(4, &acc[0][0], 128);
+                    _tile_stored(5, &acc[0][16], 128);
+                    _tile_stored(6, &acc[16][0], 128);
+                    _tile_stored(7, &acc[16][16], 128);
+                    const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
+                    if (R > 0) amx_store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
                 }
-                _tile_stored(4, &acc[0][0], 128);
-                _tile_stored(5, &acc[0][16], 128);
-                _tile_stored(6, &acc[16][0], 128);
-                _tile_stored(7, &acc[16][16], 128);
-                const int R = M - m < 32 ? M - m : 32;
-                store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
             }
+            _tile_release();
+            free(own);
         }
-        _tile_release();
-        free(panel);
     }
     free(xa);
+    free(panels);
     return 1;
 }
 
