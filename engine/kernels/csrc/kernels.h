@@ -18,6 +18,7 @@ const char *batchgen_kernel_isa(void);       /* avx512_bf16 | avx512 | avx2 | po
 const char *batchgen_q8_isa(void);           /* avx512_vnni | avx2 | portable (dispatch.h) */
 int bf16_gemm_fast(void);                    /* 1: bf16_gemm uses AVX512-BF16 dot products */
 int bf16_gemm_amx(int enable);                /* bf16_gemm (and prefill attention) on AMX tiles: set, returns whether on */
+int prefill_online_softmax(int head_dim);      /* 1: prefill_bf16kv_* run the AMX online-softmax item (bf16_gemm/amx_flash.h) */
 int prefill_f32_cols(void);                  /* prefill_f32's column tile: D a multiple of it */
 
 /* ---- paged decode attention (paged_decode/): 0 on success, 1 for an unsupported shape ---- */

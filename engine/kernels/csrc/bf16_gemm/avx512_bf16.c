@@ -11,6 +11,7 @@
 #if BF16_GEMM_AMX
 #define HAVE_AMX_TILES 1
 #include "amx_tiles.h"
+#include "amx_flash.h"
 #endif
 #include "driver.h"
 

@@ -25,14 +25,37 @@ void bf16_gemm_serial(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_
 #ifdef HAVE_AMX_TILES
     if (amx_on) {
         amx_begin();
-        for (int ct = 0; ct < (N + AMX_GC - 1) / AMX_GC; ct++)
-            for (int rt = 0; rt < (M + AMX_GR - 1) / AMX_GR; rt++) amx_tile(a, lda, bp, ldb, c, ldc, M, N, K2, rt, ct);
+        for (int ct = 0; ct < (N + AMX_GC - 1) / AMX_GC; ct++) amx_columns(a, lda, bp, ldb, c, ldc, M, N, K2, ct);
         _tile_release();
         return;
     }
 #endif
     for (int ct = 0; ct < (N + GC - 1) / GC; ct++)
         for (int rt = 0; rt < (M + GR - 1) / GR; rt++) tiles(a, lda, bp, ldb, c, ldc, M, N, K2, rt, ct);
+}
+
+int prefill_online_softmax(int head_dim) {
+#ifdef HAVE_AMX_TILES
+    return amx_on && head_dim == 64;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+int bf16_attention_amx(const uint16_t *qt, int rows, int G, int64_t ts, const uint32_t *kp, int64_t ldk,
+                       const uint32_t *vp, int S, int D, int64_t k_start, int64_t window, float *ob) {
+#ifdef HAVE_AMX_TILES
+    if (prefill_online_softmax(D)) {
+        amx_begin();
+        amx_flash_rows(qt, rows, G, ts, kp, ldk, vp, S, k_start, window, ob);
+        _tile_release();
+        return 1;
+    }
+#endif
+    (void)qt, (void)rows, (void)G, (void)ts, (void)kp, (void)ldk, (void)vp, (void)S, (void)D, (void)k_start;
+    (void)window, (void)ob;
+    return 0;
 }
 
 int bf16_gemm_amx(int enable) {

@@ -99,7 +99,9 @@ static inline __attribute__((always_inline)) void prefill(
                 f32_gemm_serial((const float *)qt, D, kt + j0, ldk, sc, nc, rows, (int)nc, D);
                 masked_softmax_f32(sc, 1, t, G, nc, ts, k_start + j0, window, 1);
                 f32_gemm_serial(sc, nc, v + j0 * D, D, ob, D, rows, D, (int)nc);
-            } else {
+            } else if (!bf16_attention_amx((const uint16_t *)qt, rows, G, ts, (const uint32_t *)kop + (size_t)h * (D / 2) * ldk,
+                                           ldk, (const uint32_t *)vop + (size_t)h * S / 2 * D, S, D, k_start, window,
+                                           ob)) {
                 const uint32_t *kp = (const uint32_t *)kop + (size_t)h * (D / 2) * ldk;
                 const uint32_t *vp = (const uint32_t *)vop + ((size_t)h * S + j0) / 2 * D;
                 bf16_gemm_serial((const uint16_t *)qt, D, kp + j0, ldk, sc, nc, rows, (int)nc, D / 2);

@@ -1,0 +1,178 @@
+/* Prefill attention of one work item (a KV head's tile of query rows, prefill/driver.h) on AMX-BF16 tiles, with
+ * the softmax online over blocks of 32 keys (FlashAttention's order): the scores of 16 query rows x 32 keys go
+ * from two C tiles through L1 into the softmax, their bf16 probabilities into one A tile, and P.V accumulates in
+ * four C tiles that hold the rows' whole output (head_dim 64). Nothing of the rows x keys tile reaches memory:
+ * the two-product form (bf16_gemm_serial, masked_softmax_f32, bf16_gemm_serial) stored every score and
+ * probability and was store-bound (docs/perf/xeon-amx.md).
+ *
+ * Arithmetic, per query row r, alone: scores s = q . k in float32 (TDPBF16PS); a reference maximum M_r, raised
+ * to a block's maximum only when that exceeds it by more than FLASH_SLACK (then the output row and the running sum
+ * are scaled by exp(M_old - M_new)); p = exp(s - M_r) (exp_fast16), summed in float32 into l_r and rounded to bf16
+ * for P.V; out = (P.V) / l_r. Blocks start at multiples of 32 keys from k_start (the caller aligns k_start to an
+ * absolute multiple of 32, prefill/driver.h PREFILL_BF16_ALIGN) and a row skips every block it sees no key of,
+ * so a query's bits depend on its own query, keys and values only: not on which rows share its tile or where its
+ * chunk starts. Rows past the item's and keys past S are zero-padded through scratch. */
+#ifndef BATCHGEN_BF16_AMX_FLASH_H
+#define BATCHGEN_BF16_AMX_FLASH_H
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "../amx.h"
+
+#define FLASH_KEYS 32       /* keys per block: one A tile of probabilities (16 pairs) */
+#define FLASH_SLACK 8.0f    /* probabilities up to e^8 before the reference maximum moves */
+
+/* e^x on 16 lanes for x in [-87, 9]: 2^(x log2 e) as a degree-5 polynomial in the fraction (relative error
+ * ~3e-6, under the bf16 rounding the probabilities get) scaled by 2^n (vscalefps). */
+static inline __m512 exp_fast16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 float32 -> bf16 (round to nearest even; the probabilities are finite, never subnormal) */
+static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+/* Visible keys of query position qpos among block keys [jb, jb + 32) (relative to k_start), as a bit mask. */
+static inline uint32_t block_mask(int64_t qpos, int64_t k_start, int64_t window, int64_t jb) {
+    int64_t lo = window > 0 ? qpos - window + 1 - k_start : 0, hi = qpos - k_start + 1;   /* [lo, hi) */
+    lo = lo > jb ? lo - jb : 0;
+    hi = hi < jb + FLASH_KEYS ? hi - jb : FLASH_KEYS;
+    if (hi <= lo) return 0;
+    const uint32_t upto = hi >= 32 ? 0xffffffffu : ((1u << hi) - 1);
+    return upto & ~((1u << lo) - 1);
+}
+
+/* ob[rows, 64] (float32) = attention of qt's rows (bf16, row r = token r / G of the item, at query position
+ * ts + r / G; rows x 64, dense) over KV head keys kp [32, ldk] pair words (kp[i][j] = (k[j][2i], k[j][2i+1])) and
+ * values vp [S/2, 64] pair words, key j at position k_start + j, j < S. */
+static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, const uint32_t *kp, int64_t ldk,
+                           const uint32_t *vp, int S, int64_t k_start, int64_t window, float *ob) {
+    enum { D = 64 };
+    uint16_t qs[16][D] __attribute__((aligned(64)));             /* a last tile's rows, zero-padded */
+    float sc[16][FLASH_KEYS] __attribute__((aligned(64)));       /* a block's scores */
+    uint16_t pb[16][FLASH_KEYS] __attribute__((aligned(64)));    /* its probabilities: one A tile */
+    float ot[16][D] __attribute__((aligned(64)));                /* the output tiles when rescaled or finished */
+    uint32_t ks[D / 2][FLASH_KEYS] __attribute__((aligned(64))); /* keys / values past S: zero-padded */
+    uint32_t vs[FLASH_KEYS / 2][D] __attribute__((aligned(64)));
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int R = rows - r0 < 16 ? rows - r0 : 16;
+        const uint16_t *q = qt + (int64_t)r0 * D;
+        if (R < 16) {
+            memset(qs, 0, sizeof qs);
+            memcpy(qs, q, (size_t)R * D * 2);
+            q = &qs[0][0];
+        }
+        float M[16], L[16];
+        int64_t first = INT64_MAX, last = 0;              /* blocks [first, last) that any row sees */
+        for (int r = 0; r < 16; r++) {
+            M[r] = -INFINITY;
+            L[r] = 0.0f;
+            if (r >= R) continue;
+            const int64_t qpos = ts + (r0 + r) / G;
+            const int64_t lo = window > 0 && qpos - window + 1 > k_start ? qpos - window + 1 - k_start : 0;
+            const int64_t hi = qpos - k_start + 1;
+            if (lo / FLASH_KEYS * FLASH_KEYS < first) first = lo / FLASH_KEYS * FLASH_KEYS;
+            if (hi > last) last = hi;
+        }
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t jb = first; jb < last; jb += FLASH_KEYS) {
+            const uint32_t *kb = kp + jb, *vb = vp + jb / 2 * D;
+            int64_t ldkb = ldk;
+            if (jb + FLASH_KEYS > S) {                       /* keys past S: zeros */
+                const int n = (int)(S - jb);
+                memset(ks, 0, sizeof ks);
+                memset(vs, 0, sizeof vs);
+                for (int i = 0; i < D / 2; i++) memcpy(ks[i], kb + (int64_t)i * ldk, (size_t)n * 4);
+                memcpy(vs, vb, (size_t)((n + 1) / 2) * D * 4);
+                kb = &ks[0][0];
+                vb = &vs[0][0];
+                ldkb = FLASH_KEYS;
+            }
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int kk = 0; kk < D / 32; kk++) {
+                _tile_loadd(0, q + kk * 32, D * 2);
+                _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb, ldkb * 4);
+                _tile_dpbf16ps(2, 0, 1);
+                _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb + 16, ldkb * 4);
+                _tile_dpbf16ps(3, 0, 1);
+            }
+            _tile_stored(2, &sc[0][0], FLASH_KEYS * 4);
+            _tile_stored(3, &sc[0][16], FLASH_KEYS * 4);
+            float scale[16];
+            int rescale = 0;
+            for (int r = 0; r < 16; r++) {
+                scale[r] = 1.0f;
+                const uint32_t vis = r < R ? block_mask(ts + (r0 + r) / G, k_start, window, jb) : 0;
+                if (!vis) {
+                    _mm512_store_si512(pb[r], _mm512_setzero_si512());
+                    continue;
+                }
+                const __mmask16 m0 = (__mmask16)vis, m1 = (__mmask16)(vis >> 16);
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                const __m512 s0 = _mm512_mask_load_ps(ninf, m0, sc[r]), s1 = _mm512_mask_load_ps(ninf, m1, sc[r] + 16);
+                const float mb = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+                if (M[r] == -INFINITY || mb > M[r] + FLASH_SLACK) {
+                    if (M[r] != -INFINITY) {
+                        scale[r] = _mm512_cvtss_f32(exp_fast16(_mm512_set1_ps(M[r] - mb)));
+                        L[r] *= scale[r];
+                        rescale = 1;
+                    }
+                    M[r] = mb;
+                }
+                const __m512 mr = _mm512_set1_ps(M[r]);
+                const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_fast16(_mm512_sub_ps(s0, mr)));
+                const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_fast16(_mm512_sub_ps(s1, mr)));
+                L[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                _mm512_store_si512(pb[r], _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(p0)), to_bf16x16(p1), 1));
+            }
+            if (rescale) {            /* rows whose maximum moved: their output so far times exp(M_old - M_new) */
+                _tile_stored(4, &ot[0][0], D * 4);
+                _tile_stored(5, &ot[0][16], D * 4);
+                _tile_stored(6, &ot[0][32], D * 4);
+                _tile_stored(7, &ot[0][48], D * 4);
+                for (int r = 0; r < 16; r++)
+                    if (scale[r] != 1.0f)
+                        for (int d = 0; d < D; d += 16)
+                            _mm512_store_ps(&ot[r][d], _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), _mm512_set1_ps(scale[r])));
+                _tile_loadd(4, &ot[0][0], D * 4);
+                _tile_loadd(5, &ot[0][16], D * 4);
+                _tile_loadd(6, &ot[0][32], D * 4);
+                _tile_loadd(7, &ot[0][48], D * 4);
+            }
+            _tile_loadd(0, pb, FLASH_KEYS * 2);
+            _tile_loadd(1, vb, D * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(1, vb + 16, D * 4);
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_loadd(1, vb + 32, D * 4);
+            _tile_dpbf16ps(6, 0, 1);
+            _tile_loadd(1, vb + 48, D * 4);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+        _tile_stored(4, &ot[0][0], D * 4);
+        _tile_stored(5, &ot[0][16], D * 4);
+        _tile_stored(6, &ot[0][32], D * 4);
+        _tile_stored(7, &ot[0][48], D * 4);
+        for (int r = 0; r < R; r++) {
+            const __m512 inv = _mm512_set1_ps(L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
+            for (int d = 0; d < D; d += 16)
+                _mm512_storeu_ps(ob + (int64_t)(r0 + r) * D + d, _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), inv));
+        }
+    }
+}
+
+#endif
