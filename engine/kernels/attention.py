@@ -103,8 +103,8 @@ def prefill_attention(qs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, q_st
 
 def prefill_online_softmax(head_dim: int, lib: KernelLibrary | None = None) -> bool:
     """True where ``prefill_attention`` runs its items on AMX tiles with the softmax online over blocks of 32 keys
-    (csrc/bf16_gemm/amx_flash.h: head_dim 64 where the tiles are on); elsewhere the two-product form (scores,
-    ``masked_softmax_``, probabilities rounded to bf16, P.V), another arithmetic of the same attention."""
+    (csrc/bf16_gemm/amx_flash.h: head_dim 64, 128 or 256 where the tiles are on); elsewhere the two-product form
+    (scores, ``masked_softmax_``, probabilities rounded to bf16, P.V), another arithmetic of the same attention."""
     lib = lib or library.load()
     return lib is not None and bool(lib.prefill_online_softmax(head_dim))
 

@@ -1,7 +1,7 @@
 /* Prefill attention of one work item (a KV head's tile of query rows, prefill/driver.h) on AMX-BF16 tiles, with
  * the softmax online over blocks of 32 keys (FlashAttention's order): the scores of 16 query rows x 32 keys go
  * from two C tiles through L1 into the softmax, their bf16 probabilities into one A tile, and P.V accumulates in
- * four C tiles that hold the rows' whole output (head_dim 64). Nothing of the rows x keys tile reaches memory:
+ * four C tiles that hold the rows' first 64 output columns (the rest, for head_dim 128 or 256, add up in L1). Nothing of the rows x keys tile reaches memory:
  * the two-product form (bf16_gemm_serial, masked_softmax_f32, bf16_gemm_serial) stored every score and
  * probability and was store-bound (docs/perf/xeon-amx.md).
  *
@@ -52,25 +52,52 @@ static inline uint32_t block_mask(int64_t qpos, int64_t k_start, int64_t window,
     return upto & ~((1u << lo) - 1);
 }
 
-/* ob[rows, 64] (float32) = attention of qt's rows (bf16, row r = token r / G of the item, at query position
- * ts + r / G; rows x 64, dense) over KV head keys kp [32, ldk] pair words (kp[i][j] = (k[j][2i], k[j][2i+1])) and
- * values vp [S/2, 64] pair words, key j at position k_start + j, j < S. */
+#define FLASH_MAX_D 256
+#define FLASH_LO 64         /* output columns held in C tiles 4-7; the rest (ohi) in L1, through tiles 2-3 */
+
+/* the output's columns past FLASH_LO (head_dim > 64): oh[r] = oh[r] + (P.V)[r] for this block, two 16-column
+ * tiles at a time through C tiles 2 and 3 (free once the block's scores are stored) */
+static inline void flash_pv_hi(const uint32_t *vb, int D, float (*pv)[32], float (*oh)[FLASH_MAX_D - FLASH_LO]) {
+    for (int c = FLASH_LO; c < D; c += 32) {
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(1, vb + c, D * 4);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(1, vb + c + 16, D * 4);
+        _tile_dpbf16ps(3, 0, 1);
+        _tile_stored(2, &pv[0][0], 128);
+        _tile_stored(3, &pv[0][16], 128);
+        for (int r = 0; r < 16; r++)
+            for (int x = 0; x < 32; x += 16) {
+                float *o = &oh[r][c - FLASH_LO + x];
+                _mm512_store_ps(o, _mm512_add_ps(_mm512_load_ps(o), _mm512_load_ps(&pv[r][x])));
+            }
+    }
+}
+
+/* ob[rows, D] (float32) = attention of qt's rows (bf16, row r = token r / G of the item, at query position
+ * ts + r / G; rows x D, dense) over KV head keys kp [D/2, ldk] pair words (kp[i][j] = (k[j][2i], k[j][2i+1])) and
+ * values vp [S/2, D] pair words, key j at position k_start + j, j < S. D a multiple of 64, at most FLASH_MAX_D. */
 static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, const uint32_t *kp, int64_t ldk,
-                           const uint32_t *vp, int S, int64_t k_start, int64_t window, float *ob) {
-    enum { D = 64 };
-    uint16_t qs[16][D] __attribute__((aligned(64)));             /* a last tile's rows, zero-padded */
-    float sc[16][FLASH_KEYS] __attribute__((aligned(64)));       /* a block's scores */
-    uint16_t pb[16][FLASH_KEYS] __attribute__((aligned(64)));    /* its probabilities: one A tile */
-    float ot[16][D] __attribute__((aligned(64)));                /* the output tiles when rescaled or finished */
-    uint32_t ks[D / 2][FLASH_KEYS] __attribute__((aligned(64))); /* keys / values past S: zero-padded */
-    uint32_t vs[FLASH_KEYS / 2][D] __attribute__((aligned(64)));
+                           const uint32_t *vp, int S, int D, int64_t k_start, int64_t window, float *ob) {
+    enum { HI = FLASH_MAX_D - FLASH_LO };
+    uint16_t qs[16][FLASH_MAX_D] __attribute__((aligned(64)));           /* a last tile's rows, zero-padded */
+    float sc[16][FLASH_KEYS] __attribute__((aligned(64)));               /* a block's scores */
+    uint16_t pb[16][FLASH_KEYS] __attribute__((aligned(64)));            /* its probabilities: one A tile */
+    float ot[16][FLASH_LO] __attribute__((aligned(64)));                 /* tiles 4-7 when rescaled or finished */
+    float oh[16][HI] __attribute__((aligned(64)));                       /* the columns past FLASH_LO */
+    float pv[16][32] __attribute__((aligned(64)));
+    uint32_t ks[FLASH_MAX_D / 2][FLASH_KEYS] __attribute__((aligned(64))); /* keys / values past S: zeros */
+    uint32_t vs[FLASH_KEYS / 2][FLASH_MAX_D] __attribute__((aligned(64)));
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int R = rows - r0 < 16 ? rows - r0 : 16;
         const uint16_t *q = qt + (int64_t)r0 * D;
+        int64_t ldq = D;
         if (R < 16) {
             memset(qs, 0, sizeof qs);
-            memcpy(qs, q, (size_t)R * D * 2);
+            for (int r = 0; r < R; r++) memcpy(qs[r], q + (int64_t)r * D, (size_t)D * 2);
             q = &qs[0][0];
+            ldq = FLASH_MAX_D;
         }
         float M[16], L[16];
         int64_t first = INT64_MAX, last = 0;              /* blocks [first, last) that any row sees */
@@ -88,6 +115,7 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
+        if (D > FLASH_LO) memset(oh, 0, sizeof oh);
         for (int64_t jb = first; jb < last; jb += FLASH_KEYS) {
             const uint32_t *kb = kp + jb, *vb = vp + jb / 2 * D;
             int64_t ldkb = ldk;
@@ -96,7 +124,7 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
                 memset(ks, 0, sizeof ks);
                 memset(vs, 0, sizeof vs);
                 for (int i = 0; i < D / 2; i++) memcpy(ks[i], kb + (int64_t)i * ldk, (size_t)n * 4);
-                memcpy(vs, vb, (size_t)((n + 1) / 2) * D * 4);
+                memcpy(vs, vb, (size_t)((n + 1) / 2) * D * 4);   /* rows of D words: vs read at stride D below */
                 kb = &ks[0][0];
                 vb = &vs[0][0];
                 ldkb = FLASH_KEYS;
@@ -104,7 +132,7 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
             _tile_zero(2);
             _tile_zero(3);
             for (int kk = 0; kk < D / 32; kk++) {
-                _tile_loadd(0, q + kk * 32, D * 2);
+                _tile_loadd(0, q + kk * 32, ldq * 2);
                 _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb, ldkb * 4);
                 _tile_dpbf16ps(2, 0, 1);
                 _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb + 16, ldkb * 4);
@@ -140,18 +168,22 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
                 _mm512_store_si512(pb[r], _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(p0)), to_bf16x16(p1), 1));
             }
             if (rescale) {            /* rows whose maximum moved: their output so far times exp(M_old - M_new) */
-                _tile_stored(4, &ot[0][0], D * 4);
-                _tile_stored(5, &ot[0][16], D * 4);
-                _tile_stored(6, &ot[0][32], D * 4);
-                _tile_stored(7, &ot[0][48], D * 4);
-                for (int r = 0; r < 16; r++)
-                    if (scale[r] != 1.0f)
-                        for (int d = 0; d < D; d += 16)
-                            _mm512_store_ps(&ot[r][d], _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), _mm512_set1_ps(scale[r])));
-                _tile_loadd(4, &ot[0][0], D * 4);
-                _tile_loadd(5, &ot[0][16], D * 4);
-                _tile_loadd(6, &ot[0][32], D * 4);
-                _tile_loadd(7, &ot[0][48], D * 4);
+                _tile_stored(4, &ot[0][0], FLASH_LO * 4);
+                _tile_stored(5, &ot[0][16], FLASH_LO * 4);
+                _tile_stored(6, &ot[0][32], FLASH_LO * 4);
+                _tile_stored(7, &ot[0][48], FLASH_LO * 4);
+                for (int r = 0; r < 16; r++) {
+                    if (scale[r] == 1.0f) continue;
+                    const __m512 f = _mm512_set1_ps(scale[r]);
+                    for (int d = 0; d < FLASH_LO; d += 16)
+                        _mm512_store_ps(&ot[r][d], _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), f));
+                    for (int d = 0; d < D - FLASH_LO; d += 16)
+                        _mm512_store_ps(&oh[r][d], _mm512_mul_ps(_mm512_load_ps(&oh[r][d]), f));
+                }
+                _tile_loadd(4, &ot[0][0], FLASH_LO * 4);
+                _tile_loadd(5, &ot[0][16], FLASH_LO * 4);
+                _tile_loadd(6, &ot[0][32], FLASH_LO * 4);
+                _tile_loadd(7, &ot[0][48], FLASH_LO * 4);
             }
             _tile_loadd(0, pb, FLASH_KEYS * 2);
             _tile_loadd(1, vb, D * 4);
@@ -162,15 +194,18 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
             _tile_dpbf16ps(6, 0, 1);
             _tile_loadd(1, vb + 48, D * 4);
             _tile_dpbf16ps(7, 0, 1);
+            if (D > FLASH_LO) flash_pv_hi(vb, D, pv, oh);
         }
-        _tile_stored(4, &ot[0][0], D * 4);
-        _tile_stored(5, &ot[0][16], D * 4);
-        _tile_stored(6, &ot[0][32], D * 4);
-        _tile_stored(7, &ot[0][48], D * 4);
+        _tile_stored(4, &ot[0][0], FLASH_LO * 4);
+        _tile_stored(5, &ot[0][16], FLASH_LO * 4);
+        _tile_stored(6, &ot[0][32], FLASH_LO * 4);
+        _tile_stored(7, &ot[0][48], FLASH_LO * 4);
         for (int r = 0; r < R; r++) {
             const __m512 inv = _mm512_set1_ps(L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
-            for (int d = 0; d < D; d += 16)
-                _mm512_storeu_ps(ob + (int64_t)(r0 + r) * D + d, _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), inv));
+            float *o = ob + (int64_t)(r0 + r) * D;
+            for (int d = 0; d < FLASH_LO; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), inv));
+            for (int d = FLASH_LO; d < D; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(&oh[r][d - FLASH_LO]), inv));
         }
     }
 }

@@ -33,7 +33,7 @@ void bf16_gemm_serial(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_
 /* One prefill work item's attention on AMX tiles with the softmax online (amx_flash.h): ob [rows, D] float32 for
  * qt's rows (bf16, row r at query position ts + r / G) over one KV head's packed keys kp [D/2, ldk] and values
  * vp [S/2, D], key j at position k_start + j (k_start an absolute multiple of 32). Returns 0, writing nothing, where
- * it does not run (no tiles, or D other than 64): the caller takes the two-product path. */
+ * it does not run (no tiles, or D not a multiple of 64 up to 256): the caller takes the two-product path. */
 int bf16_attention_amx(const uint16_t *qt, int rows, int G, int64_t ts, const uint32_t *kp, int64_t ldk,
                        const uint32_t *vp, int S, int D, int64_t k_start, int64_t window, float *ob);
 

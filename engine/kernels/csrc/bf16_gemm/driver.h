@@ -36,7 +36,7 @@ void bf16_gemm_serial(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_
 
 int prefill_online_softmax(int head_dim) {
 #ifdef HAVE_AMX_TILES
-    return amx_on && head_dim == 64;
+    return amx_on && head_dim % 64 == 0 && head_dim <= FLASH_MAX_D;
 #else
     (void)head_dim;
     return 0;
@@ -48,7 +48,7 @@ int bf16_attention_amx(const uint16_t *qt, int rows, int G, int64_t ts, const ui
 #ifdef HAVE_AMX_TILES
     if (prefill_online_softmax(D)) {
         amx_begin();
-        amx_flash_rows(qt, rows, G, ts, kp, ldk, vp, S, k_start, window, ob);
+        amx_flash_rows(qt, rows, G, ts, kp, ldk, vp, S, D, k_start, window, ob);
         _tile_release();
         return 1;
     }
