@@ -123,3 +123,25 @@ def test_measured_steps_scale_the_roofline_to_this_machine():
     assert (_run([512] * 48, [0] * 48, [32] * 48, measured=measured, **small, **kw).prefill_s
             == pytest.approx(3 * _run([512] * 48, [0] * 48, [32] * 48, **small, **kw).prefill_s))
     assert 2 * base.decode_s <= scaled.decode_s <= 4 * base.decode_s
+
+
+@pytest.mark.parametrize("prompts, large", [("bf16", 3e12), ("int8", 5e11)])
+def test_int8_prompt_rows_on_amx_are_priced_at_the_bf16_peak(monkeypatch, prompts, large):
+    """An int8 engine whose prompt rows run bf16 on AMX tiles: large steps at bf16's calibrated rate, decode-sized rows
+    at the int8 kernel's; with the int8 dot products both come from the int8 kernel's calibration."""
+    from types import SimpleNamespace
+
+    import costmodel.calibrate as calibrate
+    rates = {"int8": SimpleNamespace(matmul_flops=4e11, small_m_flops=1e11, memory_bandwidth=2e10,
+                                     kernel_flops={"q8_linear": {"matmul_flops": 5e11, "small_m_flops": 2e11}}),
+             "bfloat16": SimpleNamespace(matmul_flops=3e12, small_m_flops=3e11, memory_bandwidth=2e10,
+                                         kernel_flops={})}
+    monkeypatch.setattr(calibrate, "get_calibration", lambda device, dtype, quick=False: rates[dtype])
+    monkeypatch.setattr(P, "measured_steps", lambda info: None)
+    seen = {}
+    monkeypatch.setattr(P, "predict", lambda *a, **kw: seen.update(large=a[7], small=a[9]))
+    cfg = SimpleNamespace(quantization="int8", device="cpu", dtype="float32", kv_cache_dtype="bfloat16",
+                          kernels={"int8_prompts": prompts}, max_num_batched_tokens=4096, max_num_seqs=128)
+    P.plan_pricer(SimpleNamespace(config=cfg), tiny())(SimpleNamespace(num_requests=1, prompt_len=[8], cached=[0]),
+                                                        [4])
+    assert seen == {"large": large, "small": 2e11}
