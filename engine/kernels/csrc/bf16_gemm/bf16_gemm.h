@@ -30,6 +30,10 @@
 void bf16_gemm_serial(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_t ldb, float *c, int64_t ldc,
                       int M, int N, int K2);
 
+/* 1 where this process runs bf16 products on AMX tiles (bf16_gemm_amx; BATCHGEN_AMX=0 keeps them off): the decode
+ * attention's scores ask it too (paged_decode/avx512_bf16.c) */
+int bf16_gemm_tiles_on(void);
+
 /* One prefill work item's attention on AMX tiles with the softmax online (amx_flash.h): ob [rows, D] float32 for
  * qt's rows (bf16, row r at query position ts + r / G) over one KV head's packed keys kp [D/2, ldk] and values
  * vp [S/2, D], key j at position k_start + j (k_start an absolute multiple of 32). Returns 0, writing nothing, where

@@ -34,6 +34,14 @@ void bf16_gemm_serial(const uint16_t *a, int64_t lda, const uint32_t *bp, int64_
         for (int rt = 0; rt < (M + GR - 1) / GR; rt++) tiles(a, lda, bp, ldb, c, ldc, M, N, K2, rt, ct);
 }
 
+int bf16_gemm_tiles_on(void) {
+#ifdef HAVE_AMX_TILES
+    return amx_on;
+#else
+    return 0;
+#endif
+}
+
 int prefill_online_softmax(int head_dim) {
 #ifdef HAVE_AMX_TILES
     return amx_on && head_dim % 64 == 0 && head_dim <= FLASH_MAX_D;

@@ -10,8 +10,89 @@
 #define FAST_PATH 1
 #define PAIRED_PV 1
 #define I8_IN_DOT 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_SCORES 1
+#include "../amx.h"
+#include "../bf16_gemm/bf16_gemm.h"
+#endif
 #include "driver.h"
 #include "vec.h"
+
+#if AMX_SCORES
+/* A bf16 cache's decode scores on AMX tiles (driver.h AMX_SCORES): scores^T [16 tokens][16 query rows] = K (a
+ * block's 16 rows of 32 dims, as they lie in the cache) . Q^T (the query's pairs, built once per sequence), one
+ * TDPBF16PS per 32 dims into a C tile per block, AMX_RUN blocks' products issued together (one block at a time
+ * waited on each product's latency and was slower than the vector form). The vector form sums G rows x 2 tokens per
+ * pass and reduces 16 accumulators with a 45-instruction tree each time. The softmax and P.V stay the vector
+ * path's. Tiles: 0 the query's k-step, 2-3 K rows (alternating), 4-7 one block's scores each. */
+static int amx_scores_ok(int32_t G, int32_t D, int32_t bs) {
+    return G <= 16 && D % 32 == 0 && D <= 256 && bs == 16 && bf16_gemm_tiles_on();
+}
+
+static void amx_scores_begin(void) { amx_config_tiles(8); }
+static void amx_scores_end(void) { _tile_release(); }
+
+static void amx_query_tiles(const uint16_t *qb, int32_t G, int32_t D, uint32_t *qt) {
+    memset(qt, 0, sizeof(uint32_t) * (size_t)(D / 2) * 16);
+    for (int32_t g = 0; g < G; g++)
+        for (int32_t i = 0; i < D / 2; i++) qt[(i / 16) * 256 + (i % 16) * 16 + g] = pair_at(qb + (int64_t)g * D, i);
+}
+
+/* block i's K rows at its k-step kk into tile T, then its scores' C tile += them . the query's k-step (tile 0) */
+#define RUN_PRODUCT(i, T, C)                                                          \
+    if (nb > (i)) {                                                                   \
+        _tile_loadd(T, rows_at[i] + kk * 32, lda[i] * 2);                             \
+        _tile_dpbf16ps(C, T, 0);                                                      \
+    }
+
+static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16_t *kc, int32_t bs,
+                           int64_t tok_stride, int32_t h, int32_t G, int32_t D, float *s, uint16_t *scratch) {
+    const uint16_t *rows_at[AMX_RUN];
+    int64_t lda[AMX_RUN];
+    int32_t n[AMX_RUN];
+    for (int32_t i = 0; i < nb; i++) {
+        int32_t slot;
+        const int64_t base = block_rows(r->table, b0 + i, r->lo, r->seq_len, bs, tok_stride, bs * tok_stride, h, D,
+                                        &n[i], &slot);
+        rows_at[i] = kc + base;
+        lda[i] = tok_stride;
+        if (n[i] < 16) {          /* a partial block: the rows past its tokens may be another block's, or none */
+            uint16_t *dst = scratch + (size_t)i * 16 * D;
+            memset(dst, 0, sizeof(uint16_t) * 16 * (size_t)D);
+            for (int32_t t = 0; t < n[i]; t++) memcpy(dst + (size_t)t * D, rows_at[i] + t * tok_stride, (size_t)D * 2);
+            rows_at[i] = dst;
+            lda[i] = D;
+        }
+    }
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int32_t kk = 0; kk < D / 32; kk++) {
+        _tile_loadd(0, r->qt + kk * 256, 64);
+        RUN_PRODUCT(0, 2, 4)
+        RUN_PRODUCT(1, 3, 5)
+        RUN_PRODUCT(2, 2, 6)
+        RUN_PRODUCT(3, 3, 7)
+    }
+    /* the next run's keys into L2 while these products finish (its values come with each block's visit) */
+    const int32_t last = (r->seq_len + bs - 1) / bs;
+    for (int32_t b = b0 + nb; b < b0 + 2 * nb && b < last; b++)
+        prefetch_rows((const char *)(kc + (int64_t)r->table[b] * bs * tok_stride + (int64_t)h * D), tok_stride * 2, bs,
+                      D * 2);
+    float ct[AMX_RUN][16][16] __attribute__((aligned(64)));
+    _tile_stored(4, ct[0], 64);
+    if (nb > 1) _tile_stored(5, ct[1], 64);
+    if (nb > 2) _tile_stored(6, ct[2], 64);
+    if (nb > 3) _tile_stored(7, ct[3], 64);
+    for (int32_t i = 0; i < nb; i++) {
+        float *si = s + (size_t)i * G * bs;
+        for (int32_t g = 0; g < G; g++)
+            for (int32_t t = 0; t < n[i]; t++) si[g * bs + t] = ct[i][t][g];
+    }
+}
+#undef RUN_PRODUCT
+#endif
 
 /* The sixteen horizontal sums of v[0..15] as one vector (lane i = sum of v[i]): a transpose-and-add tree of 45
  * instructions where sixteen _mm512_reduce_add_ps take ~130. */

@@ -29,6 +29,9 @@
  *   FAST_PATH   1 where it has vector pieces (then its simd/ header comes first: VEC_WIDTH), else 0
  *   PAIRED_PV   1 where its P.V over bf16 and int8 caches leaves acc in a permuted column order (finish_paired)
  *   I8_IN_DOT   1 where int8 rows go straight into its dot products; 0: they are widened into a float32 tile
+ *   AMX_SCORES  1 where a bf16 cache's scores may run on AMX tiles (K rows as they lie in the cache are the A
+ *               operand, the query the B: scores^T of a 16-token block in one C tile, AMX_RUN blocks at a time so
+ *               their products overlap), else 0 (the default)
  * and after it defines the functions declared below under "each implementation defines" (FAST_PATH and PAIRED_PV
  * say which).
  */
@@ -44,6 +47,11 @@
  * 32), then their float32 scales, one per row and group of 32 (value = quant * scale; engine/quant/int8_kv.py),
  * so rows stay 64-byte aligned. */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+
+#ifndef AMX_SCORES
+#define AMX_SCORES 0   /* an implementation with AMX-BF16 sets it: a bf16 cache's scores on tiles (its hooks below) */
+#endif
+#define AMX_RUN 4      /* blocks whose scores one amx_run_scores computes: four independent C tiles in flight */
 
 #define MAX_GROUP 64
 #define MAX_BLOCK 256
@@ -169,6 +177,7 @@ static void softmax_update(float *s, int32_t ld, int32_t n, int32_t G, int32_t D
 typedef struct {
     float *qf, *acc, *m, *l;       /* q * scale [G*D]; running P.V [G*D]; running max and sum [G] */
     uint16_t *qb;                  /* q * scale in bf16 [G*D]: the AVX512-BF16 scores only */
+    uint32_t *qt;                  /* qb as AMX B tiles ([D/32][16 pairs][16 rows g]), or NULL (AMX_SCORES only) */
     const int32_t *table;
     int32_t seq_len, lo;           /* visible keys [lo, seq_len) */
 } rows_t;
@@ -185,6 +194,17 @@ static void fast_scores(const int G, const int kind, const float *qf, const uint
 /* acc[g] += sum_j p[g*ld + j] * v_j for the block's n tokens (G and kind constant, as for fast_scores). */
 static void fast_accumulate(const int G, const int kind, float *acc, const float *p, int32_t ld, const void *v,
                             int64_t stride, int32_t n, int32_t D, const float *sc, int64_t sc_stride);
+#endif
+#if AMX_SCORES
+/* 1 where a bf16 cache's scores take the tiles here (they are on: bf16_gemm_tiles_on) for this G, D and bs */
+static int amx_scores_ok(int32_t G, int32_t D, int32_t bs);
+static void amx_query_tiles(const uint16_t *qb, int32_t G, int32_t D, uint32_t *qt);   /* r->qt from r->qb */
+/* s + i * G * bs [g * bs + j] = q[g] . k_j for the tokens of blocks b0 .. b0 + nb - 1 (nb <= AMX_RUN) of one
+ * sequence, as block_rows gives them (`kc` the bf16 cache, `scratch` [AMX_RUN][16][D] bf16) */
+static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16_t *kc, int32_t bs,
+                           int64_t tok_stride, int32_t h, int32_t G, int32_t D, float *s, uint16_t *scratch);
+static void amx_scores_begin(void);
+static void amx_scores_end(void);
 #endif
 #if PAIRED_PV
 /* out (q0 on, G rows of D) = acc / l with acc in the paired column order that fast_accumulate leaves for bf16 and
@@ -204,10 +224,10 @@ static inline __attribute__((always_inline)) void rows_init(rows_t *r, const voi
 
 /* Block b of one sequence: scores, online-softmax update, P.V. `prefetch`: also fetch the next block's rows
  * (only the first sequence of a shared block asks; the others find it in cache). s [G*bs] and tile [bs*D] are
- * scratch. */
+ * scratch; `ready`: s already holds the block's scores (amx_run_scores). */
 static inline __attribute__((always_inline)) void rows_visit(
         rows_t *r, int32_t b, const char *kc, const char *vc, int32_t G, int32_t D, int32_t bs, int64_t tok_stride,
-        int32_t h, int fast, int prefetch, float *s, float *tile, const int kind) {
+        int32_t h, int fast, int prefetch, float *s, float *tile, const int kind, const int ready) {
     const int32_t esize = kind == KV_BF16 ? 2 : (kind == KV_I8 ? 1 : 4);
     const int64_t hkv = tok_stride / D;
     /* elements (bytes, for int8) per block: an int8 block ends with its bs x Hkv float32 scales */
@@ -231,7 +251,8 @@ static inline __attribute__((always_inline)) void rows_visit(
     const int64_t sc_stride = hkv * ng;
     if (fast && !(kind == KV_I8 && !I8_IN_DOT)) {      /* an int8 cache: its rows into the dot products */
 #if FAST_PATH
-        DISPATCH_G(G, fast_scores(G_, kind, r->qf, r->qb, kb, tok_stride, n, D, s, bs, ksc, sc_stride));
+        if (!ready)
+            DISPATCH_G(G, fast_scores(G_, kind, r->qf, r->qb, kb, tok_stride, n, D, s, bs, ksc, sc_stride));
         if (pf) {
             prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
             if (kind == KV_I8) prefetch_rows(vc + next - h * D + bs * tok_stride, 0, 1, (int32_t)sc_bytes);
@@ -304,6 +325,31 @@ static inline __attribute__((always_inline)) void group_item(
     uint16_t *hbuf = (uint16_t *)malloc(sizeof(uint16_t) * count * per);
     rows_t rows[MAX_MEMBERS];
     const int fast = FAST_PATH && D % FAST_D_MULTIPLE == 0 && G >= 1 && G <= 8;
+    /* AMX: a sequence's blocks are visited in runs of AMX_RUN, their scores computed together first (each block's
+     * by the same tile instructions however the runs fall: a sequence's bits never depend on its group) */
+    int tiles = 0;
+    uint32_t *tbuf = NULL;
+    uint16_t *kscratch = NULL;
+    float *srun = s;
+#if AMX_SCORES
+    tiles = fast && kind == KV_BF16 && amx_scores_ok(G, D, bs);
+    if (tiles) {
+        tbuf = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * count * (D / 2) * 16);
+        kscratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * AMX_RUN * 16 * D);
+        srun = (float *)malloc(sizeof(float) * AMX_RUN * G * bs);
+        amx_scores_begin();
+    }
+#endif
+    const int run = tiles ? AMX_RUN : 1;
+    /* blocks [from, to) of member c, in runs (scores first where the tiles are on) */
+#define VISIT_RUNS(c, from, to, pf)                                                                              \
+    for (int32_t b_ = (from); b_ < (to); b_ += run) {                                                            \
+        const int32_t nb_ = (to) - b_ < run ? (to) - b_ : run;                                                   \
+        VISIT_SCORES(c, b_, nb_);                                                                                \
+        for (int32_t i_ = 0; i_ < nb_; i_++)                                                                     \
+            rows_visit(&rows[c], b_ + i_, kc, vc, G, D, bs, tok_stride, h, fast, (pf), tiles ? srun + i_ * G * bs : s, \
+                       tile, kind, tiles);                                                                       \
+    }
     const int64_t tok_stride = (int64_t)num_kv_heads * D;
     const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
     int32_t j0 = 0, j1 = INT32_MAX;
@@ -319,6 +365,13 @@ static inline __attribute__((always_inline)) void group_item(
         r->seq_len = len;
         r->lo = (window > 0 && len > window) ? len - window : 0;
         rows_init(r, q, ((int64_t)i * num_heads + (int64_t)h * G) * D, G, D, scale, io_bf16);
+        r->qt = NULL;
+#if AMX_SCORES
+        if (tiles) {
+            r->qt = tbuf + (size_t)c * (D / 2) * 16;
+            amx_query_tiles(r->qb, G, D, r->qt);
+        }
+#endif
         const int32_t first_whole = (r->lo + bs - 1) / bs, last_whole = len / bs;
         j0 = first_whole > j0 ? first_whole : j0;
         j1 = last_whole < j1 ? last_whole : j1;
@@ -334,20 +387,36 @@ static inline __attribute__((always_inline)) void group_item(
         j1 = b;
     }
     if (j1 < j0) j1 = j0;
-    for (int32_t c = 0; c < count; c++)
-        for (int32_t b = rows[c].lo / bs; b < j0 && b * bs < rows[c].seq_len; b++)
-            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, kind);
-    for (int32_t b = j0; b < j1; b++)
-        for (int32_t c = 0; c < count; c++)
-            rows_visit(&rows[c], b, kc, vc, G, D, bs, tok_stride, h, fast, c == 0, s, tile, kind);
+#if AMX_SCORES
+#define VISIT_SCORES(c, b, nb) \
+    if (tiles) amx_run_scores(&rows[c], (b), (nb), (const uint16_t *)kc, bs, tok_stride, h, G, D, srun, kscratch)
+#else
+#define VISIT_SCORES(c, b, nb) (void)0
+#endif
+    for (int32_t c = 0; c < count; c++) {
+        const int32_t lead = (rows[c].seq_len + bs - 1) / bs < j0 ? (rows[c].seq_len + bs - 1) / bs : j0;
+        VISIT_RUNS(c, rows[c].lo / bs, lead, 1);
+    }
+    for (int32_t b0 = j0; b0 < j1; b0 += run)        /* a run of shared blocks, every member in turn */
+        for (int32_t c = 0; c < count; c++) {
+            const int32_t to = b0 + run < j1 ? b0 + run : j1;
+            VISIT_RUNS(c, b0, to, c == 0);
+        }
     const int permuted = fast && PAIRED_PV && (kind == KV_BF16 || kind == KV_I8);   /* PAIRED_PV: AVX512-BF16 */
     for (int32_t c = 0; c < count; c++) {
         rows_t *r = &rows[c];
         const int32_t from = j1 > r->lo / bs ? j1 : r->lo / bs;
-        for (int32_t b = from; b * bs < r->seq_len; b++)
-            rows_visit(r, b, kc, vc, G, D, bs, tok_stride, h, fast, 1, s, tile, kind);
+        VISIT_RUNS(c, from, (r->seq_len + bs - 1) / bs, 1);
         rows_finish(r, out, ((int64_t)members[c] * num_heads + (int64_t)h * G) * D, G, D, permuted, io_bf16);
     }
+#undef VISIT_SCORES
+#undef VISIT_RUNS
+#if AMX_SCORES
+    if (tiles) amx_scores_end();
+    if (tiles) free(srun);
+#endif
+    free(tbuf);
+    free(kscratch);
     free(fbuf);
     free(hbuf);
 }
