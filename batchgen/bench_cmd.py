@@ -4,6 +4,8 @@ The one bench CLI; the work happens in ``bench`` (bench/run.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from bench.systems.registry import BENCH_EXTRA_SYSTEMS as _EXTRA
@@ -59,11 +61,14 @@ def _csv(value: str | None) -> list[str] | None:
               "table of same-run ratios.")
 @click.option("--sweep-only", default=None, help="With --size-sweep: a comma list of its shapes' labels to run "
               "(e.g. 'shared-prefix,shared-prefix cache off'; default: all).")
+@click.option("--sweep-rounds", type=click.IntRange(1, 9), default=1, show_default=True,
+              help="With --size-sweep: at least this many rounds of every shape (each system once a round, "
+              "interleaved; each system's median counts): for a VM whose speed drifts between runs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,
               hf_batch_sizes, max_num_seqs, max_num_batched_tokens, kv_cache_memory, no_roofline, breakdown, seed,
-              contend, structured, quality, formats, positions, size_sweep, sweep_only, json_path):
+              contend, structured, quality, formats, positions, size_sweep, sweep_only, sweep_rounds, json_path):
     """Run a workload through batchgen (prefix cache on/off, int8), transformers and llama.cpp in one run; print
     the table. With --quality: how faithful bf16 and int8 are to float32."""
     # NOTE: lazy: the bench modules import torch; the CLI starts (and lists systems and shapes) without it
@@ -117,7 +122,7 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
     progress = (lambda partial: save_json(partial, json_path)) if json_path else None
     if size_sweep:    # --systems, when given, picks among each shape's systems (its batchgen one always runs)
         named = click.get_current_context().get_parameter_source("systems") != click.core.ParameterSource.DEFAULT
-        return _size_sweep(opts, progress, _csv(sweep_only), tuple(chosen) if named else None)
+        return _size_sweep(opts, progress, _csv(sweep_only), tuple(chosen) if named else None, sweep_rounds)
     try:
         result = run_bench(opts, progress)
     except PeerMissing as e:            # a peer named in --systems that is not set up: before anything ran
@@ -127,7 +132,8 @@ def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens,
         click.echo(f"saved {save_json(result, json_path)}")
 
 
-def _size_sweep(opts, progress, only: list[str] | None, systems: tuple[str, ...] | None = None) -> None:
+def _size_sweep(opts, progress, only: list[str] | None, systems: tuple[str, ...] | None = None,
+                rounds: int = 1) -> None:
     """``--size-sweep``: bench.sweep on the model, the venv peers that are set up (the others are named as missing;
     llama.cpp always runs, a skipped row when it is not installed); ``systems``: only those of each shape's
     systems (``--systems`` given), beside the shape's batchgen system."""
@@ -149,6 +155,7 @@ def _size_sweep(opts, progress, only: list[str] | None, systems: tuple[str, ...]
     shapes = tuple(s for s in SWEEP if not only or s.label in only)
     if only and len(shapes) != len(only):
         raise click.BadParameter(f"choose from {', '.join(s.label for s in SWEEP)}", param_hint="--sweep-only")
+    shapes = tuple(dataclasses.replace(s, repeats=max(s.repeats, rounds)) for s in shapes)
     rows = run_sweep(opts, params, shapes, peers=tuple(peers), only=systems,
                      on_result=(lambda rows: progress({"sweep": rows})) if progress else None)
     click.echo(format_sweep(opts.model, cpu_description(), rows))

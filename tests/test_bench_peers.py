@@ -362,3 +362,19 @@ def test_a_probe_far_slower_than_the_fastest_so_far_is_stopped(peers, tiny_llama
     assert time.monotonic() - t < 120
     assert res.extra["dtype"] == "float32"
     assert res.extra["dtype_probes"]["bfloat16"].startswith("slower: stopped after")
+
+
+def test_sweep_rounds_gives_every_shape_at_least_that_many(peers, tiny_llama_dir, monkeypatch):
+    """--sweep-rounds N: every chosen shape runs at least N interleaved rounds (the decode shapes keep more)."""
+    from click.testing import CliRunner
+
+    import bench.sweep
+    from batchgen.cli import main
+    seen = {}
+    monkeypatch.setattr(bench.sweep, "run_sweep", lambda opts, params, shapes, **kw: seen.update(
+        {s.label: s.repeats for s in shapes}) or [])
+    monkeypatch.setattr(bench.sweep, "format_sweep", lambda *a: "")
+    r = CliRunner().invoke(main, ["bench", "--model", str(tiny_llama_dir), "--size-sweep", "--sweep-rounds", "2",
+                                  "--sweep-only", "shared-prefix,decode 8 rows"])
+    assert r.exit_code == 0, r.output
+    assert seen == {"shared-prefix": 2, "decode 8 rows": 3}
