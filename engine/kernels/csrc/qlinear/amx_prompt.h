@@ -13,11 +13,11 @@
  * output's sum runs over K in the same order for every call.
  *
  * Work: x's rows are packed as bf16 A tiles in passes of up to AMX_PROMPT_PASS_BYTES (each tile's 1 KB contiguous,
- * so a block's k-steps are one sequential stream). A thread takes whole 32-column pairs; per pair it dequantizes
- * the pair into a panel of B tiles (in a one-pass call as it comes, into its thread's panel; in a call of several
- * passes all pairs once, in the first pass), then runs every 32-row block of the pass against it: 2 A tiles
- * (16 rows x 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles. Splitting rows into passes leaves each
- * output's sum untouched (K is never split). */
+ * so a block's k-steps are one sequential stream), a long K in chunks of AMX_PROMPT_KSTEPS k-steps. A thread takes
+ * whole 32-column pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of one pass over all of
+ * K as it comes, into its thread's panel; otherwise all pairs once, first thing), then runs every 32-row block of
+ * the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles, stored between
+ * K chunks and loaded back (exact). Each output's sum runs over K in the same order however the rows and K are cut. */
 #ifndef BATCHGEN_QLINEAR_AMX_PROMPT_H
 #define BATCHGEN_QLINEAR_AMX_PROMPT_H
 
@@ -30,6 +30,11 @@
  * dequantized once for the whole call. */
 #define AMX_PROMPT_PASS_BYTES (1L << 20)
 #define AMX_PROMPT_MAX_ROWS 512
+/* k-steps (32 columns each) a pass packs at once where K has more than twice as many: a longer K runs in chunks,
+ * each block's sums spilled between them, so a pass keeps 512 rows even for a down projection's K of 4,864-8,960
+ * (a pass of all of K had 32-96 rows and streamed every dequantized weight from L3 once per pass); a K up to 2,048
+ * stays whole (two chunks of 1,536 measured slower than one pass of 320 rows) */
+#define AMX_PROMPT_KSTEPS 32
 
 static void amx_prompt_begin(void) { amx_config_tiles(8); }   /* A0, A1, B0, B1, C00, C01, C10, C11 */
 
@@ -120,15 +125,16 @@ static inline void amx_store_rows(float (*acc)[32], int R, int m, int np, int nc
     }
 }
 
-/* rows m0 .. m0 + rows of x as A tiles, each 32-row block's two 16-row tiles of a k-step side by side (1 KB each):
- * xa[((b * S + s) * 2 + h) * 512 + r * 32 + c] = bf16(x[m0 + 32 b + 16 h + r][32 s + c]), zeros past M and K */
-static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0, int rows, int S, uint16_t *xa,
-                      int nt) {
+/* rows m0 .. m0 + rows of x, k-steps s0 .. s0 + S (32 columns each), as A tiles, each 32-row block's two 16-row
+ * tiles of a k-step side by side (1 KB each): xa[((b * S + s) * 2 + h) * 512 + r * 32 + c] =
+ * bf16(x[m0 + 32 b + 16 h + r][32 (s0 + s) + c]), zeros past M and K */
+static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0, int rows, int s0, int S,
+                      uint16_t *xa, int nt) {
 #pragma omp parallel for schedule(static) num_threads(nt) if (rows > 8)
     for (int i = 0; i < rows; i++) {
         const int m = m0 + i;
         uint16_t *dst = xa + ((size_t)(i / 32) * S * 2 + (i % 32) / 16) * 512 + (size_t)(i % 16) * 32;
-        for (int s = 0; s < S; s++, dst += 1024) {
+        for (int s = s0; s < s0 + S; s++, dst += 1024) {
             const int k0 = s * 32, n = m >= M ? 0 : K - k0 < 32 ? K - k0 : 32;
             const __mmask32 mask = n >= 32 ? 0xffffffffu : ((1u << n) - 1);
             __m512i v;
@@ -152,56 +158,80 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
     if (M <= 0) return 1;
     if (!amx_available()) return 0;
     const int Kp = (K + QK - 1) / QK * QK, K2 = Kp / 2, K4 = Kp / 4, G = Kp / QK, S = Kp / 32, npair = Np / 32;
-    int cap = (int)(AMX_PROMPT_PASS_BYTES / ((long)Kp * 2)) / 32 * 32;
+    const int SC = S <= 2 * AMX_PROMPT_KSTEPS ? S : AMX_PROMPT_KSTEPS, nk = (S + SC - 1) / SC;
+    int cap = (int)(AMX_PROMPT_PASS_BYTES / ((long)SC * 64)) / 32 * 32;
     cap = cap < 32 ? 32 : cap > AMX_PROMPT_MAX_ROWS ? AMX_PROMPT_MAX_ROWS : cap;
     const int Mp = (M + 31) / 32 * 32, pass_rows = Mp < cap ? Mp : cap;
     const size_t panel_words = (size_t)K2 * 32;
-    /* one pass: each pair dequantized into its thread's panel as it comes; several: all pairs dequantized once */
-    uint32_t *panels = Mp > pass_rows ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
-    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)pass_rows * Kp * 2);
+    /* one pass over all of K: each pair dequantized into its thread's panel as it comes; else all pairs once */
+    const int shared = Mp > pass_rows || nk > 1;
+    uint32_t *panels = shared ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
+    /* K in chunks: each 32 x 32 block's partial sums between chunks (a tile stored and loaded back: exact) */
+    float *spill = nk > 1 ? (float *)aligned_alloc(64, (size_t)npair * pass_rows * 32 * 4) : NULL;
+    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)pass_rows * SC * 64);
     for (int m0 = 0; m0 < Mp; m0 += pass_rows) {
         const int rows = Mp - m0 < pass_rows ? Mp - m0 : pass_rows;
-        pack_rows(x, is_bf16, M, K, ldx, m0, rows, S, xa, nt);
+        for (int kc = 0; kc < nk; kc++) {
+            const int s0 = kc * SC, sc = S - s0 < SC ? S - s0 : SC, last = kc == nk - 1;
+            pack_rows(x, is_bf16, M, K, ldx, m0, rows, s0, sc, xa, nt);
 #pragma omp parallel num_threads(nt)
-        {
-            uint32_t *own = panels ? NULL : (uint32_t *)aligned_alloc(64, panel_words * 4);
-            float acc[32][32] __attribute__((aligned(64)));
-            amx_prompt_begin();
+            {
+                uint32_t *own = panels ? NULL : (uint32_t *)aligned_alloc(64, panel_words * 4);
+                float acc[32][32] __attribute__((aligned(64)));
+                amx_prompt_begin();
 #pragma omp for schedule(static)
-            for (int np = 0; np < npair; np++) {
-                uint32_t *panel = panels ? panels + (size_t)np * panel_words : own;
-                if (!panels || m0 == 0) dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, panel);
-                const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
-                for (int b = 0; b < rows / 32; b++) {
-                    _tile_zero(4);
-                    _tile_zero(5);
-                    _tile_zero(6);
-                    _tile_zero(7);
-                    const uint16_t *a = xa + (size_t)b * S * 1024;
-                    for (int s = 0; s < S; s++) {
-                        _tile_loadd(0, a + (size_t)s * 1024, 64);
-                        _tile_loadd(1, a + (size_t)s * 1024 + 512, 64);
-                        _tile_loadd(2, panel + (size_t)s * 512, 64);
-                        _tile_loadd(3, panel + (size_t)s * 512 + 256, 64);
-                        _tile_dpbf16ps(4, 0, 2);
-                        _tile_dpbf16ps(5, 0, 3);
-                        _tile_dpbf16ps(6, 1, 2);
-                        _tile_dpbf16ps(7, 1, 3);
+                for (int np = 0; np < npair; np++) {
+                    uint32_t *panel = panels ? panels + (size_t)np * panel_words : own;
+                    if (!panels || (m0 == 0 && kc == 0))
+                        dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, panel);
+                    const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
+                    for (int b = 0; b < rows / 32; b++) {
+                        float *part = spill ? spill + ((size_t)np * (rows / 32) + b) * 1024 : NULL;
+                        if (kc == 0) {
+                            _tile_zero(4);
+                            _tile_zero(5);
+                            _tile_zero(6);
+                            _tile_zero(7);
+                        } else {
+                            _tile_loadd(4, part, 64);
+                            _tile_loadd(5, part + 256, 64);
+                            _tile_loadd(6, part + 512, 64);
+                            _tile_loadd(7, part + 768, 64);
+                        }
+                        const uint16_t *a = xa + (size_t)b * sc * 1024;
+                        for (int s = 0; s < sc; s++) {
+                            _tile_loadd(0, a + (size_t)s * 1024, 64);
+                            _tile_loadd(1, a + (size_t)s * 1024 + 512, 64);
+                            _tile_loadd(2, panel + (size_t)(s0 + s) * 512, 64);
+                            _tile_loadd(3, panel + (size_t)(s0 + s) * 512 + 256, 64);
+                            _tile_dpbf16ps(4, 0, 2);
+                            _tile_dpbf16ps(5, 0, 3);
+                            _tile_dpbf16ps(6, 1, 2);
+                            _tile_dpbf16ps(7, 1, 3);
+                        }
+                        if (!last) {
+                            _tile_stored(4, part, 64);
+                            _tile_stored(5, part + 256, 64);
+                            _tile_stored(6, part + 512, 64);
+                            _tile_stored(7, part + 768, 64);
+                            continue;
+                        }
+                        _tile_stored(4, &acc[0][0], 128);
+                        _tile_stored(5, &acc[0][16], 128);
+                        _tile_stored(6, &acc[16][0], 128);
+                        _tile_stored(7, &acc[16][16], 128);
+                        const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
+                        if (R > 0) amx_store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
                     }
-                    _tile_stored(4, &acc[0][0], 128);
-                    _tile_stored(5, &acc[0][16], 128);
-                    _tile_stored(6, &acc[16][0], 128);
-                    _tile_stored(7, &acc[16][16], 128);
-                    const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
-                    if (R > 0) amx_store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
                 }
+                _tile_release();
+                free(own);
             }
-            _tile_release();
-            free(own);
         }
     }
     free(xa);
     free(panels);
+    free(spill);
     return 1;
 }
 
