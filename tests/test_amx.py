@@ -81,9 +81,9 @@ def test_batchgen_amx_0_keeps_int8_prompt_rows_off_the_tiles(monkeypatch):
 
 @needs_prompt_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (600, 96, 64): two passes of rows (over 512); (70, 17000, 32): passes of 32 rows (a long K fills the pass's bytes)
+# (600, 96, 64): two passes of rows (over 512); (70, 17000, 32): K in 17 chunks; (600, 2200, 48): both
 @pytest.mark.parametrize("m, k, n", [(1, 64, 32), (33, 100, 70), (47, 896, 160), (100, 640, 96), (600, 96, 64),
-                                     (70, 17000, 32)])
+                                     (70, 17000, 32), (600, 2200, 48)])
 def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, k, n):
     """y = bf16(x) @ bf16(q * scale)^T with float32 sums: against that product in float64, within float32
     summation; each row's bits as computed alone; the fused GLU is the unfused product's act(gate) * up, bit for bit."""
