@@ -1,17 +1,18 @@
 /* Prefill attention of one work item (a KV head's tile of query rows, prefill/driver.h) on AMX-BF16 tiles, with
  * the softmax online over blocks of 32 keys (FlashAttention's order): the scores of 16 query rows x 32 keys go
  * from two C tiles through L1 into the softmax, their bf16 probabilities into one A tile, and P.V accumulates in
- * four C tiles that hold the rows' first 64 output columns (the rest, for head_dim 128 or 256, add up in L1). Nothing of the rows x keys tile reaches memory:
- * the two-product form (bf16_gemm_serial, masked_softmax_f32, bf16_gemm_serial) stored every score and
- * probability and was store-bound (docs/perf/xeon-amx.md).
+ * four C tiles that hold the rows' first 64 output columns (the rest, for head_dim 128 or 256, add up in L1).
+ * Nothing of the rows x keys tile reaches memory: the two-product form (bf16_gemm_serial, masked_softmax_f32,
+ * bf16_gemm_serial) stored every score and probability and was store-bound (docs/perf/xeon-amx.md).
  *
  * Arithmetic, per query row r, alone: scores s = q . k in float32 (TDPBF16PS); a reference maximum M_r, raised
- * to a block's maximum only when that exceeds it by more than FLASH_SLACK (then the output row and the running sum
- * are scaled by exp(M_old - M_new)); p = exp(s - M_r) (exp_fast16), summed in float32 into l_r and rounded to bf16
- * for P.V; out = (P.V) / l_r. Blocks start at multiples of 32 keys from k_start (the caller aligns k_start to an
- * absolute multiple of 32, prefill/driver.h PREFILL_BF16_ALIGN) and a row skips every block it sees no key of,
- * so a query's bits depend on its own query, keys and values only: not on which rows share its tile or where its
- * chunk starts. Rows past the item's and keys past S are zero-padded through scratch. */
+ * to a block's maximum only when a score exceeds it by more than FLASH_SLACK (then the output row and the running
+ * sum are scaled by exp(M_old - M_new)); p = exp(s - M_r) (exp16_fast), summed in float32 into l_r (16 lanes,
+ * added up at the end) and rounded to bf16 for P.V; out = (P.V) / l_r. Blocks start at multiples of 32 keys from
+ * k_start (the caller aligns k_start to an absolute multiple of 32, prefill/driver.h PREFILL_BF16_ALIGN) and a row
+ * skips every block it sees no key of, so a query's bits depend on its own query, keys and values only: not on
+ * which rows share its tile or where its chunk starts. Rows past the item's and keys past S are zero-padded through
+ * scratch. */
 #ifndef BATCHGEN_BF16_AMX_FLASH_H
 #define BATCHGEN_BF16_AMX_FLASH_H
 
@@ -19,25 +20,10 @@
 #include <math.h>
 
 #include "../amx.h"
+#include "../simd/avx512.h"
 
 #define FLASH_KEYS 32       /* keys per block: one A tile of probabilities (16 pairs) */
 #define FLASH_SLACK 8.0f    /* probabilities up to e^8 before the reference maximum moves */
-
-/* e^x on 16 lanes for x in [-87, 9]: 2^(x log2 e) as a degree-5 polynomial in the fraction (relative error
- * ~3e-6, under the bf16 rounding the probabilities get) scaled by 2^n (vscalefps). */
-static inline __m512 exp_fast16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* 16 float32 -> bf16 (round to nearest even; the probabilities are finite, never subnormal) */
 static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
@@ -99,17 +85,21 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
             q = &qs[0][0];
             ldq = FLASH_MAX_D;
         }
-        float M[16], L[16];
+        float M[16];
+        __m512 L[16];                                     /* each row's running sum, 16 lanes until the end */
         int64_t first = INT64_MAX, last = 0;              /* blocks [first, last) that any row sees */
+        int64_t all_lo = 0, all_hi = INT64_MAX;           /* keys [all_lo, all_hi) every row sees */
         for (int r = 0; r < 16; r++) {
             M[r] = -INFINITY;
-            L[r] = 0.0f;
+            L[r] = _mm512_setzero_ps();
             if (r >= R) continue;
             const int64_t qpos = ts + (r0 + r) / G;
             const int64_t lo = window > 0 && qpos - window + 1 > k_start ? qpos - window + 1 - k_start : 0;
             const int64_t hi = qpos - k_start + 1;
             if (lo / FLASH_KEYS * FLASH_KEYS < first) first = lo / FLASH_KEYS * FLASH_KEYS;
             if (hi > last) last = hi;
+            if (lo > all_lo) all_lo = lo;
+            if (hi < all_hi) all_hi = hi;
         }
         _tile_zero(4);
         _tile_zero(5);
@@ -142,9 +132,11 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
             _tile_stored(3, &sc[0][16], FLASH_KEYS * 4);
             float scale[16];
             int rescale = 0;
+            const int whole = R == 16 && jb >= all_lo && jb + FLASH_KEYS <= all_hi;   /* every key, every row */
             for (int r = 0; r < 16; r++) {
                 scale[r] = 1.0f;
-                const uint32_t vis = r < R ? block_mask(ts + (r0 + r) / G, k_start, window, jb) : 0;
+                const uint32_t vis = whole ? 0xffffffffu
+                                           : r < R ? block_mask(ts + (r0 + r) / G, k_start, window, jb) : 0;
                 if (!vis) {
                     _mm512_store_si512(pb[r], _mm512_setzero_si512());
                     continue;
@@ -152,19 +144,22 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
                 const __mmask16 m0 = (__mmask16)vis, m1 = (__mmask16)(vis >> 16);
                 const __m512 ninf = _mm512_set1_ps(-INFINITY);
                 const __m512 s0 = _mm512_mask_load_ps(ninf, m0, sc[r]), s1 = _mm512_mask_load_ps(ninf, m1, sc[r] + 16);
-                const float mb = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-                if (M[r] == -INFINITY || mb > M[r] + FLASH_SLACK) {
+                /* the reference maximum moves only when a score passes it by more than the slack (always in a row's
+                 * first block: everything passes -inf); only then is the block's maximum taken */
+                const __m512 bar = _mm512_set1_ps(M[r] + FLASH_SLACK);
+                if (_mm512_cmp_ps_mask(s0, bar, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, bar, _CMP_GT_OQ)) {
+                    const float mb = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
                     if (M[r] != -INFINITY) {
-                        scale[r] = _mm512_cvtss_f32(exp_fast16(_mm512_set1_ps(M[r] - mb)));
-                        L[r] *= scale[r];
+                        scale[r] = _mm512_cvtss_f32(exp16_fast(_mm512_set1_ps(M[r] - mb)));
+                        L[r] = _mm512_mul_ps(L[r], _mm512_set1_ps(scale[r]));
                         rescale = 1;
                     }
                     M[r] = mb;
                 }
                 const __m512 mr = _mm512_set1_ps(M[r]);
-                const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_fast16(_mm512_sub_ps(s0, mr)));
-                const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_fast16(_mm512_sub_ps(s1, mr)));
-                L[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16_fast(_mm512_sub_ps(s0, mr)));
+                const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16_fast(_mm512_sub_ps(s1, mr)));
+                L[r] = _mm512_add_ps(L[r], _mm512_add_ps(p0, p1));
                 _mm512_store_si512(pb[r], _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(p0)), to_bf16x16(p1), 1));
             }
             if (rescale) {            /* rows whose maximum moved: their output so far times exp(M_old - M_new) */
@@ -201,7 +196,8 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
         _tile_stored(6, &ot[0][32], FLASH_LO * 4);
         _tile_stored(7, &ot[0][48], FLASH_LO * 4);
         for (int r = 0; r < R; r++) {
-            const __m512 inv = _mm512_set1_ps(L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
+            const float l = _mm512_reduce_add_ps(L[r]);
+            const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
             float *o = ob + (int64_t)(r0 + r) * D;
             for (int d = 0; d < FLASH_LO; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), inv));
             for (int d = FLASH_LO; d < D; d += 16)

@@ -19,12 +19,14 @@
 #include "vec.h"
 
 #if AMX_SCORES
-/* A bf16 cache's decode scores on AMX tiles (driver.h AMX_SCORES): scores^T [16 tokens][16 query rows] = K (a
- * block's 16 rows of 32 dims, as they lie in the cache) . Q^T (the query's pairs, built once per sequence), one
+/* A bf16 cache's decode attention with AMX scores (driver.h AMX_SCORES): scores^T [16 tokens][16 query rows] = K
+ * (a block's 16 rows of 32 dims, as they lie in the cache) . Q^T (the query's pairs, built once per sequence), one
  * TDPBF16PS per 32 dims into a C tile per block, AMX_RUN blocks' products issued together (one block at a time
- * waited on each product's latency and was slower than the vector form). The vector form sums G rows x 2 tokens per
- * pass and reduces 16 accumulators with a 45-instruction tree each time. The softmax and P.V stay the vector
- * path's. Tiles: 0 the query's k-step, 2-3 K rows (alternating), 4-7 one block's scores each. */
+ * waited on each product's latency and was slower than the vector form). The vector form sums G rows x 2 tokens
+ * per pass and reduces 16 accumulators with a 45-instruction tree each time. The online softmax then runs on the
+ * transposed scores, a lane per query row (no horizontal reductions, no transpose), and P.V is the vector path's
+ * paired dot products with the probabilities' pairs read per row. Tiles: 0 the query's k-step, 2-3 K rows
+ * (alternating), 4-7 one block's scores each. A sequence's blocks take the same instructions in every work item. */
 static int amx_scores_ok(int32_t G, int32_t D, int32_t bs) {
     return G <= 16 && D % 32 == 0 && D <= 256 && bs == 16 && bf16_gemm_tiles_on();
 }
@@ -85,11 +87,75 @@ static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16
     if (nb > 1) _tile_stored(5, ct[1], 64);
     if (nb > 2) _tile_stored(6, ct[2], 64);
     if (nb > 3) _tile_stored(7, ct[3], 64);
-    for (int32_t i = 0; i < nb; i++) {
-        float *si = s + (size_t)i * G * bs;
-        for (int32_t g = 0; g < G; g++)
-            for (int32_t t = 0; t < n[i]; t++) si[g * bs + t] = ct[i][t][g];
+    (void)G;
+    for (int32_t i = 0; i < nb; i++) memcpy(s + (size_t)i * 256, ct[i], sizeof ct[i]);
+}
+
+/* acc[g] += sum over pairs k of (p_2k, p_2k+1)[g] . (v_2k, v_2k+1): paired_accumulate with the probability pairs
+ * given as words per pair and row (pt[k][g]) */
+static inline __attribute__((always_inline)) void pv_pairs(const int G, float *acc, const uint32_t (*pt)[16],
+                                                           const uint16_t *v, int64_t stride, int32_t n, int32_t D) {
+    const int32_t np = (n + 1) / 2;
+    for (int32_t c = 0; c < D; c += 32) {
+        __m512 lo[8], hi[8];
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm512_loadu_ps(acc + g * D + c);
+            hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
+        }
+        for (int32_t k = 0; k < np; k++) {
+            const int32_t j1 = 2 * k + 1 < n ? 2 * k + 1 : 2 * k;        /* odd tail: partner weight is 0 */
+            const __m512i x0 = _mm512_loadu_si512(v + 2 * k * stride + c), x1 = _mm512_loadu_si512(v + j1 * stride + c);
+            const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            for (int g = 0; g < G; g++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pt[k][g]);
+                lo[g] = _mm512_dpbf16_ps(lo[g], w, plo);
+                hi[g] = _mm512_dpbf16_ps(hi[g], w, phi);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(acc + g * D + c, lo[g]);
+            _mm512_storeu_ps(acc + g * D + c + 16, hi[g]);
+        }
     }
+}
+
+static void amx_softmax_accumulate(rows_t *r, const float *st, int32_t n, int32_t G, int32_t D, const uint16_t *v,
+                                   int64_t stride) {
+    const __mmask16 rows = (__mmask16)((1u << G) - 1);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 bm = ninf;
+    for (int32_t t = 0; t < n; t++) bm = _mm512_max_ps(bm, _mm512_load_ps(st + t * 16));
+    const __m512 m = _mm512_mask_loadu_ps(ninf, rows, r->m), nm = _mm512_max_ps(m, bm);
+    /* exp(m - nm); exactly 1 where the maximum stayed (no rescale), 0 before any key */
+    __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, nm, _CMP_EQ_OQ), exp16_fast(_mm512_sub_ps(m, nm)),
+                                       _mm512_set1_ps(1.0f));
+    corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), corr, _mm512_setzero_ps());
+    const __mmask16 moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & rows;
+    if (moved) {
+        float cf[16] __attribute__((aligned(64)));
+        _mm512_store_ps(cf, corr);
+        for (int32_t g = 0; g < G; g++)
+            if (moved >> g & 1)
+                for (int32_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(r->acc + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(r->acc + g * D + d),
+                                                                       _mm512_set1_ps(cf[g])));
+    }
+    uint32_t pt[8][16] __attribute__((aligned(64)));              /* a block of 16 tokens (amx_scores_ok) */
+    __m512 sum = _mm512_setzero_ps();
+    for (int32_t t = 0; t < n; t += 2) {
+        const __m512 p0 = exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + t * 16), nm));
+        const __m512 p1 = t + 1 < n ? exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + (t + 1) * 16), nm))
+                                    : _mm512_setzero_ps();
+        sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+        const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+        const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+        _mm512_store_si512(pt[t / 2], _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
+    }
+    const __m512 l = _mm512_mask_loadu_ps(_mm512_setzero_ps(), rows, r->l);
+    _mm512_mask_storeu_ps(r->l, rows, _mm512_add_ps(_mm512_mul_ps(l, corr), sum));
+    _mm512_mask_storeu_ps(r->m, rows, nm);
+    DISPATCH_G(G, pv_pairs(G_, r->acc, (const uint32_t (*)[16])pt, v, stride, n, D));
 }
 #undef RUN_PRODUCT
 #endif

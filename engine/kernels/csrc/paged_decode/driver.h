@@ -199,12 +199,16 @@ static void fast_accumulate(const int G, const int kind, float *acc, const float
 /* 1 where a bf16 cache's scores take the tiles here (they are on: bf16_gemm_tiles_on) for this G, D and bs */
 static int amx_scores_ok(int32_t G, int32_t D, int32_t bs);
 static void amx_query_tiles(const uint16_t *qb, int32_t G, int32_t D, uint32_t *qt);   /* r->qt from r->qb */
-/* s + i * G * bs [g * bs + j] = q[g] . k_j for the tokens of blocks b0 .. b0 + nb - 1 (nb <= AMX_RUN) of one
- * sequence, as block_rows gives them (`kc` the bf16 cache, `scratch` [AMX_RUN][16][D] bf16) */
+/* s + i * 256 [j * 16 + g] = q[g] . k_j (scores^T, rows g >= G zero) for the tokens of blocks b0 .. b0 + nb - 1
+ * (nb <= AMX_RUN) of one sequence, as block_rows gives them (`kc` the bf16 cache, `scratch` [AMX_RUN][16][D]) */
 static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16_t *kc, int32_t bs,
                            int64_t tok_stride, int32_t h, int32_t G, int32_t D, float *s, uint16_t *scratch);
 static void amx_scores_begin(void);
 static void amx_scores_end(void);
+/* the online-softmax update and P.V of one block from its scores^T st [n][16] (lanes: the G query rows, so no
+ * row needs a horizontal reduction), the values' pairs as fast_accumulate's (acc left in its paired order) */
+static void amx_softmax_accumulate(rows_t *r, const float *st, int32_t n, int32_t G, int32_t D, const uint16_t *v,
+                                   int64_t stride);
 #endif
 #if PAIRED_PV
 /* out (q0 on, G rows of D) = acc / l with acc in the paired column order that fast_accumulate leaves for bf16 and
@@ -257,6 +261,12 @@ static inline __attribute__((always_inline)) void rows_visit(
             prefetch_rows(vc + next * esize, tok_stride * esize, bs, D * esize);
             if (kind == KV_I8) prefetch_rows(vc + next - h * D + bs * tok_stride, 0, 1, (int32_t)sc_bytes);
         }
+#if AMX_SCORES
+        if (ready) {
+            amx_softmax_accumulate(r, s, n, G, D, (const uint16_t *)vb, tok_stride);
+            return;
+        }
+#endif
         softmax_update(s, bs, n, G, D, r->m, r->l, r->acc);
         DISPATCH_G(G, fast_accumulate(G_, kind, r->acc, s, bs, vb, tok_stride, n, D, vsc, sc_stride));
 #endif
@@ -336,7 +346,7 @@ static inline __attribute__((always_inline)) void group_item(
     if (tiles) {
         tbuf = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * count * (D / 2) * 16);
         kscratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * AMX_RUN * 16 * D);
-        srun = (float *)malloc(sizeof(float) * AMX_RUN * G * bs);
+        srun = (float *)aligned_alloc(64, sizeof(float) * AMX_RUN * 256);
         amx_scores_begin();
     }
 #endif
@@ -347,7 +357,7 @@ static inline __attribute__((always_inline)) void group_item(
         const int32_t nb_ = (to) - b_ < run ? (to) - b_ : run;                                                   \
         VISIT_SCORES(c, b_, nb_);                                                                                \
         for (int32_t i_ = 0; i_ < nb_; i_++)                                                                     \
-            rows_visit(&rows[c], b_ + i_, kc, vc, G, D, bs, tok_stride, h, fast, (pf), tiles ? srun + i_ * G * bs : s, \
+            rows_visit(&rows[c], b_ + i_, kc, vc, G, D, bs, tok_stride, h, fast, (pf), tiles ? srun + i_ * 256 : s,   \
                        tile, kind, tiles);                                                                       \
     }
     const int64_t tok_stride = (int64_t)num_kv_heads * D;
