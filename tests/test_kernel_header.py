@@ -108,7 +108,8 @@ CHOSEN["amx"] = CHOSEN["avx512-bf16-vnni"]
 
 
 # global functions one family calls in another, declared in that family's header instead of kernels.h
-INTERNAL = {"bf16_gemm_serial"}     # bf16_gemm/bf16_gemm.h, for prefill/
+# bf16_gemm/bf16_gemm.h: for prefill/ (the two-product tiles, the AMX online-softmax item) and paged_decode/ (tiles on?)
+INTERNAL = {"bf16_gemm_serial", "bf16_attention_amx", "bf16_gemm_tiles_on"}
 
 
 def _families() -> dict[str, list[Path]]:

@@ -99,7 +99,8 @@ static inline __m512 act16(__m512 g, int act) {
         const __m512 c = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), g), g);
         z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f), _mm512_add_ps(g, c));
     }
-    const __m512 e = exp_clamped16(_mm512_xor_ps(z, _mm512_set1_ps(-0.0f)));
+    const __m512 e = exp_clamped16(_mm512_castsi512_ps(   /* -z: the sign bit flipped (AVX512F: no vxorps) */
+        _mm512_xor_si512(_mm512_castps_si512(z), _mm512_set1_epi32((int)0x80000000u))));
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
