@@ -18,147 +18,6 @@
 #include "driver.h"
 #include "vec.h"
 
-#if AMX_SCORES
-/* A bf16 cache's decode attention with AMX scores (driver.h AMX_SCORES): scores^T [16 tokens][16 query rows] = K
- * (a block's 16 rows of 32 dims, as they lie in the cache) . Q^T (the query's pairs, built once per sequence), one
- * TDPBF16PS per 32 dims into a C tile per block, AMX_RUN blocks' products issued together (one block at a time
- * waited on each product's latency and was slower than the vector form). The vector form sums G rows x 2 tokens
- * per pass and reduces 16 accumulators with a 45-instruction tree each time. The online softmax then runs on the
- * transposed scores, a lane per query row (no horizontal reductions, no transpose), and P.V is the vector path's
- * paired dot products with the probabilities' pairs read per row. Tiles: 0 the query's k-step, 2-3 K rows
- * (alternating), 4-7 one block's scores each. A sequence's blocks take the same instructions in every work item. */
-static int amx_scores_ok(int32_t G, int32_t D, int32_t bs) {
-    return G <= 16 && D % 32 == 0 && D <= 256 && bs == 16 && bf16_gemm_tiles_on();
-}
-
-static void amx_scores_begin(void) { amx_config_tiles(8); }
-static void amx_scores_end(void) { _tile_release(); }
-
-static void amx_query_tiles(const uint16_t *qb, int32_t G, int32_t D, uint32_t *qt) {
-    memset(qt, 0, sizeof(uint32_t) * (size_t)(D / 2) * 16);
-    for (int32_t g = 0; g < G; g++)
-        for (int32_t i = 0; i < D / 2; i++) qt[(i / 16) * 256 + (i % 16) * 16 + g] = pair_at(qb + (int64_t)g * D, i);
-}
-
-/* block i's K rows at its k-step kk into tile T, then its scores' C tile += them . the query's k-step (tile 0) */
-#define RUN_PRODUCT(i, T, C)                                                          \
-    if (nb > (i)) {                                                                   \
-        _tile_loadd(T, rows_at[i] + kk * 32, lda[i] * 2);                             \
-        _tile_dpbf16ps(C, T, 0);                                                      \
-    }
-
-static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16_t *kc, int32_t bs,
-                           int64_t tok_stride, int32_t h, int32_t G, int32_t D, float *s, uint16_t *scratch) {
-    const uint16_t *rows_at[AMX_RUN];
-    int64_t lda[AMX_RUN];
-    int32_t n[AMX_RUN];
-    for (int32_t i = 0; i < nb; i++) {
-        int32_t slot;
-        const int64_t base = block_rows(r->table, b0 + i, r->lo, r->seq_len, bs, tok_stride, bs * tok_stride, h, D,
-                                        &n[i], &slot);
-        rows_at[i] = kc + base;
-        lda[i] = tok_stride;
-        if (n[i] < 16) {          /* a partial block: the rows past its tokens may be another block's, or none */
-            uint16_t *dst = scratch + (size_t)i * 16 * D;
-            memset(dst, 0, sizeof(uint16_t) * 16 * (size_t)D);
-            for (int32_t t = 0; t < n[i]; t++) memcpy(dst + (size_t)t * D, rows_at[i] + t * tok_stride, (size_t)D * 2);
-            rows_at[i] = dst;
-            lda[i] = D;
-        }
-    }
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int32_t kk = 0; kk < D / 32; kk++) {
-        _tile_loadd(0, r->qt + kk * 256, 64);
-        RUN_PRODUCT(0, 2, 4)
-        RUN_PRODUCT(1, 3, 5)
-        RUN_PRODUCT(2, 2, 6)
-        RUN_PRODUCT(3, 3, 7)
-    }
-    /* the next run's keys into L2 while these products finish (its values come with each block's visit) */
-    const int32_t last = (r->seq_len + bs - 1) / bs;
-    for (int32_t b = b0 + nb; b < b0 + 2 * nb && b < last; b++)
-        prefetch_rows((const char *)(kc + (int64_t)r->table[b] * bs * tok_stride + (int64_t)h * D), tok_stride * 2, bs,
-                      D * 2);
-    float ct[AMX_RUN][16][16] __attribute__((aligned(64)));
-    _tile_stored(4, ct[0], 64);
-    if (nb > 1) _tile_stored(5, ct[1], 64);
-    if (nb > 2) _tile_stored(6, ct[2], 64);
-    if (nb > 3) _tile_stored(7, ct[3], 64);
-    (void)G;
-    for (int32_t i = 0; i < nb; i++) memcpy(s + (size_t)i * 256, ct[i], sizeof ct[i]);
-}
-
-/* acc[g] += sum over pairs k of (p_2k, p_2k+1)[g] . (v_2k, v_2k+1): paired_accumulate with the probability pairs
- * given as words per pair and row (pt[k][g]) */
-static inline __attribute__((always_inline)) void pv_pairs(const int G, float *acc, const uint32_t (*pt)[16],
-                                                           const uint16_t *v, int64_t stride, int32_t n, int32_t D) {
-    const int32_t np = (n + 1) / 2;
-    for (int32_t c = 0; c < D; c += 32) {
-        __m512 lo[8], hi[8];
-        for (int g = 0; g < G; g++) {
-            lo[g] = _mm512_loadu_ps(acc + g * D + c);
-            hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
-        }
-        for (int32_t k = 0; k < np; k++) {
-            const int32_t j1 = 2 * k + 1 < n ? 2 * k + 1 : 2 * k;        /* odd tail: partner weight is 0 */
-            const __m512i x0 = _mm512_loadu_si512(v + 2 * k * stride + c), x1 = _mm512_loadu_si512(v + j1 * stride + c);
-            const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-            const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
-            for (int g = 0; g < G; g++) {
-                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pt[k][g]);
-                lo[g] = _mm512_dpbf16_ps(lo[g], w, plo);
-                hi[g] = _mm512_dpbf16_ps(hi[g], w, phi);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            _mm512_storeu_ps(acc + g * D + c, lo[g]);
-            _mm512_storeu_ps(acc + g * D + c + 16, hi[g]);
-        }
-    }
-}
-
-static void amx_softmax_accumulate(rows_t *r, const float *st, int32_t n, int32_t G, int32_t D, const uint16_t *v,
-                                   int64_t stride) {
-    const __mmask16 rows = (__mmask16)((1u << G) - 1);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 bm = ninf;
-    for (int32_t t = 0; t < n; t++) bm = _mm512_max_ps(bm, _mm512_load_ps(st + t * 16));
-    const __m512 m = _mm512_mask_loadu_ps(ninf, rows, r->m), nm = _mm512_max_ps(m, bm);
-    /* exp(m - nm); exactly 1 where the maximum stayed (no rescale), 0 before any key */
-    __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, nm, _CMP_EQ_OQ), exp16_fast(_mm512_sub_ps(m, nm)),
-                                       _mm512_set1_ps(1.0f));
-    corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), corr, _mm512_setzero_ps());
-    const __mmask16 moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & rows;
-    if (moved) {
-        float cf[16] __attribute__((aligned(64)));
-        _mm512_store_ps(cf, corr);
-        for (int32_t g = 0; g < G; g++)
-            if (moved >> g & 1)
-                for (int32_t d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(r->acc + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(r->acc + g * D + d),
-                                                                       _mm512_set1_ps(cf[g])));
-    }
-    uint32_t pt[8][16] __attribute__((aligned(64)));              /* a block of 16 tokens (amx_scores_ok) */
-    __m512 sum = _mm512_setzero_ps();
-    for (int32_t t = 0; t < n; t += 2) {
-        const __m512 p0 = exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + t * 16), nm));
-        const __m512 p1 = t + 1 < n ? exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + (t + 1) * 16), nm))
-                                    : _mm512_setzero_ps();
-        sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-        const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
-        const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
-        _mm512_store_si512(pt[t / 2], _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
-    }
-    const __m512 l = _mm512_mask_loadu_ps(_mm512_setzero_ps(), rows, r->l);
-    _mm512_mask_storeu_ps(r->l, rows, _mm512_add_ps(_mm512_mul_ps(l, corr), sum));
-    _mm512_mask_storeu_ps(r->m, rows, nm);
-    DISPATCH_G(G, pv_pairs(G_, r->acc, (const uint32_t (*)[16])pt, v, stride, n, D));
-}
-#undef RUN_PRODUCT
-#endif
 
 /* The sixteen horizontal sums of v[0..15] as one vector (lane i = sum of v[i]): a transpose-and-add tree of 45
  * instructions where sixteen _mm512_reduce_add_ps take ~130. */
@@ -250,6 +109,37 @@ static inline __attribute__((always_inline)) void fast_scores(
     vec_scores(G, kind, qf, k, stride, j, n, D, s, ld);
 }
 
+/* acc[g] += sum over token pairs k of word(g, k) . (v_2k, v_2k+1), word(g, k) = pw[g * gs + k * ks] the pair
+ * (p_2k, p_2k+1) of row g in bf16: paired_accumulate's loop, and the AMX path's (its probabilities per pair and row) */
+static inline __attribute__((always_inline)) void pv_words(
+        const int G, const int kind, float *acc, const uint32_t *pw, int64_t gs, int64_t ks, const void *v,
+        int64_t stride, int32_t n, int32_t D, const float *sc, int64_t sc_stride) {
+    const int32_t np = (n + 1) / 2;
+    for (int32_t c = 0; c < D; c += 32) {
+        __m512 lo[8], hi[8];
+        for (int g = 0; g < G; g++) {
+            lo[g] = _mm512_loadu_ps(acc + g * D + c);
+            hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
+        }
+        for (int32_t k = 0; k < np; k++) {
+            const int32_t j1 = 2 * k + 1 < n ? 2 * k + 1 : 2 * k;        /* odd tail: partner weight is 0 */
+            const __m512i x0 = load_bh32(v, 2 * k * stride + c, kind, sc + 2 * k * sc_stride + c / I8_GROUP);
+            const __m512i x1 = load_bh32(v, j1 * stride + c, kind, sc + j1 * sc_stride + c / I8_GROUP);
+            const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            for (int g = 0; g < G; g++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pw[g * gs + k * ks]);
+                lo[g] = _mm512_dpbf16_ps(lo[g], w, plo);
+                hi[g] = _mm512_dpbf16_ps(hi[g], w, phi);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(acc + g * D + c, lo[g]);
+            _mm512_storeu_ps(acc + g * D + c + 16, hi[g]);
+        }
+    }
+}
+
 /* acc[g] += sum_j p[g*ld + j] * v_j with AVX512-BF16 (bf16 and int8 caches): tokens in pairs, each instruction a
  * dot product of a (p_j, p_j+1) pair with the interleaved (v_j[d], v_j+1[d]) pairs of 16 columns. The interleave
  * works within 128-bit lanes, so acc holds each 32-column chunk permuted: column r of a chunk (lane = r / 8,
@@ -273,29 +163,7 @@ static inline __attribute__((always_inline)) void paired_accumulate(
             pairs[g][k] = (uint32_t)f32_to_bf16(p0) | ((uint32_t)f32_to_bf16(p1) << 16);
         }
     }
-    for (int32_t c = 0; c < D; c += 32) {
-        __m512 lo[8], hi[8];
-        for (int g = 0; g < G; g++) {
-            lo[g] = _mm512_loadu_ps(acc + g * D + c);
-            hi[g] = _mm512_loadu_ps(acc + g * D + c + 16);
-        }
-        for (int32_t k = 0; k < np; k++) {
-            const int32_t j1 = 2 * k + 1 < n ? 2 * k + 1 : 2 * k;        /* odd tail: partner weight is 0 */
-            const __m512i x0 = load_bh32(v, 2 * k * stride + c, kind, sc + 2 * k * sc_stride + c / I8_GROUP);
-            const __m512i x1 = load_bh32(v, j1 * stride + c, kind, sc + j1 * sc_stride + c / I8_GROUP);
-            const __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-            const __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
-            for (int g = 0; g < G; g++) {
-                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g][k]);
-                lo[g] = _mm512_dpbf16_ps(lo[g], w, plo);
-                hi[g] = _mm512_dpbf16_ps(hi[g], w, phi);
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            _mm512_storeu_ps(acc + g * D + c, lo[g]);
-            _mm512_storeu_ps(acc + g * D + c + 16, hi[g]);
-        }
-    }
+    pv_words(G, kind, acc, &pairs[0][0], MAX_BLOCK / 2 + 1, 1, v, stride, n, D, sc, sc_stride);
 }
 
 /* bf16 and int8 caches: paired_accumulate; float32 caches: vec.h's loops */
@@ -330,5 +198,118 @@ static inline __attribute__((always_inline)) void finish_paired(const rows_t *r,
         }
     }
 }
+
+#if AMX_SCORES
+/* A bf16 cache's decode attention with AMX scores (driver.h AMX_SCORES): scores^T [16 tokens][16 query rows] = K
+ * (a block's 16 rows of 32 dims, as they lie in the cache) . Q^T (the query's pairs, built once per sequence), one
+ * TDPBF16PS per 32 dims into a C tile per block, AMX_RUN blocks' products issued together (one block at a time
+ * waited on each product's latency and was slower than the vector form). The vector form sums G rows x 2 tokens
+ * per pass and reduces 16 accumulators with a 45-instruction tree each time. The online softmax then runs on the
+ * transposed scores, a lane per query row (no horizontal reductions, no transpose), and P.V is the vector path's
+ * paired dot products with the probabilities' pairs read per row. Tiles: 0 the query's k-step, 2-3 K rows
+ * (alternating), 4-7 one block's scores each. A sequence's blocks take the same instructions in every work item. */
+static int amx_scores_ok(int32_t G, int32_t D, int32_t bs) {
+    return G <= 16 && D % 32 == 0 && D <= 256 && bs == 16 && bf16_gemm_tiles_on();
+}
+
+static void amx_scores_begin(void) { amx_config_tiles(8); }
+static void amx_scores_end(void) { _tile_release(); }
+
+static void amx_query_tiles(const uint16_t *qb, int32_t G, int32_t D, uint32_t *qt) {
+    memset(qt, 0, sizeof(uint32_t) * (size_t)(D / 2) * 16);
+    for (int32_t g = 0; g < G; g++)
+        for (int32_t i = 0; i < D / 2; i++) qt[(i / 16) * 256 + (i % 16) * 16 + g] = pair_at(qb + (int64_t)g * D, i);
+}
+
+/* block i's K rows at its k-step kk into tile T, then its scores' C tile += them . the query's k-step (tile 0) */
+#define RUN_PRODUCT(i, T, C)                                                          \
+    if (nb > (i)) {                                                                   \
+        _tile_loadd(T, rows_at[i] + kk * 32, lda[i] * 2);                             \
+        _tile_dpbf16ps(C, T, 0);                                                      \
+    }
+
+static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16_t *kc, int32_t bs,
+                           int64_t tok_stride, int32_t h, int32_t G, int32_t D, float *s, uint16_t *scratch) {
+    const uint16_t *rows_at[AMX_RUN];
+    int64_t lda[AMX_RUN];
+    int32_t n[AMX_RUN];
+    for (int32_t i = 0; i < nb; i++) {
+        int32_t slot;
+        const int64_t base = block_rows(r->table, b0 + i, r->lo, r->seq_len, bs, tok_stride, bs * tok_stride, h, D,
+                                        &n[i], &slot);
+        rows_at[i] = kc + base;
+        lda[i] = tok_stride;
+        if (n[i] < 16) {          /* a partial block: the rows past its tokens may be another block's, or none */
+            uint16_t *dst = scratch + (size_t)i * 16 * D;
+            memset(dst, 0, sizeof(uint16_t) * 16 * (size_t)D);
+            for (int32_t t = 0; t < n[i]; t++) memcpy(dst + (size_t)t * D, rows_at[i] + t * tok_stride, (size_t)D * 2);
+            rows_at[i] = dst;
+            lda[i] = D;
+        }
+    }
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int32_t kk = 0; kk < D / 32; kk++) {
+        _tile_loadd(0, r->qt + kk * 256, 64);
+        RUN_PRODUCT(0, 2, 4)
+        RUN_PRODUCT(1, 3, 5)
+        RUN_PRODUCT(2, 2, 6)
+        RUN_PRODUCT(3, 3, 7)
+    }
+    /* the next run's keys into L2 while these products finish (its values come with each block's visit) */
+    const int32_t last = (r->seq_len + bs - 1) / bs;
+    for (int32_t b = b0 + nb; b < b0 + 2 * nb && b < last; b++)
+        prefetch_rows((const char *)(kc + (int64_t)r->table[b] * bs * tok_stride + (int64_t)h * D), tok_stride * 2, bs,
+                      D * 2);
+    float ct[AMX_RUN][16][16] __attribute__((aligned(64)));
+    _tile_stored(4, ct[0], 64);
+    if (nb > 1) _tile_stored(5, ct[1], 64);
+    if (nb > 2) _tile_stored(6, ct[2], 64);
+    if (nb > 3) _tile_stored(7, ct[3], 64);
+    (void)G;
+    for (int32_t i = 0; i < nb; i++) memcpy(s + (size_t)i * 256, ct[i], sizeof ct[i]);
+}
+
+static void amx_softmax_accumulate(rows_t *r, const float *st, int32_t n, int32_t G, int32_t D, const uint16_t *v,
+                                   int64_t stride) {
+    const __mmask16 rows = (__mmask16)((1u << G) - 1);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 bm = ninf;
+    for (int32_t t = 0; t < n; t++) bm = _mm512_max_ps(bm, _mm512_load_ps(st + t * 16));
+    const __m512 m = _mm512_mask_loadu_ps(ninf, rows, r->m), nm = _mm512_max_ps(m, bm);
+    /* exp(m - nm); exactly 1 where the maximum stayed (no rescale), 0 before any key */
+    __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, nm, _CMP_EQ_OQ), exp16_fast(_mm512_sub_ps(m, nm)),
+                                       _mm512_set1_ps(1.0f));
+    corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), corr, _mm512_setzero_ps());
+    const __mmask16 moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & rows;
+    if (moved) {
+        float cf[16] __attribute__((aligned(64)));
+        _mm512_store_ps(cf, corr);
+        for (int32_t g = 0; g < G; g++)
+            if (moved >> g & 1)
+                for (int32_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(r->acc + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(r->acc + g * D + d),
+                                                                       _mm512_set1_ps(cf[g])));
+    }
+    uint32_t pt[8][16] __attribute__((aligned(64)));              /* a block of 16 tokens (amx_scores_ok) */
+    __m512 sum = _mm512_setzero_ps();
+    for (int32_t t = 0; t < n; t += 2) {
+        const __m512 p0 = exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + t * 16), nm));
+        const __m512 p1 = t + 1 < n ? exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + (t + 1) * 16), nm))
+                                    : _mm512_setzero_ps();
+        sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+        const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+        const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+        _mm512_store_si512(pt[t / 2], _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
+    }
+    const __m512 l = _mm512_mask_loadu_ps(_mm512_setzero_ps(), rows, r->l);
+    _mm512_mask_storeu_ps(r->l, rows, _mm512_add_ps(_mm512_mul_ps(l, corr), sum));
+    _mm512_mask_storeu_ps(r->m, rows, nm);
+    DISPATCH_G(G, pv_words(G_, KV_BF16, r->acc, &pt[0][0], 1, 16, v, stride, n, D, NULL, 0));
+}
+#undef RUN_PRODUCT
+#endif
 
 #endif
