@@ -152,6 +152,52 @@ static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0,
     }
 }
 
+/* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (xa packed from s0): each
+ * block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024 floats a block), and end in
+ * `part` or, after the last chunk, in y (amx_store_rows). */
+static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
+                        float *part, int M, int m0, int np, int ncols, void *y, int ldy, int is_bf16, int glu) {
+    float acc[32][32] __attribute__((aligned(64)));
+    for (int b = 0; b < rows / 32; b++) {
+        float *sums = part ? part + (size_t)b * 1024 : NULL;    /* K in chunks only */
+        if (first) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+        } else {
+            _tile_loadd(4, sums, 64);
+            _tile_loadd(5, sums + 256, 64);
+            _tile_loadd(6, sums + 512, 64);
+            _tile_loadd(7, sums + 768, 64);
+        }
+        const uint16_t *a = xa + (size_t)b * sc * 1024;
+        for (int s = 0; s < sc; s++) {
+            _tile_loadd(0, a + (size_t)s * 1024, 64);
+            _tile_loadd(1, a + (size_t)s * 1024 + 512, 64);
+            _tile_loadd(2, panel + (size_t)(s0 + s) * 512, 64);
+            _tile_loadd(3, panel + (size_t)(s0 + s) * 512 + 256, 64);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+        if (!last) {
+            _tile_stored(4, sums, 64);
+            _tile_stored(5, sums + 256, 64);
+            _tile_stored(6, sums + 512, 64);
+            _tile_stored(7, sums + 768, 64);
+            continue;
+        }
+        _tile_stored(4, &acc[0][0], 128);
+        _tile_stored(5, &acc[0][16], 128);
+        _tile_stored(6, &acc[16][0], 128);
+        _tile_stored(7, &acc[16][16], 128);
+        const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
+        if (R > 0) amx_store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
+    }
+}
+
 /* y[M, N] (row stride ldy, float32 or bf16; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T; x [M, K]
  * (float32, or bf16 with is_bf16) at row stride ldx. Returns 0 (nothing written) where the tiles may not run. */
 static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
@@ -178,7 +224,6 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
 #pragma omp parallel num_threads(nt)
             {
                 uint32_t *own = panels ? NULL : (uint32_t *)aligned_alloc(64, panel_words * 4);
-                float acc[32][32] __attribute__((aligned(64)));
                 amx_prompt_begin();
 #pragma omp for schedule(static)
                 for (int np = 0; np < npair; np++) {
@@ -186,44 +231,9 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
                     if (!panels || (m0 == 0 && kc == 0))
                         dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, panel);
                     const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
-                    for (int b = 0; b < rows / 32; b++) {
-                        float *part = spill ? spill + ((size_t)np * (rows / 32) + b) * 1024 : NULL;
-                        if (kc == 0) {
-                            _tile_zero(4);
-                            _tile_zero(5);
-                            _tile_zero(6);
-                            _tile_zero(7);
-                        } else {
-                            _tile_loadd(4, part, 64);
-                            _tile_loadd(5, part + 256, 64);
-                            _tile_loadd(6, part + 512, 64);
-                            _tile_loadd(7, part + 768, 64);
-                        }
-                        const uint16_t *a = xa + (size_t)b * sc * 1024;
-                        for (int s = 0; s < sc; s++) {
-                            _tile_loadd(0, a + (size_t)s * 1024, 64);
-                            _tile_loadd(1, a + (size_t)s * 1024 + 512, 64);
-                            _tile_loadd(2, panel + (size_t)(s0 + s) * 512, 64);
-                            _tile_loadd(3, panel + (size_t)(s0 + s) * 512 + 256, 64);
-                            _tile_dpbf16ps(4, 0, 2);
-                            _tile_dpbf16ps(5, 0, 3);
-                            _tile_dpbf16ps(6, 1, 2);
-                            _tile_dpbf16ps(7, 1, 3);
-                        }
-                        if (!last) {
-                            _tile_stored(4, part, 64);
-                            _tile_stored(5, part + 256, 64);
-                            _tile_stored(6, part + 512, 64);
-                            _tile_stored(7, part + 768, 64);
-                            continue;
-                        }
-                        _tile_stored(4, &acc[0][0], 128);
-                        _tile_stored(5, &acc[0][16], 128);
-                        _tile_stored(6, &acc[16][0], 128);
-                        _tile_stored(7, &acc[16][16], 128);
-                        const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
-                        if (R > 0) amx_store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
-                    }
+                    pair_blocks(xa, panel, rows, s0, sc, kc == 0, last,
+                                spill ? spill + (size_t)np * (rows / 32) * 1024 : NULL, M, m0, np, ncols, y, ldy,
+                                is_bf16, glu);
                 }
                 _tile_release();
                 free(own);
