@@ -61,20 +61,116 @@ static inline void flash_pv_hi(const uint32_t *vb, int D, float (*pv)[32], float
     }
 }
 
+/* One 16-row tile's state: each row's reference maximum and running sum (16 lanes until the end), a block's scores
+ * and probabilities, the output tiles' columns when they pass through memory, the columns past FLASH_LO. */
+typedef struct {
+    float M[16], scale[16];
+    __m512 L[16];
+    float sc[16][FLASH_KEYS] __attribute__((aligned(64)));
+    uint16_t pb[16][FLASH_KEYS] __attribute__((aligned(64)));   /* one A tile */
+    float ot[16][FLASH_LO] __attribute__((aligned(64)));        /* tiles 4-7 when rescaled or finished */
+    float oh[16][FLASH_MAX_D - FLASH_LO] __attribute__((aligned(64)));
+    float pv[16][32] __attribute__((aligned(64)));
+} flash_tile_t;
+
+static inline void flash_store_lo(flash_tile_t *f) {
+    _tile_stored(4, &f->ot[0][0], FLASH_LO * 4);
+    _tile_stored(5, &f->ot[0][16], FLASH_LO * 4);
+    _tile_stored(6, &f->ot[0][32], FLASH_LO * 4);
+    _tile_stored(7, &f->ot[0][48], FLASH_LO * 4);
+}
+
+/* the block's scores into f->sc: q (16 rows, row stride ldq) . keys kb (pair words, row stride ldkb) */
+static inline void flash_scores(flash_tile_t *f, const uint16_t *q, int64_t ldq, const uint32_t *kb, int64_t ldkb,
+                                int D) {
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kk = 0; kk < D / 32; kk++) {
+        _tile_loadd(0, q + kk * 32, ldq * 2);
+        _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb, ldkb * 4);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb + 16, ldkb * 4);
+        _tile_dpbf16ps(3, 0, 1);
+    }
+    _tile_stored(2, &f->sc[0][0], FLASH_KEYS * 4);
+    _tile_stored(3, &f->sc[0][16], FLASH_KEYS * 4);
+}
+
+/* The block's probabilities into f->pb, each row against its reference maximum (moved, with f->scale[r] != 1, only
+ * when a score passes it by more than the slack: always in a row's first block, everything passes -inf). Row r is
+ * query position ts + (r0 + r) / G; `whole`: every row sees every key of the block. Returns whether any row moved. */
+static int flash_softmax(flash_tile_t *f, int R, int r0, int G, int64_t ts, int64_t k_start, int64_t window,
+                         int64_t jb, int whole) {
+    int rescale = 0;
+    for (int r = 0; r < 16; r++) {
+        f->scale[r] = 1.0f;
+        const uint32_t vis = whole ? 0xffffffffu : r < R ? block_mask(ts + (r0 + r) / G, k_start, window, jb) : 0;
+        if (!vis) {
+            _mm512_store_si512(f->pb[r], _mm512_setzero_si512());
+            continue;
+        }
+        const __mmask16 m0 = (__mmask16)vis, m1 = (__mmask16)(vis >> 16);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        const __m512 s0 = _mm512_mask_load_ps(ninf, m0, f->sc[r]), s1 = _mm512_mask_load_ps(ninf, m1, f->sc[r] + 16);
+        const __m512 bar = _mm512_set1_ps(f->M[r] + FLASH_SLACK);
+        if (_mm512_cmp_ps_mask(s0, bar, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, bar, _CMP_GT_OQ)) {
+            const float mb = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            if (f->M[r] != -INFINITY) {
+                f->scale[r] = _mm512_cvtss_f32(exp16_fast(_mm512_set1_ps(f->M[r] - mb)));
+                f->L[r] = _mm512_mul_ps(f->L[r], _mm512_set1_ps(f->scale[r]));
+                rescale = 1;
+            }
+            f->M[r] = mb;
+        }
+        const __m512 mr = _mm512_set1_ps(f->M[r]);
+        const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16_fast(_mm512_sub_ps(s0, mr)));
+        const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16_fast(_mm512_sub_ps(s1, mr)));
+        f->L[r] = _mm512_add_ps(f->L[r], _mm512_add_ps(p0, p1));
+        _mm512_store_si512(f->pb[r], _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(p0)), to_bf16x16(p1), 1));
+    }
+    return rescale;
+}
+
+/* rows whose maximum moved: their output so far times exp(M_old - M_new) */
+static void flash_rescale(flash_tile_t *f, int D) {
+    flash_store_lo(f);
+    for (int r = 0; r < 16; r++) {
+        if (f->scale[r] == 1.0f) continue;
+        const __m512 s = _mm512_set1_ps(f->scale[r]);
+        for (int d = 0; d < FLASH_LO; d += 16)
+            _mm512_store_ps(&f->ot[r][d], _mm512_mul_ps(_mm512_load_ps(&f->ot[r][d]), s));
+        for (int d = 0; d < D - FLASH_LO; d += 16)
+            _mm512_store_ps(&f->oh[r][d], _mm512_mul_ps(_mm512_load_ps(&f->oh[r][d]), s));
+    }
+    _tile_loadd(4, &f->ot[0][0], FLASH_LO * 4);
+    _tile_loadd(5, &f->ot[0][16], FLASH_LO * 4);
+    _tile_loadd(6, &f->ot[0][32], FLASH_LO * 4);
+    _tile_loadd(7, &f->ot[0][48], FLASH_LO * 4);
+}
+
+/* output += P . V for the block (values vb, pair words, row stride D) */
+static inline void flash_pv(flash_tile_t *f, const uint32_t *vb, int D) {
+    _tile_loadd(0, f->pb, FLASH_KEYS * 2);
+    _tile_loadd(1, vb, D * 4);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(1, vb + 16, D * 4);
+    _tile_dpbf16ps(5, 0, 1);
+    _tile_loadd(1, vb + 32, D * 4);
+    _tile_dpbf16ps(6, 0, 1);
+    _tile_loadd(1, vb + 48, D * 4);
+    _tile_dpbf16ps(7, 0, 1);
+    if (D > FLASH_LO) flash_pv_hi(vb, D, f->pv, f->oh);
+}
+
 /* ob[rows, D] (float32) = attention of qt's rows (bf16, row r = token r / G of the item, at query position
  * ts + r / G; rows x D, dense) over KV head keys kp [D/2, ldk] pair words (kp[i][j] = (k[j][2i], k[j][2i+1])) and
  * values vp [S/2, D] pair words, key j at position k_start + j, j < S. D a multiple of 64, at most FLASH_MAX_D. */
 static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, const uint32_t *kp, int64_t ldk,
                            const uint32_t *vp, int S, int D, int64_t k_start, int64_t window, float *ob) {
-    enum { HI = FLASH_MAX_D - FLASH_LO };
     uint16_t qs[16][FLASH_MAX_D] __attribute__((aligned(64)));           /* a last tile's rows, zero-padded */
-    float sc[16][FLASH_KEYS] __attribute__((aligned(64)));               /* a block's scores */
-    uint16_t pb[16][FLASH_KEYS] __attribute__((aligned(64)));            /* its probabilities: one A tile */
-    float ot[16][FLASH_LO] __attribute__((aligned(64)));                 /* tiles 4-7 when rescaled or finished */
-    float oh[16][HI] __attribute__((aligned(64)));                       /* the columns past FLASH_LO */
-    float pv[16][32] __attribute__((aligned(64)));
     uint32_t ks[FLASH_MAX_D / 2][FLASH_KEYS] __attribute__((aligned(64))); /* keys / values past S: zeros */
     uint32_t vs[FLASH_KEYS / 2][FLASH_MAX_D] __attribute__((aligned(64)));
+    flash_tile_t f;
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int R = rows - r0 < 16 ? rows - r0 : 16;
         const uint16_t *q = qt + (int64_t)r0 * D;
@@ -85,13 +181,11 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
             q = &qs[0][0];
             ldq = FLASH_MAX_D;
         }
-        float M[16];
-        __m512 L[16];                                     /* each row's running sum, 16 lanes until the end */
         int64_t first = INT64_MAX, last = 0;              /* blocks [first, last) that any row sees */
         int64_t all_lo = 0, all_hi = INT64_MAX;           /* keys [all_lo, all_hi) every row sees */
         for (int r = 0; r < 16; r++) {
-            M[r] = -INFINITY;
-            L[r] = _mm512_setzero_ps();
+            f.M[r] = -INFINITY;
+            f.L[r] = _mm512_setzero_ps();
             if (r >= R) continue;
             const int64_t qpos = ts + (r0 + r) / G;
             const int64_t lo = window > 0 && qpos - window + 1 > k_start ? qpos - window + 1 - k_start : 0;
@@ -105,7 +199,7 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
-        if (D > FLASH_LO) memset(oh, 0, sizeof oh);
+        if (D > FLASH_LO) memset(f.oh, 0, sizeof f.oh);
         for (int64_t jb = first; jb < last; jb += FLASH_KEYS) {
             const uint32_t *kb = kp + jb, *vb = vp + jb / 2 * D;
             int64_t ldkb = ldk;
@@ -119,89 +213,20 @@ static void amx_flash_rows(const uint16_t *qt, int rows, int G, int64_t ts, cons
                 vb = &vs[0][0];
                 ldkb = FLASH_KEYS;
             }
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int kk = 0; kk < D / 32; kk++) {
-                _tile_loadd(0, q + kk * 32, ldq * 2);
-                _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb, ldkb * 4);
-                _tile_dpbf16ps(2, 0, 1);
-                _tile_loadd(1, kb + (int64_t)kk * 16 * ldkb + 16, ldkb * 4);
-                _tile_dpbf16ps(3, 0, 1);
-            }
-            _tile_stored(2, &sc[0][0], FLASH_KEYS * 4);
-            _tile_stored(3, &sc[0][16], FLASH_KEYS * 4);
-            float scale[16];
-            int rescale = 0;
+            flash_scores(&f, q, ldq, kb, ldkb, D);
             const int whole = R == 16 && jb >= all_lo && jb + FLASH_KEYS <= all_hi;   /* every key, every row */
-            for (int r = 0; r < 16; r++) {
-                scale[r] = 1.0f;
-                const uint32_t vis = whole ? 0xffffffffu
-                                           : r < R ? block_mask(ts + (r0 + r) / G, k_start, window, jb) : 0;
-                if (!vis) {
-                    _mm512_store_si512(pb[r], _mm512_setzero_si512());
-                    continue;
-                }
-                const __mmask16 m0 = (__mmask16)vis, m1 = (__mmask16)(vis >> 16);
-                const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                const __m512 s0 = _mm512_mask_load_ps(ninf, m0, sc[r]), s1 = _mm512_mask_load_ps(ninf, m1, sc[r] + 16);
-                /* the reference maximum moves only when a score passes it by more than the slack (always in a row's
-                 * first block: everything passes -inf); only then is the block's maximum taken */
-                const __m512 bar = _mm512_set1_ps(M[r] + FLASH_SLACK);
-                if (_mm512_cmp_ps_mask(s0, bar, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, bar, _CMP_GT_OQ)) {
-                    const float mb = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-                    if (M[r] != -INFINITY) {
-                        scale[r] = _mm512_cvtss_f32(exp16_fast(_mm512_set1_ps(M[r] - mb)));
-                        L[r] = _mm512_mul_ps(L[r], _mm512_set1_ps(scale[r]));
-                        rescale = 1;
-                    }
-                    M[r] = mb;
-                }
-                const __m512 mr = _mm512_set1_ps(M[r]);
-                const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16_fast(_mm512_sub_ps(s0, mr)));
-                const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16_fast(_mm512_sub_ps(s1, mr)));
-                L[r] = _mm512_add_ps(L[r], _mm512_add_ps(p0, p1));
-                _mm512_store_si512(pb[r], _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(p0)), to_bf16x16(p1), 1));
-            }
-            if (rescale) {            /* rows whose maximum moved: their output so far times exp(M_old - M_new) */
-                _tile_stored(4, &ot[0][0], FLASH_LO * 4);
-                _tile_stored(5, &ot[0][16], FLASH_LO * 4);
-                _tile_stored(6, &ot[0][32], FLASH_LO * 4);
-                _tile_stored(7, &ot[0][48], FLASH_LO * 4);
-                for (int r = 0; r < 16; r++) {
-                    if (scale[r] == 1.0f) continue;
-                    const __m512 f = _mm512_set1_ps(scale[r]);
-                    for (int d = 0; d < FLASH_LO; d += 16)
-                        _mm512_store_ps(&ot[r][d], _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), f));
-                    for (int d = 0; d < D - FLASH_LO; d += 16)
-                        _mm512_store_ps(&oh[r][d], _mm512_mul_ps(_mm512_load_ps(&oh[r][d]), f));
-                }
-                _tile_loadd(4, &ot[0][0], FLASH_LO * 4);
-                _tile_loadd(5, &ot[0][16], FLASH_LO * 4);
-                _tile_loadd(6, &ot[0][32], FLASH_LO * 4);
-                _tile_loadd(7, &ot[0][48], FLASH_LO * 4);
-            }
-            _tile_loadd(0, pb, FLASH_KEYS * 2);
-            _tile_loadd(1, vb, D * 4);
-            _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(1, vb + 16, D * 4);
-            _tile_dpbf16ps(5, 0, 1);
-            _tile_loadd(1, vb + 32, D * 4);
-            _tile_dpbf16ps(6, 0, 1);
-            _tile_loadd(1, vb + 48, D * 4);
-            _tile_dpbf16ps(7, 0, 1);
-            if (D > FLASH_LO) flash_pv_hi(vb, D, pv, oh);
+            if (flash_softmax(&f, R, r0, G, ts, k_start, window, jb, whole)) flash_rescale(&f, D);
+            flash_pv(&f, vb, D);
         }
-        _tile_stored(4, &ot[0][0], FLASH_LO * 4);
-        _tile_stored(5, &ot[0][16], FLASH_LO * 4);
-        _tile_stored(6, &ot[0][32], FLASH_LO * 4);
-        _tile_stored(7, &ot[0][48], FLASH_LO * 4);
+        flash_store_lo(&f);
         for (int r = 0; r < R; r++) {
-            const float l = _mm512_reduce_add_ps(L[r]);
+            const float l = _mm512_reduce_add_ps(f.L[r]);
             const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
             float *o = ob + (int64_t)(r0 + r) * D;
-            for (int d = 0; d < FLASH_LO; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(&ot[r][d]), inv));
+            for (int d = 0; d < FLASH_LO; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(&f.ot[r][d]), inv));
             for (int d = FLASH_LO; d < D; d += 16)
-                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(&oh[r][d - FLASH_LO]), inv));
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(&f.oh[r][d - FLASH_LO]), inv));
         }
     }
 }
