@@ -312,6 +312,64 @@ static inline __attribute__((always_inline)) void rows_finish(const rows_t *r, v
     }
 }
 
+/* What a work item's block visits share; `tiles`: a bf16 cache's scores on AMX tiles (AMX_SCORES), a sequence's
+ * blocks then visited in runs of AMX_RUN with their scores computed together first (each block's by the same tile
+ * instructions however the runs fall: a sequence's bits never depend on its group). */
+typedef struct {
+    const char *kc, *vc;
+    int64_t tok_stride;
+    int32_t G, D, bs, h;
+    int fast, tiles;
+    float *s, *tile;              /* rows_visit's scratch */
+    float *srun;                  /* tiles: AMX_RUN blocks' scores^T, 256 floats each */
+    uint16_t *kscratch;           /* tiles: partial blocks' key rows, zero-padded */
+    uint32_t *qt;                 /* tiles: every member's query tiles */
+} item_t;
+
+/* it->tiles and its buffers for `count` members (and the tile configuration), where AMX_SCORES may run */
+static inline void item_tiles_open(item_t *it, int32_t count, const int kind) {
+    it->tiles = 0;
+    it->srun = NULL;
+    it->kscratch = NULL;
+    it->qt = NULL;
+#if AMX_SCORES
+    it->tiles = it->fast && kind == KV_BF16 && amx_scores_ok(it->G, it->D, it->bs);
+    if (!it->tiles) return;
+    it->qt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * count * (it->D / 2) * 16);
+    it->kscratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * AMX_RUN * 16 * it->D);
+    it->srun = (float *)aligned_alloc(64, sizeof(float) * AMX_RUN * 256);
+    amx_scores_begin();
+#else
+    (void)count, (void)kind;
+#endif
+}
+
+static inline void item_tiles_close(item_t *it) {
+#if AMX_SCORES
+    if (it->tiles) amx_scores_end();
+#endif
+    free(it->qt);
+    free(it->kscratch);
+    free(it->srun);
+}
+
+/* blocks [from, to) of one member, in order (in runs where the tiles are on) */
+static inline __attribute__((always_inline)) void visit_blocks(rows_t *r, int32_t from, int32_t to, int prefetch,
+                                                               const item_t *it, const int kind) {
+    const int32_t run = it->tiles ? AMX_RUN : 1;
+    for (int32_t b = from; b < to; b += run) {
+        const int32_t nb = to - b < run ? to - b : run;
+#if AMX_SCORES
+        if (it->tiles)
+            amx_run_scores(r, b, nb, (const uint16_t *)it->kc, it->bs, it->tok_stride, it->h, it->G, it->D, it->srun,
+                           it->kscratch);
+#endif
+        for (int32_t i = 0; i < nb; i++)
+            rows_visit(r, b + i, it->kc, it->vc, it->G, it->D, it->bs, it->tok_stride, it->h, it->fast, prefetch,
+                       it->tiles ? it->srun + i * 256 : it->s, it->tile, kind, it->tiles);
+    }
+}
+
 /* ---- one work item: a group of sequences (sharing leading blocks, or one alone) x one KV head ----------- *
  *
  * Sequences that share a prompt prefix share its physical blocks. Visiting them sequence by sequence reads
@@ -334,34 +392,9 @@ static inline __attribute__((always_inline)) void group_item(
     float *fbuf = (float *)malloc(sizeof(float) * count * (2 * per + 2 * G));
     uint16_t *hbuf = (uint16_t *)malloc(sizeof(uint16_t) * count * per);
     rows_t rows[MAX_MEMBERS];
-    const int fast = FAST_PATH && D % FAST_D_MULTIPLE == 0 && G >= 1 && G <= 8;
-    /* AMX: a sequence's blocks are visited in runs of AMX_RUN, their scores computed together first (each block's
-     * by the same tile instructions however the runs fall: a sequence's bits never depend on its group) */
-    int tiles = 0;
-    uint32_t *tbuf = NULL;
-    uint16_t *kscratch = NULL;
-    float *srun = s;
-#if AMX_SCORES
-    tiles = fast && kind == KV_BF16 && amx_scores_ok(G, D, bs);
-    if (tiles) {
-        tbuf = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * count * (D / 2) * 16);
-        kscratch = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * AMX_RUN * 16 * D);
-        srun = (float *)aligned_alloc(64, sizeof(float) * AMX_RUN * 256);
-        amx_scores_begin();
-    }
-#endif
-    const int run = tiles ? AMX_RUN : 1;
-    /* blocks [from, to) of member c, in runs (scores first where the tiles are on) */
-#define VISIT_RUNS(c, from, to, pf)                                                                              \
-    for (int32_t b_ = (from); b_ < (to); b_ += run) {                                                            \
-        const int32_t nb_ = (to) - b_ < run ? (to) - b_ : run;                                                   \
-        VISIT_SCORES(c, b_, nb_);                                                                                \
-        for (int32_t i_ = 0; i_ < nb_; i_++)                                                                     \
-            rows_visit(&rows[c], b_ + i_, kc, vc, G, D, bs, tok_stride, h, fast, (pf), tiles ? srun + i_ * 256 : s,   \
-                       tile, kind, tiles);                                                                       \
-    }
-    const int64_t tok_stride = (int64_t)num_kv_heads * D;
-    const char *kc = (const char *)k_cache, *vc = (const char *)v_cache;
+    item_t it = {(const char *)k_cache, (const char *)v_cache, (int64_t)num_kv_heads * D, G, D, bs, h,
+                 FAST_PATH && D % FAST_D_MULTIPLE == 0 && G >= 1 && G <= 8, 0, s, tile, NULL, NULL, NULL};
+    item_tiles_open(&it, count, kind);
     int32_t j0 = 0, j1 = INT32_MAX;
     for (int32_t c = 0; c < count; c++) {
         const int32_t i = members[c], len = seq_lens[i];
@@ -375,12 +408,9 @@ static inline __attribute__((always_inline)) void group_item(
         r->seq_len = len;
         r->lo = (window > 0 && len > window) ? len - window : 0;
         rows_init(r, q, ((int64_t)i * num_heads + (int64_t)h * G) * D, G, D, scale, io_bf16);
-        r->qt = NULL;
+        r->qt = it.tiles ? it.qt + (size_t)c * (D / 2) * 16 : NULL;
 #if AMX_SCORES
-        if (tiles) {
-            r->qt = tbuf + (size_t)c * (D / 2) * 16;
-            amx_query_tiles(r->qb, G, D, r->qt);
-        }
+        if (r->qt) amx_query_tiles(r->qb, G, D, r->qt);
 #endif
         const int32_t first_whole = (r->lo + bs - 1) / bs, last_whole = len / bs;
         j0 = first_whole > j0 ? first_whole : j0;
@@ -397,36 +427,22 @@ static inline __attribute__((always_inline)) void group_item(
         j1 = b;
     }
     if (j1 < j0) j1 = j0;
-#if AMX_SCORES
-#define VISIT_SCORES(c, b, nb) \
-    if (tiles) amx_run_scores(&rows[c], (b), (nb), (const uint16_t *)kc, bs, tok_stride, h, G, D, srun, kscratch)
-#else
-#define VISIT_SCORES(c, b, nb) (void)0
-#endif
     for (int32_t c = 0; c < count; c++) {
-        const int32_t lead = (rows[c].seq_len + bs - 1) / bs < j0 ? (rows[c].seq_len + bs - 1) / bs : j0;
-        VISIT_RUNS(c, rows[c].lo / bs, lead, 1);
+        const int32_t end = (rows[c].seq_len + bs - 1) / bs;
+        visit_blocks(&rows[c], rows[c].lo / bs, end < j0 ? end : j0, 1, &it, kind);
     }
+    const int32_t run = it.tiles ? AMX_RUN : 1;
     for (int32_t b0 = j0; b0 < j1; b0 += run)        /* a run of shared blocks, every member in turn */
-        for (int32_t c = 0; c < count; c++) {
-            const int32_t to = b0 + run < j1 ? b0 + run : j1;
-            VISIT_RUNS(c, b0, to, c == 0);
-        }
-    const int permuted = fast && PAIRED_PV && (kind == KV_BF16 || kind == KV_I8);   /* PAIRED_PV: AVX512-BF16 */
+        for (int32_t c = 0; c < count; c++)
+            visit_blocks(&rows[c], b0, b0 + run < j1 ? b0 + run : j1, c == 0, &it, kind);
+    const int permuted = it.fast && PAIRED_PV && (kind == KV_BF16 || kind == KV_I8);   /* PAIRED_PV: AVX512-BF16 */
     for (int32_t c = 0; c < count; c++) {
         rows_t *r = &rows[c];
         const int32_t from = j1 > r->lo / bs ? j1 : r->lo / bs;
-        VISIT_RUNS(c, from, (r->seq_len + bs - 1) / bs, 1);
+        visit_blocks(r, from, (r->seq_len + bs - 1) / bs, 1, &it, kind);
         rows_finish(r, out, ((int64_t)members[c] * num_heads + (int64_t)h * G) * D, G, D, permuted, io_bf16);
     }
-#undef VISIT_SCORES
-#undef VISIT_RUNS
-#if AMX_SCORES
-    if (tiles) amx_scores_end();
-    if (tiles) free(srun);
-#endif
-    free(tbuf);
-    free(kscratch);
+    item_tiles_close(&it);
     free(fbuf);
     free(hbuf);
 }
