@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from costmodel import flops as F
-from costmodel.roofline import DTYPE_BYTES, INT8_WEIGHT_BYTES, KV_BYTES, matmul_rate
+from costmodel.roofline import DTYPE_BYTES, INT8_WEIGHT_BYTES, KV_BYTES, RunFormat, matmul_rate
 
 # Per step, beyond the roofline: Python scheduling, metadata, sampling, kernel launches (part of every step;
 # measured: docs/perf/code-notes-perf.md).
@@ -280,9 +280,8 @@ def plan_pricer(info, model_config) -> Callable | None:
     ours = (cal.kernel_flops or {}).get("q8_linear") if int8 else None
     mm_flops, small_flops = (ours["matmul_flops"], ours["small_m_flops"]) if ours else (cal.matmul_flops,
                                                                                          cal.small_m_flops)
-    if int8 and (cfg.kernels or {}).get("int8_prompts") == "bf16":
-        # prompt rows on AMX-BF16 tiles (costmodel.roofline RunFormat.calibration_dtype): large steps at bf16's
-        # peak; decode-sized rows keep the int8 kernel's rate
+    if int8 and RunFormat.of(info).calibration_dtype == "bfloat16":
+        # prompt rows on AMX-BF16 tiles: large steps at bf16's peak; decode-sized rows keep the int8 kernel's rate
         mm_flops = get_calibration(cfg.device, "bfloat16", quick=True).matmul_flops
     dtype_bytes = DTYPE_BYTES.get(cfg.dtype, 2)
     kv_bytes = KV_BYTES.get(cfg.kv_cache_dtype, dtype_bytes)

@@ -142,6 +142,7 @@ def test_int8_prompt_rows_on_amx_are_priced_at_the_bf16_peak(monkeypatch, prompt
     monkeypatch.setattr(P, "predict", lambda *a, **kw: seen.update(large=a[7], small=a[9]))
     cfg = SimpleNamespace(quantization="int8", device="cpu", dtype="float32", kv_cache_dtype="bfloat16",
                           kernels={"int8_prompts": prompts}, max_num_batched_tokens=4096, max_num_seqs=128)
-    P.plan_pricer(SimpleNamespace(config=cfg), tiny())(SimpleNamespace(num_requests=1, prompt_len=[8], cached=[0]),
-                                                        [4])
+    info = SimpleNamespace(config=cfg, to_dict=lambda: {"quantization": "int8", "dtype": "float32", "config": {
+        "kv_cache_dtype": "bfloat16", "kernels": {"int8_prompts": prompts}}})
+    P.plan_pricer(info, tiny())(SimpleNamespace(num_requests=1, prompt_len=[8], cached=[0]), [4])
     assert seen == {"large": large, "small": 2e11}
