@@ -229,7 +229,7 @@ static void amx_query_tiles(const uint16_t *qb, int32_t G, int32_t D, uint32_t *
     }
 
 static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16_t *kc, int32_t bs,
-                           int64_t tok_stride, int32_t h, int32_t G, int32_t D, float *s, uint16_t *scratch) {
+                           int64_t tok_stride, int32_t h, int32_t D, float *s, uint16_t *scratch) {
     const uint16_t *rows_at[AMX_RUN];
     int64_t lda[AMX_RUN];
     int32_t n[AMX_RUN];
@@ -263,13 +263,10 @@ static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16
     for (int32_t b = b0 + nb; b < b0 + 2 * nb && b < last; b++)
         prefetch_rows((const char *)(kc + (int64_t)r->table[b] * bs * tok_stride + (int64_t)h * D), tok_stride * 2, bs,
                       D * 2);
-    float ct[AMX_RUN][16][16] __attribute__((aligned(64)));
-    _tile_stored(4, ct[0], 64);
-    if (nb > 1) _tile_stored(5, ct[1], 64);
-    if (nb > 2) _tile_stored(6, ct[2], 64);
-    if (nb > 3) _tile_stored(7, ct[3], 64);
-    (void)G;
-    for (int32_t i = 0; i < nb; i++) memcpy(s + (size_t)i * 256, ct[i], sizeof ct[i]);
+    _tile_stored(4, s, 64);
+    if (nb > 1) _tile_stored(5, s + 256, 64);
+    if (nb > 2) _tile_stored(6, s + 512, 64);
+    if (nb > 3) _tile_stored(7, s + 768, 64);
 }
 
 static void amx_softmax_accumulate(rows_t *r, const float *st, int32_t n, int32_t G, int32_t D, const uint16_t *v,

@@ -200,9 +200,10 @@ static void fast_accumulate(const int G, const int kind, float *acc, const float
 static int amx_scores_ok(int32_t G, int32_t D, int32_t bs);
 static void amx_query_tiles(const uint16_t *qb, int32_t G, int32_t D, uint32_t *qt);   /* r->qt from r->qb */
 /* s + i * 256 [j * 16 + g] = q[g] . k_j (scores^T, rows g >= G zero) for the tokens of blocks b0 .. b0 + nb - 1
- * (nb <= AMX_RUN) of one sequence, as block_rows gives them (`kc` the bf16 cache, `scratch` [AMX_RUN][16][D]) */
+ * (nb <= AMX_RUN) of one sequence, as block_rows gives them (`kc` the bf16 cache, `scratch` [AMX_RUN][16][D];
+ * s 64-byte aligned) */
 static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16_t *kc, int32_t bs,
-                           int64_t tok_stride, int32_t h, int32_t G, int32_t D, float *s, uint16_t *scratch);
+                           int64_t tok_stride, int32_t h, int32_t D, float *s, uint16_t *scratch);
 static void amx_scores_begin(void);
 static void amx_scores_end(void);
 /* the online-softmax update and P.V of one block from its scores^T st [n][16] (lanes: the G query rows, so no
@@ -361,7 +362,7 @@ static inline __attribute__((always_inline)) void visit_blocks(rows_t *r, int32_
         const int32_t nb = to - b < run ? to - b : run;
 #if AMX_SCORES
         if (it->tiles)
-            amx_run_scores(r, b, nb, (const uint16_t *)it->kc, it->bs, it->tok_stride, it->h, it->G, it->D, it->srun,
+            amx_run_scores(r, b, nb, (const uint16_t *)it->kc, it->bs, it->tok_stride, it->h, it->D, it->srun,
                            it->kscratch);
 #endif
         for (int32_t i = 0; i < nb; i++)
