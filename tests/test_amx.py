@@ -110,3 +110,21 @@ def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, 
         gate_up = q8_linear_amx(x, pw, sw, n)
         assert torch.equal(fused, glu(gate_up, "silu"))      # the same bits as the unfused GLU
         assert torch.equal(q8_linear_amx(x, gw, gsw, n, "gelu_tanh"), glu(gate_up, "gelu_tanh"))
+
+
+@needs_prompt_amx
+def test_a_mixed_step_writes_both_row_kinds_into_one_result():
+    """split_rows hands each kernel its row range of the step's result (no copy joining the parts): the same bits as
+    each kernel's rows computed alone, and ``out`` that is not dense rows of x's dtype is refused."""
+    from engine.kernels.qlinear import q8_linear, q8_linear_amx
+    from engine.quant import int8
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 96, generator=g)
+    q, s = int8.quantize_rows(torch.randn(64, 96, generator=g) * 0.05)
+    pw, sw, ws = int8.pack(q, s)
+    y = int8.split_rows(x, 3, 64, lambda r, out: q8_linear(r, pw, sw, ws, 64, out=out),
+                        lambda r, out: q8_linear_amx(r, pw, sw, 64, out=out))
+    assert torch.equal(y[:3], q8_linear(x[:3], pw, sw, ws, 64))
+    assert torch.equal(y[3:], q8_linear_amx(x[3:], pw, sw, 64))
+    with pytest.raises(ValueError, match="dense"):
+        q8_linear_amx(x, pw, sw, 64, out=torch.empty(40, 128)[:, :64])

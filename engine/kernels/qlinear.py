@@ -43,18 +43,29 @@ def _q8_activations(lib: KernelLibrary, x: torch.Tensor):
     return q, sa, mn, kp
 
 
+def _output(m: int, n: int, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """The [m, n] result a kernel writes: ``out`` where given (checked: the kernels write dense rows of x's dtype),
+    else a new tensor."""
+    if out is None:
+        return torch.empty(m, n, dtype=dtype)
+    if out.shape != (m, n) or out.dtype != dtype or out.stride() != (n, 1):
+        raise ValueError(f"out must be a dense [{m}, {n}] {dtype} tensor, got {tuple(out.shape)} {out.dtype} "
+                         f"strides {out.stride()}")
+    return out
+
+
 def q8_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tensor, n: int, wmax: int = 127,
-              lib: KernelLibrary | None = None) -> torch.Tensor:
+              lib: KernelLibrary | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp32) @ W^T for packed int8 W, its fp16 scales and int16 group sums (``engine.quant.int8.pack``)
     -> [M, n] in x's dtype.
 
     x is quantized per token and group of 32 (asymmetric uint8) into a scratch buffer, then multiplied with
     integer dot products. wmax: a bound on max|w| (``Int8Linear.wmax``); the avx2 build has a faster path for
     wmax <= 64, and a smaller bound than the truth would saturate it. ``lib``: a specific build (tests); default
-    the loaded one."""
+    the loaded one. ``out``: where to write (dense rows: a row range of a bigger result), else a new tensor."""
     lib = lib or library.load()
     x, m, k, kp = _q8_rows(x)
-    y = torch.empty(m, n, dtype=x.dtype)
+    y = _output(m, n, x.dtype, out)
     # one call: the kernel quantizes x into its own scratch (the same quants as _q8_activations), then multiplies
     getattr(lib, f"q8_linear_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw),
                                                   _int16(ws), w.numel() // kp, n, wmax, y.data_ptr(), n,
@@ -73,14 +84,15 @@ def prompt_amx_ok() -> bool:
 
 
 def q8_linear_amx(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, n: int, act: str | None = None,
-                  lib: KernelLibrary | None = None) -> torch.Tensor:
+                  lib: KernelLibrary | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt rows of an int8 linear on AMX-BF16 tiles (csrc/qlinear/amx_prompt.h): bf16(x) @ bf16(W)^T with float32
     sums, W's values dequantized (quant x scale, rounded once to bf16) as the call runs -> [M, n] in x's dtype (with
     ``act``, a ``glu_interleave``d gate_up weight: act(gate) * up, [M, n / 2]). Another arithmetic than
-    ``q8_linear``'s: each row's bits depend on the row alone. RuntimeError where ``prompt_amx_ok()`` is False."""
+    ``q8_linear``'s: each row's bits depend on the row alone. RuntimeError where ``prompt_amx_ok()`` is False.
+    ``out`` as ``q8_linear``'s."""
     lib = lib or library.load()
     x, m, k, kp = _q8_rows(x)
-    y = torch.empty(m, n // 2 if act else n, dtype=x.dtype)
+    y = _output(m, n // 2 if act else n, x.dtype, out)
     done = getattr(lib, f"q8_linear_amx_{SUFFIX[x.dtype]}")(
         x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw), w.numel() // kp, n, _Q8_GLU_ACT[act] if act else 0,
         y.data_ptr(), y.shape[1], torch.get_num_threads())
@@ -90,15 +102,16 @@ def q8_linear_amx(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, n: int, ac
 
 
 def q8_linear_glu(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, ws: torch.Tensor, n: int, act: str,
-                  wmax: int = 127, lib: KernelLibrary | None = None) -> torch.Tensor:
+                  wmax: int = 127, lib: KernelLibrary | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """act(gate) * up from one int8 matmul: W packed from gate_up rows interleaved in blocks of 16
     (``engine.quant.int8.glu_interleave``), n = 2I rows, I a multiple of 16 -> [M, I] in x's dtype. The same bits
-    as ``glu`` of the un-interleaved ``q8_linear`` (tested), without its [M, 2I] intermediate."""
+    as ``glu`` of the un-interleaved ``q8_linear`` (tested), without its [M, 2I] intermediate. ``out`` as
+    ``q8_linear``'s."""
     if n % 32:
         raise ValueError(f"q8_linear_glu needs 2I a multiple of 32, got {n}")
     lib = lib or library.load()
     x, m, k, kp = _q8_rows(x)
-    y = torch.empty(m, n // 2, dtype=x.dtype)
+    y = _output(m, n // 2, x.dtype, out)
     getattr(lib, f"q8_linear_glu_{SUFFIX[x.dtype]}")(x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw),
                                                       _int16(ws), w.numel() // kp, n, wmax, _Q8_GLU_ACT[act],
                                                       y.data_ptr(), n // 2, torch.get_num_threads())

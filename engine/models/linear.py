@@ -84,13 +84,15 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     packed weight unpacked (or a bf16 one under float32 ``x`` widened) into a reused buffer."""
     n_out = out_features if out_features is not None else weight.shape[0]
 
-    def kernel(rows: torch.Tensor) -> torch.Tensor:
+    def kernel(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         y = panel_linear(rows, weight, n_out) if weight.dim() == 3 else small_m_linear(rows, weight)
-        return y.add_(bias) if bias is not None else y
+        y = y.add_(bias) if bias is not None else y
+        return y if out is None else out.copy_(y)
 
-    def torch_rows(rows: torch.Tensor) -> torch.Tensor:
+    def torch_rows(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         w = weight if weight.dim() == 2 and weight.dtype == rows.dtype else widened(weight, rows.dtype, n_out)
-        return invariant_linear(rows, w, bias, pad_to, tile)
+        y = invariant_linear(rows, w, bias, pad_to, tile)
+        return y if out is None else out.copy_(y)
 
     return split_rows(x, out_rows, n_out, kernel, torch_rows)
 

@@ -121,9 +121,10 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if self.step_rows is not None:
             y = split_rows(x2, self.step_rows.spec, self.out_features,
-                           lambda r: qlinear.q8_linear(r, self.qweight, self.scales, self.sums, self.out_features,
-                                                       self.wmax),
-                           lambda r: qlinear.q8_linear_amx(r, self.qweight, self.scales, self.out_features))
+                           lambda r, out: qlinear.q8_linear(r, self.qweight, self.scales, self.sums,
+                                                            self.out_features, self.wmax, out=out),
+                           lambda r, out: qlinear.q8_linear_amx(r, self.qweight, self.scales, self.out_features,
+                                                                out=out))
         else:
             y = qlinear.q8_linear(x2, self.qweight, self.scales, self.sums, self.out_features, self.wmax)
         if self.bias is not None:
@@ -174,11 +175,13 @@ class Int8GluLinear(Int8Linear):
     def glu(self, x: torch.Tensor, act: str) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
 
-        def int8_rows(r: torch.Tensor) -> torch.Tensor:
-            return qlinear.q8_linear_glu(r, self.qweight, self.scales, self.sums, self.out_features, act, self.wmax)
+        def int8_rows(r: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            return qlinear.q8_linear_glu(r, self.qweight, self.scales, self.sums, self.out_features, act, self.wmax,
+                                         out=out)
         if self.step_rows is not None:
             y = split_rows(x2, self.step_rows.spec, self.out_features // 2, int8_rows,
-                           lambda r: qlinear.q8_linear_amx(r, self.qweight, self.scales, self.out_features, act))
+                           lambda r, out: qlinear.q8_linear_amx(r, self.qweight, self.scales, self.out_features, act,
+                                                                out=out))
         else:
             y = int8_rows(x2)
         return y.view(*x.shape[:-1], self.out_features // 2)
@@ -187,21 +190,27 @@ class Int8GluLinear(Int8Linear):
 def split_rows(x: torch.Tensor, out_rows, n: int, output_fn, prompt_fn) -> torch.Tensor:
     """x [M, K]'s output rows (``StepRows.spec``: the first ``out_rows`` rows, or where a bool mask is True) through
     ``output_fn``, the others (prompt positions) through ``prompt_fn``: [M, n]. The int8 linears' split here, the
-    float linears' too (engine.models.linear.split_linear)."""
+    float linears' too (engine.models.linear.split_linear).
+
+    Each fn is called as ``fn(rows, out)`` and returns its [len(rows), n] result: written into ``out`` (a dense row
+    range of the step's result, so the two parts are never copied together) where it is not None."""
     m = x.shape[0]
     if isinstance(out_rows, int):
         k = min(out_rows, m)
         if k == m:
-            return output_fn(x)
+            return output_fn(x, None)
         if k == 0:
-            return prompt_fn(x)
-        return torch.cat([output_fn(x[:k]), prompt_fn(x[k:])])
+            return prompt_fn(x, None)
+        y = x.new_empty(m, n)
+        output_fn(x[:k], y[:k])
+        prompt_fn(x[k:], y[k:])
+        return y
     y = x.new_empty(m, n)
     if bool(out_rows.any()):
-        y[out_rows] = output_fn(x[out_rows])
+        y[out_rows] = output_fn(x[out_rows], None)
     rest = ~out_rows
     if bool(rest.any()):
-        y[rest] = prompt_fn(x[rest])
+        y[rest] = prompt_fn(x[rest], None)
     return y
 
 
