@@ -152,14 +152,44 @@ static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0,
     }
 }
 
+/* The output lines a block's rows m .. m + R of pair np will be stored to, asked for with write intent while the
+ * block's tile products run: their misses then overlap the products instead of stalling the stores. Only for a
+ * plain output's two lines a row (a GLU row's one line measured slower with it: docs/perf/xeon-amx.md). */
+static inline void prefetch_out(void *y, int R, int m, int np, int ldy, int is_bf16) {
+    const size_t esz = is_bf16 ? 2 : 4;
+    for (int r = 0; r < R; r++) {
+        const char *p = (const char *)y + ((size_t)(m + r) * ldy + (size_t)np * 32) * esz;
+        _mm_prefetch(p, _MM_HINT_T0);
+        if (esz == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+    }
+}
+
+/* A finished block's stores (and GLU), a few rows at a time: rows done .. until of the block whose sums are in acc */
+typedef struct {
+    float (*acc)[32];
+    int m, R, done;   /* the block's first output row, its rows, rows stored so far */
+} pending_t;
+
+static inline void store_some(pending_t *p, int until, int np, int ncols, void *y, int ldy, int is_bf16, int glu) {
+    until = until < p->R ? until : p->R;
+    if (until > p->done)
+        amx_store_rows(p->acc + p->done, until - p->done, p->m + p->done, np, ncols, y, ldy, is_bf16, glu);
+    p->done = until > p->done ? until : p->done;
+}
+
 /* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (xa packed from s0): each
  * block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024 floats a block), and end in
- * `part` or, after the last chunk, in y (amx_store_rows). */
+ * `part` or, after the last chunk, in y (amx_store_rows). A block's stores run while the next block's tile products
+ * do (a few rows after each k-step: the vector units' GLU and the tiles' products overlap), from one of two sums
+ * buffers; each output's bits are the same as stored at once. */
 static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
                         float *part, int M, int m0, int np, int ncols, void *y, int ldy, int is_bf16, int glu) {
-    float acc[32][32] __attribute__((aligned(64)));
+    float acc[2][32][32] __attribute__((aligned(64)));
+    pending_t pend = {acc[1], 0, 0, 0};
+    const int per_step = (32 + sc - 1) / sc;   /* rows of the previous block stored after each k-step */
     for (int b = 0; b < rows / 32; b++) {
         float *sums = part ? part + (size_t)b * 1024 : NULL;    /* K in chunks only */
+        const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
         if (first) {
             _tile_zero(4);
             _tile_zero(5);
@@ -171,6 +201,7 @@ static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int
             _tile_loadd(6, sums + 512, 64);
             _tile_loadd(7, sums + 768, 64);
         }
+        if (last && !glu && R > 0) prefetch_out(y, R, m, np, ldy, is_bf16);
         const uint16_t *a = xa + (size_t)b * sc * 1024;
         for (int s = 0; s < sc; s++) {
             _tile_loadd(0, a + (size_t)s * 1024, 64);
@@ -181,6 +212,7 @@ static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int
             _tile_dpbf16ps(5, 0, 3);
             _tile_dpbf16ps(6, 1, 2);
             _tile_dpbf16ps(7, 1, 3);
+            store_some(&pend, (s + 1) * per_step, np, ncols, y, ldy, is_bf16, glu);
         }
         if (!last) {
             _tile_stored(4, sums, 64);
@@ -189,13 +221,16 @@ static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int
             _tile_stored(7, sums + 768, 64);
             continue;
         }
-        _tile_stored(4, &acc[0][0], 128);
-        _tile_stored(5, &acc[0][16], 128);
-        _tile_stored(6, &acc[16][0], 128);
-        _tile_stored(7, &acc[16][16], 128);
-        const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
-        if (R > 0) amx_store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
+        store_some(&pend, 32, np, ncols, y, ldy, is_bf16, glu);
+        float (*next)[32] = acc[b & 1];
+        _tile_stored(4, &next[0][0], 128);
+        _tile_stored(5, &next[0][16], 128);
+        _tile_stored(6, &next[16][0], 128);
+        _tile_stored(7, &next[16][16], 128);
+        pend = (pending_t){next, m, R > 0 ? R : 0, 0};
+        if (glu) store_some(&pend, 32, np, ncols, y, ldy, is_bf16, glu);   /* at once: measured faster for a GLU */
     }
+    store_some(&pend, 32, np, ncols, y, ldy, is_bf16, glu);
 }
 
 /* y[M, N] (row stride ldy, float32 or bf16; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T; x [M, K]
