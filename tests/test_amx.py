@@ -128,3 +128,45 @@ def test_a_mixed_step_writes_both_row_kinds_into_one_result():
     assert torch.equal(y[3:], q8_linear_amx(x[3:], pw, sw, 64))
     with pytest.raises(ValueError, match="dense"):
         q8_linear_amx(x, pw, sw, 64, out=torch.empty(40, 128)[:, :64])
+
+
+@needs_prompt_amx
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_one_side_in_bf16_keeps_the_float32_activations_bits(act):
+    """q8_linear_amx with out_dtype bf16 over float32 x is the float32 result rounded once (a GLU's gate and up kept
+    float32); a bf16 x holding those rounded values gives the float32 x's bits."""
+    from engine.kernels.qlinear import q8_linear_amx
+    from engine.quant import int8
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(70, 96, generator=g)
+    q, s = int8.glu_interleave(*int8.quantize_rows(torch.randn(64, 96, generator=g) * 0.05))
+    pw, sw, _ = int8.pack(q, s)
+    for a in (None, act):
+        f32 = q8_linear_amx(x, pw, sw, 64, a)
+        assert torch.equal(q8_linear_amx(x, pw, sw, 64, a, out_dtype=torch.bfloat16), f32.bfloat16())
+    assert torch.equal(q8_linear_amx(x.bfloat16(), pw, sw, 64, out_dtype=torch.float32),
+                       q8_linear_amx(x.bfloat16().float(), pw, sw, 64))
+
+
+@needs_prompt_amx
+@pytest.mark.parametrize("out_rows", [0, 3, 40])
+def test_the_mlp_passes_prompt_rows_glu_in_bf16_with_the_same_bits(out_rows, monkeypatch):
+    """Int8GluLinear.glu_down (the prompt rows' GLU result handed to the down projection in bf16) is down(glu(x))
+    bit for bit, output rows (int8 dot products) and prompt rows (AMX tiles) alike."""
+    from engine.models.linear import StepRows
+    from engine.quant import int8
+    g = torch.Generator().manual_seed(out_rows)
+    q, s = int8.glu_interleave(*int8.quantize_rows(torch.randn(128, 96, generator=g) * 0.05))
+    gu = int8.Int8GluLinear.from_quantized(q, s, 96, None)
+    q, s = int8.quantize_rows(torch.randn(96, 64, generator=g) * 0.05)
+    dn = int8.Int8Linear.from_quantized(q, s, 64, torch.randn(96, generator=g))
+    rows = StepRows()
+    rows.use(out_rows)
+    gu.step_rows = dn.step_rows = rows
+    x = torch.randn(40, 96, generator=g)
+    from engine.kernels import qlinear
+    dtypes, amx = [], qlinear.q8_linear_amx
+    monkeypatch.setattr(qlinear, "q8_linear_amx", lambda *a, **k: dtypes.append(k.get("out_dtype")) or amx(*a, **k))
+    fused = gu.glu_down(x, "silu", dn)
+    assert dtypes == ([torch.bfloat16, torch.float32] if out_rows < 40 else [])    # the bf16 hand-over ran
+    assert torch.equal(fused, dn(gu.glu(x, "silu")))

@@ -84,18 +84,30 @@ def prompt_amx_ok() -> bool:
 
 
 def q8_linear_amx(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, n: int, act: str | None = None,
-                  lib: KernelLibrary | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  lib: KernelLibrary | None = None, out: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Prompt rows of an int8 linear on AMX-BF16 tiles (csrc/qlinear/amx_prompt.h): bf16(x) @ bf16(W)^T with float32
     sums, W's values dequantized (quant x scale, rounded once to bf16) as the call runs -> [M, n] in x's dtype (with
     ``act``, a ``glu_interleave``d gate_up weight: act(gate) * up, [M, n / 2]). Another arithmetic than
     ``q8_linear``'s: each row's bits depend on the row alone. RuntimeError where ``prompt_amx_ok()`` is False.
-    ``out`` as ``q8_linear``'s."""
+    ``out`` as ``q8_linear``'s.
+
+    ``out_dtype`` other than x's (float32 activations with one side in bf16): a bf16 x holding float32 values rounded
+    to bf16 gives the float32 x's bits (the tiles round x so anyway), and a bf16 result is the float32 one rounded
+    once (a GLU's gate and up stay float32, unlike an all-bf16 call's)."""
     lib = lib or library.load()
     x, m, k, kp = _q8_rows(x)
-    y = _output(m, n // 2 if act else n, x.dtype, out)
-    done = getattr(lib, f"q8_linear_amx_{SUFFIX[x.dtype]}")(
-        x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw), w.numel() // kp, n, _Q8_GLU_ACT[act] if act else 0,
-        y.data_ptr(), y.shape[1], torch.get_num_threads())
+    out_dtype = out_dtype or x.dtype
+    y = _output(m, n // 2 if act else n, out_dtype, out)
+    glu = _Q8_GLU_ACT[act] if act else 0
+    if out_dtype == x.dtype:
+        done = getattr(lib, f"q8_linear_amx_{SUFFIX[x.dtype]}")(
+            x.data_ptr(), m, k, x.stride(0), w.data_ptr(), _fp16(sw), w.numel() // kp, n, glu, y.data_ptr(),
+            y.shape[1], torch.get_num_threads())
+    else:
+        done = lib.q8_linear_amx_mixed(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, x.stride(0), w.data_ptr(),
+                                       _fp16(sw), w.numel() // kp, n, glu, y.data_ptr(),
+                                       int(out_dtype == torch.bfloat16), y.shape[1], torch.get_num_threads())
     if not done:
         raise RuntimeError("q8_linear_amx: no AMX-BF16 tiles here (the build, the CPU or the kernel)")
     return y

@@ -62,7 +62,7 @@ class TorchOps:
 
     def gated_mlp(self, x: torch.Tensor, mlp: GatedMLP) -> torch.Tensor:
         if self.int8_glu and mlp.fused_act:           # one int8 call: act(gate) * up without the [T, 2I] product
-            return mlp.down_proj(mlp.gate_up_proj.glu(x, mlp.fused_act))
+            return mlp.gate_up_proj.glu_down(x, mlp.fused_act, mlp.down_proj)
         return mlp.down_proj(self.glu(mlp.gate_up_proj(x), mlp))
 
     def glu(self, gate_up: torch.Tensor, mlp: GatedMLP) -> torch.Tensor:

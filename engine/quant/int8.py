@@ -187,6 +187,27 @@ class Int8GluLinear(Int8Linear):
         return y.view(*x.shape[:-1], self.out_features // 2)
 
 
+    def glu_down(self, x: torch.Tensor, act: str, down: nn.Module) -> torch.Tensor:
+        """``down(self.glu(x, act))``, bit for bit, with the prompt rows' GLU result passed to ``down`` in bf16 where
+        both run those rows on AMX tiles over float32 activations: down's tiles read it as bf16 anyway (rounded the
+        same way), so the [T, I] result is written and read at half the bytes. The output rows as ``glu``."""
+        spec = self.step_rows.spec if self.step_rows is not None else None
+        m = x.numel() // x.shape[-1]
+        if (not isinstance(spec, int) or spec >= m or x.dtype != torch.float32 or type(down) is not Int8Linear
+                or down.step_rows is None):
+            return down(self.glu(x, act))
+        x2, k = x.reshape(-1, x.shape[-1]), spec
+        y = x2.new_empty(m, down.out_features)
+        if k:
+            h = self.glu(x2[:k], act)
+            qlinear.q8_linear(h, down.qweight, down.scales, down.sums, down.out_features, down.wmax, out=y[:k])
+        h = qlinear.q8_linear_amx(x2[k:], self.qweight, self.scales, self.out_features, act, out_dtype=torch.bfloat16)
+        qlinear.q8_linear_amx(h, down.qweight, down.scales, down.out_features, out=y[k:], out_dtype=torch.float32)
+        if down.bias is not None:
+            y += down.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], down.out_features)
+
+
 def split_rows(x: torch.Tensor, out_rows, n: int, output_fn, prompt_fn) -> torch.Tensor:
     """x [M, K]'s output rows (``StepRows.spec``: the first ``out_rows`` rows, or where a bool mask is True) through
     ``output_fn``, the others (prompt positions) through ``prompt_fn``: [M, n]. The int8 linears' split here, the

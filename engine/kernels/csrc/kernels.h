@@ -120,6 +120,8 @@ int q8_linear_amx_f32(const float *x, int M, int K, int ldx, const int8_t *w, co
                       int glu, float *y, int ldy, int nt);
 int q8_linear_amx_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np, int N,
                        int glu, uint16_t *y, int ldy, int nt);
+int q8_linear_amx_mixed(const void *x, int x_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np,
+                        int N, int glu, void *y, int y_bf16, int ldy, int nt);   /* float32 math, one side bf16 */
 void q8_embed_f32(const int8_t *w, const uint16_t *sw, int Kp, const int64_t *ids, int T, int K, float *y, int nt);
 void q8_embed_bf16(const int8_t *w, const uint16_t *sw, int Kp, const int64_t *ids, int T, int K, uint16_t *y, int nt);
 

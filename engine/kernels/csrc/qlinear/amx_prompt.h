@@ -106,23 +106,24 @@ static inline __m512 act16(__m512 g, int act) {
 
 /* store_rows for the tiles' results: the GLU's 16 outputs a row on 16 lanes (driver.h's store_glu, same bits),
  * everything else as store_rows */
-static inline void amx_store_rows(float (*acc)[32], int R, int m, int np, int ncols, void *y, int ldy, int is_bf16,
+static inline void amx_store_rows(float (*acc)[32], int R, int m, int np, int ncols, void *y, int ldy, int out,
                                   int glu) {
     if (!glu) {
-        store_rows(acc, R, m, np, ncols, y, ldy, is_bf16, glu);
+        store_rows(acc, R, m, np, ncols, y, ldy, out != AMX_OUT_F32, glu);
         return;
     }
     for (int r = 0; r < R; r++) {
         __m512 g = _mm512_load_ps(acc[r]), u = _mm512_load_ps(acc[r] + 16);
         const size_t off = (size_t)(m + r) * ldy + np * 16;
-        if (is_bf16) {   /* gate and up rounded to bf16 first, as the unfused path's bf16 product */
+        if (out == AMX_OUT_BF16) {   /* gate and up rounded to bf16 first, as the unfused path's bf16 product */
             g = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(g), 16));
             u = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(u), 16));
-            const __m512 o = _mm512_mul_ps(act16(g, glu), u);
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + off), _mm512_cvtepi32_epi16(bf16_bits(o)));
-        } else {
-            _mm512_storeu_ps((float *)y + off, _mm512_mul_ps(act16(g, glu), u));
         }
+        const __m512 o = _mm512_mul_ps(act16(g, glu), u);
+        if (out != AMX_OUT_F32)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + off), _mm512_cvtepi32_epi16(bf16_bits(o)));
+        else
+            _mm512_storeu_ps((float *)y + off, o);
     }
 }
 
@@ -155,8 +156,8 @@ static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0,
 /* The output lines a block's rows m .. m + R of pair np will be stored to, asked for with write intent while the
  * block's tile products run: their misses then overlap the products instead of stalling the stores. Only for a
  * plain output's two lines a row (a GLU row's one line measured slower with it: docs/perf/xeon-amx.md). */
-static inline void prefetch_out(void *y, int R, int m, int np, int ldy, int is_bf16) {
-    const size_t esz = is_bf16 ? 2 : 4;
+static inline void prefetch_out(void *y, int R, int m, int np, int ldy, int out) {
+    const size_t esz = out != AMX_OUT_F32 ? 2 : 4;
     for (int r = 0; r < R; r++) {
         const char *p = (const char *)y + ((size_t)(m + r) * ldy + (size_t)np * 32) * esz;
         _mm_prefetch(p, _MM_HINT_T0);
@@ -170,10 +171,10 @@ typedef struct {
     int m, R, done;   /* the block's first output row, its rows, rows stored so far */
 } pending_t;
 
-static inline void store_some(pending_t *p, int until, int np, int ncols, void *y, int ldy, int is_bf16, int glu) {
+static inline void store_some(pending_t *p, int until, int np, int ncols, void *y, int ldy, int out, int glu) {
     until = until < p->R ? until : p->R;
     if (until > p->done)
-        amx_store_rows(p->acc + p->done, until - p->done, p->m + p->done, np, ncols, y, ldy, is_bf16, glu);
+        amx_store_rows(p->acc + p->done, until - p->done, p->m + p->done, np, ncols, y, ldy, out, glu);
     p->done = until > p->done ? until : p->done;
 }
 
@@ -183,7 +184,7 @@ static inline void store_some(pending_t *p, int until, int np, int ncols, void *
  * do (a few rows after each k-step: the vector units' GLU and the tiles' products overlap), from one of two sums
  * buffers; each output's bits are the same as stored at once. */
 static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
-                        float *part, int M, int m0, int np, int ncols, void *y, int ldy, int is_bf16, int glu) {
+                        float *part, int M, int m0, int np, int ncols, void *y, int ldy, int out, int glu) {
     float acc[2][32][32] __attribute__((aligned(64)));
     pending_t pend = {acc[1], 0, 0, 0};
     const int per_step = (32 + sc - 1) / sc;   /* rows of the previous block stored after each k-step */
@@ -201,7 +202,7 @@ static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int
             _tile_loadd(6, sums + 512, 64);
             _tile_loadd(7, sums + 768, 64);
         }
-        if (last && !glu && R > 0) prefetch_out(y, R, m, np, ldy, is_bf16);
+        if (last && !glu && R > 0) prefetch_out(y, R, m, np, ldy, out);
         const uint16_t *a = xa + (size_t)b * sc * 1024;
         for (int s = 0; s < sc; s++) {
             _tile_loadd(0, a + (size_t)s * 1024, 64);
@@ -212,7 +213,7 @@ static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int
             _tile_dpbf16ps(5, 0, 3);
             _tile_dpbf16ps(6, 1, 2);
             _tile_dpbf16ps(7, 1, 3);
-            store_some(&pend, (s + 1) * per_step, np, ncols, y, ldy, is_bf16, glu);
+            store_some(&pend, (s + 1) * per_step, np, ncols, y, ldy, out, glu);
         }
         if (!last) {
             _tile_stored(4, sums, 64);
@@ -221,22 +222,23 @@ static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int
             _tile_stored(7, sums + 768, 64);
             continue;
         }
-        store_some(&pend, 32, np, ncols, y, ldy, is_bf16, glu);
+        store_some(&pend, 32, np, ncols, y, ldy, out, glu);
         float (*next)[32] = acc[b & 1];
         _tile_stored(4, &next[0][0], 128);
         _tile_stored(5, &next[0][16], 128);
         _tile_stored(6, &next[16][0], 128);
         _tile_stored(7, &next[16][16], 128);
         pend = (pending_t){next, m, R > 0 ? R : 0, 0};
-        if (glu) store_some(&pend, 32, np, ncols, y, ldy, is_bf16, glu);   /* at once: measured faster for a GLU */
+        if (glu) store_some(&pend, 32, np, ncols, y, ldy, out, glu);   /* at once: measured faster for a GLU */
     }
-    store_some(&pend, 32, np, ncols, y, ldy, is_bf16, glu);
+    store_some(&pend, 32, np, ncols, y, ldy, out, glu);
 }
 
-/* y[M, N] (row stride ldy, float32 or bf16; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T; x [M, K]
- * (float32, or bf16 with is_bf16) at row stride ldx. Returns 0 (nothing written) where the tiles may not run. */
+/* y[M, N] (row stride ldy, in the form `out`: AMX_OUT_*; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T;
+ * x [M, K] (float32, or bf16 with is_bf16) at row stride ldx. Returns 0 (nothing written) where the tiles may not
+ * run. */
 static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw,
-                             int Np, int N, void *y, int ldy, int glu, int nt) {
+                             int Np, int N, void *y, int ldy, int out, int glu, int nt) {
     if (M <= 0) return 1;
     if (!amx_available()) return 0;
     const int Kp = (K + QK - 1) / QK * QK, K2 = Kp / 2, K4 = Kp / 4, G = Kp / QK, S = Kp / 32, npair = Np / 32;
@@ -268,7 +270,7 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
                     const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
                     pair_blocks(xa, panel, rows, s0, sc, kc == 0, last,
                                 spill ? spill + (size_t)np * (rows / 32) * 1024 : NULL, M, m0, np, ncols, y, ldy,
-                                is_bf16, glu);
+                                out, glu);
                 }
                 _tile_release();
                 free(own);

@@ -275,6 +275,12 @@ static void gemm(const qact_t *q0, const float *sa, const float *mn, int M, int 
     free(owned);
 }
 
+/* Output forms of amx_prompt.h's amx_prompt_linear (its `out`): float32; bf16, a GLU's gate and up rounded to bf16
+ * first (the unfused bf16 path's product: the model's activations in bf16); bf16 rounded once from the float32
+ * result (float32 activations whose consumer reads them as bf16 anyway: the next prompt-row linear's packing rounds
+ * the same way) */
+enum { AMX_OUT_F32 = 0, AMX_OUT_BF16 = 1, AMX_OUT_F32_AS_BF16 = 2 };
+
 #if QLINEAR_ISA == ISA_AVX512_VNNI && QLINEAR_AMX_BF16
 #include "amx_prompt.h"   /* prompt rows on AMX-BF16 tiles over the weights dequantized to bf16 */
 #endif
@@ -289,24 +295,32 @@ int q8_prompt_amx(void) {
 }
 
 /* y = bf16(x) @ bf16(W)^T (amx_prompt.h), float32 sums; glu 0 or driver.h's GLU_* (a gate_up weight interleaved as
- * for q8_linear_glu_*: y [M, N / 2]). Returns 0, writing nothing, where q8_prompt_amx() is 0. */
+ * for q8_linear_glu_*: y [M, N / 2]); out: amx_prompt.h's AMX_OUT_*. Returns 0, writing nothing, where
+ * q8_prompt_amx() is 0. */
 static int linear_amx(const void *x, int is_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np,
-                      int N, void *y, int ldy, int glu, int nt) {
+                      int N, void *y, int ldy, int out, int glu, int nt) {
 #if QLINEAR_ISA == ISA_AVX512_VNNI && QLINEAR_AMX_BF16
-    return amx_prompt_linear(x, is_bf16, M, K, ldx, w, sw, Np, N, y, ldy, glu, nt);
+    return amx_prompt_linear(x, is_bf16, M, K, ldx, w, sw, Np, N, y, ldy, out, glu, nt);
 #else
     (void)x, (void)is_bf16, (void)M, (void)K, (void)ldx, (void)w, (void)sw, (void)Np, (void)N, (void)y, (void)ldy;
-    (void)glu, (void)nt;
+    (void)out, (void)glu, (void)nt;
     return 0;
 #endif
 }
 int q8_linear_amx_f32(const float *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np, int N,
                       int glu, float *y, int ldy, int nt) {
-    return linear_amx(x, 0, M, K, ldx, w, sw, Np, N, y, ldy, glu, nt);
+    return linear_amx(x, 0, M, K, ldx, w, sw, Np, N, y, ldy, AMX_OUT_F32, glu, nt);
 }
 int q8_linear_amx_bf16(const uint16_t *x, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np, int N,
                        int glu, uint16_t *y, int ldy, int nt) {
-    return linear_amx(x, 1, M, K, ldx, w, sw, Np, N, y, ldy, glu, nt);
+    return linear_amx(x, 1, M, K, ldx, w, sw, Np, N, y, ldy, AMX_OUT_BF16, glu, nt);
+}
+/* float32 activations with one side in bf16: x_bf16 (x holds float32 values rounded to bf16: the same products as
+ * the float32 x, which the tiles round the same way) or y_bf16 (the float32 result rounded once to bf16, a GLU's
+ * gate and up kept float32) */
+int q8_linear_amx_mixed(const void *x, int x_bf16, int M, int K, int ldx, const int8_t *w, const uint16_t *sw, int Np,
+                        int N, int glu, void *y, int y_bf16, int ldy, int nt) {
+    return linear_amx(x, x_bf16, M, K, ldx, w, sw, Np, N, y, ldy, y_bf16 ? AMX_OUT_F32_AS_BF16 : AMX_OUT_F32, glu, nt);
 }
 
 /* wmax: max|w| of the packed weights (a bound: larger is always correct; the avx2 build takes its faster path
