@@ -178,6 +178,18 @@ static inline void store_some(pending_t *p, int until, int np, int ncols, void *
     p->done = until > p->done ? until : p->done;
 }
 
+/* This thread's copy of a pass's bf16 rows (pack_rows by this thread alone into its slot of xas) */
+static const uint16_t *own_rows(const void *x, int M, int K, int ldx, int m0, int rows, int s0, int sc,
+                                uint16_t *xas, size_t xa_words) {
+    int tid = 0;
+#ifdef _OPENMP
+    tid = omp_get_thread_num();
+#endif
+    uint16_t *xa = xas + (size_t)tid * xa_words;
+    pack_rows(x, 1, M, K, ldx, m0, rows, s0, sc, xa, 1);
+    return xa;
+}
+
 /* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (xa packed from s0): each
  * block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024 floats a block), and end in
  * `part` or, after the last chunk, in y (amx_store_rows). A block's stores run while the next block's tile products
@@ -252,14 +264,19 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
     uint32_t *panels = shared ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
     /* K in chunks: each 32 x 32 block's partial sums between chunks (a tile stored and loaded back: exact) */
     float *spill = nk > 1 ? (float *)aligned_alloc(64, (size_t)npair * pass_rows * 32 * 4) : NULL;
-    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)pass_rows * SC * 64);
+    /* bf16 rows: every thread packs its own copy (a plain copy), then reads it from its own L2 instead of half of it
+     * from the other core's; float32 rows are packed once, by all threads (converting twice measured slower) */
+    const int copies = is_bf16 ? nt : 1;
+    const size_t xa_words = (size_t)pass_rows * SC * 32;
+    uint16_t *xas = (uint16_t *)aligned_alloc(64, (size_t)copies * xa_words * 2);
     for (int m0 = 0; m0 < Mp; m0 += pass_rows) {
         const int rows = Mp - m0 < pass_rows ? Mp - m0 : pass_rows;
         for (int kc = 0; kc < nk; kc++) {
             const int s0 = kc * SC, sc = S - s0 < SC ? S - s0 : SC, last = kc == nk - 1;
-            pack_rows(x, is_bf16, M, K, ldx, m0, rows, s0, sc, xa, nt);
+            if (copies == 1) pack_rows(x, is_bf16, M, K, ldx, m0, rows, s0, sc, xas, nt);
 #pragma omp parallel num_threads(nt)
             {
+                const uint16_t *xa = copies > 1 ? own_rows(x, M, K, ldx, m0, rows, s0, sc, xas, xa_words) : xas;
                 uint32_t *own = panels ? NULL : (uint32_t *)aligned_alloc(64, panel_words * 4);
                 amx_prompt_begin();
 #pragma omp for schedule(static)
@@ -277,7 +294,7 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
             }
         }
     }
-    free(xa);
+    free(xas);
     free(panels);
     free(spill);
     return 1;
