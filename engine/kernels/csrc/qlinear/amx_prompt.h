@@ -17,7 +17,9 @@
  * whole 32-column pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of one pass over all of
  * K as it comes, into its thread's panel; otherwise all pairs once, first thing), then runs every 32-row block of
  * the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles, stored between
- * K chunks and loaded back (exact). Each output's sum runs over K in the same order however the rows and K are cut. */
+ * K chunks and loaded back (exact). Each output's sum runs over K in the same order however the rows and K are cut.
+ * bf16 rows are packed by every thread into its own copy; a block's stores overlap the next block's products
+ * (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
 #ifndef BATCHGEN_QLINEAR_AMX_PROMPT_H
 #define BATCHGEN_QLINEAR_AMX_PROMPT_H
 
@@ -192,9 +194,9 @@ static const uint16_t *own_rows(const void *x, int M, int K, int ldx, int m0, in
 
 /* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (xa packed from s0): each
  * block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024 floats a block), and end in
- * `part` or, after the last chunk, in y (amx_store_rows). A block's stores run while the next block's tile products
- * do (a few rows after each k-step: the vector units' GLU and the tiles' products overlap), from one of two sums
- * buffers; each output's bits are the same as stored at once. */
+ * `part` or, after the last chunk, in y (amx_store_rows). A plain block's stores run while the next block's tile
+ * products do (a few rows after each k-step, so their cache misses overlap the products), from one of two sums
+ * buffers; a GLU block's run at once (interleaved they measured slower). Each output's bits are the same either way. */
 static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
                         float *part, int M, int m0, int np, int ncols, void *y, int ldy, int out, int glu) {
     float acc[2][32][32] __attribute__((aligned(64)));
