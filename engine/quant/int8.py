@@ -186,23 +186,24 @@ class Int8GluLinear(Int8Linear):
             y = int8_rows(x2)
         return y.view(*x.shape[:-1], self.out_features // 2)
 
-
     def glu_down(self, x: torch.Tensor, act: str, down: nn.Module) -> torch.Tensor:
         """``down(self.glu(x, act))``, bit for bit, with the prompt rows' GLU result passed to ``down`` in bf16 where
         both run those rows on AMX tiles over float32 activations: down's tiles read it as bf16 anyway (rounded the
-        same way), so the [T, I] result is written and read at half the bytes. The output rows as ``glu``."""
-        spec = self.step_rows.spec if self.step_rows is not None else None
-        m = x.numel() // x.shape[-1]
-        if (not isinstance(spec, int) or spec >= m or x.dtype != torch.float32 or type(down) is not Int8Linear
+        same way), so the [T, I] result is written and read at half the bytes. Rows split as ``glu``'s."""
+        if (self.step_rows is None or x.dtype != torch.float32 or type(down) is not Int8Linear
                 or down.step_rows is None):
             return down(self.glu(x, act))
-        x2, k = x.reshape(-1, x.shape[-1]), spec
-        y = x2.new_empty(m, down.out_features)
-        if k:
-            h = self.glu(x2[:k], act)
-            qlinear.q8_linear(h, down.qweight, down.scales, down.sums, down.out_features, down.wmax, out=y[:k])
-        h = qlinear.q8_linear_amx(x2[k:], self.qweight, self.scales, self.out_features, act, out_dtype=torch.bfloat16)
-        qlinear.q8_linear_amx(h, down.qweight, down.scales, down.out_features, out=y[k:], out_dtype=torch.float32)
+        x2 = x.reshape(-1, x.shape[-1])
+
+        def output_rows(r: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            h = qlinear.q8_linear_glu(r, self.qweight, self.scales, self.sums, self.out_features, act, self.wmax)
+            return qlinear.q8_linear(h, down.qweight, down.scales, down.sums, down.out_features, down.wmax, out=out)
+
+        def prompt_rows(r: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            h = qlinear.q8_linear_amx(r, self.qweight, self.scales, self.out_features, act, out_dtype=torch.bfloat16)
+            return qlinear.q8_linear_amx(h, down.qweight, down.scales, down.out_features, out=out,
+                                         out_dtype=torch.float32)
+        y = split_rows(x2, self.step_rows.spec, down.out_features, output_rows, prompt_rows)
         if down.bias is not None:
             y += down.bias.to(y.dtype)
         return y.view(*x.shape[:-1], down.out_features)
