@@ -170,3 +170,39 @@ def test_the_mlp_passes_prompt_rows_glu_in_bf16_with_the_same_bits(out_rows, mon
     fused = gu.glu_down(x, "silu", dn)
     assert dtypes == ([] if out_rows == 40 else [torch.bfloat16, torch.float32])    # the bf16 hand-over ran
     assert torch.equal(fused, dn(gu.glu(x, "silu")))
+
+
+# ---- decode attention's scores on AMX tiles (csrc/paged_decode/avx512_bf16.c), two members' rows per tile ----
+
+# G = 7 and 6 (Qwen2.5-0.5B, 1.5B): two members a tile; G = 4 (Llama-3.2-1B, gemma-3-270m): four
+@pytest.mark.parametrize("hq, hkv, d", [(14, 2, 64), (12, 2, 128), (8, 2, 64), (4, 1, 256)])
+def test_stacked_members_decode_as_alone(amx, hq, hkv, d):
+    """Sequences sharing prefix blocks are walked together, up to 16 // G members' query rows side by side in each
+    score tile and softmax vector: every sequence's output is bit-identical to decoding it alone, with a smaller last
+    stack, members whose lengths end inside or past the shared blocks, float32 queries over a bf16 cache."""
+    import engine.kernels.attention as kernel_attention
+    g = torch.Generator().manual_seed(hq + d)
+    bs, shared = 16, 10
+    lens = [200, 170, 161, 300, 185, 90, 177]      # six share 10 blocks; the 90-token one ends inside them
+    k = torch.randn(120, bs, hkv, d, generator=g).bfloat16()
+    v = torch.randn(120, bs, hkv, d, generator=g).bfloat16()
+    tables = torch.zeros(len(lens), 24, dtype=torch.int32)
+    used = shared
+    for i, n in enumerate(lens):
+        nb = -(-n // bs)
+        tables[i, :min(shared, nb)] = torch.arange(min(shared, nb))
+        tables[i, min(shared, nb):nb] = torch.arange(used, used + nb - min(shared, nb))
+        used += nb - min(shared, nb)
+    q = torch.randn(len(lens), hq, d, generator=g) * 0.3
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    full = kernel_attention.call(lib, q, k, v, tables, lens_t, None, d ** -0.5)
+    for i in range(len(lens)):
+        one = kernel_attention.call(lib, q[i:i + 1], k, v, tables[i:i + 1], lens_t[i:i + 1], None, d ** -0.5)
+        assert torch.equal(one[0], full[i]), i
+    kk = k.float().view(-1, hkv, d)
+    vv = v.float().view(-1, hkv, d)
+    for i, n in enumerate(lens):
+        rows = torch.cat([tables[i, b] * bs + torch.arange(bs) for b in range(-(-n // bs))])[:n]
+        s = torch.einsum("hgd,nhd->hgn", q[i].view(hkv, hq // hkv, d), kk[rows]) * d ** -0.5
+        ref = torch.einsum("hgn,nhd->hgd", torch.softmax(s, -1), vv[rows]).reshape(hq, d)
+        assert (full[i] - ref).abs().max().item() <= 3e-2 * max(1.0, ref.abs().max().item())

@@ -206,7 +206,9 @@ static inline __attribute__((always_inline)) void finish_paired(const rows_t *r,
  * waited on each product's latency and was slower than the vector form). The vector form sums G rows x 2 tokens
  * per pass and reduces 16 accumulators with a 45-instruction tree each time. The online softmax then runs on the
  * transposed scores, a lane per query row (no horizontal reductions, no transpose), and P.V is the vector path's
- * paired dot products with the probabilities' pairs read per row. Tiles: 0 the query's k-step, 2-3 K rows
+ * paired dot products with the probabilities' pairs read per row. On shared blocks the query tile holds several
+ * members' rows (amx_stack_tiles; each lane's scores, maximum, exponentials and sums are its own: the same bits as
+ * alone). Tiles: 0 the query's k-step, 2-3 K rows
  * (alternating), 4-7 one block's scores each. A sequence's blocks take the same instructions in every work item. */
 static int amx_scores_ok(int32_t G, int32_t D, int32_t bs) {
     return G <= 16 && D % 32 == 0 && D <= 256 && bs == 16 && bf16_gemm_tiles_on();
@@ -269,26 +271,49 @@ static void amx_run_scores(const rows_t *r, int32_t b0, int32_t nb, const uint16
     if (nb > 3) _tile_stored(7, s + 768, 64);
 }
 
-static void amx_softmax_accumulate(rows_t *r, const float *st, int32_t n, int32_t G, int32_t D, const uint16_t *v,
-                                   int64_t stride) {
+static void amx_stack_tiles(const rows_t *rs, int32_t members, int32_t G, int32_t D, uint32_t *qt) {
+    for (int32_t i = 0; i < D / 2; i++) {
+        const int64_t at = (int64_t)(i / 16) * 256 + (i % 16) * 16;
+        for (int32_t x = 0; x < 16; x++) qt[at + x] = x < members * G ? rs[x / G].qt[at + x % G] : 0;
+    }
+}
+
+/* each member's G-lane slice of a running state vector (m or l; `fill` elsewhere): member i's at lanes i*G .. */
+static inline __m512 lanes_load(const rows_t *rs, int32_t members, int32_t G, int which, __m512 fill) {
     const __mmask16 rows = (__mmask16)((1u << G) - 1);
+    for (int32_t i = 0; i < members; i++)
+        fill = _mm512_mask_loadu_ps(fill, (__mmask16)(rows << (i * G)), (which ? rs[i].l : rs[i].m) - i * G);
+    return fill;
+}
+
+static inline void lanes_store(rows_t *rs, int32_t members, int32_t G, int which, __m512 v) {
+    const __mmask16 rows = (__mmask16)((1u << G) - 1);
+    for (int32_t i = 0; i < members; i++)
+        _mm512_mask_storeu_ps((which ? rs[i].l : rs[i].m) - i * G, (__mmask16)(rows << (i * G)), v);
+}
+
+static inline __attribute__((always_inline)) void softmax_accumulate_lanes(
+        rows_t *rs, int32_t members, const float *st, int32_t n, int32_t G, int32_t D, const uint16_t *v,
+        int64_t stride) {
+    const __mmask16 lanes = (__mmask16)((1u << (members * G)) - 1);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 bm = ninf;
     for (int32_t t = 0; t < n; t++) bm = _mm512_max_ps(bm, _mm512_load_ps(st + t * 16));
-    const __m512 m = _mm512_mask_loadu_ps(ninf, rows, r->m), nm = _mm512_max_ps(m, bm);
+    const __m512 m = lanes_load(rs, members, G, 0, ninf), nm = _mm512_max_ps(m, bm);
     /* exp(m - nm); exactly 1 where the maximum stayed (no rescale), 0 before any key */
     __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, nm, _CMP_EQ_OQ), exp16_fast(_mm512_sub_ps(m, nm)),
                                        _mm512_set1_ps(1.0f));
     corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), corr, _mm512_setzero_ps());
-    const __mmask16 moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & rows;
+    const __mmask16 moved = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & lanes;
     if (moved) {
         float cf[16] __attribute__((aligned(64)));
         _mm512_store_ps(cf, corr);
-        for (int32_t g = 0; g < G; g++)
-            if (moved >> g & 1)
+        for (int32_t x = 0; x < members * G; x++)
+            if (moved >> x & 1) {
+                float *a = rs[x / G].acc + (x % G) * D;
                 for (int32_t d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(r->acc + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(r->acc + g * D + d),
-                                                                       _mm512_set1_ps(cf[g])));
+                    _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(cf[x])));
+            }
     }
     uint32_t pt[8][16] __attribute__((aligned(64)));              /* a block of 16 tokens (amx_scores_ok) */
     __m512 sum = _mm512_setzero_ps();
@@ -301,10 +326,21 @@ static void amx_softmax_accumulate(rows_t *r, const float *st, int32_t n, int32_
         const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
         _mm512_store_si512(pt[t / 2], _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
     }
-    const __m512 l = _mm512_mask_loadu_ps(_mm512_setzero_ps(), rows, r->l);
-    _mm512_mask_storeu_ps(r->l, rows, _mm512_add_ps(_mm512_mul_ps(l, corr), sum));
-    _mm512_mask_storeu_ps(r->m, rows, nm);
-    DISPATCH_G(G, pv_words(G_, KV_BF16, r->acc, &pt[0][0], 1, 16, v, stride, n, D, NULL, 0));
+    const __m512 l = lanes_load(rs, members, G, 1, _mm512_setzero_ps());
+    lanes_store(rs, members, G, 1, _mm512_add_ps(_mm512_mul_ps(l, corr), sum));
+    lanes_store(rs, members, G, 0, nm);
+    for (int32_t i = 0; i < members; i++)
+        DISPATCH_G(G, pv_words(G_, KV_BF16, rs[i].acc, &pt[0][i * G], 1, 16, v, stride, n, D, NULL, 0));
+}
+
+static void amx_softmax_accumulate(rows_t *rs, int32_t members, const float *st, int32_t n, int32_t G, int32_t D,
+                                   const uint16_t *v, int64_t stride) {
+    switch (members) {      /* each member count a constant in its own copy */
+        case 1: softmax_accumulate_lanes(rs, 1, st, n, G, D, v, stride); break;
+        case 2: softmax_accumulate_lanes(rs, 2, st, n, G, D, v, stride); break;
+        case 3: softmax_accumulate_lanes(rs, 3, st, n, G, D, v, stride); break;
+        default: softmax_accumulate_lanes(rs, 4, st, n, G, D, v, stride); break;
+    }
 }
 #undef RUN_PRODUCT
 #endif
