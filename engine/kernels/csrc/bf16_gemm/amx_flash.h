@@ -16,7 +16,7 @@
  *
  * Order: software-pipelined by one block. The next block's score products are issued before this block's softmax,
  * so the tiles compute while the vector units take the exponentials (the serial order left the tiles idle during the
- * softmax and the softmax waiting for the tiles: 1.04-1.09x, same bits). */
+ * softmax and the softmax waiting for the tiles; same bits). */
 #ifndef BATCHGEN_BF16_AMX_FLASH_H
 #define BATCHGEN_BF16_AMX_FLASH_H
 

@@ -206,10 +206,11 @@ static inline __attribute__((always_inline)) void finish_paired(const rows_t *r,
  * waited on each product's latency and was slower than the vector form). The vector form sums G rows x 2 tokens
  * per pass and reduces 16 accumulators with a 45-instruction tree each time. The online softmax then runs on the
  * transposed scores, a lane per query row (no horizontal reductions, no transpose), and P.V is the vector path's
- * paired dot products with the probabilities' pairs read per row. On shared blocks the query tile holds several
- * members' rows (amx_stack_tiles; each lane's scores, maximum, exponentials and sums are its own: the same bits as
- * alone). Tiles: 0 the query's k-step, 2-3 K rows
- * (alternating), 4-7 one block's scores each. A sequence's blocks take the same instructions in every work item. */
+ * paired dot products with the probabilities' pairs read per row, or from AMX_PV_MIN_G rows a tile product
+ * (amx_pv). On shared blocks the query tile holds several members' rows (amx_stack_tiles; each lane's scores,
+ * maximum, exponentials, sums and P.V row are its own: the same bits as alone). Tiles: 0 the query's k-step, 2-3
+ * K rows (alternating), 4-7 one block's scores each (amx_pv then reuses 1-5). A sequence's blocks take the same
+ * instructions in every work item. */
 static int amx_scores_ok(int32_t G, int32_t D, int32_t bs) {
     return G <= 16 && D % 32 == 0 && D <= 256 && bs == 16 && bf16_gemm_tiles_on();
 }
@@ -278,6 +279,79 @@ static void amx_stack_tiles(const rows_t *rs, int32_t members, int32_t G, int32_
     }
 }
 
+/* A tile rows from eight pair words per lane (w[k] lane x: lane x's probabilities of tokens 2k, 2k+1): a[x][k] =
+ * w[k][x] for k < 8, a[x][8..15] = 0 (the tile's other eight pairs) - a transpose in three rounds of permutes */
+static inline void transpose_pairs(const __m512i w[8], uint32_t a[16][16]) {
+    const __m512i i_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i i_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512i q_lo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), q_hi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+    const __m512i r01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), r23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    __m512i s[8];           /* s[2p + h]: qwords (w[2p][x], w[2p+1][x]) for x = 8h .. 8h + 7 */
+    for (int p = 0; p < 4; p++) {
+        s[2 * p] = _mm512_permutex2var_epi32(w[2 * p], i_lo, w[2 * p + 1]);
+        s[2 * p + 1] = _mm512_permutex2var_epi32(w[2 * p], i_hi, w[2 * p + 1]);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < 2; r++) {     /* 128-bit lane L: words 0-3 (u0) and 4-7 (u1) of x = 8h + 4r + L */
+            const __m512i q = r ? q_hi : q_lo;
+            const __m512i u0 = _mm512_permutex2var_epi64(s[h], q, s[2 + h]);
+            const __m512i u1 = _mm512_permutex2var_epi64(s[4 + h], q, s[6 + h]);
+            const int x = 8 * h + 4 * r;
+            const __m512i o01 = _mm512_permutex2var_epi64(u0, r01, u1), o23 = _mm512_permutex2var_epi64(u0, r23, u1);
+            _mm512_store_si512(a[x], _mm512_zextsi256_si512(_mm512_castsi512_si256(o01)));
+            _mm512_store_si512(a[x + 1], _mm512_zextsi256_si512(_mm512_extracti64x4_epi64(o01, 1)));
+            _mm512_store_si512(a[x + 2], _mm512_zextsi256_si512(_mm512_castsi512_si256(o23)));
+            _mm512_store_si512(a[x + 3], _mm512_zextsi256_si512(_mm512_extracti64x4_epi64(o23, 1)));
+        }
+}
+
+/* Query rows per KV head from which P.V runs on the tiles (amx_pv), below it the vector dot products (pv_words):
+ * a function of the shape only, so a sequence's arithmetic never depends on its group. With few rows the vector
+ * form is short and the tiles' fixed work (the probabilities transposed, the values' pairs and the sums through
+ * memory) costs more; docs/perf/xeon-amx.md has the crossover. */
+#define AMX_PV_MIN_G 6
+
+/* P.V of one block on the tiles for the stack's lanes: C[x][j] = sum over pairs k of (p_2k, p_2k+1)[x] .
+ * (v_2k, v_2k+1)[d_j], the values' pairs interleaved as pv_words interleaves them (so C's columns are acc's paired
+ * order), then added to each member's acc rows. Tiles: 1 the probabilities, 2-3 the values, 4-5 the sums. */
+static inline void amx_pv(rows_t *rs, int32_t members, int32_t G, const __m512i w[8], int32_t n, const uint16_t *v,
+                          int64_t stride, int32_t D) {
+    uint32_t a[16][16] __attribute__((aligned(64)));
+    /* the values' pairs: rows 8-15 (pairs 8-15, as a's) zero from the thread's start, never written */
+    static __thread uint32_t b[2][16][16] __attribute__((aligned(64)));
+    float c[2][16][16] __attribute__((aligned(64)));
+    transpose_pairs(w, a);
+    _tile_loadd(1, a, 64);
+    const __m512i z = _mm512_setzero_si512();
+    const int32_t np = (n + 1) / 2;
+    for (int32_t c0 = 0; c0 < D; c0 += 32) {
+        for (int32_t k = 0; k < 8; k++) {
+            __m512i lo = z, hi = z;
+            if (k < np) {
+                const __m512i x0 = _mm512_loadu_si512((const void *)(v + 2 * k * stride + c0));
+                const __m512i x1 = 2 * k + 1 < n ? _mm512_loadu_si512((const void *)(v + (2 * k + 1) * stride + c0)) : z;
+                lo = _mm512_unpacklo_epi16(x0, x1);
+                hi = _mm512_unpackhi_epi16(x0, x1);
+            }
+            _mm512_store_si512(b[0][k], lo);
+            _mm512_store_si512(b[1][k], hi);
+        }
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_loadd(2, b[0], 64);
+        _tile_dpbf16ps(4, 1, 2);
+        _tile_loadd(3, b[1], 64);
+        _tile_dpbf16ps(5, 1, 3);
+        _tile_stored(4, c[0], 64);
+        _tile_stored(5, c[1], 64);
+        for (int32_t x = 0; x < members * G; x++) {
+            float *acc = rs[x / G].acc + (x % G) * D + c0;
+            _mm512_storeu_ps(acc, _mm512_add_ps(_mm512_loadu_ps(acc), _mm512_load_ps(c[0][x])));
+            _mm512_storeu_ps(acc + 16, _mm512_add_ps(_mm512_loadu_ps(acc + 16), _mm512_load_ps(c[1][x])));
+        }
+    }
+}
+
 /* each member's G-lane slice of a running state vector (m or l; `fill` elsewhere): member i's at lanes i*G .. */
 static inline __m512 lanes_load(const rows_t *rs, int32_t members, int32_t G, int which, __m512 fill) {
     const __mmask16 rows = (__mmask16)((1u << G) - 1);
@@ -315,7 +389,8 @@ static inline __attribute__((always_inline)) void softmax_accumulate_lanes(
                     _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(cf[x])));
             }
     }
-    uint32_t pt[8][16] __attribute__((aligned(64)));              /* a block of 16 tokens (amx_scores_ok) */
+    __m512i pt[8];                  /* a block of 16 tokens (amx_scores_ok): pair k's words, zero past the tokens */
+    for (int k = 0; k < 8; k++) pt[k] = _mm512_setzero_si512();
     __m512 sum = _mm512_setzero_ps();
     for (int32_t t = 0; t < n; t += 2) {
         const __m512 p0 = exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + t * 16), nm));
@@ -324,13 +399,19 @@ static inline __attribute__((always_inline)) void softmax_accumulate_lanes(
         sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
         const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
         const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
-        _mm512_store_si512(pt[t / 2], _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16)));
+        pt[t / 2] = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
     }
     const __m512 l = lanes_load(rs, members, G, 1, _mm512_setzero_ps());
     lanes_store(rs, members, G, 1, _mm512_add_ps(_mm512_mul_ps(l, corr), sum));
     lanes_store(rs, members, G, 0, nm);
+    if (G >= AMX_PV_MIN_G) {
+        amx_pv(rs, members, G, pt, n, v, stride, D);
+        return;
+    }
+    uint32_t pw[8][16] __attribute__((aligned(64)));
+    for (int k = 0; k < 8; k++) _mm512_store_si512(pw[k], pt[k]);
     for (int32_t i = 0; i < members; i++)
-        DISPATCH_G(G, pv_words(G_, KV_BF16, rs[i].acc, &pt[0][i * G], 1, 16, v, stride, n, D, NULL, 0));
+        DISPATCH_G(G, pv_words(G_, KV_BF16, rs[i].acc, &pw[0][i * G], 1, 16, v, stride, n, D, NULL, 0));
 }
 
 static void amx_softmax_accumulate(rows_t *rs, int32_t members, const float *st, int32_t n, int32_t G, int32_t D,

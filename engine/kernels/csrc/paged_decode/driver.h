@@ -21,8 +21,8 @@
  * then the weighted sum of the block's values; blocks shared by a whole group are walked once for all of its
  * members, so they come from memory once (group_item); on AMX tiles the members' query rows are stacked side by
  * side in each score tile's and softmax vector's 16 lanes (16 // G members, at most MAX_STACK), so one tile product
- * and one softmax pass serve them all (G = 4: 1.42x, G = 6 or 7: 1.11-1.2x on 8 sequences sharing 1,500 keys). A
- * sequence's result never depends on its group. With a vector
+ * and one softmax pass serve them all (and, from 6 rows per KV head, one P.V on the tiles). A sequence's result
+ * never depends on its group. With a vector
  * implementation (avx2.c, avx512.c: vec.h's pieces; avx512_bf16.c: bf16 scores and P.V with AVX512-BF16 dot
  * products, vec.h's for float32 caches), head_dim a multiple of 32 and G from 1 to 8 (Qwen2.5's 7 and 6 too),
  * both bf16 and float32 caches take the vector path; everything else takes the portable loops below, which are also the reference
