@@ -103,9 +103,10 @@ static inline void flash_scores_store(float (*sc)[FLASH_KEYS]) {
     _tile_stored(3, &sc[0][16], FLASH_KEYS * 4);
 }
 
-/* The block's probabilities (scores sc) into f->pb, each row against its reference maximum (moved, with f->scale[r] != 1, only
- * when a score passes it by more than the slack: always in a row's first block, everything passes -inf). Row r is
- * query position ts + (r0 + r) / G; `whole`: every row sees every key of the block. Returns whether any row moved. */
+/* The block's probabilities (scores sc) into f->pb, each row against its reference maximum (moved, with
+ * f->scale[r] != 1, only when a score passes it by more than the slack: always in a row's first block, everything
+ * passes -inf). Row r is query position ts + (r0 + r) / G; `whole`: every row sees every key of the block. Returns
+ * whether any row moved. */
 static int flash_softmax(flash_tile_t *f, float (*sc)[FLASH_KEYS], int R, int r0, int G, int64_t ts,
                          int64_t k_start, int64_t window, int64_t jb, int whole) {
     int rescale = 0;

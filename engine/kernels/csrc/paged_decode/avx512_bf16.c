@@ -284,8 +284,10 @@ static void amx_stack_tiles(const rows_t *rs, int32_t members, int32_t G, int32_
 static inline void transpose_pairs(const __m512i w[8], uint32_t a[16][16]) {
     const __m512i i_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i i_hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    const __m512i q_lo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), q_hi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
-    const __m512i r01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), r23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    const __m512i q_lo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);
+    const __m512i q_hi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+    const __m512i r01 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i r23 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     __m512i s[8];           /* s[2p + h]: qwords (w[2p][x], w[2p+1][x]) for x = 8h .. 8h + 7 */
     for (int p = 0; p < 4; p++) {
         s[2 * p] = _mm512_permutex2var_epi32(w[2 * p], i_lo, w[2 * p + 1]);
@@ -329,7 +331,8 @@ static inline void amx_pv(rows_t *rs, int32_t members, int32_t G, const __m512i 
             __m512i lo = z, hi = z;
             if (k < np) {
                 const __m512i x0 = _mm512_loadu_si512((const void *)(v + 2 * k * stride + c0));
-                const __m512i x1 = 2 * k + 1 < n ? _mm512_loadu_si512((const void *)(v + (2 * k + 1) * stride + c0)) : z;
+                const __m512i x1 =
+                    2 * k + 1 < n ? _mm512_loadu_si512((const void *)(v + (2 * k + 1) * stride + c0)) : z;
                 lo = _mm512_unpacklo_epi16(x0, x1);
                 hi = _mm512_unpackhi_epi16(x0, x1);
             }
