@@ -81,12 +81,13 @@ static inline __attribute__((always_inline)) void prefill(
         float *sc = (float *)malloc(sizeof(float) * (size_t)rows_max * (S + align));
         uint16_t *pb = F32 ? NULL : (uint16_t *)malloc(sizeof(uint16_t) * (size_t)rows_max * (S + align));
         float *ob = (float *)malloc(sizeof(float) * (size_t)rows_max * D);
-        /* longest first: the latest query tiles (the most keys under a causal mask) come first, the heads
-         * interleaved, so the dynamic schedule ends on its shortest items and neither thread waits long at the end
-         * (in order, the longest items came last). An item's bits do not depend on when it runs. */
+        /* each KV head's query tiles latest first (the most keys under a causal mask), so the dynamic schedule
+         * ends on short items and neither thread waits long at the end (in order, the longest came last); heads
+         * one after another, so consecutive items share a head's keys and values in L2 (interleaving the heads
+         * lost that with 8 KV heads). An item's bits do not depend on when it runs. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            const int h = (int)(it % Hkv), t0 = (int)(tiles - 1 - it / Hkv) * tq;
+            const int h = (int)(it / tiles), t0 = (int)(tiles - 1 - it % tiles) * tq;
             const int t = n - t0 < tq ? n - t0 : tq, rows = t * G;
             const int64_t ts = q_start + t0, te = ts + t;                  /* query positions [ts, te) */
             const int64_t lo = window > 0 && ts - window + 1 > k_start ? ts - window + 1 : k_start;
