@@ -336,8 +336,8 @@ static inline void amx_pv(rows_t *rs, int32_t members, int32_t G, const __m512i 
                 lo = _mm512_unpacklo_epi16(x0, x1);
                 hi = _mm512_unpackhi_epi16(x0, x1);
             }
-            _mm512_store_si512(b[0][k], lo);
-            _mm512_store_si512(b[1][k], hi);
+            _mm512_storeu_si512(b[0][k], lo);     /* (a thread-local's alignment is the loader's to keep) */
+            _mm512_storeu_si512(b[1][k], hi);
         }
         _tile_zero(4);
         _tile_zero(5);
