@@ -79,6 +79,26 @@ def test_batchgen_amx_0_keeps_int8_prompt_rows_off_the_tiles(monkeypatch):
     assert not prompt_amx_ok()
 
 
+@needs_lib
+def test_asking_for_amx_prompt_rows_without_the_tiles_says_so(monkeypatch, caplog):
+    """``kernels: {int8_prompts: bf16}`` where the tiles are off: a warning, and every row on the int8 dot products."""
+    from torch import nn
+
+    from engine.models.select_ops import use_amx_prompts
+    from engine.quant import int8
+    model = nn.Module()
+    model.model = nn.Module()
+    q, s = int8.quantize_rows(torch.randn(64, 96) * 0.05)
+    model.model.layers = nn.ModuleList([int8.Int8Linear.from_quantized(q, s, 96, None)])
+    monkeypatch.setenv("BATCHGEN_AMX", "0")
+    with caplog.at_level("WARNING", logger="batchgen.engine"):
+        assert use_amx_prompts(model, False) is None
+        assert not caplog.records
+        assert use_amx_prompts(model, True) is None
+    assert "int8_prompts: bf16 needs AMX-BF16 tiles" in caplog.text
+    assert model.model.layers[0].step_rows is None
+
+
 @needs_prompt_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # (600, 96, 64): two passes of rows (over 512); (70, 17000, 32): K in 17 chunks; (600, 2200, 48): both

@@ -1,6 +1,8 @@
 """Choosing a finished model's ops (``engine.models.ops``) once, and setting them on its layers."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -11,6 +13,8 @@ from engine.models.layers import Embedding, GatedMLP, OpsModule
 from engine.models.linear import StepRows, bf16_exact, kernel_weight, make_row_invariant, use_c_linears
 from engine.models.ops import CpuKernelOps, TorchOps
 from engine.quant.int8 import Int8Embedding, Int8GluLinear, Int8Linear
+
+log = logging.getLogger("batchgen.engine")
 
 
 def choose_ops(model: nn.Module, device, kernels: dict[str, str] | None = None,
@@ -77,11 +81,16 @@ def pack_head(model: nn.Module, enabled: bool) -> None:
 def use_amx_prompts(model: nn.Module, enabled: bool):
     """Give the decoder's int8 linears (not the LM head or the embedding) one shared ``StepRows`` when ``enabled``
     (the ``int8_prompts`` family's "bf16", where ``prompt_amx_ok()``): their prompt rows then take AMX-BF16
-    tiles. Returns it, or None (every row through the int8 dot products)."""
+    tiles. Returns it, or None (every row through the int8 dot products). Asked for where the tiles are not on
+    (``kernels: {int8_prompts: bf16}`` on a CPU without AMX-BF16, or ``BATCHGEN_AMX=0``), it says so in the log and
+    the prompt rows take the int8 dot products."""
     rows = StepRows() if enabled and prompt_amx_ok() else None
     taken = False
     for mod in model.model.layers.modules():
         if type(mod) in (Int8Linear, Int8GluLinear):
             mod.step_rows = rows
             taken = True
+    if enabled and taken and rows is None:
+        log.warning("kernels: int8_prompts: bf16 needs AMX-BF16 tiles, which this CPU, kernel build or "
+                    "BATCHGEN_AMX=0 does not give; the int8 linears' prompt rows take the int8 dot products")
     return rows if taken else None
