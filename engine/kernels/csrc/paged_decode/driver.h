@@ -459,21 +459,25 @@ static inline __attribute__((always_inline)) void group_item(
         const int32_t end = (rows[c].seq_len + bs - 1) / bs;
         visit_blocks(&rows[c], rows[c].lo / bs, end < j0 ? end : j0, 1, &it, kind, 1, NULL);
     }
-    /* shared blocks: members in stacks of item_stack (the last stack may be smaller), each stack's query tiles
-     * after the members' own (one stack per two members at most) */
+    /* shared blocks: members in stacks of item_stack (the last stack may be smaller), each stack of two or more
+     * with its query tiles after the members' own (one stack per two members at most), built once here */
     const int32_t run = it.tiles ? AMX_RUN : 1, stack = item_stack(&it);
-    uint32_t *stack_qt = it.tiles ? it.qt + (size_t)count * (D / 2) * 16 : NULL;
+    const uint32_t *stack_qt[MAX_MEMBERS];
+    for (int32_t c = 0; c < count; c += stack) {
+        const int32_t k = count - c < stack ? count - c : stack;
+        stack_qt[c] = NULL;
 #if AMX_SCORES
-    for (int32_t c = 0; stack > 1 && c + 1 < count; c += stack)
-        amx_stack_tiles(&rows[c], count - c < stack ? count - c : stack, G, D,
-                        stack_qt + (size_t)(c / stack) * (D / 2) * 16);
-#endif
-    for (int32_t b0 = j0; b0 < j1; b0 += run)        /* a run of shared blocks, every stack of members in turn */
-        for (int32_t c = 0; c < count; c += stack) {
-            const int32_t k = count - c < stack ? count - c : stack;
-            visit_blocks(&rows[c], b0, b0 + run < j1 ? b0 + run : j1, c == 0, &it, kind, k,
-                         k > 1 ? stack_qt + (size_t)(c / stack) * (D / 2) * 16 : NULL);
+        if (k > 1 && j1 > j0) {
+            uint32_t *qt = it.qt + (size_t)(count + c / stack) * (D / 2) * 16;
+            amx_stack_tiles(&rows[c], k, G, D, qt);
+            stack_qt[c] = qt;
         }
+#endif
+    }
+    for (int32_t b0 = j0; b0 < j1; b0 += run)        /* a run of shared blocks, every stack of members in turn */
+        for (int32_t c = 0; c < count; c += stack)
+            visit_blocks(&rows[c], b0, b0 + run < j1 ? b0 + run : j1, c == 0, &it, kind,
+                         count - c < stack ? count - c : stack, stack_qt[c]);
     const int permuted = it.fast && PAIRED_PV && (kind == KV_BF16 || kind == KV_I8);   /* PAIRED_PV: AVX512-BF16 */
     for (int32_t c = 0; c < count; c++) {
         rows_t *r = &rows[c];
