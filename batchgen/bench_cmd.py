@@ -62,8 +62,9 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--sweep-only", default=None, help="With --size-sweep: a comma list of its shapes' labels to run "
               "(e.g. 'shared-prefix,shared-prefix cache off'; default: all).")
 @click.option("--sweep-rounds", type=click.IntRange(1, 9), default=1, show_default=True,
-              help="With --size-sweep: at least this many rounds of every shape (each system once a round, "
-              "interleaved; each system's median counts): for a VM whose speed drifts between runs.")
+              help="With --size-sweep: at least this many rounds of every shape (each system loaded once, then once "
+              "a round, interleaved; each system's median counts, and each peer's ratio round by round is listed): "
+              "for a VM whose speed drifts between runs.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Save the results as JSON (written after each system, so a long run keeps partial results).")
 def bench_cmd(shape, quick, n, groups, prefix_tokens, doc_tokens, output_tokens, model, dtype, threads, systems,

@@ -59,7 +59,7 @@ def _calibration_summary(cal) -> dict:
             "kernel_flops": {k: v["matmul_flops"] for k, v in cal.kernel_flops.items()}}
 
 
-def _check_systems(opts: BenchOptions) -> None:
+def check_systems(opts: BenchOptions) -> None:
     """Unknown systems, and peers that are not set up (PeerMissing), stop the run before anything runs."""
     unknown = sorted(set(opts.systems) - set(SYSTEMS))
     if unknown:
@@ -69,7 +69,7 @@ def _check_systems(opts: BenchOptions) -> None:
             check_peer(name, opts.model, opts.load_format)
 
 
-def _environment(opts: BenchOptions) -> dict:
+def environment(opts: BenchOptions) -> dict:
     """What the run ran on (the result's ``env``), as it starts."""
     env = {"commit": _git_commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "dtype": opts.dtype, "model": opts.model, "loadavg_before": _loadavg(), "started": time.time()}
@@ -88,7 +88,7 @@ def _note_contention(res: SystemResult, busy: SystemResult, contend: int) -> Non
                      contended_same_tokens=busy.outputs == res.outputs)
 
 
-class _BenchRun:
+class BenchRun:
     """One bench run's state: the results so far, and the prompts (and roofline) built once before any system."""
 
     def __init__(self, opts: BenchOptions, env: dict, on_progress=None):
@@ -97,6 +97,19 @@ class _BenchRun:
         self.prompts = self.tokenizer = self.roof = self.mcfg = None
         self.model_info = None
         self.calibrations: dict[str, object] = {}    # calibration dtype -> Calibration (None: none here)
+
+    def fork(self, **env) -> "BenchRun":
+        """Another run of the same workload (a round), its prompts, roofline and calibrations shared, no results
+        yet; ``env`` added to its environment."""
+        other = BenchRun(self.opts, {**self.env, **env, "started": time.time()}, self.on_progress)
+        for k in ("prompts", "tokenizer", "roof", "mcfg", "model_info", "calibrations"):
+            setattr(other, k, getattr(self, k))
+        return other
+
+    def finish(self) -> dict:
+        self.env["loadavg_after"] = _loadavg()
+        self.env["finished"] = time.time()
+        return self.summary()
 
     def summary(self) -> dict:
         agreement(self.results)
@@ -255,14 +268,12 @@ def run_bench(opts: BenchOptions, on_progress=None) -> dict:
 
     ``on_progress(partial_result)`` is called after each system (e.g. to save partial JSON of a long run).
     """
-    _check_systems(opts)
+    check_systems(opts)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    run = _BenchRun(opts, _environment(opts), on_progress)
+    run = BenchRun(opts, environment(opts), on_progress)
     run.batchgen_variants()      # in this process first, then transformers, llama.cpp, and the peers
     run.transformers()
     run.llama_cpp()
     run.peers()
-    run.env["loadavg_after"] = _loadavg()
-    run.env["finished"] = time.time()
-    return run.summary()
+    return run.finish()

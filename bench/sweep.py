@@ -74,6 +74,7 @@ def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str,
     ``only``, the systems not named there too, except the shape's own batchgen system, which the ratios are
     against); one row per shape: its sizes, each system's seconds (or why it was skipped), and batchgen's ratio
     against each peer."""
+    from bench.rounds import run_rounds
     from bench.run import run_bench
 
     rows = []
@@ -84,7 +85,9 @@ def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str,
         o = dataclasses.replace(opts, workload=make_workload(s.shape, **sizes), systems=systems)
         say(opts, f"sweep: {s.label} {sizes} -> {', '.join(systems)}")
         t = time.monotonic()
-        results = [run_bench(o) for _ in range(1 if opts.quick else s.repeats)]
+        count = 1 if opts.quick else s.repeats
+        # several rounds: each system loaded once and the rounds interleaved (bench.rounds); --contend reloads
+        results = run_rounds(o, count) if count > 1 and not opts.contend else [run_bench(o) for _ in range(count)]
         rows.append(sweep_row(s, sizes, median_result(results), time.monotonic() - t))
         if on_result is not None:
             on_result(rows)
@@ -107,7 +110,9 @@ def median_result(results: list[dict]) -> dict:
         if not ran:
             systems.append(rounds[0])
             continue
-        systems.append({**ran[(len(ran) - 1) // 2], "runs_s": [round(r["wall_s"], 2) for r in ran]})
+        systems.append({**ran[(len(ran) - 1) // 2], "runs_s": [round(r["wall_s"], 2) for r in ran],
+                        "rounds_s": [None if r["skipped"] or not r["wall_s"] else round(r["wall_s"], 3)
+                                     for r in rounds]})
     return {**results[0], "systems": systems}
 
 
@@ -129,7 +134,23 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
                 row["ratios"][name] = round(r["wall_s"] / ours["wall_s"], 3)
+        row["round_ratios"] = round_ratios(ours, by)
     return row
+
+
+def round_ratios(ours: dict, by: dict) -> dict:
+    """Each peer's seconds over ours round by round (the rounds both ran), in round order: with the systems held
+    loaded and interleaved (bench.rounds) each pair ran in the same minutes."""
+    mine = ours.get("rounds_s") or []
+    out = {}
+    for name, r in by.items():
+        theirs = r.get("rounds_s") or []
+        if r is ours or not theirs:
+            continue
+        pairs = [round(t / m, 3) for m, t in zip(mine, theirs) if m and t]
+        if pairs:
+            out[name] = pairs
+    return out
 
 
 def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
@@ -151,8 +172,12 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
         cells.append(_plan_cell(r["systems"].get(r.get("ours"))))
         out.append("| " + " | ".join(cells) + " |")
     skipped = [f"- {r['label']}, {n}: {s['skipped']}" for r in rows for n, s in r["systems"].items() if s["skipped"]]
+    by_round = [f"- {r['label']}, {n} / ours: " + ", ".join(f"{x:.2f}" for x in xs)
+                for r in rows for n, xs in (r.get("round_ratios") or {}).items() if len(xs) > 1]
     limits = [f"- {r['label']}: {s['limit']}" for r in rows for s in r["systems"].values() if s.get("limit")]
     return "\n".join(out + ([""] + skipped if skipped else [])
+                     + (["", "Round by round (each system loaded once, the rounds interleaved):"] + by_round
+                        if by_round else [])
                      + (["", "How close to the limit (docs/guide/reports.md):"] + limits if limits else []))
 
 
@@ -173,4 +198,4 @@ def _plan_cell(ours: dict | None) -> str:
     return f"{pred:.2f} s / {wall:.2f} s ({percent_over(pred, wall):+.0f} %)"
 
 
-__all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "median_result", "sweep_row", "format_sweep"]
+__all__ = ["SWEEP", "SweepShape", "sized", "run_sweep", "median_result", "sweep_row", "round_ratios", "format_sweep"]

@@ -160,6 +160,11 @@ class LLM:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLM.reset_prefix_cache``), so the next generate computes its prompts
+        whole; refused (False) while a request or a pin holds blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
     def pin_prefix(self, token_ids: Sequence[int]) -> int | None:
         return self.scheduler.pin_prefix(list(token_ids))
 

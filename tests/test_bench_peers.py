@@ -54,10 +54,22 @@ n = req["max_tokens"]
 outs = [[(p[-1] + i + k) % 97 for k in range(n)] for i, p in enumerate(req["prompts"])]
 cached = [0 if i == 0 or req["groups"][i] != req["groups"][i - 1] else len(p) // 2
           for i, p in enumerate(req["prompts"])] if name == "vllm" else None
-json.dump({{"peer": name, "version": "0.0-fake", "load_s": 1.5, "warmup_s": 0.25, "generate_s": 2.0,
-           "probe_s": probe_s if req.get("probe") else None, "dtype": req.get("dtype"), "platform": "FakePlatform",
-           "outputs": outs, "prompt_tokens": [len(p) for p in req["prompts"]], "cached_tokens": cached}},
-          open(res_path, "w"))
+result = {{"peer": name, "version": "0.0-fake", "load_s": 1.5, "warmup_s": 0.25, "generate_s": 2.0,
+          "probe_s": probe_s if req.get("probe") else None, "dtype": req.get("dtype"), "platform": "FakePlatform",
+          "outputs": outs, "prompt_tokens": [len(p) for p in req["prompts"]], "cached_tokens": cached}}
+if req.get("held"):       # the real protocol (bench/peers/held.py); round k takes FAKE_PEER_ROUNDS[k] seconds
+    sys.path.insert(0, os.path.dirname(runner))
+    from held import serve_rounds
+    times, done = json.loads(os.environ.get("FAKE_PEER_ROUNDS", "[]")), []
+    def one():
+        if os.environ.get("FAKE_PEER_DIE_AT") == str(len(done)):
+            sys.exit(5)
+        done.append(times[len(done)] if len(done) < len(times) else 2.0)
+        return {{**result, "generate_s": done[-1]}}
+    n = serve_rounds(res_path, {{"load_s": 1.5, "warmup_s": 0.25}}, one)
+    open(os.path.join(here, "held_rounds.txt"), "a").write(f"{{n}}\\n")
+    sys.exit(0)
+json.dump(result, open(res_path, "w"))
 '''
 
 
@@ -74,7 +86,8 @@ def peers(tmp_path, monkeypatch, tiny_llama_dir):
         (root / "models" / f"{Path(tiny_llama_dir).name}-ov-{fmt}").mkdir(parents=True)
     monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(root))
     monkeypatch.delenv("FAKE_PEER_FAIL", raising=False)
-    monkeypatch.delenv("FAKE_PEER_PROBE", raising=False)
+    for var in ("FAKE_PEER_PROBE", "FAKE_PEER_ROUNDS", "FAKE_PEER_DIE_AT"):
+        monkeypatch.delenv(var, raising=False)
     return root
 
 
@@ -100,9 +113,10 @@ def test_registry_lists_the_peers_as_extra_systems():
 
 def test_runners_import_only_their_peer_numpy_and_the_standard_library():
     """The runners run inside the peer venvs: nothing of ours (batchgen, bench, engine ...) and no torch."""
-    allowed = {"vllm": {"vllm"}, "openvino": {"openvino", "openvino_genai", "numpy"}}
+    allowed = {"vllm_runner": {"vllm", "held"}, "openvino_runner": {"openvino", "openvino_genai", "numpy", "held"},
+               "held": set()}       # held.py: their rounds' protocol
     for name, extra in allowed.items():
-        tree = ast.parse((peer.RUNNERS / f"{name}_runner.py").read_text())
+        tree = ast.parse((peer.RUNNERS / f"{name}.py").read_text())
         mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert mods - extra <= set(sys.stdlib_module_names) | {"__future__"}, (name, mods)

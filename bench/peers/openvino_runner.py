@@ -3,6 +3,8 @@ imports only openvino(_genai), numpy and the standard library, never batchgen.
 
     python openvino_runner.py REQUEST.json RESULT.json
 
+With ``held`` in the request it stays loaded and runs one round per signal (held.py).
+
 The request (bench/systems/peer.py writes it): ``model`` (an OpenVINO IR directory, its weights in the format
 ``dtype`` names: fp16 or int8), ``prompts``, ``groups`` (the shared-prefix group of each prompt), ``warmup``,
 ``max_tokens``, ``threads``, ``prefix_caching``, ``max_num_batched_tokens``, ``cache_size_gb``, ``probe`` (a dtype
@@ -91,20 +93,40 @@ def main(request_path: str, result_path: str) -> None:
     t = time.monotonic()
     pipe = make_pipeline(req)
     load_s = time.monotonic() - t
+    def warm_up() -> None:
+        if req.get("warmup"):
+            generate(pipe, req["warmup"], list(range(len(req["warmup"]))), 2, False)
+
     t = time.monotonic()
-    if req.get("warmup"):
-        generate(pipe, req["warmup"], list(range(len(req["warmup"]))), 2, False)
+    warm_up()
     warmup_s = time.monotonic() - t
     prompts = req["prompts"]
     groups = req.get("groups") or list(range(len(prompts)))
-    t = time.monotonic()
-    res = generate(pipe, prompts, groups, int(req["max_tokens"]), bool(req["prefix_caching"]))
-    generate_s = time.monotonic() - t
-    res.update(peer="openvino", version=ov_genai.__version__, load_s=load_s, warmup_s=warmup_s,
-               generate_s=generate_s, probe_s=generate_s if req.get("probe") else None, dtype=req.get("dtype"),
-               prompt_tokens=[len(p) for p in prompts], cached_tokens=None)
+
+    def timed() -> dict:
+        t = time.monotonic()
+        res = generate(pipe, prompts, groups, int(req["max_tokens"]), bool(req["prefix_caching"]))
+        generate_s = time.monotonic() - t
+        res.update(peer="openvino", version=ov_genai.__version__, load_s=load_s, warmup_s=warmup_s,
+                   generate_s=generate_s, probe_s=generate_s if req.get("probe") else None, dtype=req.get("dtype"),
+                   prompt_tokens=[len(p) for p in prompts], cached_tokens=None)
+        return res
+
+    def fresh_round() -> dict:
+        # the pipeline has no way to empty its prefix cache: a new one, built and warmed up untimed, each held round
+        nonlocal pipe
+        if req["prefix_caching"]:
+            del pipe
+            pipe = make_pipeline(req)
+            warm_up()
+        return timed()
+
+    if req.get("held"):
+        from held import serve_rounds
+        serve_rounds(result_path, {"load_s": load_s, "warmup_s": warmup_s}, fresh_round)
+        return
     with open(result_path, "w") as f:
-        json.dump(res, f)
+        json.dump(timed(), f)
 
 
 if __name__ == "__main__":

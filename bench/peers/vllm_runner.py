@@ -3,6 +3,8 @@ imports only vllm and the standard library, never batchgen.
 
     python vllm_runner.py REQUEST.json RESULT.json
 
+With ``held`` in the request it stays loaded and runs one round per signal (held.py).
+
 The request (bench/systems/peer.py writes it): ``model`` (an HF directory), ``dtype`` (bfloat16 when absent),
 ``prompts`` and ``warmup`` (lists of token id lists), ``max_tokens``, ``prefix_caching``, ``max_model_len``,
 ``probe`` (only time the prompts: the dtype probe). The environment (threads bound, Intel OpenMP preloaded, KV
@@ -46,25 +48,36 @@ def main(request_path: str, result_path: str) -> None:
         run(req["warmup"], 2)
     warmup_s = time.monotonic() - t
     mark = os.environ.get("BATCHGEN_PEER_MARK")     # when generation starts and ends (bench/peers/profile.sh)
-    t = time.monotonic()
-    if mark:
-        with open(mark, "a") as f:
-            f.write(f"start {time.time()}\n")
-    outs = run(req["prompts"], int(req["max_tokens"]))
-    generate_s = time.monotonic() - t
-    if mark:
-        with open(mark, "a") as f:
-            f.write(f"end {time.time()}\n")
-    result = {
-        "peer": "vllm", "version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s,
-        "generate_s": generate_s, "probe_s": generate_s if req.get("probe") else None, "dtype": dtype,
-        "platform": type(current_platform).__name__,
-        "outputs": [list(o.outputs[0].token_ids) for o in outs],
-        "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
-        "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
-    }
+
+    def timed() -> dict:
+        t = time.monotonic()
+        if mark:
+            with open(mark, "a") as f:
+                f.write(f"start {time.time()}\n")
+        outs = run(req["prompts"], int(req["max_tokens"]))
+        generate_s = time.monotonic() - t
+        if mark:
+            with open(mark, "a") as f:
+                f.write(f"end {time.time()}\n")
+        return {
+            "peer": "vllm", "version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s,
+            "generate_s": generate_s, "probe_s": generate_s if req.get("probe") else None, "dtype": dtype,
+            "platform": type(current_platform).__name__,
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
+            "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+        }
+
+    def fresh_round() -> dict:          # each held round from an empty prefix cache, as a first run
+        llm.reset_prefix_cache()
+        return timed()
+
+    if req.get("held"):
+        from held import serve_rounds
+        serve_rounds(result_path, {"load_s": load_s, "warmup_s": warmup_s}, fresh_round)
+        return
     with open(result_path, "w") as f:
-        json.dump(result, f)
+        json.dump(timed(), f)
 
 
 if __name__ == "__main__":      # NOTE: the guard matters: vLLM starts its engine core in child processes

@@ -40,6 +40,12 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
 
     ``roof_for(format)``: the roofline of the format the engine ran (``RunFormat.of(llm.info)``: its calibration,
     weight and KV bytes), or None (no roofline: ``--no-roofline``)."""
+    llm, warmup_s = load_batchgen(opts, name)
+    return time_batchgen(opts, llm, prompts, name, roof_for, warmup_s), llm
+
+
+def load_batchgen(opts: BenchOptions, name: str) -> tuple[LLM, float]:
+    """The variant's LLM, loaded and warmed up as it will run: (the LLM, the warm-up's seconds)."""
     prefix_caching, quantization, spec, kv_dtype = BATCHGEN_VARIANTS[name]
     t = time.monotonic()
     # int8 picks its own activation dtype (auto: float32, engine.setup) unless float32 was asked for anyway
@@ -48,14 +54,23 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
               speculative_config=spec, kv_cache_dtype=kv_dtype, deterministic=not name.endswith("-nondet"),
               **opts.engine_args())
     say(opts, f"{name}: loaded in {time.monotonic() - t:.1f} s; warming up")
-    T = opts.workload.output_tokens
-    structured = StructuredOutputsParams(json=STRUCTURED_SCHEMA) if name in STRUCTURED_TWINS else None
-    # warmed up as it will run: a constrained system prepares its grammar backend's tokenizer view and compiles the
-    # schema here, once per process (as the model load, not in the timed generate; its time is reported)
+    # a constrained system prepares its grammar backend's tokenizer view and compiles the schema here, once per
+    # process (as the model load, not in the timed generate; its time is reported)
     t_warm = time.monotonic()
-    warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2, structured_outputs=structured)
+    warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2, structured_outputs=_structured(name))
     llm.generate(warmup_prompts(prompt_tokenizer(llm.get_tokenizer())), warm)
-    warmup_s = time.monotonic() - t_warm
+    return llm, time.monotonic() - t_warm
+
+
+def _structured(name: str) -> StructuredOutputsParams | None:
+    return StructuredOutputsParams(json=STRUCTURED_SCHEMA) if name in STRUCTURED_TWINS else None
+
+
+def time_batchgen(opts: BenchOptions, llm: LLM, prompts: list[BenchPrompt], name: str, roof_for: RoofFor | None,
+                  warmup_s: float) -> SystemResult:
+    """The whole workload in one timed generate on a loaded LLM, its row (steps, limits, the plan's prediction)."""
+    T = opts.workload.output_tokens
+    structured = _structured(name)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=T, structured_outputs=structured)
     timers = kernel_breakdown() if opts.breakdown else contextlib.nullcontext()
     with timers as bd:
@@ -96,7 +111,7 @@ def run_batchgen(opts: BenchOptions, prompts: list[BenchPrompt], name: str,
     roof = roof_for(fmt) if roof_for is not None else None
     if roof is not None:
         _batchgen_roofline(res, outs, steps, roof, fmt)
-    return res, llm
+    return res
 
 
 def _plan_prediction(res: SystemResult, llm, prompts: list[BenchPrompt], output_tokens: int) -> None:

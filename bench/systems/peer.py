@@ -200,33 +200,50 @@ def parse_result(name: str, prompts: list[BenchPrompt], data: dict) -> SystemRes
     return res
 
 
-def _tail(path: Path, lines: int = 6) -> str:
+def tail(path: Path, lines: int = 6) -> str:
     text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
     return " | ".join(line.strip() for line in text[-lines:])
+
+
+def start_runner(name: str, request: dict, threads: int, tag: str, tmp: str,
+                 stdin=subprocess.DEVNULL) -> tuple[subprocess.Popen, Path, Path]:
+    """The peer's runner started on ``request`` (written into ``tmp``), in its own session (so that it and the
+    engine processes it starts can be killed together), its output to a log: (the process, where its result will
+    be, the log)."""
+    logs = peers_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}{tag}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+    req_path.write_text(json.dumps(request))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(peer_python(name)), str(RUNNERS / f"{PEERS[name].venv}_runner.py"),
+                                 str(req_path), str(res_path)], env=peer_env(name, threads), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=stdin, cwd=tmp, start_new_session=True)
+    return proc, res_path, log
+
+
+def stop_runner(proc: subprocess.Popen) -> None:
+    """Kill the runner and every process it started (vLLM's engine core and worker are its children)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _invoke(name: str, request: dict, threads: int, tag: str,
             timeout_s: float | None = None) -> tuple[dict | None, str, Path]:
     """Run the peer's runner on ``request``: (its JSON result or None, why it failed, the log); ``timeout_s``: the
     runner and every process it started are killed after that long."""
-    logs = peers_dir() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{name}{tag}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     with tempfile.TemporaryDirectory(prefix=f"batchgen-{name}-") as tmp:
-        req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req_path.write_text(json.dumps(request))
-        with open(log, "w") as out:
-            proc = subprocess.Popen([str(peer_python(name)), str(RUNNERS / f"{PEERS[name].venv}_runner.py"),
-                                     str(req_path), str(res_path)], env=peer_env(name, threads), stdout=out,
-                                    stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)          # vLLM's engine core and worker are its children
-                proc.wait()
-                return None, f"stopped after {timeout_s:.0f} s (log {log})", log
+        proc, res_path, log = start_runner(name, request, threads, tag, tmp)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_runner(proc)
+            return None, f"stopped after {timeout_s:.0f} s (log {log})", log
         if rc != 0 or not res_path.exists():
-            return None, f"failed (exit {rc}, log {log}): {_tail(log)[-300:]}", log
+            return None, f"failed (exit {rc}, log {log}): {tail(log)[-300:]}", log
         return json.loads(res_path.read_text()), "", log
 
 
@@ -299,19 +316,21 @@ def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
                           opts.model)
 
 
-def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
-             threads: int) -> SystemResult:
-    """One peer on the workload in its own venv, in its fastest dtype here; a run that fails is a skipped row
-    saying why (and the log)."""
+def peer_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
+               threads: int) -> tuple[str | None, dict] | SystemResult:
+    """The dtype the peer runs in here and its probes (``choose_dtype``), or the skipped row when every dtype
+    failed its probe."""
     check_peer(name, opts.model, opts.load_format)
     dtype, probes = choose_dtype(name, opts, prompts, warmup, threads)
     if PEERS[name].dtypes and dtype is None:
         return SystemResult(system=name, label=PEERS[name].label,
                             skipped="every dtype failed: " + "; ".join(f"{d}: {w}" for d, w in probes.items()))
-    say(opts, f"{name}: running in {peer_python(name).parent.parent}" + (f" ({dtype})" if dtype else ""))
-    data, why, log = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype), threads, "")
-    if data is None:
-        return SystemResult(system=name, label=PEERS[name].label, skipped=why)
+    return dtype, probes
+
+
+def peer_result(name: str, prompts: list[BenchPrompt], data: dict, dtype: str | None, probes: dict,
+                log: Path) -> SystemResult:
+    """A run's JSON result as its row: the dtype it ran in and why, whether zentorch was in use, the log."""
     res = parse_result(name, prompts, data)
     if dtype:
         res.label = f"{res.label} {dtype}"
@@ -321,3 +340,18 @@ def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: 
         res.extra["zentorch"] = zen.read_text().strip()
     res.extra["log"] = str(log)
     return res
+
+
+def run_peer(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
+             threads: int) -> SystemResult:
+    """One peer on the workload in its own venv, in its fastest dtype here; a run that fails is a skipped row
+    saying why (and the log)."""
+    chosen = peer_dtype(name, opts, prompts, warmup, threads)
+    if isinstance(chosen, SystemResult):
+        return chosen
+    dtype, probes = chosen
+    say(opts, f"{name}: running in {peer_python(name).parent.parent}" + (f" ({dtype})" if dtype else ""))
+    data, why, log = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype), threads, "")
+    if data is None:
+        return SystemResult(system=name, label=PEERS[name].label, skipped=why)
+    return peer_result(name, prompts, data, dtype, probes, log)

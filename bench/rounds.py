@@ -1,0 +1,91 @@
+"""Rounds of one workload with each system loaded once (``batchgen bench --size-sweep --sweep-rounds R``).
+
+A VM's speed can move 2-4x within minutes. Run one system after another, each loading first, and a peer's rounds
+land minutes from ours (vLLM reloads for 50-75 s), so a round's ratio says as much about the minutes as about the
+engines. Here every batchgen variant is loaded and warmed once in this process and every venv peer once in its held
+runner (``bench.systems.held_peer``); then each round times each system back to back, ours first in even rounds and
+the peers first in odd ones, each round from an empty prefix cache. Systems that cannot be held (transformers,
+llama.cpp) load inside each round as in a single run. Each round is a result dict as ``bench.run.run_bench``
+returns, so ``bench.sweep.median_result`` takes them as they are.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from bench.options import BenchOptions, say
+from bench.plan_prediction import prediction_line
+from bench.result import SystemResult
+from bench.run import BenchRun, check_systems, environment
+from bench.systems.batchgen import BATCHGEN_VARIANTS, load_batchgen, time_batchgen
+from bench.systems.held_peer import HeldPeer
+from bench.systems.registry import PEER_SYSTEMS
+from bench.workloads import warmup_prompts
+from engine.errors import ConfigError
+from engine.malloc import release_freed_memory
+
+
+def run_rounds(opts: BenchOptions, rounds: int) -> list[dict]:
+    """``rounds`` interleaved rounds of the workload, each system loaded once; one result dict per round."""
+    check_systems(opts)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    base = BenchRun(opts, environment(opts))
+    prompts = base.ensure_prompts()
+    threads = torch.get_num_threads()
+    held = [HeldPeer(n, opts, prompts, warmup_prompts(base.tokenizer), threads)
+            for n in PEER_SYSTEMS if n in opts.systems]
+    ours: dict[str, tuple | SystemResult] = {}
+    try:
+        for peer in held:                # loaded one at a time, before anything is timed
+            peer.start()
+        for name in BATCHGEN_VARIANTS:
+            if name in opts.systems:
+                try:
+                    ours[name] = load_batchgen(opts, name)
+                except ConfigError as e:         # a setting this model cannot take
+                    ours[name] = SystemResult(system=name, label=name, skipped=str(e))
+        results = []
+        for r in range(rounds):
+            run = base.fork(round=r, rounds=rounds, held=True)
+            order = [_ours_round, _peers_round] if r % 2 == 0 else [_peers_round, _ours_round]
+            for part in order:
+                part(run, ours, held)
+            run.transformers()
+            run.llama_cpp()
+            base.model_info = base.model_info or run.model_info
+            results.append(run.finish())
+        return results
+    finally:
+        for peer in held:
+            peer.close()
+        ours.clear()
+        gc.collect()
+        release_freed_memory()
+
+
+def _ours_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
+    opts = run.opts
+    for name, loaded in ours.items():
+        if isinstance(loaded, SystemResult):
+            run.add(loaded)
+            continue
+        llm, warmup_s = loaded
+        if not llm.reset_prefix_cache():
+            raise RuntimeError(f"{name}: blocks still held after a finished round; its prefix cache cannot be reset")
+        res = time_batchgen(opts, llm, run.prompts, name, run.roof_for, warmup_s)
+        run.model_info = run.model_info or llm.info.to_dict()
+        say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s (round "
+                  f"{run.env['round'] + 1}, loaded once)")
+        if res.extra.get("predicted_engine_s"):
+            say(opts, f"{name}: {prediction_line(res.extra['predicted_engine_s'], res.wall_s)}")
+        run.add(res)
+
+
+def _peers_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
+    for peer in held:
+        run.add(peer.run_round())
+
+
+__all__ = ["run_rounds"]
