@@ -3,10 +3,11 @@
 A VM's speed can move 2-4x within minutes. Run one system after another, each loading first, and a peer's rounds
 land minutes from ours (vLLM reloads for 50-75 s), so a round's ratio says as much about the minutes as about the
 engines. Here every batchgen variant is loaded and warmed once in this process and every venv peer once in its held
-runner (``bench.systems.held_peer``); then each round times each system back to back, ours first in even rounds and
-the peers first in odd ones, each round from an empty prefix cache. Systems that cannot be held (transformers,
-llama.cpp) load inside each round as in a single run. Each round is a result dict as ``bench.run.run_bench``
-returns, so ``bench.sweep.median_result`` takes them as they are.
+runner (``bench.systems.held_peer``); then a warm round runs every system once untimed (vLLM's first run at a
+workload's shapes took up to 2x its later ones; batchgen's first does not differ), and each round after times each
+system back to back, ours first in even rounds and the peers first in odd ones, each from an empty prefix cache.
+Systems that cannot be held (transformers, llama.cpp) load inside each round as in a single run. Each round is a
+result dict as ``bench.run.run_bench`` returns, so ``bench.sweep.median_result`` takes them as they are.
 """
 from __future__ import annotations
 
@@ -46,12 +47,16 @@ def run_rounds(opts: BenchOptions, rounds: int) -> list[dict]:
                     ours[name] = load_batchgen(opts, name)
                 except ConfigError as e:         # a setting this model cannot take
                     ours[name] = SystemResult(system=name, label=name, skipped=str(e))
-        results = []
-        for r in range(rounds):
+        results, warm = [], {}
+        for r in range(-1, rounds):         # round -1: every system warm at the workload's shapes, not counted
             run = base.fork(round=r, rounds=rounds, held=True)
             order = [_ours_round, _peers_round] if r % 2 == 0 else [_peers_round, _ours_round]
             for part in order:
                 part(run, ours, held)
+            if r < 0:
+                warm = {res.system: None if res.skipped else round(res.wall_s, 3) for res in run.results}
+                continue
+            run.env["warm_round_s"] = warm
             run.transformers()
             run.llama_cpp()
             base.model_info = base.model_info or run.model_info
@@ -76,8 +81,7 @@ def _ours_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
             raise RuntimeError(f"{name}: blocks still held after a finished round; its prefix cache cannot be reset")
         res = time_batchgen(opts, llm, run.prompts, name, run.roof_for, warmup_s)
         run.model_info = run.model_info or llm.info.to_dict()
-        say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s (round "
-                  f"{run.env['round'] + 1}, loaded once)")
+        say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s ({_label(run)})")
         if res.extra.get("predicted_engine_s"):
             say(opts, f"{name}: {prediction_line(res.extra['predicted_engine_s'], res.wall_s)}")
         run.add(res)
@@ -85,7 +89,12 @@ def _ours_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
 
 def _peers_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
     for peer in held:
-        run.add(peer.run_round())
+        run.add(peer.run_round(_label(run)))
+
+
+def _label(run: BenchRun) -> str:
+    r = run.env["round"]
+    return "warm round, not counted" if r < 0 else f"round {r + 1} of {run.env['rounds']}, loaded once"
 
 
 __all__ = ["run_rounds"]

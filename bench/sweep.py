@@ -86,8 +86,9 @@ def run_sweep(opts: BenchOptions, params: float, shapes=SWEEP, peers: tuple[str,
         say(opts, f"sweep: {s.label} {sizes} -> {', '.join(systems)}")
         t = time.monotonic()
         count = 1 if opts.quick else s.repeats
-        # several rounds: each system loaded once and the rounds interleaved (bench.rounds); --contend reloads
-        results = run_rounds(o, count) if count > 1 and not opts.contend else [run_bench(o) for _ in range(count)]
+        # each system loaded once, a warm round, then the rounds interleaved (bench.rounds); --contend reloads
+        held = not opts.quick and not opts.contend
+        results = run_rounds(o, count) if held else [run_bench(o) for _ in range(count)]
         rows.append(sweep_row(s, sizes, median_result(results), time.monotonic() - t))
         if on_result is not None:
             on_result(rows)

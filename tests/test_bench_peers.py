@@ -358,8 +358,10 @@ def test_a_dtype_probe_is_short(peers, tiny_llama_dir):
     req = peer.peer_request("vllm", _opts(tiny_llama_dir, ("vllm",)), long, [[1]], 2, "float32", probe=True)
     assert len(req["prompts"]) == peer.PROBE_PROMPTS and req["max_tokens"] == peer.PROBE_TOKENS
     assert {len(p) for p in req["prompts"]} == {peer.PROBE_PROMPT_TOKENS} and req["dtype"] == "float32"
+    assert req["warm_workload"] is False          # a probe is short; a real run first runs its workload untimed
     full = peer.peer_request("vllm", _opts(tiny_llama_dir, ("vllm",)), long, [[1]], 2, "float32")
     assert len(full["prompts"]) == 5 and {len(p) for p in full["prompts"]} == {1999} and not full["probe"]
+    assert full["warm_workload"] is True
 
 
 def test_a_probe_far_slower_than_the_fastest_so_far_is_stopped(peers, tiny_llama_dir, monkeypatch):

@@ -18,21 +18,21 @@ def _rows(result: dict) -> dict:
 
 
 def test_each_system_loads_once_and_the_rounds_interleave(peers, tiny_llama_dir, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("FAKE_PEER_ROUNDS", json.dumps([3.0, 1.0, 2.0]))
+    monkeypatch.setenv("FAKE_PEER_ROUNDS", json.dumps([9.0, 3.0, 1.0, 2.0]))     # a warm round first
     opts = _opts(tiny_llama_dir, ("batchgen", "vllm", "openvino"))
     results = run_rounds(opts, 3)
     assert len(results) == 3
-    # one runner process per peer (its dtype probes aside), answering all three rounds, then ended by the bench
+    # one runner process per peer (its dtype probes aside), answering the warm round and three more, then ended
     for venv in ("vllm", "openvino"):
         assert len([c for c in _calls(peers, venv) if not c["probe"]]) == 1
-    for venv in ("vllm", "openvino"):
-        assert (peers / venv / "held_rounds.txt").read_text().split() == ["3"]
+        assert (peers / venv / "held_rounds.txt").read_text().split() == ["4"]
     # ours first in even rounds, the peers first in odd ones
     assert [s["system"] for s in results[0]["systems"]] == ["batchgen", "vllm", "openvino"]
     assert [s["system"] for s in results[1]["systems"]] == ["vllm", "openvino", "batchgen"]
     assert [_rows(r)["vllm"]["wall_s"] for r in results] == [3.0, 1.0, 2.0]
-    assert [_rows(r)["vllm"]["extra"]["held_round"] for r in results] == [0, 1, 2]
+    assert [_rows(r)["vllm"]["extra"]["held_round"] for r in results] == [1, 2, 3]
     assert [r["env"]["round"] for r in results] == [0, 1, 2] and all(r["env"]["held"] for r in results)
+    assert results[0]["env"]["warm_round_s"]["vllm"] == 9.0 and results[0]["env"]["warm_round_s"]["batchgen"] > 0
     ours = [_rows(r)["batchgen"] for r in results]
     assert all(not s["skipped"] for r in results for s in r["systems"])
     # the same prefix hits every round: the cache emptied before each, not carried over
@@ -42,7 +42,7 @@ def test_each_system_loads_once_and_the_rounds_interleave(peers, tiny_llama_dir,
 
 def test_a_held_peer_that_fails_is_a_skipped_row_in_every_round_it_missed(peers, tiny_llama_dir,  # noqa: F811
                                                                           monkeypatch):
-    monkeypatch.setenv("FAKE_PEER_DIE_AT", "1")
+    monkeypatch.setenv("FAKE_PEER_DIE_AT", "2")         # the warm round and the first counted one, then gone
     results = run_rounds(_opts(tiny_llama_dir, ("batchgen", "vllm")), 3)
     vllm = [_rows(r)["vllm"] for r in results]
     assert not vllm[0]["skipped"] and vllm[0]["wall_s"] == 2.0
@@ -82,7 +82,7 @@ def test_a_sweep_with_rounds_holds_its_systems(peers, tiny_llama_dir, monkeypatc
     row = rows[0]
     assert row["systems"]["vllm-nocache"]["runs_s"] == [2.0, 2.0]
     assert len(row["round_ratios"]["vllm-nocache"]) == 2
-    assert (peers / "vllm" / "held_rounds.txt").read_text().split() == ["2"]       # vllm-nocache: vLLM's venv
+    assert (peers / "vllm" / "held_rounds.txt").read_text().split() == ["3"]       # vllm-nocache: vLLM's venv
     assert len([c for c in _calls(peers) if not c["probe"]]) == 1
 
 

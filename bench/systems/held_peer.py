@@ -50,7 +50,7 @@ class HeldPeer:
             self.load_s = ready.get("load_s")
             say(self.opts, f"{self.name}: loaded in {self.load_s or 0:.1f} s")
 
-    def run_round(self) -> SystemResult:
+    def run_round(self, label: str = "") -> SystemResult:
         if self.failed is None:
             try:
                 self.proc.stdin.write(b"go\n")
@@ -62,7 +62,7 @@ class HeldPeer:
             if data is not None:
                 res = peer_result(self.name, self.prompts, data, self.dtype, self.probes, self.log)
                 res.extra["held_round"] = self.rounds - 1
-                say(self.opts, f"{self.name}: {res.wall_s:.1f} s (round {self.rounds}, loaded once)")
+                say(self.opts, f"{self.name}: {res.wall_s:.1f} s" + (f" ({label})" if label else ""))
                 return res
         return SystemResult(system=self.name, label=PEERS[self.name].label, skipped=self.failed)
 

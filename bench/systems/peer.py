@@ -170,7 +170,9 @@ def choice_key(peer: str, model_stem: str, opts: BenchOptions, per_shape: bool) 
 def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
                  threads: int, dtype: str | None = None, probe: bool = False) -> dict:
     """The JSON request a runner reads (module docstring). ``probe``: time only a short generate of the first
-    prompts (``probe_s`` in the result) to compare dtypes."""
+    prompts (``probe_s`` in the result) to compare dtypes; otherwise the runner runs the workload once untimed
+    before the timed run (``warm_workload``), as batchgen's engine is warm when timed: vLLM's first run at the
+    workload's shapes took up to 2x its later ones (docs/perf/xeon-amx.md)."""
     w = opts.workload
     ids = [list(p.token_ids) for p in prompts]
     if probe:
@@ -181,7 +183,7 @@ def peer_request(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
             "max_tokens": probe_tokens(opts, PEERS[name].per_shape) if probe else w.output_tokens,
             "threads": threads, "prefix_caching": PEERS[name].prefix_caching, "max_model_len": 4096,
             "cache_size_gb": 4, "max_num_batched_tokens": opts.max_num_batched_tokens, "dtype": dtype,
-            "probe": probe}
+            "probe": probe, "warm_workload": not probe}
 
 
 def parse_result(name: str, prompts: list[BenchPrompt], data: dict) -> SystemResult:
@@ -196,6 +198,7 @@ def parse_result(name: str, prompts: list[BenchPrompt], data: dict) -> SystemRes
                        cached_tokens=sum(cached) if cached else 0, output_tokens=sum(len(o) for o in outs),
                        ttft_s=data.get("ttft_s"), tpot_s=data.get("tpot_s"), outputs=outs)
     res.extra.update(load_s=data.get("load_s"), warmup_s=data.get("warmup_s"), version=data.get("version"),
+                     warm_workload_s=data.get("warm_workload_s"),
                      cached_tokens_reported=cached is not None, note=peer.note, platform=data.get("platform"))
     return res
 
