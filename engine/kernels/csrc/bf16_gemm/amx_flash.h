@@ -7,7 +7,7 @@
  *
  * Arithmetic, per query row r, alone: scores s = q . k in float32 (TDPBF16PS); a reference maximum M_r, raised
  * to a block's maximum only when a score exceeds it by more than FLASH_SLACK (then the output row and the running
- * sum are scaled by exp(M_old - M_new)); p = exp(s - M_r) (exp16_fast), summed in float32 into l_r (16 lanes,
+ * sum are scaled by exp(M_old - M_new)); p = exp(s - M_r) (exp_less16), summed in float32 into l_r (16 lanes,
  * added up at the end) and rounded to bf16 for P.V; out = (P.V) / l_r. Blocks start at multiples of 32 keys from
  * k_start (the caller aligns k_start to an absolute multiple of 32, prefill/driver.h PREFILL_BF16_ALIGN) and a row
  * skips every block it sees no key of, so a query's bits depend on its own query, keys and values only: not on
@@ -130,9 +130,9 @@ static int flash_softmax(flash_tile_t *f, float (*sc)[FLASH_KEYS], int R, int r0
             }
             f->M[r] = mb;
         }
-        const __m512 mr = _mm512_set1_ps(f->M[r]);
-        const __m512 p0 = _mm512_maskz_mov_ps(m0, exp16_fast(_mm512_sub_ps(s0, mr)));
-        const __m512 p1 = _mm512_maskz_mov_ps(m1, exp16_fast(_mm512_sub_ps(s1, mr)));
+        const __m512 ml = _mm512_set1_ps(f->M[r] * LOG2E_F);
+        const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_less16(s0, ml));
+        const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_less16(s1, ml));
         f->L[r] = _mm512_add_ps(f->L[r], _mm512_add_ps(p0, p1));
         _mm512_store_si512(f->pb[r], _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(p0)), to_bf16x16(p1), 1));
     }

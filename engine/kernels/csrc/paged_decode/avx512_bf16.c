@@ -395,10 +395,10 @@ static inline __attribute__((always_inline)) void softmax_accumulate_lanes(
     __m512i pt[8];                  /* a block of 16 tokens (amx_scores_ok): pair k's words, zero past the tokens */
     for (int k = 0; k < 8; k++) pt[k] = _mm512_setzero_si512();
     __m512 sum = _mm512_setzero_ps();
+    const __m512 nml = _mm512_mul_ps(nm, _mm512_set1_ps(LOG2E_F));
     for (int32_t t = 0; t < n; t += 2) {
-        const __m512 p0 = exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + t * 16), nm));
-        const __m512 p1 = t + 1 < n ? exp16_fast(_mm512_sub_ps(_mm512_load_ps(st + (t + 1) * 16), nm))
-                                    : _mm512_setzero_ps();
+        const __m512 p0 = exp_less16(_mm512_load_ps(st + t * 16), nml);
+        const __m512 p1 = t + 1 < n ? exp_less16(_mm512_load_ps(st + (t + 1) * 16), nml) : _mm512_setzero_ps();
         sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
         const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
         const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));

@@ -38,4 +38,30 @@ static inline __m512 exp16_fast(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 2^t on 16 lanes for t up to ~127: t = floor(t) + f with f in [0, 1) (vreducepsv: t less its floor, exact),
+ * 2^f by a degree-5 minimax fit on [0, 1) (relative error 1.6e-7: 20x under exp16_fast's), scaled by 2^floor(t)
+ * in vscalefps, which floors t itself. Seven operations against exp16_fast's ten; t = -inf gives NaN (callers mask
+ * such lanes), t below -149 gives 0. */
+static inline __m512 exp2_16(__m512 t) {
+#ifdef __AVX512DQ__
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+    const __m512 f = _mm512_sub_ps(t, _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#endif
+    __m512 p = _mm512_set1_ps(1.8755869e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.98745e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.583507e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4014717e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931546e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999998e-1f));
+    return _mm512_scalef_ps(p, t);
+}
+
+/* e^(s - m) on 16 lanes given m log2 e (once per row or block): 2^(s log2 e - m log2 e), the subtraction folded
+ * into one FMA (its rounding moves the exponent by at most |m log2 e| x 2^-24) */
+#define LOG2E_F 1.44269504088896341f
+static inline __m512 exp_less16(__m512 s, __m512 m_log2e) {
+    return exp2_16(_mm512_fmsub_ps(s, _mm512_set1_ps(LOG2E_F), m_log2e));
+}
+
 #endif
