@@ -10,6 +10,7 @@ The decode shapes are short (seconds), and a VM's memory bandwidth drifts by ±1
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -132,10 +133,13 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
                                 # roofline, or scaled to the tuner's timed steps of this format (costmodel.predict)
                                 "prediction_basis": (r["extra"].get("prediction") or {}).get("basis")}
     if ours and not ours["skipped"]:
+        row["round_ratios"] = round_ratios(ours, by)
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
-                row["ratios"][name] = round(r["wall_s"] / ours["wall_s"], 3)
-        row["round_ratios"] = round_ratios(ours, by)
+                # rounds paired in the same minutes: the median of their ratios; else the medians' ratio
+                pairs = row["round_ratios"].get(name, [])
+                row["ratios"][name] = (round(statistics.median(pairs), 3) if len(pairs) > 1
+                                       else round(r["wall_s"] / ours["wall_s"], 3))
     return row
 
 

@@ -68,7 +68,8 @@ def test_round_ratios_pair_the_rounds_in_order():
     shape = SweepShape("s", "shared-prefix", dict(n=2, groups=1, prefix_tokens=8, doc_tokens=8, output_tokens=2),
                        ("batchgen", "vllm"))
     row = sweep_row(shape, shape.sizes, merged, 1.0)
-    assert row["ratios"] == {"vllm": 1.25} and row["round_ratios"] == {"vllm": [1.5, 2.5]}
+    # the headline ratio: the median of the paired rounds' (not the medians' ratio, 5.0 / 4.0)
+    assert row["ratios"] == {"vllm": 2.0} and row["round_ratios"] == {"vllm": [1.5, 2.5]}
     assert "- s, vllm / ours: 1.50, 2.50" in format_sweep("m", "cpu", [row])
 
 
