@@ -5,7 +5,8 @@ land minutes from ours (vLLM reloads for 50-75 s), so a round's ratio says as mu
 engines. Here every batchgen variant is loaded and warmed once in this process and every venv peer once in its held
 runner (``bench.systems.held_peer``); then a warm round runs every system once untimed (vLLM's first run at a
 workload's shapes took up to 2x its later ones; batchgen's first does not differ), and each round after times each
-system back to back, ours first in even rounds and the peers first in odd ones, each from an empty prefix cache.
+system back to back, ours first in even rounds and the peers first (in reverse order, so the first peer always runs
+next to ours) in odd ones, each from an empty prefix cache.
 Systems that cannot be held (transformers, llama.cpp) load inside each round as in a single run. Each round is a
 result dict as ``bench.run.run_bench`` returns, so ``bench.sweep.median_result`` takes them as they are.
 """
@@ -92,7 +93,8 @@ def _ours_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
 
 
 def _peers_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
-    for peer in held:
+    # the first peer (vLLM) always next to ours: after it when ours goes first, else last of the peers
+    for peer in held if run.env["round"] % 2 == 0 else held[::-1]:
         run.add(peer.run_round(_label(run)))
 
 

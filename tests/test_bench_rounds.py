@@ -26,9 +26,9 @@ def test_each_system_loads_once_and_the_rounds_interleave(peers, tiny_llama_dir,
     for venv in ("vllm", "openvino"):
         assert len([c for c in _calls(peers, venv) if not c["probe"]]) == 1
         assert (peers / venv / "held_rounds.txt").read_text().split() == ["4"]
-    # ours first in even rounds, the peers first in odd ones
+    # ours first in even rounds, the peers first in odd ones, in reverse
     assert [s["system"] for s in results[0]["systems"]] == ["batchgen", "vllm", "openvino"]
-    assert [s["system"] for s in results[1]["systems"]] == ["vllm", "openvino", "batchgen"]
+    assert [s["system"] for s in results[1]["systems"]] == ["openvino", "vllm", "batchgen"]   # vllm next to ours
     assert [_rows(r)["vllm"]["wall_s"] for r in results] == [3.0, 1.0, 2.0]
     assert [_rows(r)["vllm"]["extra"]["held_round"] for r in results] == [1, 2, 3]
     assert [r["env"]["round"] for r in results] == [0, 1, 2] and all(r["env"]["held"] for r in results)
