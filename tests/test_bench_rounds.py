@@ -103,3 +103,19 @@ def test_the_held_protocol_stops_on_anything_but_go(tmp_path, monkeypatch, bad):
     assert n == 2 and json.loads((tmp_path / "r.json.1").read_text()) == {"k": 2}
     assert json.loads((tmp_path / "r.json.ready").read_text()) == {"load_s": 1}
     assert not (tmp_path / "r.json.2").exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_single_run_warms_the_workload_first(tmp_path):
+    """The runners' one-shot answer: with warm_workload, one untimed run before the timed one (its seconds kept)."""
+    import sys
+    sys.path.insert(0, str(__import__("bench.systems.peer", fromlist=["RUNNERS"]).RUNNERS))
+    try:
+        from held import answer
+    finally:
+        sys.path.pop(0)
+    runs = []
+    answer({"warm_workload": True}, str(tmp_path / "r.json"), {}, lambda: runs.append(1) or {"n": len(runs)})
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert len(runs) == 2 and out["n"] == 2 and out["warm_workload_s"] >= 0
+    answer({}, str(tmp_path / "s.json"), {}, lambda: runs.append(1) or {"n": len(runs)})
+    assert json.loads((tmp_path / "s.json").read_text()) == {"n": 3, "warm_workload_s": None}

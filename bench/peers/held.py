@@ -1,5 +1,6 @@
-"""A peer runner kept loaded across a sweep's rounds (the request's ``held``); standard library only, since the
-runners import it inside the peer venvs (a script's own directory is on its ``sys.path``).
+"""How a peer runner answers its request (``answer``): one timed run, or rounds while it stays loaded (the request's
+``held``); standard library only, since the runners import it inside the peer venvs (a script's own directory is
+on its ``sys.path``).
 
 A held runner loads and warms up once, writes ``RESULT.ready`` (its load and warm-up seconds), then runs one round
 for each ``go`` line on its stdin, writing round k's result to ``RESULT.k``; any other line, or the end of stdin,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Callable
 
 
@@ -31,3 +33,18 @@ def serve_rounds(result_path: str, ready: dict, run_round: Callable[[], dict]) -
         write_whole(f"{result_path}.{k}", run_round())
         k += 1
     return k
+
+
+def answer(req: dict, result_path: str, ready: dict, fresh_round: Callable[[], dict]) -> None:
+    """``fresh_round()`` times the workload from an empty prefix cache and returns the result. Held: rounds on the
+    bench's signal. Otherwise one timed run into ``result_path``, after an untimed one with ``warm_workload`` (a
+    peer's first run at the workload's shapes can take twice its later ones)."""
+    if req.get("held"):
+        serve_rounds(result_path, ready, fresh_round)
+        return
+    warm_s = None
+    if req.get("warm_workload"):
+        t = time.monotonic()
+        fresh_round()
+        warm_s = time.monotonic() - t
+    write_whole(result_path, {**fresh_round(), "warm_workload_s": warm_s})

@@ -73,17 +73,8 @@ def main(request_path: str, result_path: str) -> None:
         llm.reset_prefix_cache()
         return timed()
 
-    if req.get("held"):
-        from held import serve_rounds
-        serve_rounds(result_path, {"load_s": load_s, "warmup_s": warmup_s}, fresh_round)
-        return
-    warm_s = None
-    if req.get("warm_workload"):        # the workload once untimed: its first run compiles for the new shapes
-        t = time.monotonic()
-        fresh_round()
-        warm_s = time.monotonic() - t
-    with open(result_path, "w") as f:
-        json.dump({**fresh_round(), "warm_workload_s": warm_s}, f)
+    from held import answer
+    answer(req, result_path, {"load_s": load_s, "warmup_s": warmup_s}, fresh_round)
 
 
 if __name__ == "__main__":      # NOTE: the guard matters: vLLM starts its engine core in child processes
