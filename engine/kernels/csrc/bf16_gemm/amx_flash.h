@@ -29,9 +29,6 @@
 #define FLASH_KEYS 32       /* keys per block: one A tile of probabilities (16 pairs) */
 #define FLASH_SLACK 8.0f    /* probabilities up to e^8 before the reference maximum moves */
 
-/* 16 float32 -> bf16 (round to nearest even; the probabilities are finite, never subnormal) */
-static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
 /* Visible keys of query position qpos among block keys [jb, jb + 32) (relative to k_start), as a bit mask. */
 static inline uint32_t block_mask(int64_t qpos, int64_t k_start, int64_t window, int64_t jb) {
     int64_t lo = window > 0 ? qpos - window + 1 - k_start : 0, hi = qpos - k_start + 1;   /* [lo, hi) */
@@ -134,7 +131,7 @@ static int flash_softmax(flash_tile_t *f, float (*sc)[FLASH_KEYS], int R, int r0
         const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_less16(s0, ml));
         const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_less16(s1, ml));
         f->L[r] = _mm512_add_ps(f->L[r], _mm512_add_ps(p0, p1));
-        _mm512_store_si512(f->pb[r], _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16x16(p0)), to_bf16x16(p1), 1));
+        _mm512_store_si512(f->pb[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));     /* p0's 16 bf16, then p1's */
     }
     return rescale;
 }

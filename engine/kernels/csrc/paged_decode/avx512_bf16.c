@@ -396,13 +396,15 @@ static inline __attribute__((always_inline)) void softmax_accumulate_lanes(
     for (int k = 0; k < 8; k++) pt[k] = _mm512_setzero_si512();
     __m512 sum = _mm512_setzero_ps();
     const __m512 nml = _mm512_mul_ps(nm, _mm512_set1_ps(LOG2E_F));
+    /* word 2g <- word g (p0's lane g), word 2g + 1 <- word 16 + g (p1's lane g) */
+    const __m512i pair_words = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int32_t t = 0; t < n; t += 2) {
         const __m512 p0 = exp_less16(_mm512_load_ps(st + t * 16), nml);
         const __m512 p1 = t + 1 < n ? exp_less16(_mm512_load_ps(st + (t + 1) * 16), nml) : _mm512_setzero_ps();
         sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-        const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
-        const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
-        pt[t / 2] = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
+        /* both rounded in one instruction (p0's in words 0-15, p1's in 16-31), then each lane's pair interleaved */
+        pt[t / 2] = _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
     const __m512 l = lanes_load(rs, members, G, 1, _mm512_setzero_ps());
     lanes_store(rs, members, G, 1, _mm512_add_ps(_mm512_mul_ps(l, corr), sum));
