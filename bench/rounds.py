@@ -13,6 +13,7 @@ result dict as ``bench.run.run_bench`` returns, so ``bench.sweep.median_result``
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 
@@ -84,9 +85,12 @@ def _ours_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
         llm, warmup_s = loaded
         if not llm.reset_prefix_cache():
             raise RuntimeError(f"{name}: blocks still held after a finished round; its prefix cache cannot be reset")
+        speed = machine_speed()
         res = time_batchgen(opts, llm, run.prompts, name, run.roof_for, warmup_s)
+        res.extra["machine_gflops_before"] = speed
         run.model_info = run.model_info or llm.info.to_dict()
-        say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s ({_label(run)})")
+        say(opts, f"{name}: {res.wall_s:.1f} s, {res.output_tps:.1f} output tok/s ({_label(run)}; machine "
+                  f"{speed:.0f} GFLOP/s before)")
         if res.extra.get("predicted_engine_s"):
             say(opts, f"{name}: {prediction_line(res.extra['predicted_engine_s'], res.wall_s)}")
         run.add(res)
@@ -95,7 +99,23 @@ def _ours_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
 def _peers_round(run: BenchRun, ours: dict, held: list[HeldPeer]) -> None:
     # the first peer (vLLM) always next to ours: after it when ours goes first, else last of the peers
     for peer in held if run.env["round"] % 2 == 0 else held[::-1]:
-        run.add(peer.run_round(_label(run)))
+        speed = machine_speed()
+        res = peer.run_round(f"{_label(run)}; machine {speed:.0f} GFLOP/s before")
+        res.extra["machine_gflops_before"] = speed
+        run.add(res)
+
+
+def machine_speed(n: int = 1024, reps: int = 4) -> float:
+    """This machine's speed just before a timed run, in GFLOP/s of a small matmul in the bench's default dtype (bf16;
+    ~20 ms): a VM's speed moves within minutes (the AMX units' rate 4x on the Xeon), and a pair of rounds whose probes
+    differ widely ran in different conditions. Recorded with each held round's result, never used in a ratio."""
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
 
 
 def _label(run: BenchRun) -> str:
@@ -103,4 +123,4 @@ def _label(run: BenchRun) -> str:
     return "warm round, not counted" if r < 0 else f"round {r + 1} of {run.env['rounds']}, loaded once"
 
 
-__all__ = ["run_rounds"]
+__all__ = ["run_rounds", "machine_speed"]

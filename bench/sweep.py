@@ -114,7 +114,8 @@ def median_result(results: list[dict]) -> dict:
             continue
         systems.append({**ran[(len(ran) - 1) // 2], "runs_s": [round(r["wall_s"], 2) for r in ran],
                         "rounds_s": [None if r["skipped"] or not r["wall_s"] else round(r["wall_s"], 3)
-                                     for r in rounds]})
+                                     for r in rounds],
+                        "rounds_machine_gflops": [r["extra"].get("machine_gflops_before") for r in rounds]})
     return {**results[0], "systems": systems}
 
 
@@ -127,7 +128,9 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
         row["systems"][name] = {"wall_s": r["wall_s"], "label": r["label"], "skipped": r["skipped"],
                                 "dtype": r["extra"].get("dtype"), "platform": r["extra"].get("platform"),
                                 "load_s": r["extra"].get("load_s"), "match_rate": r.get("match_rate"),
-                                "runs_s": r.get("runs_s"),
+                                "runs_s": r.get("runs_s"), "rounds_s": r.get("rounds_s"),
+                                # held rounds: bench.rounds.machine_speed just before each (a VM's speed drifts)
+                                "rounds_machine_gflops": r.get("rounds_machine_gflops"),
                                 "limit": limit_line(r) if not r["skipped"] and r.get("limits") else None,
                                 "predicted_engine_s": r["extra"].get("predicted_engine_s"),
                                 # roofline, or scaled to the tuner's timed steps of this format (costmodel.predict)
@@ -177,8 +180,15 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
         cells.append(_plan_cell(r["systems"].get(r.get("ours"))))
         out.append("| " + " | ".join(cells) + " |")
     skipped = [f"- {r['label']}, {n}: {s['skipped']}" for r in rows for n, s in r["systems"].items() if s["skipped"]]
-    by_round = [f"- {r['label']}, {n} / ours: " + ", ".join(f"{x:.2f}" for x in xs)
-                for r in rows for n, xs in (r.get("round_ratios") or {}).items() if len(xs) > 1]
+    by_round = []
+    for r in rows:
+        lines = [f"- {r['label']}, {n} / ours: " + ", ".join(f"{x:.2f}" for x in xs)
+                 for n, xs in (r.get("round_ratios") or {}).items() if len(xs) > 1]
+        speeds = (r["systems"].get(r.get("ours")) or {}).get("rounds_machine_gflops") or []
+        if lines and any(speeds):
+            lines.append(f"- {r['label']}, the machine just before ours (bf16 matmul GFLOP/s): "
+                         + ", ".join(f"{x:.0f}" if x else "-" for x in speeds))
+        by_round += lines
     limits = [f"- {r['label']}: {s['limit']}" for r in rows for s in r["systems"].values() if s.get("limit")]
     return "\n".join(out + ([""] + skipped if skipped else [])
                      + (["", "Round by round (each system loaded once, the rounds interleaved):"] + by_round

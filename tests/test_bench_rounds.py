@@ -33,6 +33,8 @@ def test_each_system_loads_once_and_the_rounds_interleave(peers, tiny_llama_dir,
     assert [_rows(r)["vllm"]["extra"]["held_round"] for r in results] == [1, 2, 3]
     assert [r["env"]["round"] for r in results] == [0, 1, 2] and all(r["env"]["held"] for r in results)
     assert results[0]["env"]["warm_round_s"]["vllm"] == 9.0 and results[0]["env"]["warm_round_s"]["batchgen"] > 0
+    # the machine's speed just before each timed run, kept with it
+    assert all(s["extra"]["machine_gflops_before"] > 0 for r in results for s in r["systems"])
     ours = [_rows(r)["batchgen"] for r in results]
     assert all(not s["skipped"] for r in results for s in r["systems"])
     # the same prefix hits every round: the cache emptied before each, not carried over
@@ -82,6 +84,8 @@ def test_a_sweep_with_rounds_holds_its_systems(peers, tiny_llama_dir, monkeypatc
     rows = run_sweep(opts, 0.5e9, shapes=(shape,), peers=("vllm-nocache",))
     row = rows[0]
     assert row["systems"]["vllm-nocache"]["runs_s"] == [2.0, 2.0]
+    assert len(row["systems"]["vllm-nocache"]["rounds_machine_gflops"]) == 2
+    assert "- cache off, the machine just before ours (bf16 matmul GFLOP/s): " in format_sweep("m", "cpu", rows)
     assert len(row["round_ratios"]["vllm-nocache"]) == 2
     assert (peers / "vllm" / "held_rounds.txt").read_text().split() == ["3"]       # vllm-nocache: vLLM's venv
     assert len([c for c in _calls(peers) if not c["probe"]]) == 1
