@@ -1,14 +1,15 @@
 """Rounds of one workload with each system loaded once (``batchgen bench --size-sweep --sweep-rounds R``).
 
 A VM's speed can move 2-4x within minutes. Run one system after another, each loading first, and a peer's rounds
-land minutes from ours (vLLM reloads for 50-75 s), so a round's ratio says as much about the minutes as about the
+land minutes from ours (vLLM reloads for 50-90 s), so a round's ratio says as much about the minutes as about the
 engines. Here every batchgen variant is loaded and warmed once in this process and every venv peer once in its held
 runner (``bench.systems.held_peer``); then a warm round runs every system once untimed (vLLM's first run at a
 workload's shapes took up to 2x its later ones; batchgen's first does not differ), and each round after times each
 system back to back, ours first in even rounds and the peers first (in reverse order, so the first peer always runs
-next to ours) in odd ones, each from an empty prefix cache.
-Systems that cannot be held (transformers, llama.cpp) load inside each round as in a single run. Each round is a
-result dict as ``bench.run.run_bench`` returns, so ``bench.sweep.median_result`` takes them as they are.
+next to ours) in odd ones, each from an empty prefix cache, the machine's speed measured just before each timed run
+(``machine_speed``). Systems that cannot be held (transformers, llama.cpp) load inside each round as in a single
+run. Each round is a result dict as ``bench.run.run_bench`` returns, so ``bench.sweep.median_result`` takes them as
+they are.
 """
 from __future__ import annotations
 

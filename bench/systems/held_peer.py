@@ -31,6 +31,7 @@ class HeldPeer:
         self.failed: str | None = None
         self.rounds = 0
         self.dtype, self.probes = None, {}
+        self.load_s: float | None = None
         self._tmp = None
 
     def start(self) -> None:
