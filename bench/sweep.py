@@ -136,6 +136,7 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
                                 # roofline, or scaled to the tuner's timed steps of this format (costmodel.predict)
                                 "prediction_basis": (r["extra"].get("prediction") or {}).get("basis")}
     if ours and not ours["skipped"]:
+        row["round_pairs"] = _round_pairs(ours, by)
         row["round_ratios"] = round_ratios(ours, by)
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
@@ -149,13 +150,27 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
 def round_ratios(ours: dict, by: dict) -> dict:
     """Each peer's seconds over ours round by round (the rounds both ran), in round order: with the systems held
     loaded and interleaved (bench.rounds) each pair ran in the same minutes."""
+    return {name: [p for p, _ in pairs] for name, pairs in _round_pairs(ours, by).items()}
+
+
+# A pair of rounds whose machine probes (bench.rounds.machine_speed) differ by more than this ran in different
+# conditions: marked * under the table.
+PROBE_SPREAD = 0.25
+
+
+def _round_pairs(ours: dict, by: dict) -> dict:
+    """Per peer, (ratio, whether the machine probes before the two runs differ by more than PROBE_SPREAD) for each
+    round both ran."""
     mine = ours.get("rounds_s") or []
+    my_speed = ours.get("rounds_machine_gflops") or [None] * len(mine)
     out = {}
     for name, r in by.items():
         theirs = r.get("rounds_s") or []
         if r is ours or not theirs:
             continue
-        pairs = [round(t / m, 3) for m, t in zip(mine, theirs) if m and t]
+        speed = r.get("rounds_machine_gflops") or [None] * len(theirs)
+        pairs = [(round(t / m, 3), bool(a and b and abs(a - b) > PROBE_SPREAD * min(a, b)))
+                 for m, t, a, b in zip(mine, theirs, my_speed, speed) if m and t]
         if pairs:
             out[name] = pairs
     return out
@@ -182,12 +197,13 @@ def format_sweep(model: str, cpu: str, rows: list[dict]) -> str:
     skipped = [f"- {r['label']}, {n}: {s['skipped']}" for r in rows for n, s in r["systems"].items() if s["skipped"]]
     by_round = []
     for r in rows:
-        lines = [f"- {r['label']}, {n} / ours: " + ", ".join(f"{x:.2f}" for x in xs)
-                 for n, xs in (r.get("round_ratios") or {}).items() if len(xs) > 1]
+        lines = [f"- {r['label']}, {n} / ours: " + ", ".join(f"{x:.2f}" + "*" * apart for x, apart in xs)
+                 for n, xs in (r.get("round_pairs") or {}).items() if len(xs) > 1]
         speeds = (r["systems"].get(r.get("ours")) or {}).get("rounds_machine_gflops") or []
         if lines and any(speeds):
             lines.append(f"- {r['label']}, the machine just before ours (bf16 matmul GFLOP/s): "
-                         + ", ".join(f"{x:.0f}" if x else "-" for x in speeds))
+                         + ", ".join(f"{x:.0f}" if x else "-" for x in speeds)
+                         + f" (* a pair whose probes differ by over {PROBE_SPREAD:.0%})")
         by_round += lines
     limits = [f"- {r['label']}: {s['limit']}" for r in rows for s in r["systems"].values() if s.get("limit")]
     return "\n".join(out + ([""] + skipped if skipped else [])

@@ -57,12 +57,14 @@ def test_a_held_peer_that_fails_is_a_skipped_row_in_every_round_it_missed(peers,
 
 
 def test_round_ratios_pair_the_rounds_in_order():
-    def result(ours, vllm):
-        return {"systems": [{"system": "batchgen", "wall_s": ours, "skipped": None, "label": "batchgen", "extra": {}},
+    def result(ours, vllm, probes=(900.0, 900.0)):
+        return {"systems": [{"system": "batchgen", "wall_s": ours, "skipped": None, "label": "batchgen",
+                             "extra": {"machine_gflops_before": probes[0]}},
                             {"system": "vllm", "wall_s": vllm, "skipped": None if vllm else "failed",
-                             "label": "vllm", "extra": {}}]}
+                             "label": "vllm", "extra": {"machine_gflops_before": probes[1]}}]}
 
-    merged = median_result([result(4.0, 6.0), result(2.0, 5.0), result(5.0, None)])
+    # the second round's two runs saw the machine at 900 and 600 GFLOP/s: marked
+    merged = median_result([result(4.0, 6.0), result(2.0, 5.0, (900.0, 600.0)), result(5.0, None)])
     by = {s["system"]: s for s in merged["systems"]}
     assert by["batchgen"]["wall_s"] == 4.0 and by["batchgen"]["rounds_s"] == [4.0, 2.0, 5.0]
     assert by["vllm"]["wall_s"] == 5.0 and by["vllm"]["rounds_s"] == [6.0, 5.0, None]
@@ -72,7 +74,9 @@ def test_round_ratios_pair_the_rounds_in_order():
     row = sweep_row(shape, shape.sizes, merged, 1.0)
     # the headline ratio: the median of the paired rounds' (not the medians' ratio, 5.0 / 4.0)
     assert row["ratios"] == {"vllm": 2.0} and row["round_ratios"] == {"vllm": [1.5, 2.5]}
-    assert "- s, vllm / ours: 1.50, 2.50" in format_sweep("m", "cpu", [row])
+    table = format_sweep("m", "cpu", [row])
+    assert "- s, vllm / ours: 1.50, 2.50*\n" in table
+    assert "- s, the machine just before ours (bf16 matmul GFLOP/s): 900, 900, 900 (* a pair whose" in table
 
 
 def test_a_sweep_with_rounds_holds_its_systems(peers, tiny_llama_dir, monkeypatch):  # noqa: F811
