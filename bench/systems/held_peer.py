@@ -1,6 +1,6 @@
 """A venv peer kept loaded across a sweep's rounds: its runner started once in held mode (bench/peers/held.py),
 then one timed round each time the bench asks, so the rounds of every system interleave within the same minutes
-instead of minutes apart behind a peer's reload (vLLM's takes 50-75 s)."""
+instead of minutes apart behind a peer's reload (vLLM's takes 50-90 s)."""
 from __future__ import annotations
 
 import json

@@ -24,9 +24,10 @@ static inline float vf_hsum(vf v) { return _mm512_reduce_add_ps(v); }
 /* e^x on 16 lanes for x in [-87, 9]: 2^(x log2 e) as a degree-5 polynomial in the fraction (relative error
  * ~3e-6, under the bf16 rounding of the probabilities it feeds: AMX attention, prefill and decode) scaled by 2^n
  * (vscalefps); x below -87 gives e^-87. */
+#define LOG2E_F 1.44269504088896341f    /* log2(e): e^x = 2^(x log2 e) */
 static inline __m512 exp16_fast(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(LOG2E_F));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
     __m512 p = _mm512_set1_ps(1.3333558146e-3f);
@@ -59,7 +60,6 @@ static inline __m512 exp2_16(__m512 t) {
 
 /* e^(s - m) on 16 lanes given m log2 e (once per row or block): 2^(s log2 e - m log2 e), the subtraction folded
  * into one FMA (its rounding moves the exponent by at most |m log2 e| x 2^-24) */
-#define LOG2E_F 1.44269504088896341f
 static inline __m512 exp_less16(__m512 s, __m512 m_log2e) {
     return exp2_16(_mm512_fmsub_ps(s, _mm512_set1_ps(LOG2E_F), m_log2e));
 }
