@@ -12,13 +12,14 @@
  * same tile instructions wherever it sits (rows padded to 16 with zeros, K padded to 32 by the packing), and each
  * output's sum runs over K in the same order for every call.
  *
- * Work: x's rows are packed as bf16 A tiles in passes of up to AMX_PROMPT_PASS_BYTES (each tile's 1 KB contiguous,
- * so a block's k-steps are one sequential stream), a long K in chunks of AMX_PROMPT_KSTEPS k-steps. A thread takes
+ * Work: x's rows in passes of up to AMX_PROMPT_PASS_BYTES, a long K in chunks of AMX_PROMPT_KSTEPS k-steps; bf16
+ * rows with K a multiple of 32 are the A tiles in place (16 rows at x's stride: measured 1.05-1.08x over a copy),
+ * other rows are packed as bf16 A tiles (each tile's 1 KB contiguous, a block's k-steps one sequential stream). A thread takes
  * whole 32-column pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of one pass over all of
  * K as it comes, into its thread's panel; otherwise all pairs once, first thing), then runs every 32-row block of
  * the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles, stored between
  * K chunks and loaded back (exact). Each output's sum runs over K in the same order however the rows and K are cut.
- * bf16 rows are packed by every thread into its own copy; a block's stores overlap the next block's products
+ * Packed bf16 rows: every thread packs its own copy; a block's stores overlap the next block's products
  * (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
 #ifndef BATCHGEN_QLINEAR_AMX_PROMPT_H
 #define BATCHGEN_QLINEAR_AMX_PROMPT_H
@@ -192,17 +193,29 @@ static const uint16_t *own_rows(const void *x, int M, int K, int ldx, int m0, in
     return xa;
 }
 
-/* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (xa packed from s0): each
+/* Where a pass's A tiles are read from: 32-row block b's tile h (0: rows 0-15, 1: rows 16-31) at k-step s of the chunk
+ * starts at base + b * block + s * step + h * half, its 16 rows `stride` bytes apart. Packed rows (pack_rows): 1 KB
+ * tiles one after another; bf16 x read in place: x's own rows. A pass's last block past M (tail, or NULL) is packed. */
+typedef struct {
+    const uint16_t *base, *tail;
+    size_t block, step, half;
+    int stride;
+} arows_t;
+
+static arows_t packed_rows(const uint16_t *xa, int sc) { return (arows_t){xa, NULL, (size_t)sc * 1024, 1024, 512, 64}; }
+
+/* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (rows from A): each
  * block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024 floats a block), and end in
  * `part` or, after the last chunk, in y (amx_store_rows). A plain block's stores run while the next block's tile
  * products do (a few rows after each k-step, so their cache misses overlap the products), from one of two sums
  * buffers; a GLU block's run at once (interleaved they measured slower). Each output's bits are the same either way. */
-static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
+static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
                         float *part, int M, int m0, int np, int ncols, void *y, int ldy, int out, int glu) {
     float acc[2][32][32] __attribute__((aligned(64)));
     pending_t pend = {acc[1], 0, 0, 0};
     const int per_step = (32 + sc - 1) / sc;   /* rows of the previous block stored after each k-step */
-    for (int b = 0; b < rows / 32; b++) {
+    const int nblocks = rows / 32;
+    for (int b = 0; b < nblocks; b++) {
         float *sums = part ? part + (size_t)b * 1024 : NULL;    /* K in chunks only */
         const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
         if (first) {
@@ -217,10 +230,12 @@ static void pair_blocks(const uint16_t *xa, const uint32_t *panel, int rows, int
             _tile_loadd(7, sums + 768, 64);
         }
         if (last && !glu && R > 0) prefetch_out(y, R, m, np, ldy, out);
-        const uint16_t *a = xa + (size_t)b * sc * 1024;
+        const int tail = A->tail && b == nblocks - 1;
+        const arows_t T = tail ? packed_rows(A->tail, sc) : *A;
+        const uint16_t *a = tail ? T.base : A->base + (size_t)b * A->block;
         for (int s = 0; s < sc; s++) {
-            _tile_loadd(0, a + (size_t)s * 1024, 64);
-            _tile_loadd(1, a + (size_t)s * 1024 + 512, 64);
+            _tile_loadd(0, a + (size_t)s * T.step, T.stride);
+            _tile_loadd(1, a + (size_t)s * T.step + T.half, T.stride);
             _tile_loadd(2, panel + (size_t)(s0 + s) * 512, 64);
             _tile_loadd(3, panel + (size_t)(s0 + s) * 512 + 256, 64);
             _tile_dpbf16ps(4, 0, 2);
@@ -266,19 +281,31 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
     uint32_t *panels = shared ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
     /* K in chunks: each 32 x 32 block's partial sums between chunks (a tile stored and loaded back: exact) */
     float *spill = nk > 1 ? (float *)aligned_alloc(64, (size_t)npair * pass_rows * 32 * 4) : NULL;
-    /* bf16 rows: every thread packs its own copy (a plain copy), then reads it from its own L2 instead of half of it
-     * from the other core's; float32 rows are packed once, by all threads (converting twice measured slower) */
-    const int copies = is_bf16 ? nt : 1;
+    /* bf16 rows with K a multiple of 32 are read in place (x's rows as the A tiles' rows; a pass's last block past
+     * M packed, zeros past M). Other bf16 rows: every thread packs its own copy, then reads it from its own L2 instead
+     * of half of it from the other core's; float32 rows are packed once, by all threads (converting twice measured
+     * slower) */
+    const int direct = is_bf16 && K == Kp, copies = direct ? 0 : is_bf16 ? nt : 1;
     const size_t xa_words = (size_t)pass_rows * SC * 32;
-    uint16_t *xas = (uint16_t *)aligned_alloc(64, (size_t)copies * xa_words * 2);
+    uint16_t *xas = copies ? (uint16_t *)aligned_alloc(64, (size_t)copies * xa_words * 2) : NULL;
+    uint16_t *xt = direct && M % 32 ? (uint16_t *)aligned_alloc(64, (size_t)SC * 1024 * 2) : NULL;
     for (int m0 = 0; m0 < Mp; m0 += pass_rows) {
         const int rows = Mp - m0 < pass_rows ? Mp - m0 : pass_rows;
         for (int kc = 0; kc < nk; kc++) {
             const int s0 = kc * SC, sc = S - s0 < SC ? S - s0 : SC, last = kc == nk - 1;
-            if (copies == 1) pack_rows(x, is_bf16, M, K, ldx, m0, rows, s0, sc, xas, nt);
+            arows_t rows_of = packed_rows(xas, sc);
+            if (direct) {
+                const int tail = xt && m0 + rows > M;
+                if (tail) pack_rows(x, 1, M, K, ldx, m0 + rows - 32, 32, s0, sc, xt, 1);
+                rows_of = (arows_t){(const uint16_t *)x + (size_t)m0 * ldx + (size_t)s0 * 32, tail ? xt : NULL,
+                                    (size_t)32 * ldx, 32, (size_t)16 * ldx, ldx * 2};
+            } else if (copies == 1) {
+                pack_rows(x, is_bf16, M, K, ldx, m0, rows, s0, sc, xas, nt);
+            }
 #pragma omp parallel num_threads(nt)
             {
-                const uint16_t *xa = copies > 1 ? own_rows(x, M, K, ldx, m0, rows, s0, sc, xas, xa_words) : xas;
+                const arows_t A = copies > 1 ? packed_rows(own_rows(x, M, K, ldx, m0, rows, s0, sc, xas, xa_words), sc)
+                                             : rows_of;
                 uint32_t *own = panels ? NULL : (uint32_t *)aligned_alloc(64, panel_words * 4);
                 amx_prompt_begin();
 #pragma omp for schedule(static)
@@ -287,7 +314,7 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
                     if (!panels || (m0 == 0 && kc == 0))
                         dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, panel);
                     const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
-                    pair_blocks(xa, panel, rows, s0, sc, kc == 0, last,
+                    pair_blocks(&A, panel, rows, s0, sc, kc == 0, last,
                                 spill ? spill + (size_t)np * (rows / 32) * 1024 : NULL, M, m0, np, ncols, y, ldy,
                                 out, glu);
                 }
@@ -296,6 +323,7 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
             }
         }
     }
+    free(xt);
     free(xas);
     free(panels);
     free(spill);
