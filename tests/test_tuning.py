@@ -51,6 +51,22 @@ def test_the_choice_flips_when_a_candidate_timing_flips():
     assert _choose({F32: 2.0, BF16: 1.0}) == BF16
 
 
+def test_a_smaller_kv_cache_is_kept_within_the_margin():
+    """Formats that differ only in the KV cache's dtype: within KV_MARGIN the smaller cache is kept (the probe's short
+    contexts cannot tell them apart; real prompt lengths can), beyond it the faster one; formats that differ in
+    their weights or activations too: the faster one, however close."""
+    kv32, kv16 = "int8/float32/kv-float32", "int8/float32/kv-bfloat16"
+    assert _choose({kv32: 1.0, kv16: 1.05}) == kv16
+    assert _choose({kv32: 1.0, kv16: 1.0 + 2 * probe.KV_MARGIN}) == kv32
+    assert _choose({kv16: 1.0, kv32: 0.99, F32_KV16: 1.5}) == kv16
+    assert _choose({F32: 1.0, BF16: 1.05}) == F32
+    clock = FakeClock()
+    m = probe.measure(_tasks(clock, {kv32: 1.0, kv16: 1.05}, SHAPES), clock, budget_s=1e9)
+    d = decision.decide({}, [Format("int8", "float32", "float32"), Format("int8", "float32", "bfloat16")], {},
+                        SHAPES, m, Format("int8", "float32", "float32"), 2)
+    assert d.format.name == kv16 and f"within 10% of {kv32} with a smaller KV cache" in d.reason
+
+
 def test_the_probe_stops_at_its_budget_under_an_injected_clock():
     clock, ran = FakeClock(), []
     m = probe.measure(_tasks(clock, {F32: 1.0, BF16: 1.0}, SHAPES, ran), clock, budget_s=15.0)

@@ -39,8 +39,9 @@ from engine.tuning.candidates import Format, KernelFacts, family_options, format
 
 log = logging.getLogger("batchgen.engine")
 
-FORMAT = 5        # 2: the attention family joined the measured kernel families; 3: the linears family;
-# 4: int8 weights a candidate for float checkpoints too; 5: the int8_prompts family (AMX-BF16 prompt rows)
+FORMAT = 6        # 2: the attention family joined the measured kernel families; 3: the linears family;
+# 4: int8 weights a candidate for float checkpoints too; 5: the int8_prompts family (AMX-BF16 prompt rows);
+# 6: a smaller KV cache kept within probe.KV_MARGIN
 # (decisions measured without a change are measured again)
 REQUESTED = PINNABLE          # the fields the tuner decides where they are auto (engine.config)
 _FIELD_TYPES = {"key": (dict,), "choice": (dict,), "reason": (str,), "candidates": (list,), "kernels": (dict,),
@@ -189,7 +190,11 @@ def decide(fields: dict, formats: list[Format], families: dict[Format, dict], sh
                            f"{' (dropped)' if f.name in m.pruned else ''}"
                            for f in sorted(scores, key=ratio) if f != best)
         also = " (the table's choice too)" if best == table else ""
-        reason = (f"{best.name}{also} fastest of {len(formats)} formats within the quality bar"
+        top = min((f for f in scores if f.name not in m.pruned), key=scores.get)
+        what = (f"fastest of {len(formats)} formats" if top == best else
+                f"within {probe.KV_MARGIN:.0%} of {top.name} with a smaller KV cache (the probe's contexts are "
+                f"short; at real prompt lengths the cache's bytes count), of {len(formats)} formats")
+        reason = (f"{best.name}{also} {what} within the quality bar"
                   + (f" (the others' time: {others})" if others else ""))
     kernels, chosen = {}, {}
     for family, impls in families.get(best, {}).items():
