@@ -169,7 +169,7 @@ def format_scores(formats: list[Format], shapes: list[Shape], m: Measurement) ->
 # KV cache dtype while it scores within this margin of it: the probe's contexts are short (decode rows over
 # DECODE_CONTEXT tokens, a prefill from an empty cache), where the cache's bytes hardly count and two KV dtypes time
 # within the noise, while at real prompts' lengths they set the formats apart (Qwen2.5-0.5B on the AMX Xeon: the
-# probe put kv-float32 2 % ahead, and on 1,900-token prompts it ran 1.08-1.38x slower than kv-bfloat16, whose cache
+# probe put kv-float32 2 % ahead, and on 1,900-token prompts it ran 1.13-1.65x slower than kv-bfloat16, whose cache
 # the AMX attention kernels read; docs/perf/xeon-amx.md). The smaller cache also holds twice the tokens.
 KV_MARGIN = 0.10
 KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
