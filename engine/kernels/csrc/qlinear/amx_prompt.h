@@ -12,15 +12,15 @@
  * same tile instructions wherever it sits (rows padded to 16 with zeros, K padded to 32 by the packing), and each
  * output's sum runs over K in the same order for every call.
  *
- * Work: x's rows in passes of up to AMX_PROMPT_PASS_BYTES, a long K in chunks of AMX_PROMPT_KSTEPS k-steps; bf16
- * rows with K a multiple of 32 are the A tiles in place (16 rows at x's stride: measured 1.05-1.08x over a copy),
- * other rows are packed as bf16 A tiles (each tile's 1 KB contiguous, a block's k-steps one sequential stream). A thread takes
- * whole 32-column pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of one pass over all of
- * K as it comes, into its thread's panel; otherwise all pairs once, first thing), then runs every 32-row block of
- * the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles, stored between
- * K chunks and loaded back (exact). Each output's sum runs over K in the same order however the rows and K are cut.
- * Packed bf16 rows: every thread packs its own copy; a block's stores overlap the next block's products
- * (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
+ * Work: x's rows in passes of up to AMX_PROMPT_PASS_BYTES, a long K in chunks of AMX_PROMPT_KSTEPS k-steps; bf16 rows
+ * with K a multiple of 32 are the A tiles in place (16 rows at x's stride; against a copy per pass, chunk and thread:
+ * 1.02-1.05x, the VM's noise level), other rows are packed as bf16 A tiles (each tile's 1 KB contiguous, a block's
+ * k-steps one sequential stream). A thread takes whole 32-column pairs; per pair it dequantizes the pair into a panel
+ * of B tiles (in a call of one pass over all of K as it comes, into its thread's panel; otherwise all pairs once,
+ * first thing), then runs every 32-row block of the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16
+ * pairs x 16 columns), 4 C tiles, stored between K chunks and loaded back (exact). Each output's sum runs over K in
+ * the same order however the rows and K are cut. Packed bf16 rows: every thread packs its own copy; a block's stores
+ * overlap the next block's products (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
 #ifndef BATCHGEN_QLINEAR_AMX_PROMPT_H
 #define BATCHGEN_QLINEAR_AMX_PROMPT_H
 
@@ -202,7 +202,9 @@ typedef struct {
     int stride;
 } arows_t;
 
-static arows_t packed_rows(const uint16_t *xa, int sc) { return (arows_t){xa, NULL, (size_t)sc * 1024, 1024, 512, 64}; }
+static arows_t packed_rows(const uint16_t *xa, int sc) {
+    return (arows_t){xa, NULL, (size_t)sc * 1024, 1024, 512, 64};
+}
 
 /* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (rows from A): each
  * block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024 floats a block), and end in
