@@ -20,7 +20,7 @@ import engine.quant.int8_kv as int8_kv
 from engine.attention.backend import AttentionBackend
 from engine.attention.selector import get_backend
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.dtype_policy import DTYPES, DtypeChoice, log_choice
+from engine.dtype_policy import KV_DTYPES, DtypeChoice, log_choice
 from engine.errors import ConfigError
 from engine.interface import EngineInfo
 from engine.loader import ModelSource, load_model_config, resolve_model
@@ -33,7 +33,6 @@ from engine.tuning.format_decision import FormatDecision, decide_format
 log = logging.getLogger("batchgen.engine")
 
 # kv_cache_dtype -> the pool's torch dtype (int8: engine.quant.int8_kv's byte layout)
-KV_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 @dataclass(frozen=True)

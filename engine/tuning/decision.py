@@ -190,7 +190,7 @@ def decide(fields: dict, formats: list[Format], families: dict[Format, dict], sh
                            f"{' (dropped)' if f.name in m.pruned else ''}"
                            for f in sorted(scores, key=ratio) if f != best)
         also = " (the table's choice too)" if best == table else ""
-        top = min((f for f in scores if f.name not in m.pruned), key=scores.get)
+        top = probe.best_scored(scores, m)
         what = (f"fastest of {len(formats)} formats" if top == best else
                 f"within {probe.KV_MARGIN:.0%} of {top.name} with a smaller KV cache (the probe's contexts are "
                 f"short; at real prompt lengths the cache's bytes count), of {len(formats)} formats")

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from engine.dtype_policy import DTYPES
+from engine.dtype_policy import DTYPES, KV_DTYPES
 from engine.tuning.candidates import Format
 
 BUDGET_S = 15.0
@@ -172,17 +172,23 @@ def format_scores(formats: list[Format], shapes: list[Shape], m: Measurement) ->
 # probe put kv-float32 2 % ahead, and on 1,900-token prompts it ran 1.13-1.65x slower than kv-bfloat16, whose cache
 # the AMX attention kernels read; docs/perf/xeon-amx.md). The smaller cache also holds twice the tokens.
 KV_MARGIN = 0.10
-KV_VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def best_scored(scores: dict[Format, float], m: Measurement) -> Format:
+    """The best-scored format that was not dropped."""
+    return min((f for f in scores if f.name not in m.pruned), key=scores.get)
 
 
 def fastest(scores: dict[Format, float], m: Measurement) -> Format:
-    """The best-scored format that was not dropped, or one like it with a smaller KV cache within ``KV_MARGIN``."""
-    live = [f for f in scores if f.name not in m.pruned]
-    best = min(live, key=scores.get)
-    smaller = [f for f in live if (f.quantization, f.dtype) == (best.quantization, best.dtype)
-               and KV_VALUE_BYTES.get(f.kv_cache_dtype, 4) < KV_VALUE_BYTES.get(best.kv_cache_dtype, 4)
-               and scores[f] <= scores[best] * (1 + KV_MARGIN)]
-    return min(smaller, key=lambda f: (KV_VALUE_BYTES.get(f.kv_cache_dtype, 4), scores[f])) if smaller else best
+    """``best_scored``, or one like it with a smaller KV cache within ``KV_MARGIN``."""
+    best = best_scored(scores, m)
+
+    def kv_bytes(f: Format) -> int:
+        return KV_DTYPES[f.kv_cache_dtype].itemsize
+    smaller = [f for f in scores if f.name not in m.pruned
+               and (f.quantization, f.dtype) == (best.quantization, best.dtype)
+               and kv_bytes(f) < kv_bytes(best) and scores[f] <= scores[best] * (1 + KV_MARGIN)]
+    return min(smaller, key=lambda f: (kv_bytes(f), scores[f])) if smaller else best
 
 
 def _slow(formats: list[Format], shapes: list[Shape], ratio: float = PRUNE_RATIO
@@ -241,7 +247,7 @@ def format_tasks(fmt: Format, model, mcfg, shapes: list[Shape], block_size: int,
     per_row = -(-(ctx + 1) // block_size)
     prefill = max((s.rows for s in shapes if s.kind == "prefill"), default=1)
     blocks = max(-(-prefill // block_size), -(-POOL_TOKENS // block_size), per_row) + 1
-    kv_dtype = torch.int8 if fmt.kv_cache_dtype == "int8" else DTYPES[fmt.kv_cache_dtype]
+    kv_dtype = KV_DTYPES[fmt.kv_cache_dtype]
     runner = ModelRunner(model, blocks, block_size, kv_dtype, torch.device("cpu"), backend)
     for pool in (p for kv in runner.kv_caches for p in kv):       # real pages with real values, not zero pages
         _fill(pool)

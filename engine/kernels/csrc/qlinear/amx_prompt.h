@@ -234,7 +234,7 @@ static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s
         if (last && !glu && R > 0) prefetch_out(y, R, m, np, ldy, out);
         const int tail = A->tail && b == nblocks - 1;
         const arows_t T = tail ? packed_rows(A->tail, sc) : *A;
-        const uint16_t *a = tail ? T.base : A->base + (size_t)b * A->block;
+        const uint16_t *a = tail ? A->tail : A->base + (size_t)b * A->block;
         for (int s = 0; s < sc; s++) {
             _tile_loadd(0, a + (size_t)s * T.step, T.stride);
             _tile_loadd(1, a + (size_t)s * T.step + T.half, T.stride);
