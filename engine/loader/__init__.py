@@ -6,9 +6,14 @@ to tensors in the engine dtype, whatever the file format; the models keep HF nam
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from engine.loader.resolve import ModelSource, resolve_model
 from engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
@@ -18,15 +23,19 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf_dir(source.path)
 
 
-def load_weights(source: ModelSource, config: ModelConfig, dtype, device="cpu") -> dict:
+def load_weights(source: ModelSource, config: ModelConfig, dtype, device="cpu") -> Mapping[str, torch.Tensor]:
+    """HF-named tensors in ``dtype``: read (dummy: made) one at a time as they are asked for, except a GGUF
+    file's (dequantized at once)."""
     if source.kind == "dummy":
-        from engine.loader.dummy import dummy_weights
-        return {k: v.to(device) for k, v in dummy_weights(config, dtype).items()}
+        from engine.loader.dummy import lazy_dummy_weights
+        from engine.loader.lazy_weights import LazyWeights
+        made = lazy_dummy_weights(config, dtype)
+        return made if str(device) == "cpu" else LazyWeights(made, lambda name: made[name].to(device))
     if source.kind == "gguf":
         from engine.loader.gguf_loader import load_gguf_weights
         return load_gguf_weights(source.path, config, dtype, device)
-    from engine.loader.safetensors_loader import load_safetensors_weights
-    return load_safetensors_weights(source.path, dtype, device)
+    from engine.loader.safetensors_loader import lazy_safetensors_weights
+    return lazy_safetensors_weights(source.path, dtype, device)
 
 
 def load_model(source: ModelSource, config: ModelConfig, dtype, device="cpu", identity: str | None = None,
@@ -53,15 +62,17 @@ def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identit
     cached like the float one (its own cache entry), for GGUF and checkpoint directories alike.
     """
     from engine.loader import weights_cache
+    from engine.loader.int8_build import build_int8
     from engine.loader.resolve import model_identity
     from engine.models import build_model, build_model_from_state
 
     int8 = quantization == "int8"
     cached = weights_cache.enabled() and (source.kind == "gguf" or int8)
     if not cached:
-        model = build_model(config, load_weights(source, config, dtype, device), dtype, device,
-                            source=str(source.path))
-        return (_quantize(model, source, config) if int8 else model), "direct"
+        if int8:
+            return _to(build_int8(config, load_weights(source, config, dtype, "cpu"), dtype, source), device), "direct"
+        return build_model(config, load_weights(source, config, dtype, device), dtype, device,
+                           source=str(source.path)), "direct"
     path = weights_cache.cache_path(identity or model_identity(source), dtype, "int8" if int8 else "")
     state = weights_cache.load(path)
     if state is not None:
@@ -71,34 +82,16 @@ def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identit
             path.unlink(missing_ok=True)
             logging.getLogger("batchgen.engine").warning("weights cache %s does not fit the model (%s); "
                                                          "rebuilding it", path, str(e)[:200])
-    model = build_model(config, load_weights(source, config, dtype, "cpu"), dtype, "cpu", source=str(source.path))
-    if int8:
-        model = _quantize(model, source, config)
+    weights = load_weights(source, config, dtype, "cpu")
+    model = (build_int8(config, weights, dtype, source) if int8
+             else build_model(config, weights, dtype, "cpu", source=str(source.path)))
+    del weights
     weights_cache.store(path, model.state_dict())
-    if str(device) != "cpu":
-        model = model.to(device)
-    return model, "converted"
+    return _to(model, device), "converted"
 
 
-def _quantize(model, source: ModelSource, config: ModelConfig):
-    """int8 in place: a GGUF file's Q8_0 / Q5_0 / Q4_0 tensors exactly as stored, the rest (Q4_K, Q6_K, float)
-    quantized from their float values."""
-    from engine.models.layers import STACKED_PARAMS, stacked_rows
-    from engine.quant.int8 import quantize_model
-
-    direct = {}
-    if source.kind == "gguf":
-        from engine.loader.gguf_loader import gguf_int8_weights
-        direct = gguf_int8_weights(source.path, config)
-    rows = stacked_rows(config)
-    # The fusion the model does at load (layers.STACKED_PARAMS), shard by shard in index order.
-    block = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
-    shards: dict[str, list[tuple[str, int]]] = {}
-    for i in range(config.num_hidden_layers):
-        for fused, hf, _ in sorted(STACKED_PARAMS, key=lambda t: t[2]):
-            prefix = f"model.layers.{i}.{block[fused]}"
-            shards.setdefault(f"{prefix}.{fused}.weight", []).append((f"{prefix}.{hf}.weight", rows[hf]))
-    return quantize_model(model, direct, shards)
+def _to(model, device):
+    return model if str(device) == "cpu" else model.to(device)
 
 
 __all__ = ["ModelSource", "resolve_model", "load_model_config", "load_weights", "load_model"]

@@ -17,6 +17,7 @@ import hashlib
 
 import torch
 
+from engine.loader.lazy_weights import LazyWeights
 from engine.models.config import ModelConfig
 
 DEFAULT_STD = 0.02
@@ -69,4 +70,11 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed:
             for name, shape in hf_shapes(config).items()}
 
 
-__all__ = ["DEFAULT_STD", "hf_shapes", "tensor_seed", "dummy_tensor", "dummy_weights"]
+def lazy_dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
+                       std: float = DEFAULT_STD) -> LazyWeights:
+    """``dummy_weights``, each tensor made when asked for (the same values: each tensor has its own generator)."""
+    shapes = hf_shapes(config)
+    return LazyWeights(shapes, lambda name: dummy_tensor(config, name, shapes[name], seed, std).to(dtype))
+
+
+__all__ = ["DEFAULT_STD", "hf_shapes", "tensor_seed", "dummy_tensor", "dummy_weights", "lazy_dummy_weights"]

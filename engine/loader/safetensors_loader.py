@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
+from engine.loader.lazy_weights import LazyWeights
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -27,7 +28,31 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def lazy_safetensors_weights(path: Path, dtype: torch.dtype, device="cpu") -> LazyWeights:
+    """The checkpoint's tensors, each read from its (memory-mapped) file in ``dtype`` when asked for."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    files: dict[str, object] = {}
+    where: dict[str, Path] = {}
+    for f in safetensors_files(Path(path)):
+        try:
+            files[str(f)] = handle = safe_open(str(f), framework="pt", device="cpu")
+            where.update((name, f) for name in handle.keys())
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from None
+
+    def get(name: str) -> torch.Tensor:
+        f = where[name]
+        try:
+            return files[str(f)].get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({e})") from None
+    return LazyWeights(where, get)
+
+
 def load_safetensors_weights(path: Path, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at once (tests; loading goes through ``lazy_safetensors_weights``)."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 

@@ -280,7 +280,7 @@ def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: 
     params = dict(model.named_parameters())
     pending: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
-    for name, tensor in weights.items():
+    for name, tensor in weights.items():     # a lazy mapping reads each tensor here (engine.loader.lazy_weights)
         if "rotary_emb" in name:
             continue
         target, shard = name, None
@@ -295,17 +295,24 @@ def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: 
         if shard is None:
             _copy(params[target], tensor, name, source)
             loaded.add(target)
-        else:
-            pending.setdefault(target, {})[shard] = tensor
+            continue
+        shards = pending.setdefault(target, {})
+        shards[shard] = tensor
+        if len(shards) == _num_shards(target):    # fused as soon as complete: at most a layer's shards held
+            _copy(params[target], torch.cat([shards[i] for i in range(len(shards))], dim=0), target, source)
+            loaded.add(target)
+            del pending[target]
+            shards.clear()
     for target, shards in pending.items():
-        n = 3 if "qkv_proj" in target else 2
-        if len(shards) != n:
-            raise ModelLoadError(f"{source}: {target} needs {n} shards, found {sorted(shards)}")
-        _copy(params[target], torch.cat([shards[i] for i in range(n)], dim=0), target, source)
-        loaded.add(target)
+        raise ModelLoadError(f"{source}: {target} needs {_num_shards(target)} shards, found {sorted(shards)}")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"{source}: missing tensors: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
+
+
+def _num_shards(target: str) -> int:
+    fused = next(f for f, _, _ in STACKED_PARAMS if f".{f}." in target)
+    return sum(1 for f, _, _ in STACKED_PARAMS if f == fused)
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, source: str) -> None:

@@ -20,6 +20,8 @@ Activations are quantized per token and group of 32 on the fly, asymmetric uint8
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,9 +34,17 @@ def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# Rows quantized at once: each row on its own, so cutting a large weight (an 8B model's 128k-row embedding: 2 GB in
+# float32) bounds the temporaries at a few of these slices without changing a bit
+QUANT_ROWS = 8192
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row and group of 32: (q int8 [N, Kp], scale float16 [N, Kp // 32]). The quants are taken
     against the fp16 scale the kernel reads (not the float32 one before rounding), so dequantizing is exact."""
+    if w.shape[0] > QUANT_ROWS:
+        parts = [quantize_rows(w[i:i + QUANT_ROWS]) for i in range(0, w.shape[0], QUANT_ROWS)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
     n, k = w.shape
     kp = padded(k, QK)
     w = w.float()
@@ -277,15 +287,22 @@ def int8_structure(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                   shards: dict[str, list[tuple[str, int]]] | None = None) -> nn.Module:
+                   shards: dict[str, list[tuple[str, int]]] | None = None,
+                   weight_of: Callable[[str], torch.Tensor] | None = None) -> nn.Module:
     """Replace the float linears and the embedding with int8 ones, in place; returns the model.
 
     direct: already-int8 weights by HF tensor name (GGUF Q8_0 / Q5_0 / Q4_0), as (int8 [rows, Kp], scales [rows, G]).
     shards: for fused weights (our name -> [(HF name, rows), ...] in row order) so that a fused tensor can take
     some shards from ``direct`` and quantize the rest; quantization is per row, so the result is identical to
-    quantizing the fused float tensor.
+    quantizing the fused float tensor. ``weight_of(our name)``: a float weight read only when its turn comes
+    (the linears and the embedding may then be on the meta device: ``engine.loader.int8_build``); default: the
+    module's own.
     """
     direct, shards = direct or {}, shards or {}
+
+    def own(mod: nn.Module) -> torch.Tensor:     # an untied head packed by select_ops.pack_head: bf16, same values
+        return mod.compute_weight() if getattr(mod, "packed", False) and hasattr(mod, "compute_weight") else mod.weight
+    fetch = weight_of or (lambda name: own(model.get_submodule(name.rpartition(".")[0])))
 
     def rows_q(our: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = shards.get(our, [(our, w.shape[0])])
@@ -301,13 +318,13 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
         return torch.cat(qs), torch.cat(ss)
 
     for name, parent, attr, lin in _linears(model):
-        q, s = rows_q(f"{name}.weight", lin.compute_weight() if getattr(lin, "packed", False) else lin.weight)
+        q, s = rows_q(f"{name}.weight", fetch(f"{name}.weight"))
         cls = Int8GluLinear if _is_gate_up(name, lin) else Int8Linear
         if cls is Int8GluLinear:
             q, s = glu_interleave(q, s)
         setattr(parent, attr, cls.from_quantized(q, s, lin.in_features, lin.bias))
     emb = model.model.embed_tokens
-    q, s = rows_q("model.embed_tokens.weight", emb.compute_weight() if getattr(emb, "packed", False) else emb.weight)
+    q, s = rows_q("model.embed_tokens.weight", fetch("model.embed_tokens.weight"))
     qemb = Int8Embedding(emb.num_embeddings, emb.embedding_dim, emb.weight.dtype, device="meta")
     qemb.set_packed(*pack(q, s))
     model.model.embed_tokens = qemb
