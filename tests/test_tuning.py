@@ -431,3 +431,26 @@ def test_the_probe_budget_grows_with_the_model_up_to_its_cap():
     assert budget_for(0) == budget_for(4e8) == BUDGET_S                  # up to a 0.5B model's linears
     assert budget_for(1.2e9) == pytest.approx(3 * BUDGET_S)              # a 1.5B model's: three times
     assert budget_for(7e9) == BUDGET_MAX_SCALE * BUDGET_S                # an 8B model's: capped
+
+
+def test_formats_whose_weights_do_not_fit_beside_the_others_are_not_measured(tiny_llama_dir, tuning, monkeypatch):
+    """The candidates' models are loaded side by side: with room for the int8 model alone, only int8 formats are
+    measured (the table's model first where it fits; then the smaller ones), and the reason names the others."""
+    from engine.loader import load_model_config, resolve_model
+    from engine.quant.policy import kernel_q8_isa
+    if kernel_q8_isa() is None:
+        pytest.skip("no int8 kernels in this build")
+    mcfg = load_model_config(resolve_model(str(tiny_llama_dir)))
+    fmts = [Format(*n.split("/")[:2], n.split("kv-")[1]) for n in (F32, BF16, F32_KV16, I8, I8_KV16)]
+    i8 = probe.model_bytes(Format("int8", "float32", "bfloat16"), mcfg)
+    avail = int(1.5 * i8 / probe.MEMORY_SHARE)
+    assert probe.fitting(fmts, fmts[0], mcfg, None) == (fmts, [])
+    assert probe.fitting(fmts, fmts[0], mcfg, avail) == (fmts[3:], fmts[:3])             # the float32 table: too big
+    big = int((probe.model_bytes(fmts[1], mcfg) + i8) / probe.MEMORY_SHARE) + 16
+    assert probe.fitting(fmts, fmts[1], mcfg, big) == ([fmts[1], *fmts[3:]], [fmts[0], fmts[2]])
+    monkeypatch.setattr(decision, "available_memory_bytes", lambda: avail)
+    tuning.times = {I8: 1.5, I8_KV16: 1.0}
+    s = _setup(tiny_llama_dir)
+    assert tuning.calls[0] == {I8, I8_KV16} and s.config.quantization == "int8"
+    left_out = s.format.record()["reason"].split("; not measured: ")[1]
+    assert "their weights do not fit" in left_out and all(n in left_out for n in (F32, BF16, F32_KV16))

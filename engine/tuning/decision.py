@@ -34,6 +34,7 @@ from engine.dtype_policy import DtypeChoice
 from engine.errors import ConfigError
 from engine.kernels.cpu_features import cpu_model_name, cpu_signature
 from engine.kernels.gemm import SMALL_M_MAX
+from engine.memory import available_memory_bytes
 from engine.quant.policy import QuantChoice
 from engine.tuning.candidates import Format, KernelFacts, family_options, format_candidates
 
@@ -268,8 +269,19 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
     if not measure:
         return None
     formats = format_candidates(cfg.quantization, cfg.dtype, cfg.kv_cache_dtype, facts)
-    if table not in formats:            # the table's choice is always measured against the rest
+    if table not in formats:            # the table's choice is always measured against the rest (where it fits)
         formats.insert(0, table)
+    avail = available_memory_bytes()
+    formats, unfit = probe.fitting(formats, table, mcfg, avail)
+    too_big = ""
+    if unfit:
+        too_big = (f"; not measured: {', '.join(f.name for f in unfit)} (their weights do not fit beside the others' "
+                   f"in {probe.MEMORY_SHARE:.0%} of the {avail / 2**30:.1f} GiB available)")
+        log.info("tuning: %s", too_big[2:])
+    if not formats:
+        log.warning("tuning: no format's weights fit in %.0f%% of the %.1f GiB available; the tables decide",
+                    100 * probe.MEMORY_SHARE, avail / 2**30)
+        return None
     families = {f: family_options(f, facts) for f in formats}
     t0 = time.perf_counter()
     budget = probe.budget_for(probe.layer_params(mcfg))
@@ -278,6 +290,7 @@ def resolve(cfg, mcfg, source, identity: str, quantized_source: bool, facts: Ker
     busy = load_average()
     shapes, m = probe.run_probe(cfg, source, mcfg, identity, formats, families, table, budget_s=budget)
     dec = decide(fields, formats, families, shapes, m, table, mcfg.num_hidden_layers)
+    dec.reason += too_big
     dec.load_average, dec.budget_s = round(busy, 2), budget
     store(path, dec)
     log.info("tuning: %s; kernels %s (%.1f s, %d rounds, load average %.1f; decision %s)", dec.reason,

@@ -66,6 +66,40 @@ def probe_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
                                                         for r in rows]
 
 
+# The candidates' models are loaded side by side (their steps interleave, so the VM's drift hits every format alike):
+# their weights together must fit in this share of the memory available when the tuner starts, the rest left for
+# the probe's KV pools and activations and the engine's own load after it. A format whose model would not fit
+# beside those kept is not measured (Llama-3.1-8B: float32 weights 30 GB, all three formats' models 53 GB).
+MEMORY_SHARE = 0.6
+# resident bytes a parameter of a format's model takes: the weights as held (a packed head on top), int8's fp16
+# scale and int16 sum per group of 32
+MODEL_BYTES_PER_PARAM = {"int8": 1.2, "bfloat16": 2.2, "float32": 4.4}
+
+
+def model_bytes(fmt: Format, mcfg) -> int:
+    """About what ``fmt``'s model of ``mcfg`` holds in memory (the KV pool not counted)."""
+    from engine.loader.dummy import hf_shapes
+    per = MODEL_BYTES_PER_PARAM["int8" if fmt.quantization == "int8" else fmt.dtype]
+    return int(per * sum(math.prod(s) for s in hf_shapes(mcfg).values()))
+
+
+def fitting(formats: list[Format], table: Format, mcfg, available: int | None) -> tuple[list[Format], list[Format]]:
+    """(measured, left out): the formats whose models (one per quantization and dtype) fit together in
+    ``MEMORY_SHARE`` of ``available`` bytes, the table's model first, then the smaller ones; all where
+    ``available`` is unknown."""
+    if available is None:
+        return list(formats), []
+    models = sorted({(f.quantization, f.dtype): f for f in formats}.items(),
+                    key=lambda kv: (kv[0] != (table.quantization, table.dtype), model_bytes(kv[1], mcfg)))
+    kept, room = set(), MEMORY_SHARE * available
+    for key, f in models:
+        if model_bytes(f, mcfg) <= room:
+            kept.add(key)
+            room -= model_bytes(f, mcfg)
+    return ([f for f in formats if (f.quantization, f.dtype) in kept],
+            [f for f in formats if (f.quantization, f.dtype) not in kept])
+
+
 def budget_for(layer_params: int) -> float:
     """The probe's budget for a model whose decoder linears hold ``layer_params`` weights: ``BUDGET_S`` up to a
     0.5B model, growing with the weights (at most ``BUDGET_MAX_SCALE`` times): a step's time grows with them, and a
@@ -418,5 +452,5 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = ["BUDGET_S", "budget_for", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params",
-           "measure", "score", "format_tasks", "family_tasks", "linears_tasks", "int8_prompts_tasks",
-           "attention_tasks"]
+           "measure", "score", "format_tasks", "fitting", "model_bytes", "family_tasks", "linears_tasks",
+           "int8_prompts_tasks", "attention_tasks"]
