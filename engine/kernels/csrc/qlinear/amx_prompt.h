@@ -15,9 +15,10 @@
  * Work: x's rows in passes of up to AMX_PROMPT_PASS_BYTES, a long K in chunks of AMX_PROMPT_KSTEPS k-steps; bf16 rows
  * with K a multiple of 32 are the A tiles in place (16 rows at x's stride; against a copy per pass, chunk and thread:
  * 1.02-1.05x, the VM's noise level), other rows are packed as bf16 A tiles (each tile's 1 KB contiguous, a block's
- * k-steps one sequential stream). A thread takes whole 32-column pairs; per pair it dequantizes the pair into a panel
- * of B tiles (in a call of one pass over all of K as it comes, into its thread's panel; otherwise all pairs once,
- * first thing), then runs every 32-row block of the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16
+ * k-steps one sequential stream); few rows of a long K take all of K in one chunk. A thread takes whole 32-column
+ * pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of one pass of rows, a chunk's k-steps
+ * as they come, into its thread's panel: every weight once; with passes of rows, all pairs once, first thing, for
+ * all of them), then runs every 32-row block of the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16
  * pairs x 16 columns), 4 C tiles, stored between K chunks and loaded back (exact). Each output's sum runs over K in
  * the same order however the rows and K are cut. Packed bf16 rows: every thread packs its own copy; a block's stores
  * overlap the next block's products (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
@@ -44,10 +45,10 @@ static void amx_prompt_begin(void) { amx_config_tiles(8); }   /* A0, A1, B0, B1,
 /* the pair's weights (two 16-column blocks of the packed int8 layout, driver.h) as B tiles, each k-step's two tiles
  * side by side (1 KB each, 16 bf16 pairs x 16 columns): panel[(s * 2 + nb) * 256 + r * 16 + c] = (W[col][2j],
  * W[col][2j+1]) for pair-row j = 16 s + r and column col = 16 nb + c, each value bf16(q * scale) */
-static void dequant_pair(const int8_t *w, const uint16_t *sw, int Kp, uint32_t *panel) {
-    const int K4 = Kp / 4, G = Kp / QK;
+static void dequant_pair(const int8_t *w, const uint16_t *sw, int Kp, int s0, int sc, uint32_t *panel) {
+    const int K4 = Kp / 4, G = Kp / QK;   /* k-steps s0 .. s0 + sc of the pair (8 k4 rows each) */
     for (int nb = 0; nb < 2; nb++)
-        for (int k4 = 0; k4 < K4; k4++) {
+        for (int k4 = s0 * 8; k4 < (s0 + sc) * 8; k4++) {
             const __m512i v = _mm512_loadu_si512(w + ((size_t)nb * K4 + k4) * 64);   /* lane: 4 k of a column */
             const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sw + ((size_t)nb * G + k4 / 8) * 16)));
             const __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)), s);
@@ -273,13 +274,24 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
     if (M <= 0) return 1;
     if (!amx_available()) return 0;
     const int Kp = (K + QK - 1) / QK * QK, K2 = Kp / 2, K4 = Kp / 4, G = Kp / QK, S = Kp / 32, npair = Np / 32;
-    const int SC = S <= 2 * AMX_PROMPT_KSTEPS ? S : AMX_PROMPT_KSTEPS, nk = (S + SC - 1) / SC;
-    int cap = (int)(AMX_PROMPT_PASS_BYTES / ((long)SC * 64)) / 32 * 32;
+    const int Mp = (M + 31) / 32 * 32;
+    int SC = S <= 2 * AMX_PROMPT_KSTEPS ? S : AMX_PROMPT_KSTEPS;
+    long pass_bytes = AMX_PROMPT_PASS_BYTES;
+    if (SC < S && (long)Mp * S * 64 <= 2 * AMX_PROMPT_PASS_BYTES) {
+        /* few rows of a long K: all of K in one pass of rows, so each pair is dequantized into its thread's panel
+         * as it comes, rather than every pair's panel stored first (N x K x 2 bytes: 100 MB for a 4B model's
+         * gate_up, allocated and written out every call: 43 ms at 64 rows against 16 for the int8 dot products) */
+        SC = S;
+        pass_bytes = 2 * AMX_PROMPT_PASS_BYTES;
+    }
+    const int nk = (S + SC - 1) / SC;
+    int cap = (int)(pass_bytes / ((long)SC * 64)) / 32 * 32;
     cap = cap < 32 ? 32 : cap > AMX_PROMPT_MAX_ROWS ? AMX_PROMPT_MAX_ROWS : cap;
-    const int Mp = (M + 31) / 32 * 32, pass_rows = Mp < cap ? Mp : cap;
+    const int pass_rows = Mp < cap ? Mp : cap;
     const size_t panel_words = (size_t)K2 * 32;
-    /* one pass over all of K: each pair dequantized into its thread's panel as it comes; else all pairs once */
-    const int shared = Mp > pass_rows || nk > 1;
+    /* one pass of rows: each pair's k-steps of a chunk dequantized into its thread's panel as they come (every
+     * weight once); passes of rows: every pair's panel once, first thing, for all of them */
+    const int shared = Mp > pass_rows;
     uint32_t *panels = shared ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
     /* K in chunks: each 32 x 32 block's partial sums between chunks (a tile stored and loaded back: exact) */
     float *spill = nk > 1 ? (float *)aligned_alloc(64, (size_t)npair * pass_rows * 32 * 4) : NULL;
@@ -313,8 +325,10 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
 #pragma omp for schedule(static)
                 for (int np = 0; np < npair; np++) {
                     uint32_t *panel = panels ? panels + (size_t)np * panel_words : own;
-                    if (!panels || (m0 == 0 && kc == 0))
-                        dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, panel);
+                    if (!panels)
+                        dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, s0, sc, panel);
+                    else if (m0 == 0 && kc == 0)
+                        dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, 0, S, panel);
                     const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
                     pair_blocks(&A, panel, rows, s0, sc, kc == 0, last,
                                 spill ? spill + (size_t)np * (rows / 32) * 1024 : NULL, M, m0, np, ncols, y, ldy,
