@@ -454,3 +454,19 @@ def test_formats_whose_weights_do_not_fit_beside_the_others_are_not_measured(tin
     assert tuning.calls[0] == {I8, I8_KV16} and s.config.quantization == "int8"
     left_out = s.format.record()["reason"].split("; not measured: ")[1]
     assert "their weights do not fit" in left_out and all(n in left_out for n in (F32, BF16, F32_KV16))
+
+
+def test_int8_prompt_rows_are_timed_at_prompt_sizes_and_scaled_to_the_step():
+    """The probe's prefill shrinks with the model (64 rows at 4B); the int8 prompt rows' calls carry PROMPT_ROWS at
+    least, and their difference enters the step's estimate scaled to its rows."""
+    pre = probe.Shape("prefill 64", "prefill", 64, 0.5)
+    assert probe.family_rows("int8_prompts", pre) == probe.PROMPT_ROWS
+    assert probe.family_rows("elementwise", pre) == 64
+    assert probe.family_rows("int8_prompts", probe.Shape("prefill 1024", "prefill", 1024, 0.5)) == 1024
+    m = probe.Measurement(times={("int8_prompts:int8@float32", pre.name): [0.1],
+                                 ("int8_prompts:bf16@float32", pre.name): [0.3]})
+    out = decision._family("int8_prompts", ("int8", "bf16"), Format("int8", "float32", "bfloat16"),
+                           {pre.name: 1.0}, [pre], m, num_layers=2)
+    scale = 64 / probe.PROMPT_ROWS
+    assert out["score_ms"]["bf16"] == pytest.approx(1e3 * (1.0 + 2 * 0.2 * scale), rel=1e-6)
+    assert out["chosen"] == "int8"

@@ -40,9 +40,10 @@ from engine.tuning.candidates import Format, KernelFacts, family_options, format
 
 log = logging.getLogger("batchgen.engine")
 
-FORMAT = 6        # 2: the attention family joined the measured kernel families; 3: the linears family;
+FORMAT = 7        # 2: the attention family joined the measured kernel families; 3: the linears family;
 # 4: int8 weights a candidate for float checkpoints too; 5: the int8_prompts family (AMX-BF16 prompt rows);
-# 6: a smaller KV cache kept within probe.KV_MARGIN
+# 6: a smaller KV cache kept within probe.KV_MARGIN; 7: int8 prompt rows timed at probe.PROMPT_ROWS at least,
+# formats whose weights do not fit beside the others' left out
 # (decisions measured without a change are measured again)
 REQUESTED = PINNABLE          # the fields the tuner decides where they are auto (engine.config)
 _FIELD_TYPES = {"key": (dict,), "choice": (dict,), "reason": (str,), "candidates": (list,), "kernels": (dict,),
@@ -216,7 +217,8 @@ def _family(family: str, impls: tuple[str, ...], fmt: Format, step_s: dict, shap
             m: probe.Measurement, num_layers: int) -> dict:
     """A family's implementations scored as ``fmt``'s steps with that implementation's calls swapped in for the
     table's (which the steps ran): elementwise and linears once per layer, the head once per step; attention's
-    times are whole prefill steps (the difference to the C one, which the format's steps ran, swapped in once)."""
+    times are whole prefill steps (the difference to the C one, which the format's steps ran, swapped in once); the
+    int8 prompt rows' calls, timed at ``probe.family_rows``, scaled to the step's rows."""
     def t(impl: str, s: probe.Shape) -> float | None:
         if impl == "table":         # the small-M kernel up to SMALL_M_MAX rows, torch beyond
             rows = s.rows if s.kind == "decode" else 1
@@ -227,8 +229,9 @@ def _family(family: str, impls: tuple[str, ...], fmt: Format, step_s: dict, shap
     common = [s for s in shapes if s.name in step_s and all(t(i, s) is not None for i in (*impls, base))]
     if not common:
         return {"chosen": base, "why": "not timed within the budget: the table's"}
-    est = {i: probe.score({s.name: max(step_s[s.name] + calls * (t(i, s) - t(base, s)), 1e-6) for s in common},
-                          shapes) for i in impls}
+    def swapped(i: str, s: probe.Shape) -> float:    # calls of more rows than the step's scaled to its rows
+        return step_s[s.name] + calls * (t(i, s) - t(base, s)) * s.rows / probe.family_rows(family, s)
+    est = {i: probe.score({s.name: max(swapped(i, s), 1e-6) for s in common}, shapes) for i in impls}
     best = min(impls, key=est.get)
     why = f"{best}: the lowest estimated step score"
     if base in est and best != base and est[base] <= est[best] * (1 + FAMILY_MARGIN):

@@ -100,6 +100,19 @@ def fitting(formats: list[Format], table: Format, mcfg, available: int | None) -
             [f for f in formats if (f.quantization, f.dtype) not in kept])
 
 
+# The int8_prompts family's calls carry at least this many prompt rows: real prompts' chunks carry hundreds to
+# thousands, while the probe's whole-step prefill shrinks with the model (64 rows at 4B), where per-call costs weigh
+# far more (Qwen3-4B on the AMX Xeon: at 64 rows the AMX tiles' per-call work made the dot products look 2.8x
+# faster, and the engine's 2,000-row prompts then ran through them at half the tiles' rate)
+PROMPT_ROWS = 512
+
+
+def family_rows(family: str, s: Shape) -> int:
+    """The rows a family's calls at shape ``s`` carry: the shape's own, or ``PROMPT_ROWS`` at least for the int8
+    linears' prompt rows (``decision._family`` scales their difference to the shape's rows)."""
+    return max(s.rows, PROMPT_ROWS) if family == "int8_prompts" and s.kind == "prefill" else s.rows
+
+
 def budget_for(layer_params: int) -> float:
     """The probe's budget for a model whose decoder linears hold ``layer_params`` weights: ``BUDGET_S`` up to a
     0.5B model, growing with the weights (at most ``BUDGET_MAX_SCALE`` times): a step's time grows with them, and a
@@ -406,8 +419,8 @@ def linears_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Ta
 
 def int8_prompts_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> list[Task]:
     """The ``int8_prompts`` family: one layer's int8 linears (QKV, output, gate-up with its GLU, down) at each prefill
-    shape's rows, all of them prompt positions ("int8": the int8 dot products; "bf16": AMX-BF16 tiles). Output rows
-    take the int8 dot products under both, so decode shapes are not timed."""
+    shape's rows (``PROMPT_ROWS`` at least), all of them prompt positions ("int8": the int8 dot products; "bf16":
+    AMX-BF16 tiles). Output rows take the int8 dot products under both, so decode shapes are not timed."""
     from engine.models.linear import StepRows
     from engine.quant.int8 import Int8GluLinear, Int8Linear
 
@@ -419,7 +432,7 @@ def int8_prompts_tasks(impls: tuple[str, ...], model, shapes: list[Shape]) -> li
     g = torch.Generator().manual_seed(0)
     tasks = []
     for s in (s for s in shapes if s.kind == "prefill"):
-        xs = [torch.randn(s.rows, m.in_features, generator=g).to(dtype) for m in linears]
+        xs = [torch.randn(family_rows("int8_prompts", s), m.in_features, generator=g).to(dtype) for m in linears]
         for impl in impls:
             rows = StepRows() if impl == "bf16" else None        # spec 0: every row a prompt row
 
@@ -452,5 +465,5 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 __all__ = ["BUDGET_S", "budget_for", "MAX_ROUNDS", "Shape", "Task", "Measurement", "probe_shapes", "layer_params",
-           "measure", "score", "format_tasks", "fitting", "model_bytes", "family_tasks", "linears_tasks",
+           "measure", "score", "format_tasks", "fitting", "model_bytes", "family_rows", "family_tasks", "linears_tasks",
            "int8_prompts_tasks", "attention_tasks"]
