@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -206,6 +207,22 @@ def test_a_dtype_that_fails_its_probe_is_reported_and_the_other_runs(peers, tiny
     res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
     assert res.skipped.startswith("every dtype failed: float32: failed (exit 4")
     assert "bfloat16: failed (exit 4" in res.skipped
+
+
+def test_a_dtype_whose_weights_do_not_fit_in_memory_is_not_probed(peers, tiny_llama_dir, monkeypatch):
+    """Llama-3.1-8B in float32 is 30 GB: on a 24 GB machine that probe is reported, not run."""
+    import engine.memory
+    from engine.loader import load_model_config
+    from engine.loader.dummy import hf_shapes
+    params = sum(math.prod(s) for s in hf_shapes(load_model_config(peer.resolve_model(tiny_llama_dir))).values())
+    monkeypatch.setattr(engine.memory, "available_memory_bytes", lambda: int(3 * params / peer.PEER_MEMORY_SHARE))
+    monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"bfloat16": 2.0, "float32": 1.0}))
+    opts = _opts(tiny_llama_dir, ("vllm",))
+    prompts = build_prompts(load_tokenizer(peer.resolve_model(tiny_llama_dir)), opts.workload, opts.seed)
+    res = peer.run_peer("vllm", opts, prompts, [[1, 2, 3]], threads=1)
+    assert [c["dtype"] for c in _calls(peers) if c["probe"]] == ["bfloat16"]
+    assert res.extra["dtype"] == "bfloat16"
+    assert res.extra["dtype_probes"]["float32"].startswith("not probed: its weights in float32 take")
 
 
 def test_openvino_probes_its_weight_formats_each_in_its_own_export(peers, tiny_llama_dir, monkeypatch):

@@ -302,6 +302,31 @@ def choose_fastest(key: str, dtypes: tuple[str, ...], probe, opts: BenchOptions,
     return best, probes
 
 
+# bytes a parameter of a peer's weights takes in each of its dtypes; beyond PEER_MEMORY_SHARE of the memory available
+# a dtype is not probed (Llama-3.1-8B in float32: 30 GB on a 24 GB machine)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp16": 2, "int8": 1}
+PEER_MEMORY_SHARE = 0.9
+
+
+def too_big(model: str, load_format: str, dtype: str) -> str:
+    """Why ``model``'s weights in ``dtype`` cannot load here (more than ``PEER_MEMORY_SHARE`` of the memory
+    available), or "" (they fit, or their size or the memory is unknown)."""
+    from engine.errors import BatchgenError
+    from engine.loader import load_model_config, resolve_model
+    from engine.loader.dummy import hf_shapes
+    from engine.memory import available_memory_bytes
+
+    avail = available_memory_bytes()
+    try:
+        params = sum(math.prod(s) for s in hf_shapes(load_model_config(resolve_model(model, load_format))).values())
+    except (BatchgenError, OSError, ValueError, KeyError):      # an unknown size never stops a probe
+        return ""
+    need = params * DTYPE_BYTES.get(dtype, 2)
+    if avail is None or need <= PEER_MEMORY_SHARE * avail:
+        return ""
+    return f"not probed: its weights in {dtype} take {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+
+
 def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
                  threads: int) -> tuple[str | None, dict]:
     """The peer's fastest dtype on this CPU and model (``choose_fastest``, each probe a run of its runner)."""
@@ -310,6 +335,8 @@ def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
         return (dtypes[0] if dtypes else None), {}
 
     def probe(dtype: str, limit: float | None) -> tuple[float | None, str]:
+        if why := too_big(opts.model, opts.load_format, dtype):
+            return None, why
         data, why, _ = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype, probe=True), threads,
                                f"-probe-{dtype}", timeout_s=limit)
         return (float(data["probe_s"]), "") if data else (None, why)
