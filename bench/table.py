@@ -145,7 +145,9 @@ def _peer_load_lines(systems: list[dict]) -> list[str]:
                 f"warm-up {x.get('warmup_s') or 0:.1f} s (not in wall)")
         probes = {d: v for d, v in (x.get("dtype_probes") or {}).items() if d != "kept"}
         if probes:
-            shown = ", ".join(f"{d} {v:.2f} s" if isinstance(v, float) else f"{d} failed" for d, v in probes.items())
+            shown = ", ".join(f"{d} {v:.2f} s" if isinstance(v, float) else
+                              f"{d} not probed: too big for the memory" if str(v).startswith("not probed")
+                              else f"{d} failed" for d, v in probes.items())
             line += f"; fastest of its dtypes: {x['dtype']} (probes: {shown}"
             line += ", kept from an earlier run)" if "kept" in x["dtype_probes"] else ")"
         if x.get("platform"):
