@@ -44,12 +44,14 @@ class Tracked(LazyWeights):
 
     def __init__(self, inner):
         self.alive = self.most = self.reads = 0
+        self.names_read: list[str] = []
         super().__init__(inner, self._read)
         self._inner = inner
 
     def _read(self, name: str) -> torch.Tensor:
         t = self._inner[name].clone()
         self.reads += 1
+        self.names_read.append(name)
         if not _is_matrix(name):
             return t
         self.alive += 1
@@ -125,3 +127,18 @@ def test_large_weights_are_quantized_in_slices_of_rows_with_the_same_bits(monkey
     monkeypatch.setattr(int8, "QUANT_ROWS", 96)
     sliced = int8.quantize_rows(w)
     assert torch.equal(sliced[0], whole[0]) and torch.equal(sliced[1], whole[1])
+
+
+def test_a_gguf_int8_model_takes_its_int8_blocks_without_dequantizing_them():
+    """The default GGUF: the same state as quantizing the whole float model with its Q8_0 / Q5_0 blocks taken as they
+    are, and a weight whose every shard is such a block (the Q8_0 embedding) never read as floats."""
+    from engine.loader import load_model_config, load_weights, resolve_model
+    src = resolve_model("gemma-3-270m")
+    config = load_model_config(src)
+    floats = Tracked(load_weights(src, config, torch.float32))
+    streamed = build_int8(config, floats, torch.float32, src).state_dict()
+    whole = quantize_model(build_model(config, dict(load_weights(src, config, torch.float32)), torch.float32, "cpu"),
+                           dict(direct_quants(src, config)), fused_shards(config)).state_dict()
+    assert list(streamed) == list(whole)
+    assert all(torch.equal(streamed[n], t) for n, t in whole.items())
+    assert "model.embed_tokens.weight" not in floats.names_read and floats.names_read

@@ -27,6 +27,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.loader.dequant import BLOCK_SIZES, SUPPORTED_TYPES, dequantize, type_name
+from engine.loader.lazy_weights import LazyWeights
 from engine.models.config import ModelConfig
 
 SUPPORTED_GGUF_ARCHITECTURES = {
@@ -380,8 +381,10 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def load_gguf_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Dequantize every tensor of a GGUF file into HF-named weights of ``dtype`` on ``device``."""
+                      device: str | torch.device = "cpu") -> LazyWeights:
+    """Every tensor of a GGUF file as HF-named weights of ``dtype`` on ``device``, each dequantized when asked for
+    (an 8B file's weights dequantized at once would take 30 GB in float32). The file's architecture, tensor types
+    and the tensors a model needs are checked here, before any is read."""
     g = open_gguf(path)
     arch = g.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -393,30 +396,29 @@ def load_gguf_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype 
         name, tname = unsupported[0]
         raise ModelLoadError(f"{g.path}: tensor {name!r} has unsupported type {tname} "
                              f"({len(unsupported)} such tensors); supported: {', '.join(SUPPORTED_TYPES)}")
-    weights: dict[str, torch.Tensor] = {}
-    for name, info in g.tensors.items():
-        target = hf_name(name, arch)
-        if target is None:
-            continue
+    names = {target: name for name in g.tensors if (target := hf_name(name, arch)) is not None}
+    if "model.embed_tokens.weight" not in names:
+        raise ModelLoadError(f"{g.path}: no token_embd.weight tensor")
+    if not config.tie_word_embeddings and "lm_head.weight" not in names:
+        raise ModelLoadError(f"{g.path}: config is untied but the file has no output.weight tensor")
+
+    def get(target: str) -> torch.Tensor:
         # NOTE: norms are offset in float32 before rounding; everything else is rounded once, chunk-wise
         offset_norm = arch == "gemma3" and target.endswith("norm.weight")
-        w = g.tensor(name, torch.float32 if offset_norm else dtype)
+        w = g.tensor(names[target], torch.float32 if offset_norm else dtype)
         if arch == "llama" and target.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, config.num_attention_heads)
         elif arch == "llama" and target.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, config.num_key_value_heads)
         if offset_norm:
             w = w - 1.0
-        weights[target] = w.to(device=device, dtype=dtype)
-    if "model.embed_tokens.weight" not in weights:
-        raise ModelLoadError(f"{g.path}: no token_embd.weight tensor")
-    if not config.tie_word_embeddings and "lm_head.weight" not in weights:
-        raise ModelLoadError(f"{g.path}: config is untied but the file has no output.weight tensor")
-    return weights
+        return w.to(device=device, dtype=dtype)
+    return LazyWeights(names, get)
 
 
-def gguf_int8_weights(path: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The file's Q8_0 / Q5_0 / Q4_0 weight matrices as int8, by HF name: (int8 [rows, K], scales [rows, K // 32]).
+def gguf_int8_weights(path: str | Path, config: ModelConfig) -> LazyWeights:
+    """The file's Q8_0 / Q5_0 / Q4_0 weight matrices as int8, by HF name: (int8 [rows, K], scales [rows, K // 32]),
+    each read when asked for.
 
     ``quantization: int8`` takes these as they are: our int8 format is their grouping (32 values, one scale), so
     they load exactly, with no float round trip and no requantization error. llama q/k rows get the same
@@ -425,18 +427,19 @@ def gguf_int8_weights(path: str | Path, config: ModelConfig) -> dict[str, tuple[
 
     g = open_gguf(path)
     arch = g.get("general.architecture")
-    out = {}
-    for name, info in g.tensors.items():
-        target = hf_name(name, arch)
-        if target is None or info.ggml_type not in EXACT_INT8_TYPES or len(info.shape) != 2:
-            continue
+    names = {target: name for name, info in g.tensors.items()
+             if (target := hf_name(name, arch)) is not None and info.ggml_type in EXACT_INT8_TYPES
+             and len(info.shape) == 2}
+
+    def get(target: str) -> tuple[torch.Tensor, torch.Tensor]:     # read when the int8 build reaches it
+        info = g.tensors[names[target]]
         q, s = int8_blocks(info.ggml_type, g.raw(info), info.shape)
         for suffix, heads in (("q_proj.weight", config.num_attention_heads),
                               ("k_proj.weight", config.num_key_value_heads)):
             if arch == "llama" and target.endswith(suffix):
                 q, s = _unpermute(q, heads), _unpermute(s, heads)
-        out[target] = (q.contiguous(), s.contiguous())
-    return out
+        return q.contiguous(), s.contiguous()
+    return LazyWeights(names, get)
 
 
 __all__ = ["GGUFFile", "open_gguf", "gguf_model_config", "load_gguf_weights", "gguf_int8_weights", "hf_name",

@@ -42,7 +42,7 @@ def hf_names(our: str) -> list[str]:
     return [our.replace(f".{fused}.", f".{hf}.") for _, hf in parts] if fused else [our]
 
 
-def direct_quants(source: ModelSource, config: ModelConfig) -> dict:
+def direct_quants(source: ModelSource, config: ModelConfig) -> Mapping:
     """A GGUF file's tensors already in an int8 block format, by HF name ({} for other sources)."""
     if source.kind != "gguf":
         return {}

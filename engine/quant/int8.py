@@ -20,7 +20,7 @@ Activations are quantized per token and group of 32 on the fly, asymmetric uint8
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -286,7 +286,7 @@ def int8_structure(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+def quantize_model(model: nn.Module, direct: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
                    shards: dict[str, list[tuple[str, int]]] | None = None,
                    weight_of: Callable[[str], torch.Tensor] | None = None) -> nn.Module:
     """Replace the float linears and the embedding with int8 ones, in place; returns the model.
@@ -304,13 +304,15 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
         return mod.compute_weight() if getattr(mod, "packed", False) and hasattr(mod, "compute_weight") else mod.weight
     fetch = weight_of or (lambda name: own(model.get_submodule(name.rpartition(".")[0])))
 
-    def rows_q(our: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = shards.get(our, [(our, w.shape[0])])
-        qs, ss, start = [], [], 0
+    def rows_q(our: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = shards.get(our, [(our, rows)])
+        qs, ss, start, w = [], [], 0, None
         for hf, n in parts:
-            if hf in direct and direct[hf][0].shape[0] == n:
-                q, s = direct[hf]
-            else:
+            d = direct.get(hf)              # a lazy mapping reads it once, here
+            if d is not None and d[0].shape[0] == n:
+                q, s = d
+            else:                           # the float weight, read only where a shard needs it
+                w = fetch(our) if w is None else w
                 q, s = quantize_rows(w[start:start + n])
             qs.append(q)
             ss.append(s.to(torch.float16))
@@ -318,13 +320,13 @@ def quantize_model(model: nn.Module, direct: dict[str, tuple[torch.Tensor, torch
         return torch.cat(qs), torch.cat(ss)
 
     for name, parent, attr, lin in _linears(model):
-        q, s = rows_q(f"{name}.weight", fetch(f"{name}.weight"))
+        q, s = rows_q(f"{name}.weight", lin.out_features)
         cls = Int8GluLinear if _is_gate_up(name, lin) else Int8Linear
         if cls is Int8GluLinear:
             q, s = glu_interleave(q, s)
         setattr(parent, attr, cls.from_quantized(q, s, lin.in_features, lin.bias))
     emb = model.model.embed_tokens
-    q, s = rows_q("model.embed_tokens.weight", fetch("model.embed_tokens.weight"))
+    q, s = rows_q("model.embed_tokens.weight", emb.num_embeddings)
     qemb = Int8Embedding(emb.num_embeddings, emb.embedding_dim, emb.weight.dtype, device="meta")
     qemb.set_packed(*pack(q, s))
     model.model.embed_tokens = qemb
