@@ -24,8 +24,8 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_weights(source: ModelSource, config: ModelConfig, dtype, device="cpu") -> Mapping[str, torch.Tensor]:
-    """HF-named tensors in ``dtype``: read (dummy: made) one at a time as they are asked for, except a GGUF
-    file's (dequantized at once)."""
+    """HF-named tensors in ``dtype``, each read (dummy: made; GGUF: dequantized) when it is asked for
+    (``engine.loader.lazy_weights``)."""
     if source.kind == "dummy":
         from engine.loader.dummy import lazy_dummy_weights
         from engine.loader.lazy_weights import LazyWeights
@@ -57,9 +57,10 @@ def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identit
 
     GGUF files go through the converted-weights cache (``weights_cache``): the first load dequantizes and
     stores the final tensors, later loads map them. Checkpoint directories are already safetensors and load
-    directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.quant.int8``); GGUF
-    Q8_0/Q5_0/Q4_0 tensors keep their quants, the others are quantized from their float values; the int8 model is
-    cached like the float one (its own cache entry), for GGUF and checkpoint directories alike.
+    directly. ``quantization="int8"``: linears and the embedding become int8 (``engine.quant.int8``), the model
+    built one weight at a time (``int8_build``); GGUF Q8_0/Q5_0/Q4_0 tensors keep their quants, the others are
+    quantized from their float values; the int8 model is cached like the float one (its own cache entry), for GGUF
+    and checkpoint directories alike.
     """
     from engine.loader import weights_cache
     from engine.loader.int8_build import build_int8
