@@ -61,7 +61,10 @@ SWEEP = (
 def sized(s: SweepShape, params: float, quick: bool = False) -> dict:
     """The shape's sizes for a model of ``params`` parameters (``quick``: a smoke run of a few tokens)."""
     sizes = dict(s.sizes)
-    if s.scale_n:
+    if s.scale_n and sizes["groups"] < sizes["n"]:   # a shared prefix: some group keeps two documents (4B, 8B)
+        sizes["n"] = max(2, round(sizes["n"] * SWEEP_REFERENCE_PARAMS / params))
+        sizes["groups"] = max(1, min(sizes["groups"], sizes["n"] - 1))
+    elif s.scale_n:
         sizes["n"] = max(sizes["groups"], round(sizes["n"] * SWEEP_REFERENCE_PARAMS / params))
     if quick:
         sizes.update(n=min(sizes["n"], 2), groups=min(sizes["groups"], 2), output_tokens=4,

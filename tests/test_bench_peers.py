@@ -347,7 +347,9 @@ def test_size_sweep_rows_ratios_and_table(peers, tiny_llama_dir):
     from bench.sweep import SWEEP, SweepShape, format_sweep, run_sweep, sized
 
     big = sized(SWEEP[0], 1.5e9)
-    assert big["n"] == max(SWEEP[0].sizes["groups"], round(SWEEP[0].sizes["n"] / 3))
+    assert (big["n"], big["groups"]) == (3, 2)                     # 8 documents / 3: two of them share a prefix
+    assert (sized(SWEEP[0], 4e9)["n"], sized(SWEEP[0], 4e9)["groups"]) == (2, 1)
+    assert sized(SWEEP[2], 8e9)["n"] == SWEEP[2].sizes["groups"]   # nothing shared: one document a group
     assert sized(SWEEP[4], 8e9) == SWEEP[4].sizes                  # decode shapes keep their rows
     shapes = (SweepShape("shared-prefix", "shared-prefix", dict(n=4, groups=2, prefix_tokens=32, doc_tokens=8,
                                                                 output_tokens=3), ("batchgen", "vllm")),
