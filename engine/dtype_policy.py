@@ -26,7 +26,7 @@ from engine.kernels.cpu_features import cpu_features
 log = logging.getLogger("batchgen.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = {**DTYPES, "int8": torch.int8}    # kv_cache_dtype's names
+KV_DTYPES = {**DTYPES, "int8": torch.int8}    # kv_cache_dtype -> the pool's dtype (int8: engine.quant.int8_kv's bytes)
 
 
 @dataclass(frozen=True)

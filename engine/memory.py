@@ -9,8 +9,6 @@ of the free device memory, less the weights (the pool is sized before they load)
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTION, EngineConfig
@@ -43,9 +41,8 @@ def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
 
 def _weight_bytes(model_config, dtype: torch.dtype) -> int:
     """Bytes of the model's weights in ``dtype`` (on CUDA the weights are held in the activation dtype)."""
-    from engine.loader.dummy import hf_shapes
-    elem = torch.empty((), dtype=dtype).element_size()
-    return elem * sum(math.prod(s) for s in hf_shapes(model_config).values())
+    from engine.loader.dummy import param_count
+    return torch.empty((), dtype=dtype).element_size() * param_count(model_config)
 
 
 def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, block_size: int,

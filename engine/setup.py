@@ -32,8 +32,6 @@ from engine.tuning.format_decision import FormatDecision, decide_format
 
 log = logging.getLogger("batchgen.engine")
 
-# kv_cache_dtype -> the pool's torch dtype (int8: engine.quant.int8_kv's byte layout)
-
 
 @dataclass(frozen=True)
 class ModelTarget:

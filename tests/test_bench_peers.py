@@ -213,8 +213,8 @@ def test_a_dtype_whose_weights_do_not_fit_in_memory_is_not_probed(peers, tiny_ll
     """Llama-3.1-8B in float32 is 30 GB: on a 24 GB machine that probe is reported, not run."""
     import engine.memory
     from engine.loader import load_model_config
-    from engine.loader.dummy import hf_shapes
-    params = sum(math.prod(s) for s in hf_shapes(load_model_config(peer.resolve_model(tiny_llama_dir))).values())
+    from engine.loader.dummy import param_count
+    params = param_count(load_model_config(peer.resolve_model(tiny_llama_dir)))
     monkeypatch.setattr(engine.memory, "available_memory_bytes", lambda: int(3 * params / peer.PEER_MEMORY_SHARE))
     monkeypatch.setenv("FAKE_PEER_PROBE", json.dumps({"bfloat16": 2.0, "float32": 1.0}))
     opts = _opts(tiny_llama_dir, ("vllm",))

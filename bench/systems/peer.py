@@ -313,12 +313,12 @@ def too_big(model: str, load_format: str, dtype: str) -> str:
     available), or "" (they fit, or their size or the memory is unknown)."""
     from engine.errors import BatchgenError
     from engine.loader import load_model_config, resolve_model
-    from engine.loader.dummy import hf_shapes
+    from engine.loader.dummy import param_count
     from engine.memory import available_memory_bytes
 
     avail = available_memory_bytes()
     try:
-        params = sum(math.prod(s) for s in hf_shapes(load_model_config(resolve_model(model, load_format))).values())
+        params = param_count(load_model_config(resolve_model(model, load_format)))
     except (BatchgenError, OSError, ValueError, KeyError):      # an unknown size never stops a probe
         return ""
     need = params * DTYPE_BYTES.get(dtype, 2)

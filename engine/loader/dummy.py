@@ -14,6 +14,7 @@ loaded in.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -44,6 +45,11 @@ def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         for hf in shards[fused]:
             out[name.replace(f".{fused}.", f".{hf}.")] = (rows[hf], *p.shape[1:])
     return out
+
+
+def param_count(config: ModelConfig) -> int:
+    """The checkpoint's parameters (``hf_shapes``: a tied head once)."""
+    return sum(math.prod(s) for s in hf_shapes(config).values())
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -77,4 +83,5 @@ def lazy_dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, 
     return LazyWeights(shapes, lambda name: dummy_tensor(config, name, shapes[name], seed, std).to(dtype))
 
 
-__all__ = ["DEFAULT_STD", "hf_shapes", "tensor_seed", "dummy_tensor", "dummy_weights", "lazy_dummy_weights"]
+__all__ = ["DEFAULT_STD", "hf_shapes", "param_count", "tensor_seed", "dummy_tensor", "dummy_weights",
+           "lazy_dummy_weights"]

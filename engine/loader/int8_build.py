@@ -33,15 +33,6 @@ def fused_shards(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     return shards
 
 
-def hf_names(our: str) -> list[str]:
-    """The checkpoint tensors our parameter ``our`` is made of, in row order (itself where nothing is fused)."""
-    from engine.models.layers import STACKED_PARAMS
-
-    parts = sorted((idx, hf) for fused, hf, idx in STACKED_PARAMS if f".{fused}." in our)
-    fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in our), None)
-    return [our.replace(f".{fused}.", f".{hf}.") for _, hf in parts] if fused else [our]
-
-
 def direct_quants(source: ModelSource, config: ModelConfig) -> Mapping:
     """A GGUF file's tensors already in an int8 block format, by HF name ({} for other sources)."""
     if source.kind != "gguf":
@@ -55,6 +46,7 @@ def build_int8(config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: 
     """The int8 model of ``weights`` (HF names; a lazy mapping is read one tensor at a time) with activations in
     ``dtype``. ModelLoadError names a missing, unexpected or mis-shaped tensor before any weight is read."""
     from engine.models import _on_meta, build_model_from_state
+    from engine.models.layers import shard_names
     from engine.quant.int8 import _linears, quantize_model
 
     where = str(source.path)
@@ -64,10 +56,10 @@ def build_int8(config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: 
     quantized = {f"{name}.weight" for name, *_ in _linears(model)} | {"model.embed_tokens.weight"}
 
     def assemble(our: str) -> torch.Tensor:
-        parts = [weights[hf] for hf in hf_names(our)]
+        parts = [weights[hf] for hf in shard_names(our)]
         if len({tuple(p.shape[1:]) for p in parts}) > 1:
             raise ModelLoadError(f"{where}: the shards of {our!r} differ in shape: "
-                                 + ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(hf_names(our), parts)))
+                                 + ", ".join(f"{hf} {tuple(p.shape)}" for hf, p in zip(shard_names(our), parts)))
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if tuple(t.shape) != tuple(params[our].shape):
             raise ModelLoadError(f"{where}: tensor {our!r} has shape {tuple(t.shape)}, expected "
@@ -80,7 +72,9 @@ def build_int8(config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: 
 
 
 def _check_names(params: dict, weights: Mapping, where: str) -> None:
-    wanted = {hf for our in params for hf in hf_names(our)}
+    from engine.models.layers import shard_names
+
+    wanted = {hf for our in params for hf in shard_names(our)}
     missing = sorted(wanted - set(weights))
     if missing:
         raise ModelLoadError(f"{where}: missing tensors: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
@@ -89,4 +83,4 @@ def _check_names(params: dict, weights: Mapping, where: str) -> None:
             raise ModelLoadError(f"{where}: unexpected tensor {name!r}")
 
 
-__all__ = ["build_int8", "fused_shards", "hf_names", "direct_quants"]
+__all__ = ["build_int8", "fused_shards", "direct_quants"]

@@ -272,6 +272,15 @@ def stacked_rows(config) -> dict[str, int]:
             "up_proj": config.intermediate_size}
 
 
+def shard_names(target: str) -> list[str]:
+    """The checkpoint tensors our parameter ``target`` is made of, in row order (itself where nothing is fused)."""
+    fused = next((f for f, _, _ in STACKED_PARAMS if f".{f}." in target), None)
+    if fused is None:
+        return [target]
+    return [target.replace(f".{fused}.", f".{hf}.") for f, hf, _ in sorted(STACKED_PARAMS, key=lambda t: t[2])
+            if f == fused]
+
+
 def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Copy HF-named tensors into ``model``, fusing q/k/v and gate/up as ``STACKED_PARAMS`` declares.
 
@@ -298,21 +307,16 @@ def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], source: 
             continue
         shards = pending.setdefault(target, {})
         shards[shard] = tensor
-        if len(shards) == _num_shards(target):    # fused as soon as complete: at most a layer's shards held
+        if len(shards) == len(shard_names(target)):   # fused as soon as complete: at most a layer's shards held
             _copy(params[target], torch.cat([shards[i] for i in range(len(shards))], dim=0), target, source)
             loaded.add(target)
             del pending[target]
             shards.clear()
     for target, shards in pending.items():
-        raise ModelLoadError(f"{source}: {target} needs {_num_shards(target)} shards, found {sorted(shards)}")
+        raise ModelLoadError(f"{source}: {target} needs {len(shard_names(target))} shards, found {sorted(shards)}")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"{source}: missing tensors: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
-
-
-def _num_shards(target: str) -> int:
-    fused = next(f for f, _, _ in STACKED_PARAMS if f".{f}." in target)
-    return sum(1 for f, _, _ in STACKED_PARAMS if f == fused)
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str, source: str) -> None:

@@ -78,9 +78,8 @@ MODEL_BYTES_PER_PARAM = {"int8": 1.2, "bfloat16": 2.2, "float32": 4.4}
 
 def model_bytes(fmt: Format, mcfg) -> int:
     """About what ``fmt``'s model of ``mcfg`` holds in memory (the KV pool not counted)."""
-    from engine.loader.dummy import hf_shapes
-    per = MODEL_BYTES_PER_PARAM["int8" if fmt.quantization == "int8" else fmt.dtype]
-    return int(per * sum(math.prod(s) for s in hf_shapes(mcfg).values()))
+    from engine.loader.dummy import param_count
+    return int(MODEL_BYTES_PER_PARAM["int8" if fmt.quantization == "int8" else fmt.dtype] * param_count(mcfg))
 
 
 def fitting(formats: list[Format], table: Format, mcfg, available: int | None) -> tuple[list[Format], list[Format]]:
@@ -89,13 +88,12 @@ def fitting(formats: list[Format], table: Format, mcfg, available: int | None) -
     ``available`` is unknown."""
     if available is None:
         return list(formats), []
-    models = sorted({(f.quantization, f.dtype): f for f in formats}.items(),
-                    key=lambda kv: (kv[0] != (table.quantization, table.dtype), model_bytes(kv[1], mcfg)))
+    size = {(f.quantization, f.dtype): model_bytes(f, mcfg) for f in formats}
     kept, room = set(), MEMORY_SHARE * available
-    for key, f in models:
-        if model_bytes(f, mcfg) <= room:
+    for key in sorted(size, key=lambda k: (k != (table.quantization, table.dtype), size[k])):
+        if size[key] <= room:
             kept.add(key)
-            room -= model_bytes(f, mcfg)
+            room -= size[key]
     return ([f for f in formats if (f.quantization, f.dtype) in kept],
             [f for f in formats if (f.quantization, f.dtype) not in kept])
 
