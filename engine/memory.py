@@ -1,8 +1,11 @@
-"""How big the KV pool is: the memory probe and the sizing rule, in one place.
+"""What a model takes in memory and how big the KV pool is: the memory probe and the sizing rules, in one place.
 
-CPU: a quarter of the memory available at start (``/proc/meminfo`` MemAvailable), rounded down to a multiple of
-``BUDGET_STEP`` (so MemAvailable's moment-to-moment drift does not change the pool between validate, plan and
-submit), at most 4 GiB, unless
+Weights: about ``MODEL_BYTES_PER_PARAM`` of a format a parameter (``model_bytes``); on a CPU a format whose model
+would take more than ``WEIGHTS_SHARE`` of the memory available does not run (``engine.tuning.format_decision``
+chooses a smaller one for ``auto``, refuses an explicit one). KV pool, CPU: a quarter of the memory available at start
+(``/proc/meminfo`` MemAvailable) less the weights (the pool is sized before they load), rounded down to a
+multiple of ``BUDGET_STEP`` (so MemAvailable's moment-to-moment drift does not change the pool between validate,
+plan and submit), at most 4 GiB, unless
 ``kv_cache_memory`` names bytes (refused when above 90 % of what is available). CUDA: ``gpu_memory_utilization``
 of the free device memory, less the weights (the pool is sized before they load). Never more blocks than
 ``max_num_seqs`` full-length sequences need.
@@ -15,6 +18,12 @@ from engine.config import DEFAULT_CPU_KV_CACHE_MAX_BYTES, DEFAULT_CPU_KV_FRACTIO
 from engine.errors import ConfigError
 
 BUDGET_STEP = 256 << 20
+# resident bytes a parameter of a format's model takes: the weights as held (a packed head on top), int8's fp16
+# scale and int16 sum per group of 32
+MODEL_BYTES_PER_PARAM = {"int8": 1.2, "bfloat16": 2.2, "float16": 2.2, "float32": 4.4}
+# a model whose weights take more than this share of the memory available leaves too little for its KV pool, its
+# activations and the process (Llama-3.1-8B in float32: 35 GB; on a 24 GB machine the load would be killed)
+WEIGHTS_SHARE = 0.8
 
 
 def available_memory_bytes() -> int | None:
@@ -39,6 +48,14 @@ def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * elem
 
 
+def model_bytes(quantization: str, dtype: str, model_config) -> int:
+    """About what a model of ``model_config`` holds in memory with ``quantization`` (none | int8) and activation
+    ``dtype`` (a CPU's weights: int8 ones whatever the activations; float ones in the activation dtype)."""
+    from engine.loader.dummy import param_count
+    key = "int8" if quantization == "int8" else dtype
+    return int(MODEL_BYTES_PER_PARAM[key] * param_count(model_config))
+
+
 def _weight_bytes(model_config, dtype: torch.dtype) -> int:
     """Bytes of the model's weights in ``dtype`` (on CUDA the weights are held in the activation dtype)."""
     from engine.loader.dummy import param_count
@@ -46,8 +63,9 @@ def _weight_bytes(model_config, dtype: torch.dtype) -> int:
 
 
 def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, block_size: int,
-                  max_model_len: int) -> int:
-    """The KV pool size in blocks for these (resolved) settings; ConfigError when it cannot hold one block."""
+                  max_model_len: int, weight_bytes: int = 0) -> int:
+    """The KV pool size in blocks for these (resolved) settings; ConfigError when it cannot hold one block.
+    ``weight_bytes``: what the model's weights will take (``model_bytes``; CPU), off the memory available."""
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override
     per_block = kv_block_bytes(model_config, block_size, dtype)
@@ -63,8 +81,8 @@ def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: t
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * cfg.gpu_memory_utilization) - _weight_bytes(model_config, dtype)
     else:
-        avail = available_memory_bytes() or 4 * DEFAULT_CPU_KV_CACHE_MAX_BYTES
-        share = int(avail * DEFAULT_CPU_KV_FRACTION)
+        avail = available_memory_bytes() or 4 * DEFAULT_CPU_KV_CACHE_MAX_BYTES + weight_bytes
+        share = int(max(avail - weight_bytes, 0) * DEFAULT_CPU_KV_FRACTION)
         budget = min(DEFAULT_CPU_KV_CACHE_MAX_BYTES, max(share // BUDGET_STEP * BUDGET_STEP, min(share, BUDGET_STEP)))
     cap = cfg.max_num_seqs * -(-max_model_len // block_size) + 1   # no point in more than max_num_seqs full seqs
     blocks = min(budget // per_block, cap)
@@ -73,4 +91,5 @@ def num_kv_blocks(cfg: EngineConfig, model_config, dtype: torch.dtype, device: t
     return blocks
 
 
-__all__ = ["available_memory_bytes", "kv_block_bytes", "num_kv_blocks"]
+__all__ = ["MODEL_BYTES_PER_PARAM", "WEIGHTS_SHARE", "available_memory_bytes", "model_bytes", "kv_block_bytes",
+           "num_kv_blocks"]

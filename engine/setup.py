@@ -25,7 +25,7 @@ from engine.errors import ConfigError
 from engine.interface import EngineInfo
 from engine.loader import ModelSource, load_model_config, resolve_model
 from engine.loader.resolve import model_identity
-from engine.memory import num_kv_blocks
+from engine.memory import model_bytes, num_kv_blocks
 from engine.models.config import ModelConfig
 from engine.quant.policy import QuantChoice
 from engine.tuning.format_decision import FormatDecision, decide_format
@@ -115,7 +115,8 @@ def settle(target: ModelTarget, fmt: FormatDecision) -> EngineSetup:
                           f"{int8_kv.GROUP} share a scale); this model's is {mcfg.head_dim}")
     cfg = dataclasses.replace(cfg, dtype=dtype, device=str(device), block_size=block_size, max_model_len=max_model_len,
                               quantization=fmt.quantization.name, kv_cache_dtype=kv, kernels=fmt.kernels)
-    blocks = num_kv_blocks(cfg, mcfg, KV_DTYPES[kv], device, block_size, max_model_len)
+    weights = model_bytes(fmt.quantization.name, dtype, mcfg) if device.type == "cpu" else 0
+    blocks = num_kv_blocks(cfg, mcfg, KV_DTYPES[kv], device, block_size, max_model_len, weights)
     return EngineSetup(cfg, target.source, mcfg, target.identity, device, fmt, backend, blocks)
 
 

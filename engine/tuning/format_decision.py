@@ -3,22 +3,28 @@
 ``decide_format`` makes it from a config as written, on this device, for this model: the tables' choice
 (``candidates.table_choice``), or on a CPU this machine's tuned decision for the model (``decision.resolve``): the
 cached one, or with ``measure`` one measured now (every candidate format loaded and timed, ``probe``). Explicit
-settings win over both. Nothing here sizes the KV pool or checks the format against the model: ``engine.setup``
-does, and makes the resolved ``EngineConfig`` from it.
+settings win over both. On a CPU the format's weights must fit in ``engine.memory.WEIGHTS_SHARE`` of the memory
+available: where they would not, ``auto`` weights become int8 (quantized at load) if those fit, and anything else is
+a ConfigError naming the sizes before a byte is loaded (the tuner only measures formats that fit; the tables and a
+cached decision from a roomier moment are checked here). Nothing here sizes the KV pool: ``engine.setup`` does, and
+makes the resolved ``EngineConfig`` from it.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+import engine.memory as memory
 import engine.tuning.decision as decision
 from engine.config import EngineConfig, Kernels, freeze_kernels
 from engine.dtype_policy import DtypeChoice
+from engine.errors import ConfigError
 from engine.kernels.families import TABLE_KERNELS
 from engine.loader import ModelSource
+from engine.memory import WEIGHTS_SHARE, model_bytes
 from engine.models.config import ModelConfig
 from engine.quant.policy import QuantChoice
-from engine.tuning.candidates import Format, kernel_facts, table_choice
+from engine.tuning.candidates import Format, KernelFacts, kernel_facts, table_choice
 
 NOT_CACHED = "no decision cached for this model here (only an engine's load measures one)"
 
@@ -87,10 +93,44 @@ def decide_format(cfg: EngineConfig, device_type: str, source: ModelSource, mode
         tq, tc, kv, kernels = tuned.choices()
         quant = tq if cfg.quantization == "auto" else quant
         dtype = tc if cfg.dtype == "auto" else dtype
+    if device_type == "cpu":
+        fitted = fit_memory(cfg, source, model_config, quant, dtype, kv, facts, memory.available_memory_bytes())
+        if fitted[0] is not quant:               # a smaller format than the one decided: the table's kernels
+            (quant, dtype, kv, facts), kernels = fitted, {}
+            if tuned is not None:                # measured when more memory was free: not what runs now
+                tuned, not_tuned = None, "the tuned format's weights do not fit the memory available now"
     kernels = {**kernels, **(cfg.kernels or {})}            # explicit families win over the measured ones
     if facts.kernels:                            # every family, as it runs (recorded, and what a pin repeats)
         kernels = {**TABLE_KERNELS, **kernels}
     return FormatDecision(quant, dtype, kv, freeze_kernels(kernels), tuned, not_tuned or "")
 
 
-__all__ = ["FormatDecision", "decide_format"]
+def fit_memory(cfg: EngineConfig, source: ModelSource, mcfg: ModelConfig, quant: QuantChoice, dtype: DtypeChoice,
+               kv: str, facts: KernelFacts, available: int | None
+               ) -> tuple[QuantChoice, DtypeChoice, str, KernelFacts]:
+    """The format decided, where its weights fit in ``WEIGHTS_SHARE`` of ``available`` bytes (or that is unknown);
+    else, with ``quantization: auto``, int8 weights where the kernels load and they fit (the format the tables give
+    an explicit int8); else ConfigError naming the sizes and what would fit."""
+    need = model_bytes(quant.name, dtype.dtype, mcfg)
+    if available is None or need <= WEIGHTS_SHARE * available:
+        return quant, dtype, kv, facts
+    what = (f"{source.name}'s weights as {quant.name}/{dtype.dtype} take ~{gib(need)}, more than "
+            f"{WEIGHTS_SHARE:.0%} of the {gib(available)} of memory available here")
+    small = model_bytes("int8", "float32", mcfg)
+    int8_fits = small <= WEIGHTS_SHARE * available
+    if int8_fits and quant.name != "int8" and cfg.quantization == "auto" and cfg.dtype in ("auto", "float32"):
+        facts = facts if facts.kernels else kernel_facts("cpu", True)
+        if facts.q8_isa is not None:
+            q, d, k = table_choice("int8", cfg.dtype, cfg.kv_cache_dtype, "cpu", source.kind == "gguf", facts)
+            return QuantChoice("int8", f"auto: {what}; int8 weights (~{gib(small)}, quantized at load) fit "
+                                       f"({q.reason})", q.kv_cache_dtype), d, k, facts
+    hint = (f"set quantization: int8 (~{gib(small)}; activations float32)" if int8_fits and quant.name != "int8"
+            else "use a smaller model or a machine with more memory")
+    raise ConfigError(f"{what}: {hint}")
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+__all__ = ["FormatDecision", "decide_format", "fit_memory"]

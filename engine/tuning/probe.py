@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+import engine.memory as memory
 from engine.dtype_policy import DTYPES, KV_DTYPES
 from engine.tuning.candidates import Format
 
@@ -71,15 +72,11 @@ def probe_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
 # the probe's KV pools and activations and the engine's own load after it. A format whose model would not fit
 # beside those kept is not measured (Llama-3.1-8B: float32 weights 30 GB, all three formats' models 53 GB).
 MEMORY_SHARE = 0.6
-# resident bytes a parameter of a format's model takes: the weights as held (a packed head on top), int8's fp16
-# scale and int16 sum per group of 32
-MODEL_BYTES_PER_PARAM = {"int8": 1.2, "bfloat16": 2.2, "float32": 4.4}
 
 
 def model_bytes(fmt: Format, mcfg) -> int:
-    """About what ``fmt``'s model of ``mcfg`` holds in memory (the KV pool not counted)."""
-    from engine.loader.dummy import param_count
-    return int(MODEL_BYTES_PER_PARAM["int8" if fmt.quantization == "int8" else fmt.dtype] * param_count(mcfg))
+    """About what ``fmt``'s model of ``mcfg`` holds in memory (the KV pool not counted): ``engine.memory``'s."""
+    return memory.model_bytes(fmt.quantization, fmt.dtype, mcfg)
 
 
 def fitting(formats: list[Format], table: Format, mcfg, available: int | None) -> tuple[list[Format], list[Format]]:
