@@ -56,6 +56,20 @@ def test_a_held_peer_that_fails_is_a_skipped_row_in_every_round_it_missed(peers,
     assert all("no kernel for this CPU" in _rows(r)["vllm"]["skipped"] for r in results)
 
 
+def test_a_peer_that_would_not_fit_beside_the_systems_loaded_is_not_held(peers, tiny_llama_dir,  # noqa: F811
+                                                                          monkeypatch):
+    """Its weights and 4 GiB of KV cache beyond 90 % of the memory left: no runner started, a skipped row saying
+    why in every round; ours goes on (Llama-3.1-8B: ours 9 GB beside vLLM's 16 GB of bf16 on a 24 GB machine)."""
+    import engine.memory
+    monkeypatch.setattr(engine.memory, "available_memory_bytes", lambda: 3 << 30)
+    results = run_rounds(_opts(tiny_llama_dir, ("batchgen", "vllm")), 2)
+    vllm = [_rows(r)["vllm"] for r in results]
+    assert all(v["skipped"].startswith("not held: its weights in ") and "4 GiB KV cache" in v["skipped"]
+               and "3.0 GiB available" in v["skipped"] and "--systems vllm" in v["skipped"] for v in vllm)
+    assert [c for c in _calls(peers, "vllm") if not c["probe"]] == []
+    assert all(not _rows(r)["batchgen"]["skipped"] for r in results)
+
+
 def test_round_ratios_pair_the_rounds_in_order():
     def result(ours, vllm, probes=(900.0, 900.0)):
         return {"systems": [{"system": "batchgen", "wall_s": ours, "skipped": None, "label": "batchgen",

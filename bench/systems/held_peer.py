@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.options import BenchOptions, say
 from bench.result import SystemResult
+from bench.systems import peer
 from bench.systems.peer import PEERS, peer_dtype, peer_request, peer_result, start_runner, stop_runner, tail
 from bench.workloads import BenchPrompt
 
@@ -22,7 +23,8 @@ ROUND_TIMEOUT_S = 3600.0
 class HeldPeer:
     """``start()`` loads the peer (its dtype chosen as for a single run) and waits until it is warm; each
     ``run_round()`` is one timed generate of the workload from an empty prefix cache; ``close()`` ends it. A peer
-    that fails at any point gives skipped rows saying why, from then on."""
+    that fails at any point gives skipped rows saying why, from then on; one whose weights and KV cache would not
+    fit in the memory the systems loaded before it leave is not started (8B: ours beside vLLM's bf16)."""
 
     def __init__(self, name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
                  threads: int):
@@ -40,6 +42,11 @@ class HeldPeer:
             self.failed = chosen.skipped
             return
         self.dtype, self.probes = chosen
+        if why := peer.too_big(self.opts.model, self.opts.load_format, self.dtype or "", peer.PEER_KV_BYTES):
+            self.failed = (f"not held: {why} beside the systems loaded before it (run it alone: batchgen bench "
+                           f"SHAPE --systems {self.name})")
+            say(self.opts, f"{self.name}: {self.failed}")
+            return
         self._tmp = tempfile.TemporaryDirectory(prefix=f"batchgen-{self.name}-")
         request = {**peer_request(self.name, self.opts, self.prompts, self.warmup, self.threads, self.dtype),
                    "held": True}

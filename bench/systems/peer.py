@@ -306,11 +306,12 @@ def choose_fastest(key: str, dtypes: tuple[str, ...], probe, opts: BenchOptions,
 # a dtype is not probed (Llama-3.1-8B in float32: 30 GB on a 24 GB machine)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp16": 2, "int8": 1}
 PEER_MEMORY_SHARE = 0.9
+PEER_KV_BYTES = 4 << 30        # the runners' KV cache (VLLM_CPU_KVCACHE_SPACE, OpenVINO's cache_size): 4 GB
 
 
-def too_big(model: str, load_format: str, dtype: str) -> str:
-    """Why ``model``'s weights in ``dtype`` cannot load here (more than ``PEER_MEMORY_SHARE`` of the memory
-    available), or "" (they fit, or their size or the memory is unknown)."""
+def too_big(model: str, load_format: str, dtype: str, kv_bytes: int = 0) -> str:
+    """Why ``model``'s weights in ``dtype`` (and ``kv_bytes`` of KV cache) cannot load here now (more than
+    ``PEER_MEMORY_SHARE`` of the memory available), or "" (they fit, or their size or the memory is unknown)."""
     from engine.errors import BatchgenError
     from engine.loader import load_model_config, resolve_model
     from engine.loader.dummy import param_count
@@ -321,10 +322,12 @@ def too_big(model: str, load_format: str, dtype: str) -> str:
         params = param_count(load_model_config(resolve_model(model, load_format)))
     except (BatchgenError, OSError, ValueError, KeyError):      # an unknown size never stops a probe
         return ""
-    need = params * DTYPE_BYTES.get(dtype, 2)
+    need = params * DTYPE_BYTES.get(dtype, 2) + kv_bytes
     if avail is None or need <= PEER_MEMORY_SHARE * avail:
         return ""
-    return f"not probed: its weights in {dtype} take {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+    what = f"its weights in {dtype}" if dtype else "its weights"
+    kv = f" and its {kv_bytes / 2**30:.0f} GiB KV cache" if kv_bytes else ""
+    return f"{what}{kv} take {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
 
 
 def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warmup: list[list[int]],
@@ -336,7 +339,7 @@ def choose_dtype(name: str, opts: BenchOptions, prompts: list[BenchPrompt], warm
 
     def probe(dtype: str, limit: float | None) -> tuple[float | None, str]:
         if why := too_big(opts.model, opts.load_format, dtype):
-            return None, why
+            return None, f"not probed: {why}"
         data, why, _ = _invoke(name, peer_request(name, opts, prompts, warmup, threads, dtype, probe=True), threads,
                                f"-probe-{dtype}", timeout_s=limit)
         return (float(data["probe_s"]), "") if data else (None, why)
