@@ -76,7 +76,12 @@ def _config(path: str | None, models: tuple[str, ...]):
               help="YAML: models (alias: model spec, or {model, engine}), default_model, generation defaults.")
 @click.option("--model", "models", multiple=True, metavar="[ALIAS=]MODEL",
               help="A model this server may run (repeatable; default gemma-3-270m).")
-def serve(host, port, api_key_file, no_auth, data_dir, config_path, models):
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Compute the batches on Ray engine replicas (as `batchgen submit --ray`): ADDRESS (or "
+                   "$RAY_ADDRESS) of a cluster, else a local Ray instance. Needs the ray extra.")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="With --ray: engine replicas (default: 1 locally, one per alive node on a cluster).")
+def serve(host, port, api_key_file, no_auth, data_dir, config_path, models, ray_address, replicas):
     """Serve OpenAI's Batch API (Files + Batches): point the `openai` client's base_url here.
 
     Each batch is a batchgen run (the planner, the engine, the prefix cache across the batches queued together);
@@ -104,6 +109,16 @@ def serve(host, port, api_key_file, no_auth, data_dir, config_path, models):
         click.echo(f"batchgen: serve needs {e.name}: pip install -e '.[serve]'", err=True)
         sys.exit(EXIT_USER_ERROR)
     cfg = _config(config_path, models)
+    if ray_address is not None:
+        from pipeline.execute.ray.driver import RayMissing, import_ray
+        try:
+            import_ray()                         # without Ray: how to get it, exit 2, before serving anything
+        except RayMissing as e:
+            click.echo(f"batchgen: {e}", err=True)
+            sys.exit(EXIT_USER_ERROR)
+        cfg.ray_address, cfg.replicas = ray_address, replicas
+    elif replicas is not None:
+        raise click.BadParameter("needs --ray", param_hint="--replicas")
     store = Store(data_dir or resolve_state_dir(None) / "serve")
     worker = Worker(store, cfg)
     app = create_app(store, keys, window_s=cfg.window_s)

@@ -140,7 +140,7 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
                                 "prediction_basis": (r["extra"].get("prediction") or {}).get("basis")}
     if ours and not ours["skipped"]:
         row["round_pairs"] = _round_pairs(ours, by)
-        row["round_ratios"] = round_ratios(ours, by)
+        row["round_ratios"] = {name: [p for p, _ in pairs] for name, pairs in row["round_pairs"].items()}
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
                 # rounds paired in the same minutes: the median of their ratios; else the medians' ratio

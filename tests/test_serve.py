@@ -297,3 +297,22 @@ def test_serve_refuses_no_auth_off_loopback_and_no_key():
     assert r.exit_code == 2 and "loopback" in r.output
     r = CliRunner().invoke(main, ["serve"])
     assert r.exit_code == 2 and "--api-key-file" in r.output
+
+
+def test_serve_with_ray_runs_each_batch_as_a_submit_on_ray_replicas():
+    """``batchgen serve --ray [ADDRESS] --replicas N``: every batch run is ``batchgen submit --ray`` with them, as
+    the real ``submit`` command parses it; --replicas alone is refused."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+    from pipeline.serve.worker import ServeConfig
+    submit = main.commands["submit"]
+    for cfg, address in ((ServeConfig(ray_address="", replicas=2), ""),
+                         (ServeConfig(ray_address="ray://head:10001"), "ray://head:10001"), (ServeConfig(), None)):
+        cmd = cfg.submit_command(["job_a.yaml", "job_b.yaml"])
+        assert cmd[:3] == [sys.executable, "-m", "batchgen"]
+        params = submit.make_context("submit", cmd[4:]).params
+        assert params["ray_address"] == address and params["replicas"] == cfg.replicas
+        assert list(params["job_files"]) == ["job_a.yaml", "job_b.yaml"] and params["quiet"]
+    r = CliRunner().invoke(main, ["serve", "--no-auth", "--replicas", "2"])
+    assert r.exit_code == 2 and "needs --ray" in r.output

@@ -20,16 +20,16 @@ from engine.models.config import ModelConfig
 
 
 def fused_shards(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
-    """Our fused weights (``layers.STACKED_PARAMS``) -> [(HF name, rows), ...] in row order."""
-    from engine.models.layers import STACKED_PARAMS, stacked_rows
+    """Our fused weights (``layers.STACKED_PARAMS``) -> [(HF name, rows), ...] in row order (``layers.shard_names``)."""
+    from engine.models.layers import STACKED_PARAMS, shard_names, stacked_rows
 
     rows = stacked_rows(config)
     block = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
     shards: dict[str, list[tuple[str, int]]] = {}
     for i in range(config.num_hidden_layers):
-        for fused, hf, _ in sorted(STACKED_PARAMS, key=lambda t: t[2]):
-            prefix = f"model.layers.{i}.{block[fused]}"
-            shards.setdefault(f"{prefix}.{fused}.weight", []).append((f"{prefix}.{hf}.weight", rows[hf]))
+        for fused in dict.fromkeys(f for f, _, _ in STACKED_PARAMS):
+            target = f"model.layers.{i}.{block[fused]}.{fused}.weight"
+            shards[target] = [(hf, rows[hf.rsplit(".", 2)[-2]]) for hf in shard_names(target)]
     return shards
 
 

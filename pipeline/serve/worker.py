@@ -49,6 +49,16 @@ class ServeConfig:
     window_s: float = 24 * 3600        # completion_window 24h
     commit_every_s: float = 2.0
     poll_s: float = 0.5
+    ray_address: str | None = None     # compute on Ray engine replicas ("": a local Ray or $RAY_ADDRESS; None: here)
+    replicas: int | None = None        # with Ray: engine replicas (``batchgen submit --replicas``)
+
+    def submit_command(self, jobs: list[str]) -> list[str]:
+        """The ``batchgen submit`` of ``jobs`` a batch run is (with ``--ray`` where the server computes on Ray)."""
+        ray = [] if self.ray_address is None else [f"--ray={self.ray_address}"] if self.ray_address else ["--ray"]
+        if ray and self.replicas:
+            ray += ["--replicas", str(self.replicas)]
+        return [sys.executable, "-m", "batchgen", "submit", "-q", "--commit-every", str(self.commit_every_s), *ray,
+                "--", *jobs]
 
     def resolve(self, name: str | None) -> str | None:
         """The alias a request's ``model`` names (None: not served here)."""
@@ -202,8 +212,7 @@ class Worker:
             for b in batches:
                 self._finalize(b["id"], "completed", "completed_at", partial=False)
             return
-        cmd = [sys.executable, "-m", "batchgen", "submit", "-q", "--commit-every", str(self.config.commit_every_s),
-               *jobs]
+        cmd = self.config.submit_command(jobs)
         with open(self.store.dir / "runs.log", "ab") as logf:
             logf.write(f"\n== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(plans)}\n".encode())
             logf.flush()
