@@ -104,6 +104,26 @@ def test_a_type_that_fails_is_reported_and_every_type_failing_is_a_skipped_row(f
     assert res.skipped.startswith("every type failed: q8_0: failed to load") and "f16: failed to load" in res.skipped
 
 
+def test_a_gguf_that_cannot_be_written_fails_its_type_not_the_bench(fake, monkeypatch):
+    """A full disk while writing the dummy weights (a 1.5B f16 GGUF is 3 GB): that type is reported failed and the
+    others still run; none written is a skipped row."""
+    from bench import dummy_gguf
+    opts, prompts = fake
+    real = dummy_gguf.write_gguf
+
+    def full_disk(cfg, out, type_="q8_0", seed=0, bad=("f16",)):
+        if type_ in bad:
+            raise OSError(28, "No space left on device")
+        return real(cfg, out, type_, seed)
+    monkeypatch.setattr(dummy_gguf, "write_gguf", full_disk)
+    res = llamacpp.run_llama_cpp(opts, prompts)
+    assert not res.skipped and res.extra["dtype"] == "q8_0"
+    assert res.extra["dtype_probes"]["f16"] == "could not write its GGUF: [Errno 28] No space left on device"
+    monkeypatch.setattr(dummy_gguf, "write_gguf", lambda *a, **kw: full_disk(*a, **kw, bad=llamacpp.DUMMY_TYPES))
+    res = llamacpp.run_llama_cpp(dataclasses.replace(opts, quick=False), prompts)
+    assert res.skipped.startswith("every type failed: q8_0: could not write its GGUF")
+
+
 def test_without_llama_cpp_the_row_says_why(fake, monkeypatch):
     opts, prompts = fake
     monkeypatch.setitem(sys.modules, "llama_cpp", None)               # import fails

@@ -81,14 +81,20 @@ def _choose_type(opts: BenchOptions, prompts: list[BenchPrompt], threads: int) -
 
     key = peer.choice_key("llama.cpp", f"{Path(opts.model).name}-dummy", opts, per_shape=True)
     T = peer.probe_tokens(opts, per_shape=True)
+    unwritten: dict[str, str] = {}
     if peer.kept_choice(key, DUMMY_TYPES) is None:         # all are probed: write them before any probe is timed
         for t in DUMMY_TYPES:
             say(opts, f"llama.cpp: the dummy weights as {dummy_gguf_path(opts.model, t)} (written once)")
-            write_gguf(opts.model, dummy_gguf_path(opts.model, t), t)
+            try:
+                write_gguf(opts.model, dummy_gguf_path(opts.model, t), t)
+            except OSError as e:                           # a full disk: this type fails, the bench goes on
+                unwritten[t] = f"could not write its GGUF: {e}"
     short = [BenchPrompt(p.index, p.group, tuple(p.token_ids[:peer.PROBE_PROMPT_TOKENS]))
              for p in prompts[:peer.PROBE_PROMPTS]]
 
     def probe(type_: str, limit: float | None) -> tuple[float | None, str]:
+        if type_ in unwritten:
+            return None, unwritten[type_]
         start = time.monotonic()
         try:
             llm = _load(dummy_gguf_path(opts.model, type_), short, T, threads)
@@ -120,7 +126,10 @@ def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResul
         if type_ is None:
             return _skipped("every type failed: " + "; ".join(f"{t}: {w}" for t, w in probes.items()))
         from bench.dummy_gguf import write_gguf
-        path = write_gguf(opts.model, dummy_gguf_path(opts.model, type_), type_)
+        try:
+            path = write_gguf(opts.model, dummy_gguf_path(opts.model, type_), type_)
+        except OSError as e:
+            return _skipped(f"could not write its {type_} GGUF: {e}")
     else:
         src = resolve_model(opts.model)
         if src.kind != "gguf":
