@@ -147,3 +147,22 @@ def test_old_entries_are_pruned(tiny_gguf, monkeypatch):
     left = sorted(p.name for p in root.glob("*.safetensors"))
     assert len(left) == weights_cache.MAX_ENTRIES and _cache_file(tiny_gguf).name in left
     assert "old0.safetensors" not in left                      # the least recently used went first
+
+
+def test_an_upgrade_deletes_this_models_entries_made_by_other_code(tiny_gguf, monkeypatch):
+    """Another engine version (the code hash differs) converts the model again into a new entry; the old one, which
+    no version that code makes will read, is deleted at once, while another model's and another dtype's stay."""
+    _load(tiny_gguf, torch.float32)
+    _load(tiny_gguf, torch.bfloat16)
+    old, old_bf16 = _cache_file(tiny_gguf, torch.float32), _cache_file(tiny_gguf, torch.bfloat16)
+    other = weights_cache.cache_dir() / "another-model.safetensors"
+    weights_cache.store(other, {"w": torch.zeros(4)}, entry="another model")
+    monkeypatch.setattr(weights_cache, "_code_hash", lambda: "an upgraded engine")
+    new = _cache_file(tiny_gguf, torch.float32)
+    assert new != old
+    assert _load(tiny_gguf, torch.float32)[1] == "converted"
+    left = {p.name for p in weights_cache.cache_dir().glob("*.safetensors")}
+    assert new.name in left and old.name not in left
+    assert other.name in left and old_bf16.name in left         # another model, another dtype: left to the count
+    assert weights_cache._recorded(new, "entry") == weights_cache.entry_key(model_identity(tiny_gguf), torch.float32)
+    assert weights_cache._recorded(new, "code") == weights_cache.code_key() != weights_cache._recorded(old_bf16, "code")

@@ -74,7 +74,8 @@ def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identit
             return _to(build_int8(config, load_weights(source, config, dtype, "cpu"), dtype, source), device), "direct"
         return build_model(config, load_weights(source, config, dtype, device), dtype, device,
                            source=str(source.path)), "direct"
-    path = weights_cache.cache_path(identity or model_identity(source), dtype, "int8" if int8 else "")
+    ident, variant = identity or model_identity(source), "int8" if int8 else ""
+    path = weights_cache.cache_path(ident, dtype, variant)
     state = weights_cache.load(path)
     if state is not None:
         try:
@@ -87,7 +88,7 @@ def _load_model(source: ModelSource, config: ModelConfig, dtype, device, identit
     model = (build_int8(config, weights, dtype, source) if int8
              else build_model(config, weights, dtype, "cpu", source=str(source.path)))
     del weights
-    weights_cache.store(path, model.state_dict())
+    weights_cache.store(path, model.state_dict(), entry=weights_cache.entry_key(ident, dtype, variant))
     return _to(model, device), "converted"
 
 

@@ -13,7 +13,10 @@ result so later loads map the file instead (``safe_open`` is mmap-backed: a page
 * Concurrency: writers write a private temporary file in the cache directory and ``os.replace`` it into
   place, so two processes loading at once both succeed and a reader never sees a half-written file.
 * Size: at most ``MAX_ENTRIES`` files are kept (least recently used deleted first); each is the model's size
-  in its dtype (gemma-3-270m: ~0.54 GB bf16, ~1.1 GB fp32).
+  in its dtype (gemma-3-270m: ~0.54 GB bf16, ~1.1 GB fp32; Llama-3.1-8B as int8: 9 GB). Each file also records
+  what it caches (``entry_key``: identity, dtype, variant) and the code that made it (``code_key``): storing a model
+  deletes that model's entries made by other code at once (after an upgrade they are never read again, and at 8B
+  four stale ones would hold 36 GB until the count evicted them).
 
 Location: ``$BATCHGEN_CACHE_DIR/weights`` (default ``~/.cache/batchgen/weights``); ``BATCHGEN_WEIGHTS_CACHE=0``
 turns it off.
@@ -56,6 +59,16 @@ def _code_hash() -> str:
             h.update(p.name.encode())
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def entry_key(identity: str, dtype: torch.dtype, variant: str = "") -> str:
+    """What an entry caches, whatever code made it: the model, the dtype, the variant."""
+    return hashlib.sha256("|".join((identity, str(dtype), variant)).encode()).hexdigest()[:24]
+
+
+def code_key() -> str:
+    """The engine version an entry was made by: the file format, torch and the code that produces the tensors."""
+    return hashlib.sha256("|".join((FORMAT, torch.__version__, _code_hash())).encode()).hexdigest()[:24]
 
 
 def cache_path(identity: str, dtype: torch.dtype, variant: str = "") -> Path:
@@ -153,10 +166,11 @@ def _write_aligned(path: str, tensors: dict[str, torch.Tensor], metadata: dict[s
             f.write(c)
 
 
-def store(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
-    """Write ``tensors`` atomically; False (logged) when the cache directory cannot be written."""
+def store(path: Path, tensors: dict[str, torch.Tensor], entry: str = "") -> bool:
+    """Write ``tensors`` atomically; False (logged) when the cache directory cannot be written. ``entry``:
+    ``entry_key`` of what they are (then this model's entries made by other code are deleted)."""
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    meta = {"batchgen_format": FORMAT, "layout": _layout(tensors),
+    meta = {"batchgen_format": FORMAT, "layout": _layout(tensors), "entry": entry, "code": code_key(),
             **{f"crc32:{k}": v for k, v in _crcs(tensors).items()}}
     tmp = None
     try:
@@ -173,16 +187,22 @@ def store(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-    _prune(path.parent, keep=path)
+    _prune(path.parent, keep=path, entry=entry, code=meta["code"])
     return True
 
 
-def _prune(root: Path, keep: Path) -> None:
+def _prune(root: Path, keep: Path, entry: str = "", code: str = "") -> None:
     try:
         files = sorted(root.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
     except OSError:
         return
-    for p in [f for f in files if f != keep][MAX_ENTRIES - 1:]:
+    others = [f for f in files if f != keep]
+    for p in others:
+        if entry and _recorded(p, "entry") == entry and _recorded(p, "code") != code:
+            log.info("weights cache: %s holds this model as an earlier engine version made it; deleted", p)
+            p.unlink(missing_ok=True)
+    others = [f for f in others if f.exists()]
+    for p in others[MAX_ENTRIES - 1:]:
         p.unlink(missing_ok=True)
     for p in root.glob("*.tmp"):            # left by a writer that died mid-write (an hour is ample)
         try:
@@ -192,4 +212,19 @@ def _prune(root: Path, keep: Path) -> None:
             pass
 
 
-__all__ = ["cache_path", "load", "store", "enabled", "cache_dir", "MAX_ENTRIES"]
+def _recorded(path: Path, key: str) -> str | None:
+    """A value of ``path``'s safetensors metadata (the header only is read); None where unreadable or absent."""
+    import json
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 100 << 20:
+                return None
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    v = meta.get(key) if isinstance(meta, dict) else None
+    return v if isinstance(v, str) else None
+
+
+__all__ = ["cache_path", "entry_key", "code_key", "load", "store", "enabled", "cache_dir", "MAX_ENTRIES"]
