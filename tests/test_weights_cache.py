@@ -164,5 +164,6 @@ def test_an_upgrade_deletes_this_models_entries_made_by_other_code(tiny_gguf, mo
     left = {p.name for p in weights_cache.cache_dir().glob("*.safetensors")}
     assert new.name in left and old.name not in left
     assert other.name in left and old_bf16.name in left         # another model, another dtype: left to the count
-    assert weights_cache._recorded(new, "entry") == weights_cache.entry_key(model_identity(tiny_gguf), torch.float32)
-    assert weights_cache._recorded(new, "code") == weights_cache.code_key() != weights_cache._recorded(old_bf16, "code")
+    meta, meta_bf16 = weights_cache._metadata(new), weights_cache._metadata(old_bf16)
+    assert meta["entry"] == weights_cache.entry_key(model_identity(tiny_gguf), torch.float32)
+    assert meta["code"] == weights_cache.code_key() != meta_bf16["code"]

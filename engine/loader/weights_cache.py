@@ -197,11 +197,12 @@ def _prune(root: Path, keep: Path, entry: str = "", code: str = "") -> None:
     except OSError:
         return
     others = [f for f in files if f != keep]
-    for p in others:
-        if entry and _recorded(p, "entry") == entry and _recorded(p, "code") != code:
+    if entry:
+        stale = [p for p in others if _superseded(_metadata(p), entry, code)]
+        for p in stale:
             log.info("weights cache: %s holds this model as an earlier engine version made it; deleted", p)
             p.unlink(missing_ok=True)
-    others = [f for f in others if f.exists()]
+        others = [p for p in others if p not in stale]
     for p in others[MAX_ENTRIES - 1:]:
         p.unlink(missing_ok=True)
     for p in root.glob("*.tmp"):            # left by a writer that died mid-write (an hour is ample)
@@ -212,19 +213,23 @@ def _prune(root: Path, keep: Path, entry: str = "", code: str = "") -> None:
             pass
 
 
-def _recorded(path: Path, key: str) -> str | None:
-    """A value of ``path``'s safetensors metadata (the header only is read); None where unreadable or absent."""
+def _superseded(meta: dict, entry: str, code: str) -> bool:
+    """An entry's metadata says it caches ``entry`` as other code than ``code`` made it."""
+    return meta.get("entry") == entry and meta.get("code") != code
+
+
+def _metadata(path: Path) -> dict:
+    """``path``'s safetensors metadata (the header only is read); {} where unreadable or absent."""
     import json
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if not 0 < n <= 100 << 20:
-                return None
-            meta = json.loads(f.read(n)).get("__metadata__") or {}
+                return {}
+            meta = json.loads(f.read(n)).get("__metadata__")
     except (OSError, ValueError, AttributeError):
-        return None
-    v = meta.get(key) if isinstance(meta, dict) else None
-    return v if isinstance(v, str) else None
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 __all__ = ["cache_path", "entry_key", "code_key", "load", "store", "enabled", "cache_dir", "MAX_ENTRIES"]
