@@ -104,7 +104,8 @@ def test_asking_for_amx_prompt_rows_without_the_tiles_says_so(monkeypatch, caplo
 # (600, 96, 64): two passes of rows (over 512); (70, 17000, 32): K in 17 chunks; (600, 2200, 48): both; bf16 rows
 # with K a multiple of 32 are read in place (a pass's last block past M packed): (47, 896, 160), (600, 4096, 32);
 # few rows of a long K in one chunk: (64, 2600, 96); K in chunks with one pass, each chunk dequantized as it comes:
-# (70, 17000, 32)
+# (70, 17000, 32); two or more 32-row blocks run K in sub-chunks of 8 k-steps, a row alone (one block) in one
+# run: (47, 896, 160) 8 + 8 + 8 + 4, (100, 640, 96), (600, 2200, 48) within K chunks
 @pytest.mark.parametrize("m, k, n", [(1, 64, 32), (33, 100, 70), (47, 896, 160), (100, 640, 96), (600, 96, 64),
                                      (70, 17000, 32), (600, 2200, 48), (600, 4096, 32), (64, 2600, 96)])
 def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, k, n):

@@ -19,7 +19,8 @@
  * pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of one pass of rows, a chunk's k-steps
  * as they come, into its thread's panel: every weight once; with passes of rows, all pairs once, first thing, for
  * all of them), then runs every 32-row block of the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16
- * pairs x 16 columns), 4 C tiles, stored between K chunks and loaded back (exact). Each output's sum runs over K in
+ * pairs x 16 columns), 4 C tiles, stored between K chunks and loaded back (exact); within a chunk every block runs 8
+ * k-steps before any block runs the next 8 (AMX_PROMPT_SUB: their B tiles stay in L1). Each output's sum runs over K in
  * the same order however the rows and K are cut. Packed bf16 rows: every thread packs its own copy; a block's stores
  * overlap the next block's products (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
 #ifndef BATCHGEN_QLINEAR_AMX_PROMPT_H
@@ -207,61 +208,78 @@ static arows_t packed_rows(const uint16_t *xa, int sc) {
     return (arows_t){xa, NULL, (size_t)sc * 1024, 1024, 512, 64};
 }
 
-/* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (rows from A): each
- * block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024 floats a block), and end in
- * `part` or, after the last chunk, in y (amx_store_rows). A plain block's stores run while the next block's tile
- * products do (a few rows after each k-step, so their cache misses overlap the products), from one of two sums
- * buffers; a GLU block's run at once (interleaved they measured slower). Each output's bits are the same either way. */
+/* k-steps of a chunk run over every 32-row block of the pass before the next ones: their B tiles (2 KB a k-step,
+ * 16 KB) then stay in L1 while the blocks' A tiles stream from L2, where a whole chunk's panel (56 KB at K = 896) would
+ * be read from L2 again for every block; each block's sums wait in `loc` between sub-chunks (a tile stored and
+ * loaded back: exact). A tile loop with its B panel 56 KB ran at 1,235-1,324 GFLOP/s a core, in sub-chunks of 7-14
+ * k-steps 1,491-1,518 (docs/perf/xeon-amx.md). */
+#ifndef AMX_PROMPT_SUB
+#define AMX_PROMPT_SUB 8
+#endif
+
+/* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (rows from A), in sub-chunks
+ * of AMX_PROMPT_SUB k-steps: each block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024
+ * floats a block), and end in `part` or, after the last chunk, in y (amx_store_rows). In the last sub-chunk of the
+ * last chunk a plain block's stores run while the next block's tile products do (a few rows after each k-step, so
+ * their cache misses overlap the products), from one of two sums buffers; a GLU block's run at once (interleaved
+ * they measured slower). Each output's sum runs over K in the same order, so its bits are the same either way. */
 static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
                         float *part, int M, int m0, int np, int ncols, void *y, int ldy, int out, int glu) {
     float acc[2][32][32] __attribute__((aligned(64)));
+    float loc[AMX_PROMPT_MAX_ROWS / 32][1024] __attribute__((aligned(64)));   /* sums between sub-chunks */
     pending_t pend = {acc[1], 0, 0, 0};
-    const int per_step = (32 + sc - 1) / sc;   /* rows of the previous block stored after each k-step */
-    const int nblocks = rows / 32;
-    for (int b = 0; b < nblocks; b++) {
-        float *sums = part ? part + (size_t)b * 1024 : NULL;    /* K in chunks only */
-        const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
-        if (first) {
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_zero(6);
-            _tile_zero(7);
-        } else {
-            _tile_loadd(4, sums, 64);
-            _tile_loadd(5, sums + 256, 64);
-            _tile_loadd(6, sums + 512, 64);
-            _tile_loadd(7, sums + 768, 64);
+    const int nblocks = rows / 32, sub = nblocks > 1 ? AMX_PROMPT_SUB : sc;
+    for (int u0 = 0; u0 < sc; u0 += sub) {
+        const int un = sc - u0 < sub ? sc - u0 : sub, ufirst = u0 == 0, ulast = u0 + un >= sc;
+        const int done = ulast && last;                 /* this sub-chunk's blocks end in y */
+        const int per_step = (32 + un - 1) / un;        /* rows of the previous block stored after each k-step */
+        for (int b = 0; b < nblocks; b++) {
+            float *sums = part ? part + (size_t)b * 1024 : NULL;    /* K in chunks only */
+            const float *from = ufirst ? sums : loc[b];
+            const int m = m0 + b * 32, R = M - m < 32 ? M - m : 32;
+            if (ufirst && first) {
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_zero(6);
+                _tile_zero(7);
+            } else {
+                _tile_loadd(4, from, 64);
+                _tile_loadd(5, from + 256, 64);
+                _tile_loadd(6, from + 512, 64);
+                _tile_loadd(7, from + 768, 64);
+            }
+            if (done && !glu && R > 0) prefetch_out(y, R, m, np, ldy, out);
+            const int tail = A->tail && b == nblocks - 1;
+            const arows_t T = tail ? packed_rows(A->tail, sc) : *A;
+            const uint16_t *a = tail ? A->tail : A->base + (size_t)b * A->block;
+            for (int s = u0; s < u0 + un; s++) {
+                _tile_loadd(0, a + (size_t)s * T.step, T.stride);
+                _tile_loadd(1, a + (size_t)s * T.step + T.half, T.stride);
+                _tile_loadd(2, panel + (size_t)(s0 + s) * 512, 64);
+                _tile_loadd(3, panel + (size_t)(s0 + s) * 512 + 256, 64);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(5, 0, 3);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+                if (done) store_some(&pend, (s - u0 + 1) * per_step, np, ncols, y, ldy, out, glu);
+            }
+            if (!done) {
+                float *to = ulast ? sums : loc[b];
+                _tile_stored(4, to, 64);
+                _tile_stored(5, to + 256, 64);
+                _tile_stored(6, to + 512, 64);
+                _tile_stored(7, to + 768, 64);
+                continue;
+            }
+            store_some(&pend, 32, np, ncols, y, ldy, out, glu);
+            float (*next)[32] = acc[b & 1];
+            _tile_stored(4, &next[0][0], 128);
+            _tile_stored(5, &next[0][16], 128);
+            _tile_stored(6, &next[16][0], 128);
+            _tile_stored(7, &next[16][16], 128);
+            pend = (pending_t){next, m, R > 0 ? R : 0, 0};
+            if (glu) store_some(&pend, 32, np, ncols, y, ldy, out, glu);   /* at once: measured faster for a GLU */
         }
-        if (last && !glu && R > 0) prefetch_out(y, R, m, np, ldy, out);
-        const int tail = A->tail && b == nblocks - 1;
-        const arows_t T = tail ? packed_rows(A->tail, sc) : *A;
-        const uint16_t *a = tail ? A->tail : A->base + (size_t)b * A->block;
-        for (int s = 0; s < sc; s++) {
-            _tile_loadd(0, a + (size_t)s * T.step, T.stride);
-            _tile_loadd(1, a + (size_t)s * T.step + T.half, T.stride);
-            _tile_loadd(2, panel + (size_t)(s0 + s) * 512, 64);
-            _tile_loadd(3, panel + (size_t)(s0 + s) * 512 + 256, 64);
-            _tile_dpbf16ps(4, 0, 2);
-            _tile_dpbf16ps(5, 0, 3);
-            _tile_dpbf16ps(6, 1, 2);
-            _tile_dpbf16ps(7, 1, 3);
-            store_some(&pend, (s + 1) * per_step, np, ncols, y, ldy, out, glu);
-        }
-        if (!last) {
-            _tile_stored(4, sums, 64);
-            _tile_stored(5, sums + 256, 64);
-            _tile_stored(6, sums + 512, 64);
-            _tile_stored(7, sums + 768, 64);
-            continue;
-        }
-        store_some(&pend, 32, np, ncols, y, ldy, out, glu);
-        float (*next)[32] = acc[b & 1];
-        _tile_stored(4, &next[0][0], 128);
-        _tile_stored(5, &next[0][16], 128);
-        _tile_stored(6, &next[16][0], 128);
-        _tile_stored(7, &next[16][16], 128);
-        pend = (pending_t){next, m, R > 0 ? R : 0, 0};
-        if (glu) store_some(&pend, 32, np, ncols, y, ldy, out, glu);   /* at once: measured faster for a GLU */
     }
     store_some(&pend, 32, np, ncols, y, ldy, out, glu);
 }
