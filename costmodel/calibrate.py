@@ -12,6 +12,11 @@ The matmul peak is the best of the kernels measured at that dtype (``kernel_flop
 matmul for the float dtypes; for int8 both our int8 linear (``q8_linear``: csrc/qlinear/, float32 activations
 quantized on the fly, as ``quantization: int8`` runs) and torch's int8 GEMM (``torch._int_mm``: oneDNN on the
 CPU), so that ``matmul_flops`` is this machine's int8 peak, not only our kernel's.
+
+The bfloat16 calibration also times our AMX prompt-row kernel (``q8_linear_amx``: bf16 tiles over dequantized int8
+weights, float32 activations, as an int8 engine's prompt rows run on AMX) where it runs, recorded in
+``kernel_flops`` beside torch's but left out of the peak (``SIDE_KERNELS``): ``costmodel.predict`` prices those rows
+at its rate, not at oneDNN's (measured 0.65-0.8x of it on an AMX Xeon: docs/perf/xeon-amx.md).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ MATMUL_SHAPES = ((512, 640, 2048), (2048, 640, 2048), (2048, 2048, 640), (2048, 
 QUICK_MATMUL_SHAPES = ((512, 640, 2048),)
 SMALL_M_SHAPE = (16, 640, 2048)   # a decode-sized batch: M of 16
 MATMUL_KERNEL, Q8_KERNEL, INT_MM_KERNEL = "torch.matmul", "q8_linear", "torch._int_mm"
+AMX_PROMPT_KERNEL = "q8_linear_amx"
+SIDE_KERNELS = frozenset({AMX_PROMPT_KERNEL})   # timed and recorded, not this dtype's peak: an int8 engine's kernel
 
 
 @dataclass(frozen=True)
@@ -152,12 +159,15 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
                if (r := _measure_kernel(dev, measure, shapes, reps)) is not None}
     if not kernels:
         raise RuntimeError(f"no matmul kernel ran at {dtype} on {dev}")
-    peak_kernel = max(kernels, key=lambda name: kernels[name]["matmul_flops"])
+    peaks = {name: k for name, k in kernels.items() if name not in SIDE_KERNELS}
+    if not peaks:
+        raise RuntimeError(f"no matmul kernel ran at {dtype} on {dev}")
+    peak_kernel = max(peaks, key=lambda name: peaks[name]["matmul_flops"])
     by_shape: dict[str, float] = {}
-    for k in kernels.values():
+    for k in peaks.values():
         for shape, v in k["by_shape"].items():
             by_shape[shape] = max(v, by_shape.get(shape, 0.0))
-    small_m = max((k["small_m_flops"] for k in kernels.values() if k["small_m_flops"] is not None), default=None)
+    small_m = max((k["small_m_flops"] for k in peaks.values() if k["small_m_flops"] is not None), default=None)
     # NOTE: well beyond the last-level cache, which would read faster than DRAM (docs/perf/code-notes-perf.md).
     buf_bytes = (192 << 20) if quick else ((2 << 30) if dev.type == "cuda" else (1 << 30))
     read_bw, copy_bw = _bandwidth(dev, buf_bytes, reps)
@@ -176,7 +186,10 @@ def _kernels(dtype: str) -> dict:
     """kernel name -> measure(dev, m, k, n, reps) -> FLOP/s (None: the kernel does not take this shape here)."""
     if dtype == "int8":
         return {Q8_KERNEL: _int8_flops, INT_MM_KERNEL: _int_mm_flops}
-    return {MATMUL_KERNEL: partial(_matmul_flops, dtype=DTYPES[dtype])}
+    kernels = {MATMUL_KERNEL: partial(_matmul_flops, dtype=DTYPES[dtype])}
+    if dtype == "bfloat16":
+        kernels[AMX_PROMPT_KERNEL] = _amx_prompt_flops
+    return kernels
 
 
 def _measure_kernel(dev: torch.device, measure, shapes, reps: int) -> dict | None:
@@ -201,6 +214,8 @@ def get_calibration(device: str | torch.device, dtype: str, cache_dir: str | Pat
     cal = load_calibration(device, dtype, cache_dir)
     if cal is None or (cal.quick and not quick):
         cal = calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
+    elif dtype == "bfloat16" and AMX_PROMPT_KERNEL not in cal.kernel_flops and _amx_prompts(torch.device(device)):
+        cal = calibrate(device, dtype, quick=cal.quick, cache_dir=cache_dir)   # cached before it was timed
     return cal
 
 
@@ -239,6 +254,27 @@ def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
 
 
 @torch.inference_mode()
+def _amx_prompts(dev: torch.device) -> bool:
+    """True where an int8 engine's prompt rows can run on AMX-BF16 tiles here (``qlinear.prompt_amx_ok``)."""
+    if dev.type != "cpu":
+        return False
+    import engine.kernels.qlinear as qlinear
+    return qlinear.prompt_amx_ok()
+
+
+@torch.inference_mode()
+def _amx_prompt_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float | None:
+    """``q8_linear_amx`` on float32 rows into a kept output (the engine's prompt rows); None where it cannot run."""
+    if not _amx_prompts(dev):
+        return None
+    import engine.kernels.qlinear as qlinear
+    import engine.quant.int8 as int8
+    w, sw, _ = int8.pack(*int8.quantize_rows(torch.randn(n, k)))
+    x, y = torch.randn(m, k), torch.empty(m, n)
+    secs = _timed(dev, lambda: qlinear.q8_linear_amx(x, w, sw, n, out=y), reps)
+    return 2.0 * m * k * n / secs
+
+
 def _int_mm_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float | None:
     """torch's int8 GEMM (int8 x int8 -> int32; oneDNN on the CPU), the weight laid out as a linear's ([N, K],
     transposed); None where this torch has no ``_int_mm`` or it does not take the shape (CUDA: M > 16, K and N

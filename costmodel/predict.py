@@ -270,7 +270,7 @@ def plan_pricer(info, model_config) -> Callable | None:
     if model_config is None:
         return None
     # NOTE: lazy: calibrate pulls in torch; the runner (pipeline.run.runner) loads this module without torch
-    from costmodel.calibrate import get_calibration
+    from costmodel.calibrate import AMX_PROMPT_KERNEL, get_calibration
     # NOTE: int8 engines: the linears run at the int8 kernel's rate (its own calibration), their weights stream
     # at int8's bytes (INT8_WEIGHT_BYTES), KV at kv_cache_dtype's.
     cfg = info.config
@@ -281,8 +281,11 @@ def plan_pricer(info, model_config) -> Callable | None:
     mm_flops, small_flops = (ours["matmul_flops"], ours["small_m_flops"]) if ours else (cal.matmul_flops,
                                                                                          cal.small_m_flops)
     if int8 and RunFormat.of(info).calibration_dtype == "bfloat16":
-        # prompt rows on AMX-BF16 tiles: large steps at bf16's peak; decode-sized rows keep the int8 kernel's rate
-        mm_flops = get_calibration(cfg.device, "bfloat16", quick=True).matmul_flops
+        # prompt rows on AMX-BF16 tiles: large steps at our tile kernel's rate (oneDNN's bf16 peak where a calibration
+        # has not timed it); decode-sized rows keep the int8 kernel's rate
+        bf16 = get_calibration(cfg.device, "bfloat16", quick=True)
+        amx = (bf16.kernel_flops or {}).get(AMX_PROMPT_KERNEL)
+        mm_flops = amx["matmul_flops"] if amx else bf16.matmul_flops
     dtype_bytes = DTYPE_BYTES.get(cfg.dtype, 2)
     kv_bytes = KV_BYTES.get(cfg.kv_cache_dtype, dtype_bytes)
     measured = measured_steps(info)

@@ -125,17 +125,20 @@ def test_measured_steps_scale_the_roofline_to_this_machine():
     assert 2 * base.decode_s <= scaled.decode_s <= 4 * base.decode_s
 
 
-@pytest.mark.parametrize("prompts, large", [("bf16", 3e12), ("int8", 5e11)])
-def test_int8_prompt_rows_on_amx_are_priced_at_the_bf16_peak(monkeypatch, prompts, large):
-    """An int8 engine whose prompt rows run bf16 on AMX tiles: large steps at bf16's calibrated rate, decode-sized rows
-    at the int8 kernel's; with the int8 dot products both come from the int8 kernel's calibration."""
+@pytest.mark.parametrize("prompts, amx, large", [("bf16", None, 3e12), ("bf16", 2e12, 2e12), ("int8", 2e12, 5e11)])
+def test_int8_prompt_rows_on_amx_are_priced_at_their_kernels_rate(monkeypatch, prompts, amx, large):
+    """An int8 engine whose prompt rows run bf16 on AMX tiles: large steps at our tile kernel's rate as the bf16
+    calibration timed it (q8_linear_amx; torch's bf16 peak where it was not timed), decode-sized rows at the int8
+    kernel's; with the int8 dot products both come from the int8 kernel's calibration."""
     from types import SimpleNamespace
 
     import costmodel.calibrate as calibrate
     rates = {"int8": SimpleNamespace(matmul_flops=4e11, small_m_flops=1e11, memory_bandwidth=2e10,
                                      kernel_flops={"q8_linear": {"matmul_flops": 5e11, "small_m_flops": 2e11}}),
              "bfloat16": SimpleNamespace(matmul_flops=3e12, small_m_flops=3e11, memory_bandwidth=2e10,
-                                         kernel_flops={})}
+                                         kernel_flops={"torch.matmul": {"matmul_flops": 3e12}} if amx is None else
+                                         {"torch.matmul": {"matmul_flops": 3e12},
+                                          "q8_linear_amx": {"matmul_flops": amx, "small_m_flops": 1e11}})}
     monkeypatch.setattr(calibrate, "get_calibration", lambda device, dtype, quick=False: rates[dtype])
     monkeypatch.setattr(P, "measured_steps", lambda info: None)
     seen = {}

@@ -87,6 +87,33 @@ def test_int8_peak_without_int_mm_is_our_kernels(monkeypatch):
     assert (cal.matmul_flops, cal.peak_kernel, list(cal.kernel_flops)) == (300e9, "q8_linear", ["q8_linear"])
 
 
+def test_bf16_records_the_amx_prompt_kernel_beside_torchs_peak(monkeypatch, tmp_path):
+    """The bfloat16 calibration times q8_linear_amx where it runs and records it, but the peak stays torch's (even
+    where ours is faster); a cached bfloat16 calibration without it is measured again where it runs, as quick or
+    full as it was; where it cannot run, a cached one is kept."""
+    from costmodel import calibrate as C
+    monkeypatch.setattr(C, "_matmul_flops", lambda dev, m, k, n, reps, dtype: 2e12 if m > 16 else 3e11)
+    monkeypatch.setattr(C, "_bandwidth", lambda dev, nbytes, reps: (20e9, 30e9))
+    amx_ok = {"on": True}
+    monkeypatch.setattr(C, "_amx_prompts", lambda dev: amx_ok["on"])
+    monkeypatch.setattr(C, "_amx_prompt_flops", lambda dev, m, k, n, reps: (2.5e12 if m > 16 else 4e11)
+                        if amx_ok["on"] else None)
+    cal = C.calibrate("cpu", "bfloat16", quick=True, save=False)
+    assert (cal.matmul_flops, cal.peak_kernel, cal.small_m_flops) == (2e12, "torch.matmul", 3e11)
+    assert cal.matmul_by_shape == {"512x640x2048": 2e12}
+    assert cal.kernel_flops["q8_linear_amx"] == {"matmul_flops": 2.5e12, "small_m_flops": 4e11,
+                                                 "by_shape": {"512x640x2048": 2.5e12}}
+    old = C.Calibration(**{**C.Calibration.from_dict(cal.to_dict()).__dict__,
+                           "kernel_flops": {"torch.matmul": cal.kernel_flops["torch.matmul"]}})
+    C.save_calibration(old, tmp_path)
+    amx_ok["on"] = False                                    # not here: the cached one is used as it is
+    assert C.get_calibration("cpu", "bfloat16", cache_dir=tmp_path, quick=True) == old
+    amx_ok["on"] = True                                     # here: measured again, quick as the cached one was
+    again = C.get_calibration("cpu", "bfloat16", cache_dir=tmp_path, quick=True)
+    assert "q8_linear_amx" in again.kernel_flops and again.quick
+    assert C.load_calibration("cpu", "bfloat16", tmp_path) == again
+
+
 def test_old_cached_calibrations_still_load():
     from costmodel.calibrate import Calibration
     old = {"device": "cpu-2t", "device_name": "cpu", "dtype": "int8", "matmul_flops": 1e11, "memory_bandwidth": 2e10,
