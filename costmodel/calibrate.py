@@ -253,7 +253,6 @@ def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
     return 2.0 * m * k * n / secs
 
 
-@torch.inference_mode()
 def _amx_prompts(dev: torch.device) -> bool:
     """True where an int8 engine's prompt rows can run on AMX-BF16 tiles here (``qlinear.prompt_amx_ok``)."""
     if dev.type != "cpu":
@@ -275,6 +274,7 @@ def _amx_prompt_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> f
     return 2.0 * m * k * n / secs
 
 
+@torch.inference_mode()
 def _int_mm_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float | None:
     """torch's int8 GEMM (int8 x int8 -> int32; oneDNN on the CPU), the weight laid out as a linear's ([N, K],
     transposed); None where this torch has no ``_int_mm`` or it does not take the shape (CUDA: M > 16, K and N
