@@ -140,7 +140,7 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
                                 "prediction_basis": (r["extra"].get("prediction") or {}).get("basis")}
     if ours and not ours["skipped"]:
         row["round_pairs"] = _round_pairs(ours, by)
-        row["round_ratios"] = {name: [p for p, _ in pairs] for name, pairs in row["round_pairs"].items()}
+        row["round_ratios"] = _ratios(row["round_pairs"])
         for name, r in by.items():
             if name != s.systems[0] and not r["skipped"] and r["wall_s"]:
                 # rounds paired in the same minutes: the median of their ratios; else the medians' ratio
@@ -153,7 +153,12 @@ def sweep_row(s: SweepShape, sizes: dict, result: dict, elapsed_s: float) -> dic
 def round_ratios(ours: dict, by: dict) -> dict:
     """Each peer's seconds over ours round by round (the rounds both ran), in round order: with the systems held
     loaded and interleaved (bench.rounds) each pair ran in the same minutes."""
-    return {name: [p for p, _ in pairs] for name, pairs in _round_pairs(ours, by).items()}
+    return _ratios(_round_pairs(ours, by))
+
+
+def _ratios(round_pairs: dict) -> dict:
+    """``_round_pairs``' ratios alone, per peer."""
+    return {name: [p for p, _ in pairs] for name, pairs in round_pairs.items()}
 
 
 # A pair of rounds whose machine probes (bench.rounds.machine_speed) differ by more than this ran in different

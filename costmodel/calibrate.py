@@ -157,8 +157,6 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
     shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
     kernels = {name: r for name, measure in _kernels(dtype).items()
                if (r := _measure_kernel(dev, measure, shapes, reps)) is not None}
-    if not kernels:
-        raise RuntimeError(f"no matmul kernel ran at {dtype} on {dev}")
     peaks = {name: k for name, k in kernels.items() if name not in SIDE_KERNELS}
     if not peaks:
         raise RuntimeError(f"no matmul kernel ran at {dtype} on {dev}")
