@@ -16,7 +16,7 @@ CPU), so that ``matmul_flops`` is this machine's int8 peak, not only our kernel'
 The bfloat16 calibration also times our AMX prompt-row kernel (``q8_linear_amx``: bf16 tiles over dequantized int8
 weights, float32 activations, as an int8 engine's prompt rows run on AMX) where it runs, recorded in
 ``kernel_flops`` beside torch's but left out of the peak (``SIDE_KERNELS``): ``costmodel.predict`` prices those rows
-at its rate, not at oneDNN's (measured 0.65-0.8x of it on an AMX Xeon: docs/perf/xeon-amx.md).
+at its rate, not at oneDNN's (they differ: docs/perf/xeon-amx.md, 2026-12-06).
 """
 from __future__ import annotations
 

@@ -211,8 +211,7 @@ static arows_t packed_rows(const uint16_t *xa, int sc) {
 /* k-steps of a chunk run over every 32-row block of the pass before the next ones: their B tiles (2 KB a k-step,
  * 16 KB) then stay in L1 while the blocks' A tiles stream from L2, where a whole chunk's panel (56 KB at K = 896) would
  * be read from L2 again for every block; each block's sums wait in `loc` between sub-chunks (a tile stored and
- * loaded back: exact). A tile loop with its B panel 56 KB ran at 1,235-1,324 GFLOP/s a core, in sub-chunks of 7-14
- * k-steps 1,491-1,518 (docs/perf/xeon-amx.md). */
+ * loaded back: exact). Measured against the whole-chunk order: docs/perf/xeon-amx.md (2026-12-06). */
 #ifndef AMX_PROMPT_SUB
 #define AMX_PROMPT_SUB 8
 #endif
