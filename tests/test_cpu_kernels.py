@@ -300,6 +300,31 @@ def test_rms_norm_kernel_on_strided_heads_with_and_without_rope(use_build, build
 
 
 @EVERY_BUILD
+@DTYPES
+def test_elementwise_rows_same_bits_in_a_small_call_and_a_split_one(use_build, build, dtype):
+    """A call under csrc/elementwise.c's PAR_MIN_ELEMENTS runs on the calling thread (a decode step's few rows),
+    a larger one splits its rows over the threads: a row's bits are the same either way, for every kernel."""
+    use_build(build)
+    g = torch.Generator().manual_seed(4)
+    big, small = 600, 5                                               # 600 x 128 elements: split; 5 x 128: not
+    x = torch.randn(big, 2, 64, generator=g).to(dtype)
+    h = torch.randn(big, 128, generator=g).to(dtype)
+    w, wo = torch.randn(64, generator=g), torch.randn(128, generator=g)
+    emb = torch.randn(big, 1, 64, generator=g)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    assert torch.get_num_threads() > 1 or pytest.skip("one thread: nothing is split")
+    for part in (slice(0, small), slice(big - small, big)):
+        assert torch.equal(elementwise.rms_norm(x, w, 1e-6, cos, sin)[part],
+                           elementwise.rms_norm(x[part], w, 1e-6, cos[part], sin[part]))
+        assert torch.equal(elementwise.glu(h, "silu")[part], elementwise.glu(h[part], "silu"))
+        xo, out = elementwise.add_rms_norm(x.view(big, 128), h, wo, 1e-6, wo, 1e-5)
+        xo_s, out_s = elementwise.add_rms_norm(x.view(big, 128)[part], h[part], wo, 1e-6, wo, 1e-5)
+        assert torch.equal(xo[part], xo_s) and torch.equal(out[part], out_s)
+        a, b = x.clone(), x[part].clone()
+        assert torch.equal(elementwise.rope_(a, cos, sin)[part], elementwise.rope_(b, cos[part], sin[part]))
+
+
+@EVERY_BUILD
 @pytest.mark.parametrize("src", [torch.float32, torch.bfloat16], ids=["from_f32", "from_bf16"])
 @pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16], ids=["to_f32", "to_bf16"])
 @pytest.mark.parametrize("tokens", [5, 300])               # one thread; split over threads

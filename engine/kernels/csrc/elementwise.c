@@ -11,10 +11,15 @@
  * All math is float32; a bf16 output is rounded once (torch rounds after every op, so results differ from
  * torch by at most an ulp or two of bf16; in float32 by float rounding and exp's ~2e-7). Plain C written for
  * the compiler's vectorizer (omp simd): the instruction set is the build's (-march=native: AVX-512 or
- * AVX2 + FMA; without it, baseline SSE2). Rows are split across OpenMP threads.
+ * AVX2 + FMA; without it, baseline SSE2). Rows are split across OpenMP threads once a call touches
+ * PAR_MIN_ELEMENTS or more; a smaller one (a decode step's few rows) runs on the calling thread, where waking the
+ * sleeping second thread (batchgen's short barrier spin, engine/omp_wait.py) costs more than the work. A row's
+ * arithmetic is the same on any thread, so the split never changes a bit.
  */
 #include "common.h"
 #include "kernels.h"
+
+#define PAR_MIN_ELEMENTS 32768
 
 /* Element access for the two activation dtypes: bf16 (uint16_t, rounded to nearest even on store) and float32.
  * Each kernel below is stamped out once per dtype; the math is the same float32 code. */
@@ -41,7 +46,7 @@ INV_RMS(float, f32)
 #define GLU(NAME, T, SFX, ACT)                                                                             \
     void NAME(const T *x, int64_t rows, int64_t inter, T *out, int32_t num_threads) {                     \
         (void)num_threads;                                                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * inter >= PAR_MIN_ELEMENTS)") \
         for (int64_t t = 0; t < rows; t++) {                                                               \
             const T *g = x + t * 2 * inter, *u = g + inter;                                                \
             T *o = out + t * inter;                                                                        \
@@ -63,7 +68,7 @@ GLU(silu_mul_f32, float, f32, silu)
               float eps, const T *cos, const T *sin, T *out, int32_t num_threads) {                        \
         (void)num_threads;                                                                                 \
         const int64_t half = dim / 2;                                                                      \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMENTS)") \
         for (int64_t t = 0; t < tokens; t++) {                                                             \
             float y[dim];                                                                                  \
             for (int64_t h = 0; h < heads; h++) {                                                          \
@@ -99,7 +104,7 @@ RMS_NORM_ROPE(rms_norm_rope_f32, float, f32)
     void NAME(const T *x, const T *h, int64_t tokens, int64_t dim, const float *wh, float eps_h,          \
               const float *wo, float eps_o, T *xo, T *out, int32_t num_threads) {                          \
         (void)num_threads;                                                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * dim >= PAR_MIN_ELEMENTS)") \
         for (int64_t t = 0; t < tokens; t++) {                                                             \
             const T *xr = x + t * dim, *hr = h + t * dim;                                                  \
             T *xn = xo + t * dim;                                                                          \
@@ -130,7 +135,7 @@ ADD_RMS_NORM(add_rms_norm_f32, float, f32)
               int32_t num_threads) {                                                                       \
         (void)num_threads;                                                                                 \
         const int64_t half = dim / 2;                                                                      \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                            \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMENTS)") \
         for (int64_t t = 0; t < tokens; t++) {                                                             \
             const T *c = cos + t * dim, *s = sin + t * dim;                                                \
             for (int64_t h = 0; h < heads; h++) {                                                          \
