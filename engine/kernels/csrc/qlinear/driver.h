@@ -127,10 +127,15 @@ static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qac
     }
 }
 
+/* Activations of fewer than QUANT_PAR_MIN elements are quantized on the calling thread: a decode step's rows take
+ * ~16 us alone at the threshold, less than waking the second thread (which sleeps between a step's regions under
+ * batchgen's short barrier spin, engine/omp_wait.py) costs. Each row is quantized alone: the same quants either way. */
+#define QUANT_PAR_MIN 65536
+
 static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn,
                       int nt) {
     const int G = Kp / QK;
-#pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
+#pragma omp parallel for schedule(static) num_threads(nt) if ((int64_t)M * K >= QUANT_PAR_MIN)
     for (int m = 0; m < M; m++)
         quant_row(x, is_bf16, (size_t)m * ldx, K, Kp, q + (size_t)m * Kp, sa + (size_t)m * G, mn + (size_t)m * G);
 }
