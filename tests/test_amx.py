@@ -137,6 +137,27 @@ def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, 
 
 
 @needs_prompt_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_results_are_the_cached_stores_bits(dtype):
+    """Where the result's rows are whole 64-byte lines a pair (y aligned, row bytes a multiple of 64) the kernel
+    stores them non-temporally: the same bits as its ordinary stores, which an unaligned ``out`` takes."""
+    from engine.kernels.qlinear import q8_linear_amx
+    from engine.quant import int8
+    g = torch.Generator().manual_seed(6)
+    m, k, n = 100, 640, 96                                   # 32-column pairs: three whole pairs a row
+    x = torch.randn(m, k, generator=g).to(dtype)
+    q, s = int8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    pw, sw, _ = int8.pack(q, s)
+    aligned = torch.empty(m, n, dtype=dtype)
+    assert aligned.data_ptr() % 64 == 0
+    shifted = torch.empty(m * n + 1, dtype=dtype)[1:].view(m, n)   # one element off: not a line a pair
+    q8_linear_amx(x, pw, sw, n, out=aligned)
+    q8_linear_amx(x, pw, sw, n, out=shifted)
+    assert torch.equal(aligned, shifted)
+    assert torch.equal(aligned[:1], q8_linear_amx(x[:1], pw, sw, n))
+
+
+@needs_prompt_amx
 def test_a_mixed_step_writes_both_row_kinds_into_one_result():
     """split_rows hands each kernel its row range of the step's result (no copy joining the parts): the same bits as
     each kernel's rows computed alone, and ``out`` that is not dense rows of x's dtype is refused."""

@@ -109,10 +109,41 @@ static inline __m512 act16(__m512 g, int act) {
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-/* store_rows for the tiles' results: the GLU's 16 outputs a row on 16 lanes (driver.h's store_glu, same bits),
- * everything else as store_rows */
-static inline void amx_store_rows(float (*acc)[32], int R, int m, int np, int ncols, void *y, int ldy, int out,
-                                  int glu) {
+/* Where a call's results go: y (row stride ldy) in the form `out` (AMX_OUT_*), GLU-fused or not; `stream`: a
+ * plain output whose rows' 32-column pieces are whole 64-byte lines (y and ldy aligned), stored non-temporally. */
+typedef struct {
+    void *y;
+    int ldy, out, glu, stream;
+} ydst_t;
+
+static ydst_t output_of(void *y, int ldy, int out, int glu) {
+    const int esz = out == AMX_OUT_F32 ? 4 : 2;
+    return (ydst_t){y, ldy, out, glu, !glu && ((uintptr_t)y & 63) == 0 && ((size_t)ldy * esz) % 64 == 0};
+}
+
+/* A whole pair's row (32 columns) written past the caches: 128 bytes of float32 or 64 of bf16, whole lines, so the
+ * store needs no read of the line first (a prompt's outputs are megabytes, read back by the next layer's kernel
+ * from memory either way). The same values as store_row's. */
+static inline void stream_row(const float *acc, void *y, int bf16, size_t off) {
+    if (!bf16) {
+        _mm512_stream_ps((float *)y + off, _mm512_load_ps(acc));
+        _mm512_stream_ps((float *)y + off + 16, _mm512_load_ps(acc + 16));
+        return;
+    }
+    const __m256i lo = _mm512_cvtepi32_epi16(bf16_bits(_mm512_load_ps(acc)));
+    const __m256i hi = _mm512_cvtepi32_epi16(bf16_bits(_mm512_load_ps(acc + 16)));
+    _mm512_stream_si512((__m512i *)((uint16_t *)y + off), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+/* store_rows for the tiles' results: the GLU's 16 outputs a row on 16 lanes (driver.h's store_glu, same bits), a
+ * streamed output's whole pairs by stream_row, everything else as store_rows */
+static inline void amx_store_rows(float (*acc)[32], int R, int m, int np, int ncols, const ydst_t *d) {
+    void *y = d->y;
+    const int ldy = d->ldy, out = d->out, glu = d->glu;
+    if (d->stream && ncols == 32) {
+        for (int r = 0; r < R; r++) stream_row(acc[r], y, out != AMX_OUT_F32, (size_t)(m + r) * ldy + (size_t)np * 32);
+        return;
+    }
     if (!glu) {
         store_rows(acc, R, m, np, ncols, y, ldy, out != AMX_OUT_F32, glu);
         return;
@@ -160,11 +191,12 @@ static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0,
 
 /* The output lines a block's rows m .. m + R of pair np will be stored to, asked for with write intent while the
  * block's tile products run: their misses then overlap the products instead of stalling the stores. Only for a
- * plain output's two lines a row (a GLU row's one line measured slower with it: docs/perf/xeon-amx.md). */
-static inline void prefetch_out(void *y, int R, int m, int np, int ldy, int out) {
-    const size_t esz = out != AMX_OUT_F32 ? 2 : 4;
+ * plain output's two lines a row that is not streamed (a GLU row's one line measured slower with it:
+ * docs/perf/xeon-amx.md). */
+static inline void prefetch_out(const ydst_t *d, int R, int m, int np) {
+    const size_t esz = d->out != AMX_OUT_F32 ? 2 : 4;
     for (int r = 0; r < R; r++) {
-        const char *p = (const char *)y + ((size_t)(m + r) * ldy + (size_t)np * 32) * esz;
+        const char *p = (const char *)d->y + ((size_t)(m + r) * d->ldy + (size_t)np * 32) * esz;
         _mm_prefetch(p, _MM_HINT_T0);
         if (esz == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
     }
@@ -176,10 +208,9 @@ typedef struct {
     int m, R, done;   /* the block's first output row, its rows, rows stored so far */
 } pending_t;
 
-static inline void store_some(pending_t *p, int until, int np, int ncols, void *y, int ldy, int out, int glu) {
+static inline void store_some(pending_t *p, int until, int np, int ncols, const ydst_t *d) {
     until = until < p->R ? until : p->R;
-    if (until > p->done)
-        amx_store_rows(p->acc + p->done, until - p->done, p->m + p->done, np, ncols, y, ldy, out, glu);
+    if (until > p->done) amx_store_rows(p->acc + p->done, until - p->done, p->m + p->done, np, ncols, d);
     p->done = until > p->done ? until : p->done;
 }
 
@@ -223,10 +254,11 @@ static arows_t packed_rows(const uint16_t *xa, int sc) {
  * their cache misses overlap the products), from one of two sums buffers; a GLU block's run at once (interleaved
  * they measured slower). Each output's sum runs over K in the same order, so its bits are the same either way. */
 static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
-                        float *part, int M, int m0, int np, int ncols, void *y, int ldy, int out, int glu) {
+                        float *part, int M, int m0, int np, int ncols, const ydst_t *d) {
     float acc[2][32][32] __attribute__((aligned(64)));
     float loc[AMX_PROMPT_MAX_ROWS / 32][1024] __attribute__((aligned(64)));   /* sums between sub-chunks */
     pending_t pend = {acc[1], 0, 0, 0};
+    const int glu = d->glu;
     const int nblocks = rows / 32, sub = nblocks > 1 ? AMX_PROMPT_SUB : sc;
     for (int u0 = 0; u0 < sc; u0 += sub) {
         const int un = sc - u0 < sub ? sc - u0 : sub, ufirst = u0 == 0, ulast = u0 + un >= sc;
@@ -247,7 +279,7 @@ static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s
                 _tile_loadd(6, from + 512, 64);
                 _tile_loadd(7, from + 768, 64);
             }
-            if (done && !glu && R > 0) prefetch_out(y, R, m, np, ldy, out);
+            if (done && !glu && !d->stream && R > 0) prefetch_out(d, R, m, np);
             const int tail = A->tail && b == nblocks - 1;
             const arows_t T = tail ? packed_rows(A->tail, sc) : *A;
             const uint16_t *a = tail ? A->tail : A->base + (size_t)b * A->block;
@@ -260,7 +292,7 @@ static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s
                 _tile_dpbf16ps(5, 0, 3);
                 _tile_dpbf16ps(6, 1, 2);
                 _tile_dpbf16ps(7, 1, 3);
-                if (done) store_some(&pend, (s - u0 + 1) * per_step, np, ncols, y, ldy, out, glu);
+                if (done) store_some(&pend, (s - u0 + 1) * per_step, np, ncols, d);
             }
             if (!done) {
                 float *to = ulast ? sums : loc[b];
@@ -270,17 +302,17 @@ static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s
                 _tile_stored(7, to + 768, 64);
                 continue;
             }
-            store_some(&pend, 32, np, ncols, y, ldy, out, glu);
+            store_some(&pend, 32, np, ncols, d);
             float (*next)[32] = acc[b & 1];
             _tile_stored(4, &next[0][0], 128);
             _tile_stored(5, &next[0][16], 128);
             _tile_stored(6, &next[16][0], 128);
             _tile_stored(7, &next[16][16], 128);
             pend = (pending_t){next, m, R > 0 ? R : 0, 0};
-            if (glu) store_some(&pend, 32, np, ncols, y, ldy, out, glu);   /* at once: measured faster for a GLU */
+            if (glu) store_some(&pend, 32, np, ncols, d);   /* at once: measured faster for a GLU */
         }
     }
-    store_some(&pend, 32, np, ncols, y, ldy, out, glu);
+    store_some(&pend, 32, np, ncols, d);
 }
 
 /* y[M, N] (row stride ldy, in the form `out`: AMX_OUT_*; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T;
@@ -320,6 +352,7 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
     const size_t xa_words = (size_t)pass_rows * SC * 32;
     uint16_t *xas = copies ? (uint16_t *)aligned_alloc(64, (size_t)copies * xa_words * 2) : NULL;
     uint16_t *xt = direct && M % 32 ? (uint16_t *)aligned_alloc(64, (size_t)SC * 1024 * 2) : NULL;
+    const ydst_t dst = output_of(y, ldy, out, glu);
     for (int m0 = 0; m0 < Mp; m0 += pass_rows) {
         const int rows = Mp - m0 < pass_rows ? Mp - m0 : pass_rows;
         for (int kc = 0; kc < nk; kc++) {
@@ -348,9 +381,9 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
                         dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, 0, S, panel);
                     const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
                     pair_blocks(&A, panel, rows, s0, sc, kc == 0, last,
-                                spill ? spill + (size_t)np * (rows / 32) * 1024 : NULL, M, m0, np, ncols, y, ldy,
-                                out, glu);
+                                spill ? spill + (size_t)np * (rows / 32) * 1024 : NULL, M, m0, np, ncols, &dst);
                 }
+                if (dst.stream) _mm_sfence();   /* this thread's streamed rows visible before the region ends */
                 _tile_release();
                 free(own);
             }
