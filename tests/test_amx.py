@@ -138,23 +138,26 @@ def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, 
 
 @needs_prompt_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_streamed_results_are_the_cached_stores_bits(dtype):
-    """Where the result's rows are whole 64-byte lines a pair (y aligned, row bytes a multiple of 64) the kernel
-    stores them non-temporally: the same bits as its ordinary stores, which an unaligned ``out`` takes."""
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_streamed_results_are_the_cached_stores_bits(dtype, act):
+    """Where a plain result's pieces are whole 64-byte lines (y aligned, row bytes a multiple of 64) the kernel
+    stores them non-temporally: the same bits as its ordinary stores, which an unaligned ``out`` takes, and as a row
+    alone; a GLU's results (half lines a pair in bf16) the same either way."""
     from engine.kernels.qlinear import q8_linear_amx
     from engine.quant import int8
     g = torch.Generator().manual_seed(6)
-    m, k, n = 100, 640, 96                                   # 32-column pairs: three whole pairs a row
+    m, k, n = 100, 640, 192                                  # six 32-column pairs; a GLU's result 96 columns
     x = torch.randn(m, k, generator=g).to(dtype)
     q, s = int8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
-    pw, sw, _ = int8.pack(q, s)
-    aligned = torch.empty(m, n, dtype=dtype)
+    pw, sw, _ = int8.pack(*(int8.glu_interleave(q, s) if act else (q, s)))
+    cols = n // 2 if act else n
+    aligned = torch.empty(m, cols, dtype=dtype)
     assert aligned.data_ptr() % 64 == 0
-    shifted = torch.empty(m * n + 1, dtype=dtype)[1:].view(m, n)   # one element off: not a line a pair
-    q8_linear_amx(x, pw, sw, n, out=aligned)
-    q8_linear_amx(x, pw, sw, n, out=shifted)
+    shifted = torch.empty(m * cols + 1, dtype=dtype)[1:].view(m, cols)   # one element off: no whole lines
+    q8_linear_amx(x, pw, sw, n, act, out=aligned)
+    q8_linear_amx(x, pw, sw, n, act, out=shifted)
     assert torch.equal(aligned, shifted)
-    assert torch.equal(aligned[:1], q8_linear_amx(x[:1], pw, sw, n))
+    assert torch.equal(aligned[:1], q8_linear_amx(x[:1], pw, sw, n, act))
 
 
 @needs_prompt_amx
