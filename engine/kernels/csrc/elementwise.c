@@ -46,7 +46,8 @@ INV_RMS(float, f32)
 #define GLU(NAME, T, SFX, ACT)                                                                             \
     void NAME(const T *x, int64_t rows, int64_t inter, T *out, int32_t num_threads) {                     \
         (void)num_threads;                                                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * inter >= PAR_MIN_ELEMENTS)") \
+        const int par = rows * inter >= PAR_MIN_ELEMENTS; (void)par;                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (par)")                     \
         for (int64_t t = 0; t < rows; t++) {                                                               \
             const T *g = x + t * 2 * inter, *u = g + inter;                                                \
             T *o = out + t * inter;                                                                        \
@@ -68,7 +69,8 @@ GLU(silu_mul_f32, float, f32, silu)
               float eps, const T *cos, const T *sin, T *out, int32_t num_threads) {                        \
         (void)num_threads;                                                                                 \
         const int64_t half = dim / 2;                                                                      \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMENTS)") \
+        const int par = tokens * heads * dim >= PAR_MIN_ELEMENTS; (void)par;                               \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (par)")                     \
         for (int64_t t = 0; t < tokens; t++) {                                                             \
             float y[dim];                                                                                  \
             for (int64_t h = 0; h < heads; h++) {                                                          \
@@ -104,7 +106,8 @@ RMS_NORM_ROPE(rms_norm_rope_f32, float, f32)
     void NAME(const T *x, const T *h, int64_t tokens, int64_t dim, const float *wh, float eps_h,          \
               const float *wo, float eps_o, T *xo, T *out, int32_t num_threads) {                          \
         (void)num_threads;                                                                                 \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * dim >= PAR_MIN_ELEMENTS)") \
+        const int par = tokens * dim >= PAR_MIN_ELEMENTS; (void)par;                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (par)")                     \
         for (int64_t t = 0; t < tokens; t++) {                                                             \
             const T *xr = x + t * dim, *hr = h + t * dim;                                                  \
             T *xn = xo + t * dim;                                                                          \
@@ -135,7 +138,8 @@ ADD_RMS_NORM(add_rms_norm_f32, float, f32)
               int32_t num_threads) {                                                                       \
         (void)num_threads;                                                                                 \
         const int64_t half = dim / 2;                                                                      \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMENTS)") \
+        const int par = tokens * heads * dim >= PAR_MIN_ELEMENTS; (void)par;                               \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (par)")                     \
         for (int64_t t = 0; t < tokens; t++) {                                                             \
             const T *c = cos + t * dim, *s = sin + t * dim;                                                \
             for (int64_t h = 0; h < heads; h++) {                                                          \

@@ -128,8 +128,9 @@ static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qac
 }
 
 /* Activations of fewer than QUANT_PAR_MIN elements are quantized on the calling thread: a decode step's rows take
- * ~16 us alone at the threshold, less than waking the second thread (which sleeps between a step's regions under
- * batchgen's short barrier spin, engine/omp_wait.py) costs. Each row is quantized alone: the same quants either way. */
+ * less time alone than waking the second thread costs, which sleeps between a step's regions under batchgen's short
+ * barrier spin (engine/omp_wait.py; measured: docs/perf/xeon-amx.md). Each row is quantized alone: the same quants
+ * either way. */
 #define QUANT_PAR_MIN 65536
 
 static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn,
