@@ -90,3 +90,22 @@ def test_engine_step_computes_only_sampled_rows_with_transformers_logits(pair):
     assert got.shape[0] == 2
     _close(got[0], _ref_logits(hf, prompts[2])[-1])
     _close(got[1], _ref_logits(hf, prompts[0])[-1])
+
+
+def test_pending_residual_add_gives_the_eager_adds_bits(pair, monkeypatch):
+    """Each layer's MLP output is added to the residual stream in the next layer's input-norm pass (and the last
+    one's in the final norm's): the same logits, bit for bit, as adding it at once and norming after."""
+    import engine.models.layers as layers
+    _, _, ours = pair
+    ids = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(5)).tolist()
+    fused = run_chunks(ours, ids, [11, 13, 1, 1, 1, 1, 1])
+
+    def eager(ops, x, pending, norm):
+        if pending is not None:
+            h, h_norm = pending
+            x = x + (ops.rms_norm(h, h_norm) if h_norm is not None else h)
+        return x, norm(x)
+    monkeypatch.setattr(layers, "with_pending", eager)
+    for mod in ("engine.models.llama", "engine.models.gemma3"):
+        monkeypatch.setattr(f"{mod}.with_pending", eager)
+    assert torch.equal(run_chunks(ours, ids, [11, 13, 1, 1, 1, 1, 1]), fused)

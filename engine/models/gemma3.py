@@ -7,7 +7,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, OpsModule, RMSNorm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, OpsModule, RMSNorm, run_layers, with_pending
 
 
 class Gemma3DecoderLayer(OpsModule):
@@ -21,11 +21,13 @@ class Gemma3DecoderLayer(OpsModule):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
         self.post_feedforward_layernorm = RMSNorm(h, eps, off)
 
-    def forward(self, positions, x, meta, rows=None):
-        h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
+    def forward(self, positions, x, meta, rows=None, pending=None):
+        """-> (residual stream, the MLP's output still to add after its post-feedforward norm: layers.Pending)"""
+        x, normed = with_pending(self.ops, x, pending, self.input_layernorm)
+        h = self.self_attn(positions, normed, meta, rows)
         x, y = self.ops.residual_norm(x if rows is None else x[rows], h, self.post_attention_layernorm,
-                             self.pre_feedforward_layernorm)
-        return self.ops.residual_norm(x, self.mlp(y), self.post_feedforward_layernorm, None)[0]
+                                      self.pre_feedforward_layernorm)
+        return x, (self.mlp(y), self.post_feedforward_layernorm)
 
 
 class Gemma3Model(nn.Module):
@@ -40,7 +42,7 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # NOTE: HF multiplies by the scale cast to the embedding dtype; do the same for bit-parity.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        return self.norm(run_layers(self.layers, positions, x, meta))
+        return run_layers(self.layers, positions, x, meta, self.norm)
 
 
 class Gemma3ForCausalLM(CausalLM):

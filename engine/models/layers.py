@@ -167,17 +167,38 @@ class Attention(OpsModule):
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
-def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-    """Every layer over every token, except that the last one computes only ``meta.sample_rows`` when set.
+def run_layers(layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+               final_norm: RMSNorm) -> torch.Tensor:
+    """Every layer over every token, except that the last one computes only ``meta.sample_rows`` when set; returns
+    the final norm of the result.
 
     Nothing after the last layer's K/V write feeds another token, so for a 4,096-token prefill step that
     samples a handful of rows this skips the last layer's attention, output projection and MLP for the rest.
+
+    A layer returns its residual stream and the output it has not added yet (``Pending``): the next layer adds it in
+    the pass that computes its input norm (``with_pending``: ``ops.residual_norm``, one fused kernel on the CPU
+    where an add, then the norm, read and wrote the stream twice), the final norm after the last layer. The same
+    bits as adding first (the fused kernel's contract, tested).
     """
     *body, last = layers
+    pending = None
     for layer in body:
-        x = layer(positions, x, meta)
-    return last(positions, x, meta, rows=meta.sample_rows)
+        x, pending = layer(positions, x, meta, pending=pending)
+    x, pending = last(positions, x, meta, rows=meta.sample_rows, pending=pending)
+    return with_pending(last.ops, x, pending, final_norm)[1]
+
+
+# A layer's output not yet added to the residual stream: (h, the norm h takes before the add, or None)
+Pending = tuple[torch.Tensor, RMSNorm | None]
+
+
+def with_pending(ops: TorchOps, x: torch.Tensor, pending: Pending | None,
+                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + the previous layer's pending output, ``norm`` of that sum) in one pass; (x, norm(x)) for the first."""
+    if pending is None:
+        return x, norm(x)
+    h, h_norm = pending
+    return ops.residual_norm(x, h, h_norm, norm)
 
 
 class GatedMLP(OpsModule):

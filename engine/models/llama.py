@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, OpsModule, RMSNorm, run_layers
+from engine.models.layers import Attention, CausalLM, Embedding, GatedMLP, OpsModule, RMSNorm, run_layers, with_pending
 
 
 class LlamaDecoderLayer(OpsModule):
@@ -15,10 +15,12 @@ class LlamaDecoderLayer(OpsModule):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, meta, rows=None):
-        h = self.self_attn(positions, self.input_layernorm(x), meta, rows)
+    def forward(self, positions, x, meta, rows=None, pending=None):
+        """-> (residual stream, the MLP's output still to add: layers.Pending)"""
+        x, normed = with_pending(self.ops, x, pending, self.input_layernorm)
+        h = self.self_attn(positions, normed, meta, rows)
         x, y = self.ops.residual_norm(x if rows is None else x[rows], h, None, self.post_attention_layernorm)
-        return x + self.mlp(y)
+        return x, (self.mlp(y), None)
 
 
 class LlamaModel(nn.Module):
@@ -29,7 +31,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
-        return self.norm(run_layers(self.layers, positions, self.embed_tokens(input_ids), meta))
+        return run_layers(self.layers, positions, self.embed_tokens(input_ids), meta, self.norm)
 
 
 class LlamaForCausalLM(CausalLM):
