@@ -116,9 +116,11 @@ typedef struct {
     int ldy, out, glu, stream;
 } ydst_t;
 
+/* bytes of one result element in the form `out` */
+static inline size_t out_size(int out) { return out == AMX_OUT_F32 ? 4 : 2; }
+
 static ydst_t output_of(void *y, int ldy, int out, int glu) {
-    const int esz = out == AMX_OUT_F32 ? 4 : 2;
-    return (ydst_t){y, ldy, out, glu, !glu && ((uintptr_t)y & 63) == 0 && ((size_t)ldy * esz) % 64 == 0};
+    return (ydst_t){y, ldy, out, glu, !glu && ((uintptr_t)y & 63) == 0 && ((size_t)ldy * out_size(out)) % 64 == 0};
 }
 
 /* A whole pair's row (32 columns) written past the caches: 128 bytes of float32 or 64 of bf16, whole lines, so the
@@ -194,7 +196,7 @@ static void pack_rows(const void *x, int is_bf16, int M, int K, int ldx, int m0,
  * plain output's two lines a row that is not streamed (a GLU row's one line measured slower with it:
  * docs/perf/xeon-amx.md). */
 static inline void prefetch_out(const ydst_t *d, int R, int m, int np) {
-    const size_t esz = d->out != AMX_OUT_F32 ? 2 : 4;
+    const size_t esz = out_size(d->out);
     for (int r = 0; r < R; r++) {
         const char *p = (const char *)d->y + ((size_t)(m + r) * d->ldy + (size_t)np * 32) * esz;
         _mm_prefetch(p, _MM_HINT_T0);

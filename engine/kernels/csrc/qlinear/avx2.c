@@ -253,7 +253,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int WI
 /* WIDE's activation rows: [|q - 128| (Kp bytes) | q - 128 as int8 (Kp bytes)] per row; malloc'd, caller frees. */
 static qact_t *centre_rows(const qact_t *q, int M, int Kp, int nt) {
     qact_t *out = (qact_t *)malloc((size_t)M * 2 * Kp);
-#pragma omp parallel for schedule(static) num_threads(nt) if (M > 8)
+#pragma omp parallel for schedule(static) num_threads(nt) if ((int64_t)M * Kp >= QUANT_PAR_MIN)
     for (int m = 0; m < M; m++) {
         qact_t *u = out + (size_t)m * 2 * Kp, *c = u + Kp;
         const qact_t *src = q + (size_t)m * Kp;

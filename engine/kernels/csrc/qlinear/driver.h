@@ -127,10 +127,10 @@ static void quant_row(const void *x, int is_bf16, size_t off, int K, int Kp, qac
     }
 }
 
-/* Activations of fewer than QUANT_PAR_MIN elements are quantized on the calling thread: a decode step's rows take
- * less time alone than waking the second thread costs, which sleeps between a step's regions under batchgen's short
- * barrier spin (engine/omp_wait.py; measured: docs/perf/xeon-amx.md). Each row is quantized alone: the same quants
- * either way. */
+/* Activations of fewer than QUANT_PAR_MIN elements are quantized on the calling thread (and, on the avx2 build,
+ * centred: centre_rows): a decode step's rows take less time alone than waking the second thread costs, which sleeps
+ * between a step's regions under batchgen's short barrier spin (engine/omp_wait.py; measured: docs/perf/xeon-amx.md).
+ * Each row is quantized alone: the same quants either way. */
 #define QUANT_PAR_MIN 65536
 
 static void quant_act(const void *x, int is_bf16, int M, int K, int ldx, int Kp, qact_t *q, float *sa, float *mn,
