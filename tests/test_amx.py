@@ -102,12 +102,14 @@ def test_asking_for_amx_prompt_rows_without_the_tiles_says_so(monkeypatch, caplo
 @needs_prompt_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # (600, 96, 64): two passes of rows (over 512); (70, 17000, 32): K in 17 chunks; (600, 2200, 48): both; bf16 rows
-# with K a multiple of 32 are read in place (a pass's last block past M packed): (47, 896, 160), (600, 4096, 32);
+# with K a multiple of 32 are read in place (a pass's last block past M packed): (47, 896, 160), (600, 4000, 32);
+# unless their stride is a multiple of 4 KB (then packed): (600, 4096, 32);
 # few rows of a long K in one chunk: (64, 2600, 96); K in chunks with one pass, each chunk dequantized as it comes:
 # (70, 17000, 32); two or more 32-row blocks run K in sub-chunks of 8 k-steps, a row alone (one block) in one
 # run: (47, 896, 160) 8 + 8 + 8 + 4, (100, 640, 96), (600, 2200, 48) within K chunks
 @pytest.mark.parametrize("m, k, n", [(1, 64, 32), (33, 100, 70), (47, 896, 160), (100, 640, 96), (600, 96, 64),
-                                     (70, 17000, 32), (600, 2200, 48), (600, 4096, 32), (64, 2600, 96)])
+                                     (70, 17000, 32), (600, 2200, 48), (600, 4096, 32), (600, 4000, 32),
+                                     (64, 2600, 96)])
 def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, k, n):
     """y = bf16(x) @ bf16(q * scale)^T with float32 sums: against that product in float64, within float32
     summation; each row's bits as computed alone; the fused GLU is the unfused product's act(gate) * up, bit for bit."""
@@ -134,6 +136,30 @@ def test_int8_prompt_rows_on_amx_are_bf16_products_of_the_int8_values(dtype, m, 
         gate_up = q8_linear_amx(x, pw, sw, n)
         assert torch.equal(fused, glu(gate_up, "silu"))      # the same bits as the unfused GLU
         assert torch.equal(q8_linear_amx(x, gw, gsw, n, "gelu_tanh"), glu(gate_up, "gelu_tanh"))
+
+
+@needs_prompt_amx
+@pytest.mark.parametrize("m, k, n", [(600, 96, 64), (600, 2200, 64), (1100, 640, 96)])
+def test_passes_that_dequantize_their_own_panels_give_the_shared_panels_bits(m, k, n):
+    """A call in passes of rows dequantizes every weight once into panels the passes share, or, where that set is
+    large and few passes read it, each pass its own (AMX_PROMPT_SHARED_BYTES; a build with it at 0 takes the second
+    way for every call of up to 4 passes): the same bits, plain and with the fused GLU, float32 and bf16 rows. (600,
+    96, 64): 2 passes; (600, 2200, 64): K in chunks too; (1100, 640, 96): 3 passes."""
+    from engine.kernels import binding
+    from engine.kernels import build as kbuild
+    from engine.kernels.qlinear import q8_linear_amx
+    from engine.quant import int8
+    own = binding.open_library(kbuild.build(kbuild.compiler(), flag_sets=(
+        [*kbuild.FLAG_SETS[0], "-DAMX_PROMPT_SHARED_BYTES=0"],)))
+    assert own.q8_prompt_amx()
+    g = torch.Generator().manual_seed(m + k + n)
+    q, s = int8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    pw, sw, _ = int8.pack(q, s)
+    gw, gsw, _ = int8.pack(*int8.glu_interleave(q, s))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(m, k, generator=g) + 0.3).to(dtype)
+        assert torch.equal(q8_linear_amx(x, pw, sw, n, lib=own), q8_linear_amx(x, pw, sw, n))
+        assert torch.equal(q8_linear_amx(x, gw, gsw, n, "silu", lib=own), q8_linear_amx(x, gw, gsw, n, "silu"))
 
 
 @needs_prompt_amx

@@ -13,16 +13,17 @@
  * output's sum runs over K in the same order for every call.
  *
  * Work: x's rows in passes of up to AMX_PROMPT_PASS_BYTES, a long K in chunks of AMX_PROMPT_KSTEPS k-steps; bf16 rows
- * with K a multiple of 32 are the A tiles in place (16 rows at x's stride; against a copy per pass, chunk and thread:
- * 1.02-1.05x, the VM's noise level), other rows are packed as bf16 A tiles (each tile's 1 KB contiguous, a block's
- * k-steps one sequential stream); few rows of a long K take all of K in one chunk. A thread takes whole 32-column
- * pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of one pass of rows, a chunk's k-steps
- * as they come, into its thread's panel: every weight once; with passes of rows, all pairs once, first thing, for
- * all of them), then runs every 32-row block of the pass against it: 2 A tiles (16 rows x 16 pairs), 2 B tiles (16
- * pairs x 16 columns), 4 C tiles, stored between K chunks and loaded back (exact); within a chunk every block runs 8
- * k-steps before any block runs the next 8 (AMX_PROMPT_SUB: their B tiles stay in L1). Each output's sum runs over K in
- * the same order however the rows and K are cut. Packed bf16 rows: every thread packs its own copy; a block's stores
- * overlap the next block's products (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
+ * with K a multiple of 32 and a stride that is no multiple of 4 KB are the A tiles in place (16 rows at x's stride;
+ * against a copy per pass, chunk and thread: 1.02-1.05x, the VM's noise level), other rows are packed as bf16 A tiles
+ * (each tile's 1 KB contiguous, a block's k-steps one sequential stream); few rows of a long K take all of K in one
+ * chunk. A thread takes whole 32-column pairs; per pair it dequantizes the pair into a panel of B tiles (in a call of
+ * one pass of rows, a chunk's k-steps as they come, into its thread's panel: every weight once; with passes of rows,
+ * all pairs once, first thing, for all of them, unless that set is large and few passes read it: then each pass as
+ * one), prefetching the panel it reads next, then runs every 32-row block of the pass against it: 2 A tiles (16 rows x
+ * 16 pairs), 2 B tiles (16 pairs x 16 columns), 4 C tiles, stored between K chunks and loaded back (exact); within a
+ * chunk every block runs 8 k-steps before any block runs the next 8 (AMX_PROMPT_SUB: their B tiles stay in L1). Each
+ * output's sum runs over K in the same order however the rows and K are cut. Packed bf16 rows: every thread packs its
+ * own copy; a block's stores overlap the next block's products (pair_blocks). Measurements: docs/perf/xeon-amx.md. */
 #ifndef BATCHGEN_QLINEAR_AMX_PROMPT_H
 #define BATCHGEN_QLINEAR_AMX_PROMPT_H
 
@@ -40,6 +41,14 @@
  * (a pass of all of K had 32-96 rows and streamed every dequantized weight from L3 once per pass); a K up to 2,048
  * stays whole (two chunks of 1,536 measured slower than one pass of 320 rows) */
 #define AMX_PROMPT_KSTEPS 32
+/* A call in passes of rows dequantizes every pair's panel once, first thing, into one set the passes share, where that
+ * set is at most this size or more than AMX_PROMPT_SHARED_PASSES passes read it; otherwise each pass dequantizes its
+ * own panels as it goes: writing out a 32-64 MB set and reading it back two to four times cost more than the
+ * dequantizing it saves (docs/perf/xeon-amx.md, 2026-12-06, twenty-third session). A test build sets it to 0. */
+#ifndef AMX_PROMPT_SHARED_BYTES
+#define AMX_PROMPT_SHARED_BYTES (24L << 20)
+#endif
+#define AMX_PROMPT_SHARED_PASSES 4
 
 static void amx_prompt_begin(void) { amx_config_tiles(8); }   /* A0, A1, B0, B1, C00, C01, C10, C11 */
 
@@ -255,8 +264,30 @@ static arows_t packed_rows(const uint16_t *xa, int sc) {
  * last chunk a plain block's stores run while the next block's tile products do (a few rows after each k-step, so
  * their cache misses overlap the products), from one of two sums buffers; a GLU block's run at once (interleaved
  * they measured slower). Each output's sum runs over K in the same order, so its bits are the same either way. */
-static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s0, int sc, int first, int last,
-                        float *part, int M, int m0, int np, int ncols, const ydst_t *d) {
+/* The panel a pair's blocks read after this sub-chunk (the chunk's next k-steps, or after its last sub-chunk the next
+ * pair's first: `next`, NULL where it is not dequantized yet), prefetched into L2 a few lines after each k-step while
+ * this sub-chunk runs, so the first block of the next sub-chunk does not wait for it (a panel comes from L3 or
+ * memory once per pass: 1B's gate_up 1,522 -> 1,834 GFLOP/s at 4,096 rows). */
+typedef struct {
+    const char *p;
+    int lines, per_step, done;
+} ahead_t;
+
+static inline ahead_t panel_ahead(const uint32_t *panel, const uint32_t *next, int s0, int u0, int un, int sc, int sub,
+                                  int steps) {
+    const int rest = sc - u0 - un;                  /* the chunk's k-steps after this sub-chunk */
+    const uint32_t *p = rest > 0 ? panel + (size_t)(s0 + u0 + un) * 512 : next ? next + (size_t)s0 * 512 : NULL;
+    const int ksteps = rest > 0 ? rest : sc, lines = p ? (ksteps < sub ? ksteps : sub) * 32 : 0;   /* 2 KB a k-step */
+    return (ahead_t){(const char *)p, lines, (lines + steps - 1) / steps, 0};
+}
+
+static inline void prefetch_ahead(ahead_t *a) {
+    for (int i = 0; i < a->per_step && a->done < a->lines; i++, a->done++)
+        _mm_prefetch(a->p + (size_t)a->done * 64, _MM_HINT_T1);
+}
+
+static void pair_blocks(const arows_t *A, const uint32_t *panel, const uint32_t *next, int rows, int s0, int sc,
+                        int first, int last, float *part, int M, int m0, int np, int ncols, const ydst_t *d) {
     float acc[2][32][32] __attribute__((aligned(64)));
     float loc[AMX_PROMPT_MAX_ROWS / 32][1024] __attribute__((aligned(64)));   /* sums between sub-chunks */
     pending_t pend = {acc[1], 0, 0, 0};
@@ -266,6 +297,7 @@ static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s
         const int un = sc - u0 < sub ? sc - u0 : sub, ufirst = u0 == 0, ulast = u0 + un >= sc;
         const int done = ulast && last;                 /* this sub-chunk's blocks end in y */
         const int per_step = (32 + un - 1) / un;        /* rows of the previous block stored after each k-step */
+        ahead_t ahead = panel_ahead(panel, next, s0, u0, un, sc, sub, nblocks * un);
         for (int b = 0; b < nblocks; b++) {
             float *sums = part ? part + (size_t)b * 1024 : NULL;    /* K in chunks only */
             const float *from = ufirst ? sums : loc[b];
@@ -294,6 +326,7 @@ static void pair_blocks(const arows_t *A, const uint32_t *panel, int rows, int s
                 _tile_dpbf16ps(5, 0, 3);
                 _tile_dpbf16ps(6, 1, 2);
                 _tile_dpbf16ps(7, 1, 3);
+                prefetch_ahead(&ahead);
                 if (done) store_some(&pend, (s - u0 + 1) * per_step, np, ncols, d);
             }
             if (!done) {
@@ -341,16 +374,20 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
     const int pass_rows = Mp < cap ? Mp : cap;
     const size_t panel_words = (size_t)K2 * 32;
     /* one pass of rows: each pair's k-steps of a chunk dequantized into its thread's panel as they come (every
-     * weight once); passes of rows: every pair's panel once, first thing, for all of them */
-    const int shared = Mp > pass_rows;
+     * weight once); passes of rows: every pair's panel once, first thing, for all of them, where that set is small or
+     * read by many passes (AMX_PROMPT_SHARED_BYTES), else as in one pass, again in each */
+    const int npass = (Mp + pass_rows - 1) / pass_rows;
+    const int shared = npass > AMX_PROMPT_SHARED_PASSES ||
+                       (npass > 1 && (size_t)npair * panel_words * 4 <= (size_t)AMX_PROMPT_SHARED_BYTES);
     uint32_t *panels = shared ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
     /* K in chunks: each 32 x 32 block's partial sums between chunks (a tile stored and loaded back: exact) */
     float *spill = nk > 1 ? (float *)aligned_alloc(64, (size_t)npair * pass_rows * 32 * 4) : NULL;
     /* bf16 rows with K a multiple of 32 are read in place (x's rows as the A tiles' rows; a pass's last block past
      * M packed, zeros past M). Other bf16 rows: every thread packs its own copy, then reads it from its own L2 instead
      * of half of it from the other core's; float32 rows are packed once, by all threads (converting twice measured
-     * slower) */
-    const int direct = is_bf16 && K == Kp, copies = direct ? 0 : is_bf16 ? nt : 1;
+     * slower). Rows whose stride is a multiple of 4 KB are packed too: in place, a pass's rows fall on the same cache
+     * sets (L1's repeat every 4 KB) and evict one another (1B's down, K = 8,192: 1,303 -> 1,860 GFLOP/s packed) */
+    const int direct = is_bf16 && K == Kp && (size_t)ldx * 2 % 4096 != 0, copies = direct ? 0 : is_bf16 ? nt : 1;
     const size_t xa_words = (size_t)pass_rows * SC * 32;
     uint16_t *xas = copies ? (uint16_t *)aligned_alloc(64, (size_t)copies * xa_words * 2) : NULL;
     uint16_t *xt = direct && M % 32 ? (uint16_t *)aligned_alloc(64, (size_t)SC * 1024 * 2) : NULL;
@@ -382,7 +419,8 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
                     else if (m0 == 0 && kc == 0)
                         dequant_pair(w + (size_t)np * 2 * K4 * 64, sw + (size_t)np * 2 * G * 16, Kp, 0, S, panel);
                     const int ncols = N - np * 32 < 32 ? N - np * 32 : 32;
-                    pair_blocks(&A, panel, rows, s0, sc, kc == 0, last,
+                    const uint32_t *next = panels && (m0 > 0 || kc > 0) && np + 1 < npair ? panel + panel_words : NULL;
+                    pair_blocks(&A, panel, next, rows, s0, sc, kc == 0, last,
                                 spill ? spill + (size_t)np * (rows / 32) * 1024 : NULL, M, m0, np, ncols, &dst);
                 }
                 if (dst.stream) _mm_sfence();   /* this thread's streamed rows visible before the region ends */
