@@ -56,6 +56,7 @@ class Calibration:
     # torch._int_mm); empty when a cached calibration does not record them
     kernel_flops: dict = field(default_factory=dict)
     peak_kernel: str = ""          # the kernel whose rate is matmul_flops ("": not recorded)
+    kernel_build: str = ""         # the build of our kernel library whose kernels were timed ("": none of ours)
     num_threads: int = 0
     torch_version: str = ""
     measured_at: float = 0.0       # unix time
@@ -94,7 +95,7 @@ def _kernel_rates(v) -> bool:
 
 FIELD_CHECKS = {
     **{name: (lambda v: isinstance(v, str)) for name in ("device", "device_name", "dtype", "peak_kernel",
-                                                         "torch_version")},
+                                                         "torch_version", "kernel_build")},
     "matmul_flops": partial(_rate, positive=True), "memory_bandwidth": partial(_rate, positive=True),
     "copy_bandwidth": _rate, "small_m_flops": _rate, "measured_at": _rate,
     "matmul_by_shape": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _rate(r) for k, r in v.items()),
@@ -174,7 +175,7 @@ def calibrate(device: str | torch.device = "cpu", dtype: str = "bfloat16", quick
                       memory_bandwidth=read_bw, copy_bandwidth=copy_bw, small_m_flops=small_m,
                       matmul_by_shape=by_shape, kernel_flops=kernels, peak_kernel=peak_kernel,
                       num_threads=torch.get_num_threads(), torch_version=torch.__version__, measured_at=time.time(),
-                      quick=quick)
+                      quick=quick, kernel_build=_kernel_build() if SIDE_KERNELS & kernels.keys() else "")
     if save:
         save_calibration(cal, cache_dir)
     return cal
@@ -208,12 +209,17 @@ def get_calibration(device: str | torch.device, dtype: str, cache_dir: str | Pat
                     quick: bool = False) -> Calibration:
     """The cached calibration, measuring (and caching) it first if there is none — or if the cached one is a quick
     one and a full one is asked for: a quick int8 calibration times one small matrix (370 GOP/s on a Zen 4 whose
-    full peak is 795), and fractions of it read over 100 % (docs/perf/zen4-epyc.md, 2026-12-04)."""
+    full peak is 795), and fractions of it read over 100 % (docs/perf/zen4-epyc.md, 2026-12-04) — or if it timed our
+    own kernels (``SIDE_KERNELS``) in another build of the kernel library than the one that runs now."""
     cal = load_calibration(device, dtype, cache_dir)
     if cal is None or (cal.quick and not quick):
         cal = calibrate(device, dtype, quick=quick, cache_dir=cache_dir)
     elif dtype == "bfloat16" and AMX_PROMPT_KERNEL not in cal.kernel_flops and _amx_prompts(torch.device(device)):
         cal = calibrate(device, dtype, quick=cal.quick, cache_dir=cache_dir)   # cached before it was timed
+    elif SIDE_KERNELS & cal.kernel_flops.keys() and cal.kernel_build != _kernel_build():
+        # our kernels changed since they were timed (faster prompt rows priced at the old rate put the plan 17-23 %
+        # over on the AMX Xeon, docs/perf/xeon-amx.md): time them again
+        cal = calibrate(device, dtype, quick=cal.quick, cache_dir=cache_dir)
     return cal
 
 
@@ -249,6 +255,12 @@ def _int8_flops(dev: torch.device, m: int, k: int, n: int, reps: int) -> float:
     x = torch.randn(m, k)
     secs = _timed(dev, lambda: qlinear.q8_linear(x, w, sw, ws, n), reps)
     return 2.0 * m * k * n / secs
+
+
+def _kernel_build() -> str:
+    """Which build of our kernel library runs here (``engine.kernels.library.build_id``)."""
+    import engine.kernels.library as library
+    return library.build_id()
 
 
 def _amx_prompts(dev: torch.device) -> bool:

@@ -50,3 +50,29 @@ def test_a_quick_calibration_never_stands_in_for_a_full_one(tmp_path, monkeypatc
     assert cal_mod.get_calibration("cpu", "float32", tmp_path) == full and calls == [False]
     assert cal_mod.get_calibration("cpu", "float32", tmp_path) == full and calls == [False]
     assert cal_mod.get_calibration("cpu", "float32", tmp_path, quick=True) == full
+
+
+def test_our_kernels_are_timed_again_when_their_build_changes(tmp_path, monkeypatch):
+    """A cached calibration that timed our own kernels (the AMX prompt rows: ``SIDE_KERNELS``) in another build of the
+    kernel library than the one that runs now is measured again (a faster kernel priced at its old rate mispredicts
+    the plan); one from this build, or one that timed none of ours, is served as cached."""
+    base = cal_mod.calibrate("cpu", "float32", quick=True, cache_dir=tmp_path, save=False).to_dict()
+    ours = {cal_mod.AMX_PROMPT_KERNEL: {"matmul_flops": 1e12, "small_m_flops": 1e11, "by_shape": {}}}
+    monkeypatch.setattr(cal_mod, "_kernel_build", lambda: "build-B")
+    monkeypatch.setattr(cal_mod, "_amx_prompts", lambda dev: True)
+    fresh = cal_mod.Calibration.from_dict({**base, "dtype": "bfloat16", "kernel_flops": ours,
+                                           "kernel_build": "build-B"})
+    calls = []
+    monkeypatch.setattr(cal_mod, "calibrate",
+                        lambda device, dtype, quick=False, cache_dir=None: calls.append(dtype) or
+                        (cal_mod.save_calibration(fresh, cache_dir), fresh)[1])
+    for build, remeasured in (("build-A", True), ("build-B", False)):
+        calls.clear()
+        old = cal_mod.Calibration.from_dict({**fresh.to_dict(), "kernel_build": build})
+        cal_mod.save_calibration(old, tmp_path)
+        assert cal_mod.get_calibration("cpu", "bfloat16", tmp_path, quick=True) == (fresh if remeasured else old)
+        assert calls == (["bfloat16"] if remeasured else [])
+    calls.clear()
+    theirs = cal_mod.Calibration.from_dict({**base, "kernel_build": ""})      # torch's kernels only: no build
+    cal_mod.save_calibration(theirs, tmp_path)
+    assert cal_mod.get_calibration("cpu", "float32", tmp_path, quick=True) == theirs and calls == []
