@@ -217,8 +217,8 @@ def get_calibration(device: str | torch.device, dtype: str, cache_dir: str | Pat
     elif dtype == "bfloat16" and AMX_PROMPT_KERNEL not in cal.kernel_flops and _amx_prompts(torch.device(device)):
         cal = calibrate(device, dtype, quick=cal.quick, cache_dir=cache_dir)   # cached before it was timed
     elif SIDE_KERNELS & cal.kernel_flops.keys() and cal.kernel_build != _kernel_build():
-        # our kernels changed since they were timed (faster prompt rows priced at the old rate put the plan 17-23 %
-        # over on the AMX Xeon, docs/perf/xeon-amx.md): time them again
+        # our kernels changed since they were timed (a faster kernel priced at its old rate sends the plan over:
+        # docs/perf/xeon-amx.md): time them again
         cal = calibrate(device, dtype, quick=cal.quick, cache_dir=cache_dir)
     return cal
 

@@ -258,16 +258,10 @@ static arows_t packed_rows(const uint16_t *xa, int sc) {
 #define AMX_PROMPT_SUB 8
 #endif
 
-/* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (rows from A), in sub-chunks
- * of AMX_PROMPT_SUB k-steps: each block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024
- * floats a block), and end in `part` or, after the last chunk, in y (amx_store_rows). In the last sub-chunk of the
- * last chunk a plain block's stores run while the next block's tile products do (a few rows after each k-step, so
- * their cache misses overlap the products), from one of two sums buffers; a GLU block's run at once (interleaved
- * they measured slower). Each output's sum runs over K in the same order, so its bits are the same either way. */
 /* The panel a pair's blocks read after this sub-chunk (the chunk's next k-steps, or after its last sub-chunk the next
  * pair's first: `next`, NULL where it is not dequantized yet), prefetched into L2 a few lines after each k-step while
- * this sub-chunk runs, so the first block of the next sub-chunk does not wait for it (a panel comes from L3 or
- * memory once per pass: 1B's gate_up 1,522 -> 1,834 GFLOP/s at 4,096 rows). */
+ * this sub-chunk runs, so the first block of the next sub-chunk does not wait for it (a pass reads each panel from L3
+ * or memory once; measured: docs/perf/xeon-amx.md, twenty-third session). */
 typedef struct {
     const char *p;
     int lines, per_step, done;
@@ -286,6 +280,12 @@ static inline void prefetch_ahead(ahead_t *a) {
         _mm_prefetch(a->p + (size_t)a->done * 64, _MM_HINT_T1);
 }
 
+/* One weight pair's panel against a pass's 32-row blocks over k-steps s0 .. s0 + sc (rows from A), in sub-chunks
+ * of AMX_PROMPT_SUB k-steps: each block's 4 C tiles start at zero (`first`) or from `part` (its sums so far, 1,024
+ * floats a block), and end in `part` or, after the last chunk, in y (amx_store_rows). In the last sub-chunk of the
+ * last chunk a plain block's stores run while the next block's tile products do (a few rows after each k-step, so
+ * their cache misses overlap the products), from one of two sums buffers; a GLU block's run at once (interleaved
+ * they measured slower). Each output's sum runs over K in the same order, so its bits are the same either way. */
 static void pair_blocks(const arows_t *A, const uint32_t *panel, const uint32_t *next, int rows, int s0, int sc,
                         int first, int last, float *part, int M, int m0, int np, int ncols, const ydst_t *d) {
     float acc[2][32][32] __attribute__((aligned(64)));
@@ -386,7 +386,7 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
      * M packed, zeros past M). Other bf16 rows: every thread packs its own copy, then reads it from its own L2 instead
      * of half of it from the other core's; float32 rows are packed once, by all threads (converting twice measured
      * slower). Rows whose stride is a multiple of 4 KB are packed too: in place, a pass's rows fall on the same cache
-     * sets (L1's repeat every 4 KB) and evict one another (1B's down, K = 8,192: 1,303 -> 1,860 GFLOP/s packed) */
+     * sets (L1's repeat every 4 KB) and evict one another (a 1B model's down projection, K = 8,192: xeon-amx.md) */
     const int direct = is_bf16 && K == Kp && (size_t)ldx * 2 % 4096 != 0, copies = direct ? 0 : is_bf16 ? nt : 1;
     const size_t xa_words = (size_t)pass_rows * SC * 32;
     uint16_t *xas = copies ? (uint16_t *)aligned_alloc(64, (size_t)copies * xa_words * 2) : NULL;
