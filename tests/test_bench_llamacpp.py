@@ -53,6 +53,11 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHGEN_PEERS_DIR", str(tmp_path / "peers"))
     monkeypatch.delenv("FAKE_LLAMA_FAIL", raising=False)
     monkeypatch.setenv("FAKE_LLAMA_SLOW", "{}")
+    monkeypatch.delenv("FAKE_LLAMA_CRASH", raising=False)
+    # the child process's two-token decode, faked: FAKE_LLAMA_CRASH (a type, or "all") crashes there
+    monkeypatch.setattr(llamacpp, "decode_problem", lambda path, threads, timeout=600.0: (
+        f"crashed (SIGSEGV) in a two-token decode of {path.name}"
+        if os.environ.get("FAKE_LLAMA_CRASH") in (path.stem.rsplit("-", 1)[1], "all") else None))
     FakeLlama.loaded = []
     cfg = tmp_path / "tiny-qwen2"
     cfg.mkdir()
@@ -140,3 +145,34 @@ def test_the_sweep_runs_llama_cpp_in_its_cache_on_shapes(fake):
     row = sweep_row(SWEEP[0], SWEEP[0].sizes, {"systems": [ours, {**res.to_dict(), "system": "llama.cpp"}]}, 1.0)
     assert row["systems"]["llama.cpp"]["dtype"] == res.extra["dtype"]
     assert f"({res.extra['dtype']})" in format_sweep("tiny", "cpu", [row])
+
+
+def test_a_type_that_crashes_llama_cpp_is_a_failed_probe_not_the_end_of_the_bench(fake, monkeypatch, tmp_path):
+    """A GGUF type whose two-token decode crashes in the child process (ggml's AMX-INT8 Q8_0 path on an AMX Xeon) is
+    never loaded in the bench's process: reported as its probe's failure, the other type runs; every type crashing is
+    a skipped row."""
+    opts, prompts = fake
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "q8_0")
+    res = llamacpp.run_llama_cpp(opts, prompts)
+    assert res.extra["dtype"] == "f16" and "q8_0" not in FakeLlama.loaded
+    assert res.extra["dtype_probes"]["q8_0"] == "crashed (SIGSEGV) in a two-token decode of " + \
+        llamacpp.dummy_gguf_path(opts.model, "q8_0").name
+    for kept in (tmp_path / "peers" / "choices").iterdir():
+        kept.unlink()
+    monkeypatch.setenv("FAKE_LLAMA_CRASH", "all")
+    FakeLlama.loaded = []
+    res = llamacpp.run_llama_cpp(opts, prompts)
+    assert res.skipped.startswith("every type failed: q8_0: crashed (SIGSEGV)") and FakeLlama.loaded == []
+
+
+@pytest.mark.parametrize("code, want", [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", "crashed (SIGSEGV) in a two-token decode of m.gguf"),
+    ("import sys\nsys.exit('Failed to load model from file')\n",
+     "failed a two-token decode of m.gguf: Failed to load model from file"),
+    ("import sys\nassert sys.argv[1:] == ['m.gguf', '2']\n", None),
+])
+def test_the_child_decode_tells_a_crash_from_a_failure_and_a_success(monkeypatch, code, want):
+    """decode_problem runs _CHECK_CODE in a child with the GGUF and the thread count: a signal is a crash, a non-zero
+    exit a failure with the child's last line, exit 0 nothing."""
+    monkeypatch.setattr(llamacpp, "_CHECK_CODE", code)
+    assert llamacpp.decode_problem(llamacpp.Path("m.gguf"), 2) == want

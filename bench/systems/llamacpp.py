@@ -5,9 +5,16 @@ A GGUF model runs as it is. A ``load_format: dummy`` model runs on the same made
 ``DUMMY_TYPES``: each is probed on the workload's first prompts and the fastest runs the workload, chosen and kept
 as the venv peers' dtypes are (``bench.systems.peer.choose_fastest``), per workload shape (Q8_0 decodes faster,
 F16 prefills faster); the row says which ran.
+
+llama.cpp runs inside the bench's process, so before a GGUF is timed a child process decodes two tokens with it
+(``decode_problem``): a build that crashes there (ggml's AMX-INT8 Q8_0 path segfaulted at the first decode on an AMX
+Xeon, docs/perf/xeon-amx.md) makes that type a failed probe, or the peer a skipped row, instead of ending the bench.
 """
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +32,36 @@ DUMMY_TYPES = ("q8_0", "f16")
 NOTE = "llama-cpp-python, n_batch=512, flash_attn, swa_full, group order"
 
 
+# the child's decode: the GGUF at argv[1] with argv[2] threads, two greedy tokens after four ids every vocab holds
+_CHECK_CODE = ("import sys, llama_cpp\n"
+               "llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=32, n_threads=int(sys.argv[2]), "
+               "n_threads_batch=int(sys.argv[2]), flash_attn=True, swa_full=True, verbose=False)\n"
+               "g = llm.generate([1, 2, 3, 4], top_k=1, temp=0.0)\n"
+               "next(g), next(g)\n")
+
+
 class _Stopped(Exception):
     pass
+
+
+def decode_problem(path: Path, threads: int, timeout: float = 600.0) -> str | None:
+    """Why llama.cpp cannot decode the GGUF at ``path`` here, found in a child process (a signal there is a failed
+    peer, not the end of the bench), or None."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHECK_CODE, str(path), str(threads)], capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"a two-token decode did not finish in {timeout:.0f} s"
+    if r.returncode == 0:
+        return None
+    if r.returncode < 0:
+        try:
+            name = signal.Signals(-r.returncode).name
+        except ValueError:
+            name = f"signal {-r.returncode}"
+        return f"crashed ({name}) in a two-token decode of {path.name}"
+    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit status {r.returncode}"
+    return f"failed a two-token decode of {path.name}: {last}"
 
 
 def _skipped(why: str) -> SystemResult:
@@ -95,6 +130,9 @@ def _choose_type(opts: BenchOptions, prompts: list[BenchPrompt], threads: int) -
     def probe(type_: str, limit: float | None) -> tuple[float | None, str]:
         if type_ in unwritten:
             return None, unwritten[type_]
+        why = decode_problem(dummy_gguf_path(opts.model, type_), threads)
+        if why:
+            return None, why
         start = time.monotonic()
         try:
             llm = _load(dummy_gguf_path(opts.model, type_), short, T, threads)
@@ -135,6 +173,9 @@ def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResul
         if src.kind != "gguf":
             return _skipped("the model is not a GGUF file")
         path = Path(src.path)
+    why = decode_problem(path, threads)      # a kept choice or a GGUF source was never probed on this build
+    if why:
+        return _skipped(f"llama.cpp {why}")
     t = time.monotonic()
     llm = _load(path, prompts, opts.workload.output_tokens, threads)
     load_s = time.monotonic() - t
