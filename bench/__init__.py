@@ -26,7 +26,8 @@ tokenizer, deterministic), decodes greedily and ignores EOS, so all do identical
                       documents in group order, one Llama object keeping its KV between prompts (prefix
                       reuse), swa_full=True (without it Gemma 3's reused prefixes give different tokens),
                       flash_attn=True, n_batch=512; a dummy model's weights written as GGUF (dummy_gguf.py), Q8_0
-                      and F16 probed, the faster run
+                      and F16 probed, the faster run; each GGUF first decoded in a child process (a build that
+                      crashes is a failed probe, not the end of the bench)
     vllm              vLLM's CPU backend in its own venv (``bash bench/peers/setup.sh vllm``; not in the defaults):
                       bf16 HF copy of the model, prefix caching, all prompts in one generate (systems/peer.py)
     openvino          OpenVINO GenAI in its own venv (``bash bench/peers/setup.sh openvino``; not in the defaults):
