@@ -27,6 +27,7 @@ class FakeLlama:
     """Greedy 'tokens' (last prompt token + k) % 97; FAKE_LLAMA_SLOW seconds per token and FAKE_LLAMA_FAIL (a
     type: the load fails) by the file's type."""
     loaded: list[str] = []
+    checked: list[str] = []          # types decoded in the (faked) child process
 
     def __init__(self, model_path, **kw):
         type_ = model_path.removesuffix(".gguf").rsplit("-", 1)[1]
@@ -55,10 +56,15 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_SLOW", "{}")
     monkeypatch.delenv("FAKE_LLAMA_CRASH", raising=False)
     # the child process's two-token decode, faked: FAKE_LLAMA_CRASH (a type, or "all") crashes there
-    monkeypatch.setattr(llamacpp, "decode_problem", lambda path, threads, timeout=600.0: (
-        f"crashed (SIGSEGV) in a two-token decode of {path.name}"
-        if os.environ.get("FAKE_LLAMA_CRASH") in (path.stem.rsplit("-", 1)[1], "all") else None))
+    def decode_problem(path, threads, timeout=600.0):
+        type_ = path.stem.rsplit("-", 1)[1]
+        FakeLlama.checked.append(type_)
+        if os.environ.get("FAKE_LLAMA_CRASH") in (type_, "all"):
+            return f"crashed (SIGSEGV) in a two-token decode of {path.name}"
+        return None
+    monkeypatch.setattr(llamacpp, "decode_problem", decode_problem)
     FakeLlama.loaded = []
+    FakeLlama.checked = []
     cfg = tmp_path / "tiny-qwen2"
     cfg.mkdir()
     (cfg / "config.json").write_text(json.dumps(TINY))
@@ -77,6 +83,7 @@ def test_the_fastest_type_runs_and_the_choice_is_kept(fake, monkeypatch, slow):
     fast = next(t for t in llamacpp.DUMMY_TYPES if t != slow)
     assert not res.skipped and res.extra["dtype"] == fast and res.label == f"llama.cpp {fast}"
     assert FakeLlama.loaded == [*llamacpp.DUMMY_TYPES, fast]            # each probed, then the fastest ran
+    assert FakeLlama.checked == list(llamacpp.DUMMY_TYPES)              # each checked once, before its probe
     probes = res.extra["dtype_probes"]
     # probed second, the slow one is stopped at PROBE_CUTOFF times the fast one's wall time
     assert probes[slow] > probes[fast] >= 0 if slow == llamacpp.DUMMY_TYPES[0] else probes[slow].startswith("slower")
@@ -85,10 +92,11 @@ def test_the_fastest_type_runs_and_the_choice_is_kept(fake, monkeypatch, slow):
     T = opts.workload.output_tokens
     assert res.outputs == [[(p.token_ids[-1] + k) % 97 for k in range(T)] for p in prompts]
     assert res.output_tokens == len(prompts) * T and res.extra["load_s"] >= 0
-    FakeLlama.loaded = []
+    FakeLlama.loaded, FakeLlama.checked = [], []
     monkeypatch.setenv("FAKE_LLAMA_SLOW", json.dumps({fast: 0.02}))       # kept: not probed again
     again = llamacpp.run_llama_cpp(opts, prompts)
     assert again.extra["dtype"] == fast and FakeLlama.loaded == [fast] and "kept" in again.extra["dtype_probes"]
+    assert FakeLlama.checked == [fast]                                   # a kept choice is checked on this build
     decode = dataclasses.replace(opts, workload=dataclasses.replace(opts.workload, shape="short-prompt"))
     assert llamacpp.run_llama_cpp(decode, prompts).extra["dtype"] == slow     # chosen per shape: probed again
     FakeLlama.loaded = []

@@ -173,7 +173,9 @@ def run_llama_cpp(opts: BenchOptions, prompts: list[BenchPrompt]) -> SystemResul
         if src.kind != "gguf":
             return _skipped("the model is not a GGUF file")
         path = Path(src.path)
-    why = decode_problem(path, threads)      # a kept choice or a GGUF source was never probed on this build
+    # a type probed in this run has decoded in a child already; a kept choice or a GGUF source has not, on this build
+    probed_now = "kept" not in probes and isinstance(probes.get(type_), float)
+    why = None if probed_now else decode_problem(path, threads)
     if why:
         return _skipped(f"llama.cpp {why}")
     t = time.monotonic()
