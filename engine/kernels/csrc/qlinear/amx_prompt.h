@@ -350,6 +350,22 @@ static void pair_blocks(const arows_t *A, const uint32_t *panel, const uint32_t 
     store_some(&pend, 32, np, ncols, d);
 }
 
+/* Whether a call's passes of rows share one set of dequantized panels (set_bytes in all). One pass needs none: each
+ * pair's k-steps of a chunk are dequantized into its thread's panel as they come (every weight once). Several share
+ * one, every pair's panel dequantized first thing, where that set is small or many passes read it
+ * (AMX_PROMPT_SHARED_BYTES); else each pass dequantizes again, as one pass does. */
+static inline int panels_shared(int npass, size_t set_bytes) {
+    return npass > AMX_PROMPT_SHARED_PASSES || (npass > 1 && set_bytes <= (size_t)AMX_PROMPT_SHARED_BYTES);
+}
+
+/* Whether x's rows are the A tiles in place (x's rows as the tiles' rows; a pass's last block past M packed, zeros
+ * past M): bf16 rows with K a multiple of 32, unless their stride is a multiple of 4 KB: in place, a pass's rows
+ * would fall on the same cache sets (L1's repeat every 4 KB) and evict one another (a 1B model's down projection,
+ * K = 8,192: docs/perf/xeon-amx.md). */
+static inline int rows_in_place(int is_bf16, int K, int Kp, int ldx) {
+    return is_bf16 && K == Kp && (size_t)ldx * 2 % 4096 != 0;
+}
+
 /* y[M, N] (row stride ldy, in the form `out`: AMX_OUT_*; GLU-fused as driver.h's store_rows) = bf16(x) @ bf16(W)^T;
  * x [M, K] (float32, or bf16 with is_bf16) at row stride ldx. Returns 0 (nothing written) where the tiles may not
  * run. */
@@ -373,21 +389,14 @@ static int amx_prompt_linear(const void *x, int is_bf16, int M, int K, int ldx, 
     cap = cap < 32 ? 32 : cap > AMX_PROMPT_MAX_ROWS ? AMX_PROMPT_MAX_ROWS : cap;
     const int pass_rows = Mp < cap ? Mp : cap;
     const size_t panel_words = (size_t)K2 * 32;
-    /* one pass of rows: each pair's k-steps of a chunk dequantized into its thread's panel as they come (every
-     * weight once); passes of rows: every pair's panel once, first thing, for all of them, where that set is small or
-     * read by many passes (AMX_PROMPT_SHARED_BYTES), else as in one pass, again in each */
-    const int npass = (Mp + pass_rows - 1) / pass_rows;
-    const int shared = npass > AMX_PROMPT_SHARED_PASSES ||
-                       (npass > 1 && (size_t)npair * panel_words * 4 <= (size_t)AMX_PROMPT_SHARED_BYTES);
+    const int shared = panels_shared((Mp + pass_rows - 1) / pass_rows, (size_t)npair * panel_words * 4);
     uint32_t *panels = shared ? (uint32_t *)aligned_alloc(64, (size_t)npair * panel_words * 4) : NULL;
     /* K in chunks: each 32 x 32 block's partial sums between chunks (a tile stored and loaded back: exact) */
     float *spill = nk > 1 ? (float *)aligned_alloc(64, (size_t)npair * pass_rows * 32 * 4) : NULL;
-    /* bf16 rows with K a multiple of 32 are read in place (x's rows as the A tiles' rows; a pass's last block past
-     * M packed, zeros past M). Other bf16 rows: every thread packs its own copy, then reads it from its own L2 instead
-     * of half of it from the other core's; float32 rows are packed once, by all threads (converting twice measured
-     * slower). Rows whose stride is a multiple of 4 KB are packed too: in place, a pass's rows fall on the same cache
-     * sets (L1's repeat every 4 KB) and evict one another (a 1B model's down projection, K = 8,192: xeon-amx.md) */
-    const int direct = is_bf16 && K == Kp && (size_t)ldx * 2 % 4096 != 0, copies = direct ? 0 : is_bf16 ? nt : 1;
+    /* rows not read in place: bf16 ones packed by every thread into its own copy, then read from its own L2 instead
+     * of half of them from the other core's; float32 ones packed once, by all threads (converting twice measured
+     * slower) */
+    const int direct = rows_in_place(is_bf16, K, Kp, ldx), copies = direct ? 0 : is_bf16 ? nt : 1;
     const size_t xa_words = (size_t)pass_rows * SC * 32;
     uint16_t *xas = copies ? (uint16_t *)aligned_alloc(64, (size_t)copies * xa_words * 2) : NULL;
     uint16_t *xt = direct && M % 32 ? (uint16_t *)aligned_alloc(64, (size_t)SC * 1024 * 2) : NULL;
